@@ -1,0 +1,67 @@
+// Fork and join; see dependency.h and Note [Backward order] in pipeline.cc.
+#include "gpipe/dependency.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+namespace gpipe {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// Backward of fork: the gradient of x' goes to x; the phony's gradient is dropped.
+struct ForkBackward : Node {
+  using Node::Node;
+  std::string name() const override { return "gpipe::ForkBackward"; }
+  variable_list apply(variable_list&& grads) override { return {std::move(grads[0])}; }
+};
+
+// Backward of join: the gradient goes to x, and nothing (an empty gradient) to the phony.
+struct JoinBackward : Node {
+  using Node::Node;
+  std::string name() const override { return "gpipe::JoinBackward"; }
+  variable_list apply(variable_list&& grads) override {
+    return {std::move(grads[0]), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor make_phony(const at::TensorOptions& options) {
+  return at::empty({0}, options.requires_grad(false));
+}
+
+std::pair<at::Tensor, at::Tensor> fork(const at::Tensor& x) {
+  at::Tensor phony = make_phony(x.options());
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) {
+    return {x, std::move(phony)};
+  }
+  auto node = std::shared_ptr<ForkBackward>(new ForkBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(x));
+  at::Tensor out = x.detach();
+  torch::autograd::set_history(out, node);
+  torch::autograd::set_history(phony, node);
+  return {std::move(out), std::move(phony)};
+}
+
+at::Tensor join(const at::Tensor& x, const at::Tensor& phony) {
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || phony.requires_grad())) {
+    return x;
+  }
+  auto node = std::shared_ptr<JoinBackward>(new JoinBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(x, phony));
+  at::Tensor out = x.detach();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+void depend(at::Tensor& before, at::Tensor& after) {
+  auto forked = fork(before);
+  before = std::move(forked.first);
+  after = join(after, forked.second);
+}
+
+}  // namespace gpipe

@@ -1,0 +1,124 @@
+// GPipe: wraps a torch::nn::Sequential so that it trains as the same model would, pipelined over
+// devices: the mini-batch is split into micro-batches, each partition of layers lives on its own
+// device, and the partitions work on different micro-batches at the same time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include "gpipe/checkpoint.h"
+
+namespace gpipe {
+
+class DeferredBatchNorm;
+class WorkerPool;
+
+/// When micro-batches are checkpointed (their activations recomputed in backward instead of
+/// kept). Only in training mode with grad mode on; never in eval mode.
+enum class Checkpoint {
+  /// Every micro-batch.
+  kAlways,
+  /// Every micro-batch but the last, whose backward starts right after its forward (default).
+  kExceptLast,
+  /// None: fastest, most memory.
+  kNever,
+};
+
+/// Options of a GPipe.
+///
+///   gpipe::GPipeOptions({2, 3})
+///       .devices({torch::kCPU, torch::kCPU})
+///       .chunks(8)
+///       .checkpoint(gpipe::Checkpoint::kExceptLast)
+///       .deferred_batch_norm(true);
+struct GPipeOptions {
+  /// `balance[j]` is the number of consecutive layers in partition j.
+  /* implicit */ GPipeOptions(std::vector<int64_t> balance) : balance_(std::move(balance)) {}
+
+  /// Layers per partition; must add up to the number of layers.
+  TORCH_ARG(std::vector<int64_t>, balance);
+  /// One device per partition (repeats allowed). Empty (the default) means every CUDA device
+  /// when CUDA is available, else the CPU for every partition. Extra devices are ignored.
+  TORCH_ARG(std::vector<c10::Device>, devices) = {};
+  /// The number of micro-batches a mini-batch is split into.
+  TORCH_ARG(int64_t, chunks) = 1;
+  /// Which micro-batches are checkpointed.
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
+  /// Whether BatchNorm layers update their running statistics once per mini-batch instead of once
+  /// per micro-batch (see Note [Deferred batch norm without replacing modules]).
+  TORCH_ARG(bool, deferred_batch_norm) = false;
+};
+
+/// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
+///
+///   torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 1}).chunks(4));
+///   torch::Tensor y = model->forward(x);  // x on model->devices().front()
+///   y.sum().backward();                   // y on model->devices().back()
+///
+/// The layers are the user's own module objects, placed on the partitions' devices. Parameters,
+/// train()/eval(), named_parameters() (as "partitions.<j>.<layer name>.<param>") and
+/// torch::save/torch::load work as for any module. Moving a GPipe to another device is refused:
+/// it owns the placement. Changing the dtype is allowed.
+class GPipeImpl : public torch::nn::Module {
+ public:
+  GPipeImpl(torch::nn::Sequential module, GPipeOptions options);
+  ~GPipeImpl() override;
+
+  /// Runs a mini-batch through the pipeline. `input` must be on devices().front(); the result is
+  /// on devices().back().
+  at::Tensor forward(const at::Tensor& input);
+
+  /// Runs a tuple mini-batch (several tensors split alike along dimension 0). The layers must
+  /// take and return std::vector<at::Tensor> (the last one may return one tensor, in which case
+  /// the result has one element).
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& input);
+
+  /// Layers per partition.
+  const std::vector<int64_t>& balance() const { return options_.balance(); }
+  /// The device of each partition.
+  const std::vector<c10::Device>& devices() const { return devices_; }
+  /// The number of micro-batches.
+  int64_t chunks() const { return options_.chunks(); }
+  /// The checkpoint mode.
+  Checkpoint checkpoint() const { return options_.checkpoint(); }
+  /// The partitions, each a Sequential of the user's layers on its device.
+  const std::vector<torch::nn::Sequential>& partitions() const { return partitions_; }
+  /// The total number of layers.
+  size_t size() const;
+
+  /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
+  void to(torch::Device device, bool non_blocking = false) override;
+  /// Converts every parameter and buffer to `dtype`, on its partition's device.
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+
+ private:
+  struct Prepared;
+  void forward_batches(std::vector<at::Tensor> values, bool atomic, std::vector<at::Tensor>& out,
+                       bool& out_atomic);
+
+  GPipeOptions options_;
+  std::vector<c10::Device> devices_;
+  std::vector<torch::nn::Sequential> partitions_;
+  torch::nn::ModuleList partition_list_;
+  std::unique_ptr<WorkerPool> workers_;
+  std::unique_ptr<DeferredBatchNorm> deferred_batch_norm_;
+  std::vector<std::vector<c10::Stream>> copy_streams_;
+};
+
+/// A GPipe: a module holder of GPipeImpl (see there).
+TORCH_MODULE(GPipe);
+
+}  // namespace gpipe

@@ -1,0 +1,110 @@
+// Partitions; see partition.h.
+#include "gpipe/partition.h"
+
+#include <numeric>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace gpipe {
+namespace {
+
+const char* const kBalanceAdvice =
+    "\n\nHow to choose a balance: each number is how many consecutive layers one partition (one "
+    "device) holds, and they must add up to the number of layers. gpipe::balance_by_time and "
+    "gpipe::balance_by_size (balancing/balance.h) compute a balance from measurements, e.g.\n"
+    "  auto balance = gpipe::balance_by_time(/*partitions=*/4, model, sample);\n";
+
+std::string describe(const torch::nn::Sequential& module, size_t index) {
+  const auto& children = module->named_children();
+  return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),
+                         children[index].value()->name());
+}
+
+}  // namespace
+
+void verify_module(const torch::nn::Sequential& module) {
+  std::unordered_map<const torch::nn::Module*, size_t> first_index;
+  for (const auto i : c10::irange(module->size())) {
+    const torch::nn::Module* layer = module->ptr(i).get();
+    auto inserted = first_index.emplace(layer, i);
+    TORCH_CHECK(inserted.second, "GPipe cannot partition a Sequential that holds the same module "
+                "object twice: ", describe(module, inserted.first->second), " and ",
+                describe(module, i), " are one object; use two separate modules");
+  }
+  std::unordered_map<const c10::TensorImpl*, size_t> owner;
+  for (const auto i : c10::irange(module->size())) {
+    for (const auto& param : module->ptr(i)->named_parameters(/*recurse=*/true)) {
+      auto inserted = owner.emplace(param.value().unsafeGetTensorImpl(), i);
+      TORCH_CHECK(inserted.second || inserted.first->second == i,
+                  "GPipe cannot partition a Sequential whose layers share a parameter: '",
+                  param.key(), "' of ", describe(module, i), " is also a parameter of ",
+                  describe(module, inserted.first->second),
+                  "; partitions may live on different devices, so each layer needs its own "
+                  "parameters");
+    }
+  }
+}
+
+void verify_balance(const std::vector<int64_t>& balance, int64_t layers, size_t devices) {
+  const std::string shown = absl::StrCat("{", absl::StrJoin(balance, ", "), "}");
+  TORCH_CHECK(!balance.empty() || layers == 0, "GPipe balance is empty, but the Sequential has ",
+              layers, " layers; give at least one partition", kBalanceAdvice);
+  for (int64_t b : balance) {
+    TORCH_CHECK(b > 0, "GPipe balance ", shown, " has a non-positive entry ", b,
+                "; every partition needs at least one layer", kBalanceAdvice);
+  }
+  const int64_t sum = std::accumulate(balance.begin(), balance.end(), int64_t{0});
+  TORCH_CHECK(sum == layers, "GPipe balance ", shown, " adds up to ", sum,
+              " layers, but the Sequential has ", layers, kBalanceAdvice);
+  TORCH_CHECK(balance.size() <= devices, "GPipe balance ", shown, " has ", balance.size(),
+              " partitions, but only ", devices, " devices were given; give at least one device "
+              "per partition (a device may be repeated, e.g. {torch::kCPU, torch::kCPU})");
+}
+
+std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& module,
+                                                const std::vector<int64_t>& balance,
+                                                const std::vector<c10::Device>& devices) {
+  verify_balance(balance, static_cast<int64_t>(module->size()), devices.size());
+  const auto& children = module->named_children();
+  std::vector<torch::nn::Sequential> partitions;
+  size_t next = 0;
+  for (const auto j : c10::irange(balance.size())) {
+    torch::nn::Sequential partition;
+    for (int64_t k = 0; k < balance[j]; ++k, ++next) {
+      partition->push_back(children[next].key(), *(module->begin() + next));
+    }
+    partition->to(devices[j]);
+    partitions.push_back(std::move(partition));
+  }
+  return partitions;
+}
+
+Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) {
+  torch::nn::AnyValue value = input.to_any();
+  size_t index = 0;
+  for (auto& layer : *partition.ptr()) {
+    try {
+      value = layer.any_forward(std::move(value));
+    } catch (c10::Error& e) {
+      e.add_context(absl::StrCat("(raised by ", describe(partition, index), " inside a GPipe)"));
+      throw;
+    }
+    if (value.try_get<at::Tensor>() == nullptr &&
+        value.try_get<std::vector<at::Tensor>>() == nullptr) {
+      break;
+    }
+    ++index;
+  }
+  if (index == partition->size()) {
+    return Batch::from_any(std::move(value), "");
+  }
+  return Batch::from_any(std::move(value), describe(partition, index));
+}
+
+}  // namespace gpipe

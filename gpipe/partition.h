@@ -1,0 +1,36 @@
+// Partitions: a GPipe splits the user's Sequential into contiguous blocks of layers, one block per
+// device, by the balance (the number of layers in each block).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "gpipe/microbatch.h"
+
+namespace gpipe {
+
+/// Checks that `module` can be partitioned: no module object appears twice and no parameter is
+/// shared between two layers. Throws c10::Error naming the layers.
+void verify_module(const torch::nn::Sequential& module);
+
+/// Checks `balance` against a module of `layers` layers and the available `devices`. Throws
+/// c10::Error naming the wrong value and suggesting gpipe::balance_by_time.
+void verify_balance(const std::vector<int64_t>& balance, int64_t layers, size_t devices);
+
+/// Splits `module` into `balance.size()` Sequentials holding the same layer objects under their
+/// original names, and moves partition j to `devices[j]`.
+///
+///   auto parts = gpipe::split_module(seq, {2, 3}, {torch::kCPU, torch::kCPU});
+std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& module,
+                                                const std::vector<int64_t>& balance,
+                                                const std::vector<c10::Device>& devices);
+
+/// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
+/// layer returns something other than a tensor or a vector of tensors.
+Batch run_partition(const torch::nn::Sequential& partition, const Batch& input);
+
+}  // namespace gpipe

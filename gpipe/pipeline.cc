@@ -1,0 +1,138 @@
+// The pipeline; see pipeline.h, Note [Clock-cycle schedule] in schedule.h and the Notes below.
+#include "gpipe/pipeline.h"
+
+#include <exception>
+#include <memory>
+
+#include <c10/core/StreamGuard.h>
+
+#include "absl/synchronization/notification.h"
+#include "gpipe/checkpoint.h"
+#include "gpipe/copy.h"
+#include "gpipe/dependency.h"
+#include "gpipe/schedule.h"
+#include "gpipe/thread_state.h"
+
+namespace gpipe {
+
+// Note [Backward order]
+// ~~~~~~~~~~~~~~~~~~~~~
+// GPipe's backward visits, on each partition, the micro-batches in reverse order. gpipe never runs
+// a backward loop of its own; it adds edges to the autograd graph and lets the autograd engine
+// find the order. Before micro-batch i enters partition j, the fence forks the lane tensor of
+// micro-batch i-1 (which holds partition j's output for it) and joins the phony into micro-batch
+// i's lane (dependency.h). The fork's backward node then waits for the gradient of micro-batch i
+// at partition j's input: partition j's backward for micro-batch i-1 starts only after the one for
+// micro-batch i has finished. Across partitions the data edges (and the copies) already order
+// everything. The "lane" is the batch's first floating-point tensor (Batch::lane).
+
+namespace {
+
+// The state of one task within a clock tick.
+struct Slot {
+  int64_t microbatch = 0;
+  size_t partition = 0;
+  Batch output{std::vector<at::Tensor>{}};
+  std::unique_ptr<Checkpointing> checkpointing;
+  std::exception_ptr error;
+  absl::Notification done;
+};
+
+void depend_lanes(Batch& before, Batch& after) {
+  const int64_t b = before.lane();
+  const int64_t a = after.lane();
+  if (b >= 0 && a >= 0) {
+    depend(before[b], after[a]);
+  }
+}
+
+}  // namespace
+
+void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
+  const int64_t m = static_cast<int64_t>(batches.size());
+  const int64_t n = static_cast<int64_t>(spec.devices.size());
+  const auto& copy_streams = *spec.copy_streams;
+  // Captured once: every task runs under the caller's thread-local state (Note [Thread-local
+  // state in workers]).
+  const ThreadState caller_state;
+
+  for (const std::vector<Task2D>& tick : clock_cycles(m, n)) {
+    // Fence: dependencies and copies, on this thread.
+    for (const Task2D& task : tick) {
+      const int64_t i = task.microbatch;
+      const int64_t j = task.partition;
+      if (i > 0) {
+        depend_lanes(batches[i - 1], batches[i]);
+      }
+      if (j > 0) {
+        batches[i].values() = copy(std::move(batches[i].values()), copy_streams[j - 1][i],
+                                   copy_streams[j][i]);
+      }
+    }
+
+    // Compute: hand each task to its device's worker.
+    std::vector<std::unique_ptr<Slot>> slots;
+    slots.reserve(tick.size());
+    for (const Task2D& task : tick) {
+      const int64_t i = task.microbatch;
+      const size_t j = static_cast<size_t>(task.partition);
+      if (j > 0) {
+        batches[i].values() =
+            wait(std::move(batches[i].values()), copy_streams[j][i], spec.compute_streams[j]);
+      }
+      auto slot = std::make_unique<Slot>();
+      slot->microbatch = i;
+      slot->partition = j;
+      Slot* s = slot.get();
+      const Batch* input = &batches[i];
+      if (i < spec.checkpoint_stop) {
+        s->checkpointing = std::make_unique<Checkpointing>(
+            [run = &spec.run, j](const Batch& b) { return (*run)(j, b); }, *input,
+            spec.devices[j]);
+      }
+      const c10::Stream stream = spec.compute_streams[j];
+      spec.workers->for_partition(j).submit([s, input, stream, &spec, &caller_state] {
+        try {
+          ThreadStateGuard state(caller_state);
+          c10::StreamGuard stream_guard(stream);
+          s->output = s->checkpointing ? s->checkpointing->checkpoint()
+                                       : spec.run(s->partition, *input);
+        } catch (...) {
+          s->error = std::current_exception();
+        }
+        s->done.Notify();
+      });
+      slots.push_back(std::move(slot));
+    }
+
+    // Collect the tick's outputs in order; keep the first error but let every task finish.
+    std::exception_ptr first_error;
+    for (auto& slot : slots) {
+      slot->done.WaitForNotification();
+      if (slot->error) {
+        if (!first_error) {
+          first_error = slot->error;
+        }
+        continue;
+      }
+      if (first_error) {
+        continue;
+      }
+      const int64_t i = slot->microbatch;
+      const size_t j = slot->partition;
+      Batch& out = slot->output;
+      if (static_cast<int64_t>(j) < n - 1) {
+        out.values() = wait(std::move(out.values()), spec.compute_streams[j], copy_streams[j][i]);
+      }
+      if (slot->checkpointing) {
+        slot->checkpointing->recompute(out);
+      }
+      batches[i] = std::move(out);
+    }
+    if (first_error) {
+      std::rethrow_exception(first_error);
+    }
+  }
+}
+
+}  // namespace gpipe

@@ -1,0 +1,39 @@
+// The pipeline: runs micro-batches through partitions by the clock-cycle schedule, one worker per
+// device, and wires the autograd graph so that backward runs in GPipe's order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include "gpipe/microbatch.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+
+/// What one forward of the pipeline needs.
+struct PipelineSpec {
+  /// Runs partition `j` on a micro-batch (on the calling worker thread).
+  std::function<Batch(size_t partition, const Batch& input)> run;
+  /// The partitions' devices.
+  std::vector<c10::Device> devices;
+  /// The compute stream of each partition's device.
+  std::vector<c10::Stream> compute_streams;
+  /// copy_streams[j][i]: the copy stream of partition j for micro-batch i.
+  const std::vector<std::vector<c10::Stream>>* copy_streams = nullptr;
+  /// Micro-batches i < checkpoint_stop are checkpointed.
+  int64_t checkpoint_stop = 0;
+  WorkerPool* workers = nullptr;
+};
+
+/// Runs every micro-batch of `batches` (on the first device) through every partition, replacing
+/// each by its output (on the last device). The first exception of a clock tick is re-thrown after
+/// the tick's other tasks finished; later ticks do not run.
+///
+///   gpipe::run_pipeline(spec, batches);
+void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches);
+
+}  // namespace gpipe

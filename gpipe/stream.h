@@ -1,0 +1,60 @@
+// Streams: the queues a device runs work on, behind one small interface with the other device
+// specifics the engine needs (random generator state, memory statistics). On CUDA a stream is a
+// CUDA stream; on CPU every stream is the one CPU "stream" and every stream operation is a no-op,
+// so the pipeline engine has a single code path for both.
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+namespace gpipe {
+
+/// Whether this build of gpipe was compiled against a CUDA-enabled LibTorch.
+bool built_with_cuda();
+
+/// Whether `device` uses real streams (CUDA), so that waits, records and copies matter.
+inline bool has_streams(const c10::Device& device) { return device.is_cuda(); }
+
+/// The stream that work on `device` is currently issued to (the CPU stream on CPU).
+c10::Stream current_stream(c10::Device device);
+
+/// A stream for copies on `device`, from the device's pool (the CPU stream on CPU).
+c10::Stream new_stream(c10::Device device);
+
+/// Makes `waiting` wait for all work issued to `source` so far. No-op when both are the same
+/// stream or `waiting` is a CPU stream; a CPU `waiting` on a CUDA `source` is not needed because
+/// CPU work does not read CUDA memory asynchronously.
+///
+///   gpipe::wait_stream(compute, copy);  // compute runs after the copy has landed
+void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
+
+/// Tells the caching allocator that `tensor`'s whole storage is in use on `stream`, so its memory
+/// is not reused before the work queued there finishes. Records the storage, not the tensor, so a
+/// view with an offset protects all of its memory. No-op on CPU.
+void record_stream(const at::Tensor& tensor, const c10::Stream& stream);
+
+/// Blocks the calling thread until all work on `device` has finished. No-op on CPU.
+void synchronize(c10::Device device);
+
+/// Bytes currently allocated on `device` by LibTorch's caching allocator (CUDA), or -1 where the
+/// allocator does not track them (CPU).
+int64_t memory_allocated(c10::Device device);
+
+/// The state of the random generators used by work on a device: the CPU generator always, and the
+/// device's own generator on CUDA.
+struct RngState {
+  at::Tensor cpu;
+  at::Tensor cuda;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+/// Saves the generator states that work on `device` uses.
+RngState get_rng_state(c10::Device device);
+
+/// Restores generator states saved by get_rng_state.
+void set_rng_state(const RngState& state);
+
+}  // namespace gpipe
