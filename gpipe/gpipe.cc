@@ -139,9 +139,10 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   const int64_t m = static_cast<int64_t>(batches.size());
 
   PipelineSpec spec;
-  spec.run = [this](size_t j, const Batch& b) { return run_partition(partitions_[j], b); };
   spec.devices = devices_;
   for (const auto j : c10::irange(devices_.size())) {
+    spec.stages.emplace_back(
+        [partition = partitions_[j]](const Batch& b) { return run_partition(partition, b); });
     spec.compute_streams.push_back(current_stream(devices_[j]));
     while (static_cast<int64_t>(copy_streams_[j].size()) < m) {
       copy_streams_[j].push_back(new_stream(devices_[j]));

@@ -20,9 +20,18 @@ const char* const kBalanceAdvice =
     "gpipe::balance_by_size (balancing/balance.h) compute a balance from measurements, e.g.\n"
     "  auto balance = gpipe::balance_by_time(/*partitions=*/4, model, sample);\n";
 
+// "layer 3 ('conv', torch::nn::Conv2dImpl)" for a layer of the user's Sequential.
 std::string describe(const torch::nn::Sequential& module, size_t index) {
   const auto& children = module->named_children();
   return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),
+                         children[index].value()->name());
+}
+
+// "layer 'conv' (torch::nn::Conv2dImpl)" for a layer of a partition: partitions keep the
+// user's layer names, while their indices restart at 0.
+std::string describe_in_partition(const torch::nn::Sequential& partition, size_t index) {
+  const auto& children = partition->named_children();
+  return absl::StrFormat("layer '%s' (%s)", children[index].key(),
                          children[index].value()->name());
 }
 
@@ -92,7 +101,8 @@ Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) 
     try {
       value = layer.any_forward(std::move(value));
     } catch (c10::Error& e) {
-      e.add_context(absl::StrCat("(raised by ", describe(partition, index), " inside a GPipe)"));
+      e.add_context(
+          absl::StrCat("(raised by ", describe_in_partition(partition, index), " inside a GPipe)"));
       throw;
     }
     if (value.try_get<at::Tensor>() == nullptr &&
@@ -104,7 +114,7 @@ Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) 
   if (index == partition->size()) {
     return Batch::from_any(std::move(value), "");
   }
-  return Batch::from_any(std::move(value), describe(partition, index));
+  return Batch::from_any(std::move(value), describe_in_partition(partition, index));
 }
 
 }  // namespace gpipe

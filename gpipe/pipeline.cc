@@ -86,9 +86,8 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       Slot* s = slot.get();
       const Batch* input = &batches[i];
       if (i < spec.checkpoint_stop) {
-        s->checkpointing = std::make_unique<Checkpointing>(
-            [run = &spec.run, j](const Batch& b) { return (*run)(j, b); }, *input,
-            spec.devices[j]);
+        s->checkpointing =
+            std::make_unique<Checkpointing>(spec.stages[j], *input, spec.devices[j]);
       }
       const c10::Stream stream = spec.compute_streams[j];
       spec.workers->for_partition(j).submit([s, input, stream, &spec, &caller_state] {
@@ -96,7 +95,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
           ThreadStateGuard state(caller_state);
           c10::StreamGuard stream_guard(stream);
           s->output = s->checkpointing ? s->checkpointing->checkpoint()
-                                       : spec.run(s->partition, *input);
+                                       : spec.stages[s->partition](*input);
         } catch (...) {
           s->error = std::current_exception();
         }

@@ -16,8 +16,10 @@ namespace gpipe {
 
 /// What one forward of the pipeline needs.
 struct PipelineSpec {
-  /// Runs partition `j` on a micro-batch (on the calling worker thread).
-  std::function<Batch(size_t partition, const Batch& input)> run;
+  /// stages[j] runs partition j on a micro-batch (on the calling worker thread). Each must own
+  /// what it uses: a checkpointed task keeps a copy to recompute during backward, after the
+  /// forward has returned.
+  std::vector<std::function<Batch(const Batch& input)>> stages;
   /// The partitions' devices.
   std::vector<c10::Device> devices;
   /// The compute stream of each partition's device.

@@ -1,0 +1,313 @@
+// Tests of the GPipe module's API: construction, clear errors on bad input, module behaviour
+// (parameters, modes, serialization, optimizers, dtype and device moves) and thread state.
+#include "tests/gpipe/test_util.h"
+
+#include <dirent.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/cuda.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+#include <torch/version.h>
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+nn::Sequential mlp() {
+  return nn::Sequential(nn::Linear(4, 6), nn::ReLU(), nn::Linear(6, 6), nn::Tanh(),
+                        nn::Linear(6, 2));
+}
+
+GPipeOptions cpu(std::vector<int64_t> balance) {
+  const size_t n = balance.size();
+  return GPipeOptions(std::move(balance)).devices(std::vector<c10::Device>(n, at::kCPU));
+}
+
+CATCH_TEST_CASE("GPipe reports its configuration", "[gpipe][api]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}).chunks(4).checkpoint(Checkpoint::kNever));
+  CATCH_CHECK(model->balance() == std::vector<int64_t>{2, 3});
+  CATCH_CHECK(model->devices() == std::vector<c10::Device>{at::kCPU, at::kCPU});
+  CATCH_CHECK(model->chunks() == 4);
+  CATCH_CHECK(model->checkpoint() == Checkpoint::kNever);
+  CATCH_CHECK(model->partitions().size() == 2);
+  CATCH_CHECK(model->partitions()[0]->size() == 2);
+  CATCH_CHECK(model->partitions()[1]->size() == 3);
+  CATCH_CHECK(model->size() == 5);
+}
+
+CATCH_TEST_CASE("GPipe defaults to one micro-batch, kExceptLast and CPU devices without CUDA",
+                "[gpipe][api]") {
+  GPipe model(build(mlp, 1), GPipeOptions({3, 2}));
+  CATCH_CHECK(model->chunks() == 1);
+  CATCH_CHECK(model->checkpoint() == Checkpoint::kExceptLast);
+  CATCH_CHECK(model->devices().size() == 2);
+  if (!torch::cuda::is_available()) {
+    CATCH_CHECK(model->devices()[0] == c10::Device(at::kCPU));
+  }
+}
+
+CATCH_TEST_CASE("GPipe ignores devices beyond the number of partitions", "[gpipe][api]") {
+  GPipe model(build(mlp, 1), GPipeOptions({5}).devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_CHECK(model->devices().size() == 1);
+}
+
+CATCH_TEST_CASE("GPipe names parameters by partition and layer", "[gpipe][api]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}));
+  auto params = model->named_parameters();
+  CATCH_CHECK(params.contains("partitions.0.0.weight"));
+  CATCH_CHECK(params.contains("partitions.1.4.bias"));
+  CATCH_CHECK(params.size() == 6);
+}
+
+CATCH_TEST_CASE("GPipe holds the user's layer objects", "[gpipe][api]") {
+  nn::Sequential seq = build(mlp, 1);
+  GPipe model(seq, cpu({2, 3}));
+  CATCH_CHECK(model->partitions()[1]->ptr(0).get() == seq->ptr(2).get());
+}
+
+CATCH_TEST_CASE("GPipe of an empty Sequential returns its input", "[gpipe][api]") {
+  GPipe model(nn::Sequential(), GPipeOptions(std::vector<int64_t>{}));
+  at::Tensor x = at::randn({3, 2});
+  CATCH_CHECK(model->forward(x).equal(x));
+  CATCH_CHECK(model->partitions().empty());
+}
+
+CATCH_TEST_CASE("train and eval reach every partition's layers", "[gpipe][api]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}));
+  model->eval();
+  for (const auto& m : model->modules()) CATCH_CHECK_FALSE(m->is_training());
+  model->train();
+  for (const auto& m : model->modules()) CATCH_CHECK(m->is_training());
+}
+
+CATCH_TEST_CASE("an optimizer over a GPipe trains it exactly as the plain model",
+                "[gpipe][api]") {
+  nn::Sequential plain = build(mlp, 2);
+  GPipe model(build(mlp, 2), cpu({1, 2, 2}).chunks(3));
+  torch::optim::SGD opt1(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt2(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 3; ++step) {
+    at::Tensor x = at::randn({6, 4}, at::kDouble);
+    opt1.zero_grad();
+    opt2.zero_grad();
+    plain->forward(x).pow(2).sum().backward();
+    model->forward(x).pow(2).sum().backward();
+    opt1.step();
+    opt2.step();
+  }
+  auto p1 = plain->parameters();
+  auto p2 = model->parameters();
+  CATCH_REQUIRE(p1.size() == p2.size());
+  for (size_t k = 0; k < p1.size(); ++k) CATCH_CHECK(max_diff(p1[k], p2[k]) <= 1e-10);
+}
+
+CATCH_TEST_CASE("a GPipe saves and loads with torch::save and torch::load", "[gpipe][api]") {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "gpipe_test_save.pt").string();
+  GPipe saved(build(mlp, 3), cpu({2, 3}));
+  torch::save(saved, path);
+  GPipe loaded(build(mlp, 4), cpu({2, 3}));
+  auto before = loaded->parameters();
+  CATCH_CHECK(max_diff(before[0], saved->parameters()[0]) > 0);  // different seeds
+  torch::load(loaded, path);
+  std::remove(path.c_str());
+  auto a = saved->parameters();
+  auto b = loaded->parameters();
+  for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(a[k].equal(b[k]));
+  at::Tensor x = at::randn({5, 4}, at::kDouble);
+  CATCH_CHECK(saved->forward(x).equal(loaded->forward(x)));
+}
+
+CATCH_TEST_CASE("a GPipe refuses to move to a device but changes dtype", "[gpipe][api][errors]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}));
+  CATCH_CHECK_THROWS_WITH(model->to(at::kCPU),
+                          Catch::Contains("refuses to move") && Catch::Contains("GPipeOptions::devices"));
+  CATCH_CHECK_THROWS_WITH(model->to(at::kCPU, at::kFloat), Catch::Contains("refuses to move"));
+  model->to(at::kFloat);
+  for (const auto& p : model->parameters()) CATCH_CHECK(p.scalar_type() == at::kFloat);
+  CATCH_CHECK(model->forward(at::randn({4, 4})).scalar_type() == at::kFloat);
+  // A parent module moving its children is refused too.
+  struct Parent : nn::Module {};
+  auto parent = std::make_shared<Parent>();
+  parent->register_module("pipe", model.ptr());
+  CATCH_CHECK_THROWS_WITH(parent->to(at::kCPU), Catch::Contains("refuses to move"));
+}
+
+CATCH_TEST_CASE("bad balances are refused with a clear error", "[gpipe][errors]") {
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), cpu({2, 2})),
+                          Catch::Contains("balance {2, 2} adds up to 4 layers, but the Sequential "
+                                          "has 5") &&
+                              Catch::Contains("gpipe::balance_by_time"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), cpu({3, 0, 2})),
+                          Catch::Contains("non-positive entry 0") &&
+                              Catch::Contains("balance_by_time"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), cpu({6, -1})),
+                          Catch::Contains("non-positive entry -1"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), GPipeOptions(std::vector<int64_t>{})),
+                          Catch::Contains("balance is empty, but the Sequential has 5 layers"));
+}
+
+CATCH_TEST_CASE("non-positive chunks are refused", "[gpipe][errors]") {
+  const int64_t chunks = GENERATE(0, -1);
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), cpu({5}).chunks(chunks)),
+                          Catch::Contains("chunks must be a positive number") &&
+                              Catch::Contains(std::to_string(chunks)));
+}
+
+CATCH_TEST_CASE("fewer devices than partitions are refused", "[gpipe][errors]") {
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(mlp, 1), GPipeOptions({2, 2, 1}).devices({at::kCPU, at::kCPU})),
+      Catch::Contains("3 partitions, but only 2 devices"));
+}
+
+CATCH_TEST_CASE("a module object used twice is refused", "[gpipe][errors]") {
+  nn::Linear shared(4, 4);
+  nn::Sequential seq(shared, nn::ReLU(), shared);
+  CATCH_CHECK_THROWS_WITH(GPipe(seq, cpu({1, 2})),
+                          Catch::Contains("same module object twice") &&
+                              Catch::Contains("layer 0 ('0', torch::nn::LinearImpl)") &&
+                              Catch::Contains("layer 2 ('2'"));
+}
+
+// A layer that uses another layer's weight.
+struct TiedImpl : nn::Module {
+  explicit TiedImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(Tied);
+
+CATCH_TEST_CASE("a parameter shared between layers is refused", "[gpipe][errors]") {
+  nn::Linear a(4, 4);
+  nn::Sequential seq(a, nn::ReLU(), Tied(a->weight));
+  CATCH_CHECK_THROWS_WITH(GPipe(seq, cpu({2, 1})),
+                          Catch::Contains("share a parameter") && Catch::Contains("'weight'") &&
+                              Catch::Contains("layer 2") && Catch::Contains("layer 0"));
+}
+
+// A layer that returns a value of the wrong type.
+struct CountRowsImpl : nn::Module {
+  int64_t forward(const at::Tensor& x) { return x.size(0); }
+};
+TORCH_MODULE(CountRows);
+
+CATCH_TEST_CASE("a layer returning something other than tensors is named in the error",
+                "[gpipe][errors]") {
+  nn::Sequential seq(nn::Linear(4, 4), CountRows(), nn::ReLU());
+  GPipe model(seq, cpu({2, 1}).chunks(2));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 4})),
+                          Catch::Contains("layer '1' (") &&
+                              Catch::Contains("CountRowsImpl) returned a value of type long") && Catch::Contains("std::vector<at::Tensor>"));
+}
+
+CATCH_TEST_CASE("a layer given a tuple where it takes a tensor is named in the error",
+                "[gpipe][errors]") {
+  GPipe model(nn::Sequential(nn::Linear(4, 4)), cpu({1}));
+  CATCH_CHECK_THROWS_WITH(model->forward(std::vector<at::Tensor>{at::randn({2, 4})}),
+                          Catch::Contains("layer '0' (torch::nn::LinearImpl)"));
+}
+
+CATCH_TEST_CASE("bad inputs are refused with a clear error", "[gpipe][errors]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::empty({4, 4}, at::kMeta)),
+                          Catch::Contains("input tensor 0 is on meta") &&
+                              Catch::Contains("first partition is on cpu"));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::Tensor()), Catch::Contains("is undefined"));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::ones({})), Catch::Contains("0-dimensional"));
+  CATCH_CHECK_THROWS_WITH(model->forward(std::vector<at::Tensor>{}), Catch::Contains("empty vector"));
+  CATCH_CHECK_THROWS_WITH(
+      model->forward(std::vector<at::Tensor>{at::ones({4, 4}), at::ones({3, 4})}),
+      Catch::Contains("same size in dimension 0") && Catch::Contains("tensor 1 has 3"));
+}
+
+CATCH_TEST_CASE("batches smaller than chunks or not divisible by chunks work", "[gpipe][api]") {
+  const int64_t rows = GENERATE(1, 2, 5, 7);
+  nn::Sequential plain = build(mlp, 5);
+  GPipe model(build(mlp, 5), cpu({2, 3}).chunks(4));
+  at::Tensor x = at::randn({rows, 4}, at::kDouble);
+  CATCH_CHECK(max_diff(plain->forward(x), model->forward(x)) <= 1e-12);
+}
+
+// The caller's thread-local state reaches the layers run by worker threads.
+struct DtypeSpyImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    seen_inference = c10::InferenceMode::is_enabled();
+    seen_grad = at::GradMode::is_enabled();
+    return x;
+  }
+  bool seen_inference = false;
+  bool seen_grad = true;
+};
+TORCH_MODULE(DtypeSpy);
+
+void set_cpu_autocast(bool enabled) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::autocast::set_autocast_enabled(at::kCPU, enabled);
+#else
+  at::autocast::set_cpu_enabled(enabled);
+#endif
+}
+
+CATCH_TEST_CASE("autocast in the caller applies to the layers in the workers",
+                "[gpipe][thread_state]") {
+  nn::Sequential seq(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
+  nn::Sequential plain(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
+  GPipe model(seq, cpu({1, 2}).chunks(2));
+  at::Tensor x = at::randn({4, 4});
+  set_cpu_autocast(true);
+  at::Tensor y = model->forward(x);
+  at::Tensor y_plain = plain->forward(x);
+  set_cpu_autocast(false);
+  CATCH_CHECK(y_plain.scalar_type() == at::kBFloat16);
+  CATCH_CHECK(y.scalar_type() == at::kBFloat16);
+}
+
+CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the workers",
+                "[gpipe][thread_state]") {
+  DtypeSpy spy;
+  GPipe model(nn::Sequential(nn::Linear(4, 4), spy), cpu({1, 1}));
+  {
+    c10::InferenceMode guard;
+    at::Tensor y = model->forward(at::randn({2, 4}));
+    CATCH_CHECK(y.is_inference());
+    CATCH_CHECK(spy->seen_inference);
+  }
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor y = model->forward(at::randn({2, 4}));
+    CATCH_CHECK_FALSE(y.requires_grad());
+    CATCH_CHECK_FALSE(spy->seen_grad);
+    CATCH_CHECK_FALSE(spy->seen_inference);
+  }
+  CATCH_CHECK(model->forward(at::randn({2, 4})).requires_grad());
+}
+
+size_t thread_count() {
+  size_t n = 0;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(dir)) n += e->d_name[0] != '.';
+    closedir(dir);
+  }
+  return n;
+}
+
+CATCH_TEST_CASE("a GPipe's worker threads end with it", "[gpipe][worker]") {
+  const size_t before = thread_count();
+  for (int k = 0; k < 20; ++k) {
+    GPipe model(build(mlp, 1), cpu({2, 3}).chunks(2));
+    model->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
+    CATCH_CHECK(thread_count() == before + 1);  // one worker for the CPU
+  }
+  CATCH_CHECK(thread_count() == before);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe

@@ -1,0 +1,160 @@
+// The order in which a GPipe runs its tasks: lock-step clock cycles in forward, the reverse in
+// backward, and checkpointing and recomputation exactly where they belong. Observed by Probe
+// layers inside the model.
+#include "tests/gpipe/test_util.h"
+
+#include <algorithm>
+
+#include <ATen/core/grad_mode.h>
+
+#include "gpipe/schedule.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+// A model of `partitions` partitions, each a Probe then a Scale, all on the CPU.
+GPipe probed_model(int64_t partitions, int64_t chunks, Checkpoint mode,
+                   const std::shared_ptr<Log>& log) {
+  torch::nn::Sequential seq;
+  for (int64_t j = 0; j < partitions; ++j) {
+    seq->push_back(Probe(j, log));
+    seq->push_back(Scale(3));
+  }
+  return GPipe(seq, GPipeOptions(std::vector<int64_t>(partitions, 2))
+                        .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                        .chunks(chunks)
+                        .checkpoint(mode));
+}
+
+std::vector<Event> events(const std::string& phase, std::vector<std::pair<int64_t, int64_t>> ij) {
+  std::vector<Event> out;
+  for (auto [i, j] : ij) out.push_back({phase, i, j});
+  return out;
+}
+
+CATCH_TEST_CASE("forward runs the tasks in lock-step clock cycles", "[pipeline][schedule]") {
+  auto log = std::make_shared<Log>(/*rows_per_microbatch=*/2);
+  GPipe model = probed_model(2, 3, Checkpoint::kNever, log);
+  model->forward(rows_input(6, 3));
+  // Ticks {(0,0)}, {(1,0),(0,1)}, {(2,0),(1,1)}, {(2,1)}.
+  CATCH_CHECK(log->take("forward") ==
+              events("forward", {{0, 0}, {1, 0}, {0, 1}, {2, 0}, {1, 1}, {2, 1}}));
+}
+
+CATCH_TEST_CASE("forward follows clock_cycles for several sizes", "[pipeline][schedule]") {
+  const int64_t partitions = GENERATE(1, 2, 3, 4);
+  const int64_t chunks = GENERATE(1, 2, 3, 5);
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(partitions, chunks, Checkpoint::kNever, log);
+  model->forward(rows_input(2 * chunks, 3));
+  std::vector<Event> expected;
+  for (const auto& tick : clock_cycles(chunks, partitions)) {
+    for (const Task2D& t : tick) expected.push_back({"forward", t.microbatch, t.partition});
+  }
+  CATCH_CHECK(log->take("forward") == expected);
+}
+
+CATCH_TEST_CASE("backward visits micro-batches in reverse on every partition",
+                "[pipeline][schedule]") {
+  const int64_t partitions = GENERATE(1, 2, 3);
+  const int64_t chunks = GENERATE(2, 3, 4);
+  const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
+  CATCH_CAPTURE(partitions, chunks, static_cast<int>(mode));
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(partitions, chunks, mode, log);
+  model->train();
+  at::Tensor x = rows_input(2 * chunks, 3).requires_grad_(true);
+  model->forward(x).sum().backward();
+  const std::vector<Event> backward = log->take("backward");
+  CATCH_REQUIRE(static_cast<int64_t>(backward.size()) == partitions * chunks);
+  for (int64_t j = 0; j < partitions; ++j) {
+    std::vector<int64_t> order;
+    for (const Event& e : backward) {
+      if (e.partition == j) order.push_back(e.microbatch);
+    }
+    std::vector<int64_t> expected;
+    for (int64_t i = chunks - 1; i >= 0; --i) expected.push_back(i);
+    CATCH_CHECK(order == expected);
+  }
+  // A micro-batch's backward goes from the last partition to the first.
+  for (int64_t i = 0; i < chunks; ++i) {
+    std::vector<int64_t> partitions_seen;
+    for (const Event& e : backward) {
+      if (e.microbatch == i) partitions_seen.push_back(e.partition);
+    }
+    std::vector<int64_t> expected;
+    for (int64_t j = partitions - 1; j >= 0; --j) expected.push_back(j);
+    CATCH_CHECK(partitions_seen == expected);
+  }
+}
+
+CATCH_TEST_CASE("checkpointing runs and recomputes exactly the chosen micro-batches",
+                "[pipeline][checkpoint]") {
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
+  const int64_t chunks = GENERATE(1, 3, 4);
+  CATCH_CAPTURE(static_cast<int>(mode), chunks);
+  const int64_t partitions = 2;
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(partitions, chunks, mode, log);
+  model->train();
+  at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
+  const int64_t stop = mode == Checkpoint::kAlways       ? chunks
+                       : mode == Checkpoint::kExceptLast ? chunks - 1
+                                                         : 0;
+  auto micro_of = [](const std::vector<Event>& es, int64_t j) {
+    std::vector<int64_t> out;
+    for (const Event& e : es) {
+      if (e.partition == j) out.push_back(e.microbatch);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  std::vector<int64_t> checkpointed;
+  std::vector<int64_t> plain;
+  for (int64_t i = 0; i < chunks; ++i) (i < stop ? checkpointed : plain).push_back(i);
+  for (int64_t j = 0; j < partitions; ++j) {
+    CATCH_CHECK(micro_of(log->take("checkpoint"), j) == checkpointed);
+    CATCH_CHECK(micro_of(log->take("forward"), j) == plain);
+  }
+  CATCH_CHECK(log->take("recompute").empty());  // not before backward
+  y.sum().backward();
+  for (int64_t j = 0; j < partitions; ++j) {
+    CATCH_CHECK(micro_of(log->take("recompute"), j) == checkpointed);
+  }
+}
+
+CATCH_TEST_CASE("nothing is checkpointed in eval mode or without grad mode",
+                "[pipeline][checkpoint]") {
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(2, 4, Checkpoint::kAlways, log);
+  model->eval();
+  model->forward(rows_input(8, 3));
+  CATCH_CHECK(log->take("checkpoint").empty());
+  CATCH_CHECK(log->take("forward").size() == 8);
+  log->clear();
+  model->train();
+  {
+    at::NoGradGuard no_grad;
+    model->forward(rows_input(8, 3));
+  }
+  CATCH_CHECK(log->take("checkpoint").empty());
+  CATCH_CHECK(log->take("forward").size() == 8);
+}
+
+CATCH_TEST_CASE("is_checkpointing and is_recomputing are false outside a pipeline",
+                "[pipeline][checkpoint]") {
+  CATCH_CHECK_FALSE(is_checkpointing());
+  CATCH_CHECK_FALSE(is_recomputing());
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(2, 2, Checkpoint::kAlways, log);
+  model->train();
+  model->forward(rows_input(4, 3).requires_grad_(true)).sum().backward();
+  CATCH_CHECK(log->take("recompute").size() == 4);
+  CATCH_CHECK_FALSE(is_checkpointing());
+  CATCH_CHECK_FALSE(is_recomputing());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe

@@ -1,0 +1,163 @@
+// Helpers shared by the gpipe tests: small layers that record what the pipeline does, model
+// builders, and comparisons with the plain Sequential (the oracle of every pipeline result).
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/pooling.h>
+
+#include "gpipe/gpipe.h"
+
+namespace gpipe {
+namespace testing {
+
+/// The largest absolute difference between two tensors (both must be defined and alike).
+inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  CATCH_REQUIRE(a.defined());
+  CATCH_REQUIRE(b.defined());
+  CATCH_REQUIRE(a.sizes() == b.sizes());
+  if (a.numel() == 0) {
+    return 0.0;
+  }
+  return (a.to(at::kDouble).cpu() - b.to(at::kDouble).cpu()).abs().max().item<double>();
+}
+
+/// Checks that the parameters of `a` and `b` (in order) have gradients within `tol`.
+inline void check_same_grads(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                             double tol) {
+  CATCH_REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    CATCH_INFO("parameter " << k);
+    CATCH_REQUIRE(a[k].grad().defined() == b[k].grad().defined());
+    if (a[k].grad().defined()) {
+      CATCH_CHECK(max_diff(a[k].grad(), b[k].grad()) <= tol);
+    }
+  }
+}
+
+/// One event seen by a Probe layer.
+struct Event {
+  std::string phase;  // "forward", "checkpoint", "recompute" or "backward"
+  int64_t microbatch;
+  int64_t partition;
+  bool operator==(const Event& o) const {
+    return phase == o.phase && microbatch == o.microbatch && partition == o.partition;
+  }
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Event& e) {
+  return os << e.phase << "(" << e.microbatch << "," << e.partition << ")";
+}
+
+/// A thread-safe record of events.
+struct Log {
+  explicit Log(int64_t rows_per_microbatch) : rows_per_microbatch(rows_per_microbatch) {}
+  void add(Event e) {
+    std::lock_guard<std::mutex> lock(mu);
+    events.push_back(std::move(e));
+  }
+  std::vector<Event> take(const std::string& phase) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<Event> out;
+    for (const Event& e : events) {
+      if (phase.empty() || e.phase == phase) {
+        out.push_back(e);
+      }
+    }
+    return out;
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu);
+    events.clear();
+  }
+  const int64_t rows_per_microbatch;
+  std::mutex mu;
+  std::vector<Event> events;
+};
+
+/// An identity layer (y = x * 1) that records which micro-batch it sees, in which phase, and
+/// when its output's gradient is computed. The micro-batch is read from the input: column 0 of
+/// row 0 holds the row's index in the mini-batch (see rows_input).
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl(int64_t partition, std::shared_ptr<Log> log)
+      : partition(partition), log(std::move(log)) {}
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t mb = static_cast<int64_t>(x[0][0].item<double>()) / log->rows_per_microbatch;
+    const char* phase =
+        is_recomputing() ? "recompute" : is_checkpointing() ? "checkpoint" : "forward";
+    log->add({phase, mb, partition});
+    at::Tensor y = x * 1.0;
+    if (y.requires_grad()) {
+      auto record = log;
+      const int64_t j = partition;
+      y.register_hook([record, mb, j](const at::Tensor& g) {
+        record->add({"backward", mb, j});
+        return g;
+      });
+    }
+    return y;
+  }
+  int64_t partition;
+  std::shared_ptr<Log> log;
+};
+TORCH_MODULE(Probe);
+
+/// y = x * w with a learnable per-column scale initialised to 1: keeps column 0 intact in forward
+/// and gives the model parameters.
+struct ScaleImpl : torch::nn::Module {
+  explicit ScaleImpl(int64_t features) {
+    weight = register_parameter("weight", at::ones({features}, at::kDouble));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x * weight; }
+  at::Tensor weight;
+};
+TORCH_MODULE(Scale);
+
+/// A mini-batch of `rows` rows and `cols` columns whose column 0 is the row index (float64).
+inline at::Tensor rows_input(int64_t rows, int64_t cols) {
+  at::Tensor x = at::rand({rows, cols}, at::kDouble);
+  x.select(1, 0).copy_(at::arange(rows, at::kDouble));
+  return x;
+}
+
+/// A layer on tuple batches: {a, b} -> {tanh(A a + B b), b / 2}.
+struct MixImpl : torch::nn::Module {
+  MixImpl(int64_t a_features, int64_t b_features, int64_t out_features) {
+    a = register_module("a", torch::nn::Linear(a_features, out_features));
+    b = register_module("b", torch::nn::Linear(b_features, out_features));
+  }
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> x) {
+    return {at::tanh(a(x[0]) + b(x[1])), x[1] / 2};
+  }
+  torch::nn::Linear a{nullptr};
+  torch::nn::Linear b{nullptr};
+};
+TORCH_MODULE(Mix);
+
+/// Runs `fn` on a fresh model built by `make` (with the same seed each time, so two calls give
+/// identical parameters).
+template <typename Make>
+torch::nn::Sequential build(Make make, uint64_t seed) {
+  at::manual_seed(seed);
+  torch::nn::Sequential model = make();
+  model->to(at::kDouble);
+  return model;
+}
+
+}  // namespace testing
+}  // namespace gpipe

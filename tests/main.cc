@@ -1,0 +1,65 @@
+// The one test main of every gpipe test binary: Catch2's session, with [cuda] tests skipped when no
+// CUDA device is present, and a closing summary line that .ci/run adds up across binaries.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <string>
+
+#include <torch/cuda.h>
+
+namespace {
+
+size_t skipped_cuda_tests = 0;
+
+// Prints "gpipe-test-summary: N passed, N failed, N skipped" when the run ends; failed counts
+// test cases with a failed assertion or an unexpected exception.
+struct SummaryListener : Catch::TestEventListenerBase {
+  using TestEventListenerBase::TestEventListenerBase;
+  void testRunEnded(const Catch::TestRunStats& stats) override {
+    Catch::cout() << std::flush;
+    std::printf("gpipe-test-summary: %zu passed, %zu failed, %zu skipped\n",
+                stats.totals.testCases.passed + stats.totals.testCases.failedButOk,
+                stats.totals.testCases.failed, skipped_cuda_tests);
+    std::fflush(stdout);
+  }
+};
+
+}  // namespace
+
+CATCH_REGISTER_LISTENER(SummaryListener)
+
+int main(int argc, char** argv) {
+  Catch::Session session;
+  if (int rc = session.applyCommandLine(argc, argv); rc != 0) {
+    return rc;
+  }
+  if (!torch::cuda::is_available()) {
+    // Skip [cuda] tests: AND "~[cuda]" into every alternative of every test spec.
+    auto& specs = session.configData().testsOrTags;
+    if (specs.empty()) {
+      specs.push_back("~[cuda]");
+    } else {
+      for (std::string& spec : specs) {
+        std::string out;
+        size_t start = 0;
+        for (size_t comma; (comma = spec.find(',', start)) != std::string::npos;
+             start = comma + 1) {
+          out += spec.substr(start, comma - start) + " ~[cuda],";
+        }
+        spec = out + spec.substr(start) + " ~[cuda]";
+      }
+    }
+    for (const Catch::TestCase& test : Catch::getAllTestCasesSorted(session.config())) {
+      for (const std::string& tag : test.tags) {
+        if (tag == "cuda") {
+          ++skipped_cuda_tests;
+        }
+      }
+    }
+    if (skipped_cuda_tests > 0) {
+      std::printf("No CUDA device: skipping %zu [cuda] test case(s).\n", skipped_cuda_tests);
+    }
+  }
+  return session.run();
+}
