@@ -91,7 +91,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   if (options_.deferred_batch_norm()) {
     deferred_batch_norm_ = std::make_unique<DeferredBatchNorm>(modules(/*include_self=*/false));
   }
-  workers_ = std::make_unique<WorkerPool>(devices_);
+  workers_ = std::make_unique<WorkerPool>(devices_, options_.worker_per_partition());
   copy_streams_.resize(devices_.size());
 }
 

@@ -57,6 +57,11 @@ struct GPipeOptions {
   /// Whether BatchNorm layers update their running statistics once per mini-batch instead of once
   /// per micro-batch (see Note [Deferred batch norm without replacing modules]).
   TORCH_ARG(bool, deferred_batch_norm) = false;
+  /// Whether every partition gets a worker thread of its own, even partitions on the same device
+  /// (see Note [Workers and the calling thread]). For testing concurrency on the CPU: layers that
+  /// draw random numbers from the CPU generator then draw them in an order that depends on thread
+  /// timing.
+  TORCH_ARG(bool, worker_per_partition) = false;
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:

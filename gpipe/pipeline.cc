@@ -33,10 +33,22 @@ struct Slot {
   int64_t microbatch = 0;
   size_t partition = 0;
   Batch output{std::vector<at::Tensor>{}};
+  const Batch* input = nullptr;
   std::unique_ptr<Checkpointing> checkpointing;
   std::exception_ptr error;
   absl::Notification done;
 };
+
+// Runs one task on the current thread, on its partition's compute stream.
+void compute(const PipelineSpec& spec, Slot& slot) {
+  try {
+    c10::StreamGuard stream_guard(spec.compute_streams[slot.partition]);
+    slot.output = slot.checkpointing ? slot.checkpointing->checkpoint()
+                                     : spec.stages[slot.partition](*slot.input);
+  } catch (...) {
+    slot.error = std::current_exception();
+  }
+}
 
 void depend_lanes(Batch& before, Batch& after) {
   const int64_t b = before.lane();
@@ -52,9 +64,10 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
   const int64_t m = static_cast<int64_t>(batches.size());
   const int64_t n = static_cast<int64_t>(spec.devices.size());
   const auto& copy_streams = *spec.copy_streams;
-  // Captured once: every task runs under the caller's thread-local state (Note [Thread-local
-  // state in workers]).
-  const ThreadState caller_state;
+  // Captured once: every task on a worker thread runs under the caller's thread-local state
+  // (Note [Thread-local state in workers]).
+  const std::unique_ptr<ThreadState> caller_state =
+      spec.workers->size() > 0 ? std::make_unique<ThreadState>() : nullptr;
 
   for (const std::vector<Task2D>& tick : clock_cycles(m, n)) {
     // Fence: dependencies and copies, on this thread.
@@ -70,7 +83,8 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       }
     }
 
-    // Compute: hand each task to its device's worker.
+    // Compute: hand each task to its device's worker; run the caller's own tasks last, so that
+    // the other workers are busy meanwhile (Note [Workers and the calling thread]).
     std::vector<std::unique_ptr<Slot>> slots;
     slots.reserve(tick.size());
     for (const Task2D& task : tick) {
@@ -83,25 +97,28 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       auto slot = std::make_unique<Slot>();
       slot->microbatch = i;
       slot->partition = j;
-      Slot* s = slot.get();
-      const Batch* input = &batches[i];
+      slot->input = &batches[i];
       if (i < spec.checkpoint_stop) {
-        s->checkpointing =
-            std::make_unique<Checkpointing>(spec.stages[j], *input, spec.devices[j]);
+        slot->checkpointing =
+            std::make_unique<Checkpointing>(spec.stages[j], batches[i], spec.devices[j]);
       }
-      const c10::Stream stream = spec.compute_streams[j];
-      spec.workers->for_partition(j).submit([s, input, stream, &spec, &caller_state] {
-        try {
-          ThreadStateGuard state(caller_state);
-          c10::StreamGuard stream_guard(stream);
-          s->output = s->checkpointing ? s->checkpointing->checkpoint()
-                                       : spec.stages[s->partition](*input);
-        } catch (...) {
-          s->error = std::current_exception();
-        }
-        s->done.Notify();
-      });
+      if (!spec.workers->runs_inline(j)) {
+        Slot* s = slot.get();
+        spec.workers->for_partition(j).submit([s, &spec, state = caller_state.get()] {
+          {
+            ThreadStateGuard guard(*state);
+            compute(spec, *s);
+          }
+          s->done.Notify();
+        });
+      }
       slots.push_back(std::move(slot));
+    }
+    for (auto& slot : slots) {
+      if (spec.workers->runs_inline(slot->partition)) {
+        compute(spec, *slot);
+        slot->done.Notify();
+      }
     }
 
     // Collect the tick's outputs in order; keep the first error but let every task finish.

@@ -40,18 +40,30 @@ void Worker::loop() {
   }
 }
 
-WorkerPool::WorkerPool(const std::vector<c10::Device>& devices) {
-  std::vector<c10::Device> seen;
-  for (const c10::Device& device : devices) {
+WorkerPool::WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_partition) {
+  std::vector<c10::Device> keys;  // the device of each worker; keys[0] is the caller's
+  for (size_t j = 0; j < devices.size(); ++j) {
+    const c10::Device& device = devices[j];
     size_t index = 0;
-    while (index < seen.size() && seen[index] != device) {
-      ++index;
+    if (worker_per_partition) {
+      index = j;
+      keys.push_back(device);
+    } else {
+      while (index < keys.size() && keys[index] != device) {
+        ++index;
+      }
+      if (index == keys.size()) {
+        keys.push_back(device);
+      }
     }
-    if (index == seen.size()) {
-      seen.push_back(device);
+    if (index == 0) {
+      worker_of_partition_.push_back(-1);
+      continue;
+    }
+    if (index > workers_.size()) {
       workers_.push_back(std::make_unique<Worker>(device.str()));
     }
-    worker_of_partition_.push_back(index);
+    worker_of_partition_.push_back(static_cast<int64_t>(index) - 1);
   }
 }
 

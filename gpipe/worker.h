@@ -46,25 +46,38 @@ class Worker {
   std::thread thread_;
 };
 
-/// The workers of a pipeline: one per distinct device, as in the Python reference, so that all
-/// partitions on one device run on one thread in schedule order.
+// Note [Workers and the calling thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// As in the Python reference, the tasks of all partitions on one device run on one thread, in
+// schedule order: a device's work is issued in order, and several devices' work is issued at the
+// same time. Unlike the reference, the calling thread is itself the worker of the first device:
+// during a clock tick it would otherwise only wait. With a single device (everything on the CPU,
+// or everything on cuda:0) no thread is started and no task crosses threads, which is what keeps
+// gpipe's cost per task low. `worker_per_partition` gives every partition a thread of its own
+// (except the first, which runs on the caller), so partitions on one device run concurrently; the
+// tests use it to exercise real concurrency on the CPU.
+
+/// The workers of a pipeline (see Note [Workers and the calling thread]).
 ///
-///   gpipe::WorkerPool pool({torch::kCPU, torch::kCPU});  // one thread
-///   pool.for_partition(1).submit(task);
+///   gpipe::WorkerPool pool({torch::kCPU, torch::kCUDA}, /*worker_per_partition=*/false);
+///   if (!pool.runs_inline(1)) pool.for_partition(1).submit(task);
 class WorkerPool {
  public:
-  /// Starts one worker per distinct device among `devices` (the partitions' devices, in order).
-  explicit WorkerPool(const std::vector<c10::Device>& devices);
+  /// Plans the workers for partitions on `devices` (in order) and starts their threads.
+  WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_partition);
 
-  /// The worker that runs partition `partition`.
+  /// Whether partition `partition`'s tasks run on the calling thread.
+  bool runs_inline(size_t partition) const { return worker_of_partition_[partition] < 0; }
+
+  /// The worker thread that runs partition `partition` (which must not run inline).
   Worker& for_partition(size_t partition) { return *workers_[worker_of_partition_[partition]]; }
 
-  /// The number of threads.
+  /// The number of threads started.
   size_t size() const { return workers_.size(); }
 
  private:
   std::vector<std::unique_ptr<Worker>> workers_;
-  std::vector<size_t> worker_of_partition_;
+  std::vector<int64_t> worker_of_partition_;  // -1: the calling thread
 };
 
 }  // namespace gpipe

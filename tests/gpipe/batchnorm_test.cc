@@ -76,13 +76,16 @@ CATCH_TEST_CASE("deferred batch norm's running statistics equal a full-batch Bat
   const int64_t chunks = GENERATE(1, 2, 3, 4);
   const auto momentum = GENERATE(as<c10::optional<double>>{}, 0.1, c10::nullopt);
   const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
-  CATCH_CAPTURE(chunks, momentum.has_value(), static_cast<int>(mode));
+  // With threads, the statistics callback travels to the workers with the caller's state.
+  const bool threads = GENERATE(false, true);
+  CATCH_CAPTURE(chunks, momentum.has_value(), static_cast<int>(mode), threads);
   nn::Sequential seq = build([momentum] { return bn_model(momentum); }, 11);
   GPipe model(seq, GPipeOptions({2, 3, 5})
                        .devices({at::kCPU, at::kCPU, at::kCPU})
                        .chunks(chunks)
                        .checkpoint(mode)
-                       .deferred_batch_norm(true));
+                       .deferred_batch_norm(true)
+                       .worker_per_partition(threads));
   model->train();
   const std::vector<TapImpl*> bns = taps(*model);
   CATCH_REQUIRE(bns.size() == 4);  // top-level, member of a block, nested, BatchNorm1d on (N, C)

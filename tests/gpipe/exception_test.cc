@@ -71,10 +71,14 @@ CATCH_TEST_CASE("an exception in forward at any task reaches the caller", "[pipe
   const int64_t i = GENERATE(0, 1, 2, 3);
   const int64_t j = GENERATE(0, 1, 2);
   const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast);
-  CATCH_CAPTURE(i, j, static_cast<int>(mode));
+  const bool threads = GENERATE(false, true);
+  CATCH_CAPTURE(i, j, static_cast<int>(mode), threads);
   auto trap = std::make_shared<Trap>(Trap{i, j, "forward"});
-  GPipe model(trapped_model(partitions, trap, 0),
-              GPipeOptions({2, 2, 2}).devices({at::kCPU, at::kCPU, at::kCPU}).chunks(4).checkpoint(mode));
+  GPipe model(trapped_model(partitions, trap, 0), GPipeOptions({2, 2, 2})
+                                                      .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                      .chunks(4)
+                                                      .checkpoint(mode)
+                                                      .worker_per_partition(threads));
   model->train();
   CATCH_CHECK_THROWS_WITH(model->forward(rows_input(8, 3)),
                           Catch::Contains(absl::StrFormat("trap in forward at (%d, %d)", i, j)));
@@ -86,10 +90,14 @@ CATCH_TEST_CASE("an exception in backward at any task reaches the caller", "[pip
   const int64_t i = GENERATE(0, 1, 2, 3);
   const int64_t j = GENERATE(0, 1, 2);
   const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
-  CATCH_CAPTURE(i, j, static_cast<int>(mode));
+  const bool threads = GENERATE(false, true);
+  CATCH_CAPTURE(i, j, static_cast<int>(mode), threads);
   auto trap = std::make_shared<Trap>(Trap{i, j, "backward"});
-  GPipe model(trapped_model(partitions, trap, 0),
-              GPipeOptions({2, 2, 2}).devices({at::kCPU, at::kCPU, at::kCPU}).chunks(4).checkpoint(mode));
+  GPipe model(trapped_model(partitions, trap, 0), GPipeOptions({2, 2, 2})
+                                                      .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                      .chunks(4)
+                                                      .checkpoint(mode)
+                                                      .worker_per_partition(threads));
   model->train();
   // The input needs a gradient, so that the first partition's layer has a backward to fail in.
   at::Tensor y = model->forward(rows_input(8, 3).requires_grad_(true));

@@ -259,7 +259,7 @@ CATCH_TEST_CASE("autocast in the caller applies to the layers in the workers",
                 "[gpipe][thread_state]") {
   nn::Sequential seq(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
   nn::Sequential plain(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
-  GPipe model(seq, cpu({1, 2}).chunks(2));
+  GPipe model(seq, cpu({1, 2}).chunks(2).worker_per_partition(true));
   at::Tensor x = at::randn({4, 4});
   set_cpu_autocast(true);
   at::Tensor y = model->forward(x);
@@ -272,7 +272,7 @@ CATCH_TEST_CASE("autocast in the caller applies to the layers in the workers",
 CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the workers",
                 "[gpipe][thread_state]") {
   DtypeSpy spy;
-  GPipe model(nn::Sequential(nn::Linear(4, 4), spy), cpu({1, 1}));
+  GPipe model(nn::Sequential(nn::Linear(4, 4), spy), cpu({1, 1}).worker_per_partition(true));
   {
     c10::InferenceMode guard;
     at::Tensor y = model->forward(at::randn({2, 4}));
@@ -300,10 +300,15 @@ size_t thread_count() {
 
 CATCH_TEST_CASE("a GPipe's worker threads end with it", "[gpipe][worker]") {
   const size_t before = thread_count();
-  for (int k = 0; k < 20; ++k) {
+  for (int k = 0; k < 10; ++k) {
+    // One device: the calling thread does all the work.
     GPipe model(build(mlp, 1), cpu({2, 3}).chunks(2));
     model->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
-    CATCH_CHECK(thread_count() == before + 1);  // one worker for the CPU
+    CATCH_CHECK(thread_count() == before);
+    // A thread for every partition but the first.
+    GPipe threaded(build(mlp, 1), cpu({1, 1, 3}).chunks(2).worker_per_partition(true));
+    threaded->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
+    CATCH_CHECK(thread_count() == before + 2);
   }
   CATCH_CHECK(thread_count() == before);
 }

@@ -106,10 +106,13 @@ CATCH_TEST_CASE("GPipe of a conv model equals the plain Sequential in outputs an
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   const bool train = GENERATE(true, false);
   const int64_t batch = GENERATE(7, 3);
-  CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train, batch);
+  const bool threads = GENERATE(false, true);
+  CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train, batch, threads);
   at::manual_seed(1);
   const at::Tensor x = at::randn({batch, 3, 8, 8}, at::kDouble);
-  check_transparent(conv_model, x, cpu_options(balance).chunks(chunks).checkpoint(mode), train);
+  check_transparent(
+      conv_model, x,
+      cpu_options(balance).chunks(chunks).checkpoint(mode).worker_per_partition(threads), train);
 }
 
 CATCH_TEST_CASE("GPipe of random MLPs equals the plain Sequential in outputs and gradients",
@@ -137,9 +140,11 @@ CATCH_TEST_CASE("GPipe with tuple batches equals the plain Sequential", "[gpipe]
   const int64_t chunks = GENERATE(1, 2, 3, 4, 7);
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   const bool train = GENERATE(true, false);
-  CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train);
+  const bool threads = GENERATE(false, true);
+  CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train, threads);
   torch::nn::Sequential plain = build(mix_model, 3);
-  GPipe model(build(mix_model, 3), cpu_options(balance).chunks(chunks).checkpoint(mode));
+  GPipe model(build(mix_model, 3),
+              cpu_options(balance).chunks(chunks).checkpoint(mode).worker_per_partition(threads));
   plain->train(train);
   model->train(train);
   at::manual_seed(2);

@@ -1,0 +1,204 @@
+// GPipe's overhead per task (one micro-batch through one partition) over a hand-written loop that
+// does the same arithmetic: 8 Linear(16, 16) layers, batch 256, on the CPU with one intra-op
+// thread, so that what is left is the library's own cost.
+//
+//   bazel run -c opt //benchmarks:overhead -- --repeats=30 --json_out=/tmp/overhead.json
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/version.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gpipe/gpipe.h"
+
+ABSL_FLAG(int, repeats, 30,
+          "timed rounds per configuration; each round times the floor, then GPipe, and the median "
+          "of the per-round differences is the overhead");
+ABSL_FLAG(int, warmup, 5, "untimed steps before timing");
+ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+
+namespace {
+
+namespace nn = torch::nn;
+constexpr int64_t kLayers = 8;
+constexpr int64_t kWidth = 16;
+constexpr int64_t kBatch = 256;
+
+nn::Sequential make_model() {
+  at::manual_seed(0);
+  nn::Sequential seq;
+  for (int64_t k = 0; k < kLayers; ++k) seq->push_back(nn::Linear(kWidth, kWidth));
+  return seq;
+}
+
+void zero_grads(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+double time_us(const std::function<void()>& step) {
+  const auto start = std::chrono::steady_clock::now();
+  step();
+  const auto stop = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::micro>(stop - start).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `a` and `b` alternately, so that both see the same machine noise. Returns the medians of
+// a, of b, and of the per-round differences b - a, in microseconds.
+std::tuple<double, double, double> paired_us(const std::function<void()>& a,
+                                             const std::function<void()>& b) {
+  for (int k = 0; k < absl::GetFlag(FLAGS_warmup); ++k) {
+    a();
+    b();
+  }
+  std::vector<double> ta, tb, diff;
+  for (int k = 0; k < absl::GetFlag(FLAGS_repeats); ++k) {
+    ta.push_back(time_us(a));
+    tb.push_back(time_us(b));
+    diff.push_back(tb.back() - ta.back());
+  }
+  return {median(ta), median(tb), median(diff)};
+}
+
+struct Row {
+  int64_t partitions;
+  int64_t chunks;
+  std::string checkpoint;
+  double plain_us;
+  double floor_us;
+  double gpipe_us;
+  double overhead_per_task_us;
+  // kNever only (else NaN): the overhead over a stricter floor that runs one backward call over
+  // all micro-batches, as GPipe does, instead of one call per micro-batch.
+  double overhead_single_backward_us;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  at::set_num_threads(1);
+  const at::Tensor x = at::randn({kBatch, kWidth});
+
+  // The plain Sequential on the whole batch.
+  nn::Sequential plain = make_model();
+  const auto plain_params = plain->parameters();
+  auto plain_step = [&] {
+    zero_grads(plain_params);
+    plain->forward(x).sum().backward();
+  };
+
+  std::vector<Row> rows;
+  for (const int64_t chunks : {1, 8, 32, 128}) {
+    const std::vector<at::Tensor> micro = x.chunk(chunks);
+    const int64_t m = static_cast<int64_t>(micro.size());
+    // The floor without checkpointing: forward each micro-batch, then backward each.
+    auto floor_never = [&] {
+      zero_grads(plain_params);
+      std::vector<at::Tensor> outs;
+      for (const at::Tensor& mb : micro) outs.push_back(plain->forward(mb));
+      for (auto it = outs.rbegin(); it != outs.rend(); ++it) it->sum().backward();
+    };
+    // A stricter floor: forward each micro-batch, then one backward call for all of them.
+    auto floor_single_backward = [&] {
+      zero_grads(plain_params);
+      std::vector<at::Tensor> losses;
+      for (const at::Tensor& mb : micro) losses.push_back(plain->forward(mb).sum());
+      torch::autograd::backward(losses);
+    };
+    // The floor with the recomputation of kExceptLast done by hand: every micro-batch but the
+    // last runs once without grad, then again with grad just before its backward.
+    auto floor_except_last = [&] {
+      zero_grads(plain_params);
+      std::vector<at::Tensor> outs;
+      for (int64_t i = 0; i < m; ++i) {
+        if (i < m - 1) {
+          at::NoGradGuard no_grad;
+          outs.push_back(plain->forward(micro[i]));
+        } else {
+          outs.push_back(plain->forward(micro[i]));
+        }
+      }
+      for (int64_t i = m - 1; i >= 0; --i) {
+        at::Tensor out = i < m - 1 ? plain->forward(micro[i]) : outs[i];
+        out.sum().backward();
+      }
+    };
+    for (const int64_t partitions : {1, 4}) {
+      for (const gpipe::Checkpoint mode : {gpipe::Checkpoint::kNever, gpipe::Checkpoint::kExceptLast}) {
+        std::vector<int64_t> balance(partitions, kLayers / partitions);
+        gpipe::GPipe model(make_model(), gpipe::GPipeOptions(balance)
+                                             .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                                             .chunks(chunks)
+                                             .checkpoint(mode));
+        const auto params = model->parameters();
+        auto gpipe_step = [&] {
+          zero_grads(params);
+          model->forward(x).sum().backward();
+        };
+        const bool never = mode == gpipe::Checkpoint::kNever;
+        const std::function<void()> floor_step =
+            never ? std::function<void()>(floor_never) : std::function<void()>(floor_except_last);
+        const double plain_us = std::get<0>(paired_us(plain_step, plain_step));
+        const auto [floor_us, gpipe_us, diff_us] = paired_us(floor_step, gpipe_step);
+        const double tasks = static_cast<double>(m * partitions);
+        const double single =
+            never ? std::get<2>(paired_us(floor_single_backward, gpipe_step)) / tasks : NAN;
+        rows.push_back(Row{partitions, chunks, never ? "never" : "except_last", plain_us, floor_us,
+                           gpipe_us, diff_us / tasks, single});
+      }
+    }
+  }
+
+  std::printf("GPipe overhead per task (8 x Linear(16,16), batch %lld, CPU, 1 intra-op thread, "
+              "LibTorch %s, medians of %d paired rounds)\n\n",
+              static_cast<long long>(kBatch), TORCH_VERSION, absl::GetFlag(FLAGS_repeats));
+  std::printf("%10s %7s %12s %10s %10s %10s %17s %24s\n", "partitions", "chunks", "checkpoint",
+              "plain us", "floor us", "gpipe us", "overhead/task us",
+              "vs 1-backward floor us");
+  std::vector<std::string> json_rows;
+  for (const Row& r : rows) {
+    std::printf("%10lld %7lld %12s %10.1f %10.1f %10.1f %17.1f %24s\n",
+                static_cast<long long>(r.partitions), static_cast<long long>(r.chunks),
+                r.checkpoint.c_str(), r.plain_us, r.floor_us, r.gpipe_us, r.overhead_per_task_us,
+                std::isnan(r.overhead_single_backward_us)
+                    ? "-"
+                    : absl::StrFormat("%.1f", r.overhead_single_backward_us).c_str());
+    json_rows.push_back(absl::StrFormat(
+        "{\"partitions\": %d, \"chunks\": %d, \"checkpoint\": \"%s\", \"plain_us\": %.1f, "
+        "\"floor_us\": %.1f, \"gpipe_us\": %.1f, \"overhead_per_task_us\": %.2f, "
+        "\"overhead_vs_single_backward_floor_us\": %s}",
+        r.partitions, r.chunks, r.checkpoint, r.plain_us, r.floor_us, r.gpipe_us,
+        r.overhead_per_task_us,
+        std::isnan(r.overhead_single_backward_us)
+            ? "null"
+            : absl::StrFormat("%.2f", r.overhead_single_backward_us)));
+  }
+  const std::string json = absl::StrCat("[\n  ", absl::StrJoin(json_rows, ",\n  "), "\n]\n");
+  std::printf("\n%s", json.c_str());
+  if (!absl::GetFlag(FLAGS_json_out).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_json_out)) << json;
+  }
+  return 0;
+}
