@@ -171,6 +171,15 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   out = std::move(result.values());
 }
 
+void GPipeImpl::pretty_print(std::ostream& stream) const {
+  stream << "gpipe::GPipe(balance={" << absl::StrJoin(options_.balance(), ", ") << "}, devices={"
+         << absl::StrJoin(devices_, ", ",
+                          [](std::string* s, const c10::Device& d) { s->append(d.str()); })
+         << "}, chunks=" << options_.chunks()
+         << ", checkpoint=" << checkpoint_name(options_.checkpoint())
+         << (options_.deferred_batch_norm() ? ", deferred_batch_norm=true" : "") << ")";
+}
+
 void GPipeImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool /*non_blocking*/) {
   TORCH_CHECK(false, "GPipe refuses to move its parameters and buffers to ", device,
               ": it places each partition on its own device (",

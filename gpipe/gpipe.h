@@ -102,6 +102,10 @@ class GPipeImpl : public torch::nn::Module {
   /// The total number of layers.
   size_t size() const;
 
+  /// Prints e.g. "gpipe::GPipe(balance={2, 3}, devices={cpu, cpu}, chunks=8,
+  /// checkpoint=except_last)" followed by the partitions when printed with `std::cout << *model`.
+  void pretty_print(std::ostream& stream) const override;
+
   /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).

@@ -105,10 +105,9 @@ int64_t memory_allocated(c10::Device device) {
   }
 #ifdef GPIPE_WITH_CUDA
   const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-  return stats.allocated_bytes[static_cast<size_t>(
-                                   c10::cuda::CUDACachingAllocator::StatType::AGGREGATE)]
-      .current;
+  // Entry 0 of the statistics arrays is the aggregate over all pools (StatType::AGGREGATE), in
+  // every LibTorch version; the enum itself moved between namespaces in 2.x.
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].current;
 #else
   no_cuda(device);
 #endif

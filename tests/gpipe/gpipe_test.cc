@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/InferenceMode.h>
@@ -40,6 +41,14 @@ CATCH_TEST_CASE("GPipe reports its configuration", "[gpipe][api]") {
   CATCH_CHECK(model->partitions()[0]->size() == 2);
   CATCH_CHECK(model->partitions()[1]->size() == 3);
   CATCH_CHECK(model->size() == 5);
+}
+
+CATCH_TEST_CASE("GPipe prints its configuration", "[gpipe][api]") {
+  GPipe model(build(mlp, 1), cpu({2, 3}).chunks(4).deferred_batch_norm(true));
+  std::ostringstream out;
+  model->pretty_print(out);
+  CATCH_CHECK(out.str() == "gpipe::GPipe(balance={2, 3}, devices={cpu, cpu}, chunks=4, "
+                           "checkpoint=except_last, deferred_batch_norm=true)");
 }
 
 CATCH_TEST_CASE("GPipe defaults to one micro-batch, kExceptLast and CPU devices without CUDA",
