@@ -72,8 +72,9 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t layers, size_t 
   TORCH_CHECK(sum == layers, "GPipe balance ", shown, " adds up to ", sum,
               " layers, but the Sequential has ", layers, kBalanceAdvice);
   TORCH_CHECK(balance.size() <= devices, "GPipe balance ", shown, " has ", balance.size(),
-              " partitions, but only ", devices, " devices were given; give at least one device "
-              "per partition (a device may be repeated, e.g. {torch::kCPU, torch::kCPU})");
+              " partitions, but only ", devices, " devices; give at least one device per "
+              "partition with GPipeOptions::devices (a device may be repeated, e.g. "
+              "{torch::kCPU, torch::kCPU})");
 }
 
 std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& module,

@@ -36,7 +36,25 @@ struct Slot {
   const Batch* input = nullptr;
   std::unique_ptr<Checkpointing> checkpointing;
   std::exception_ptr error;
+  bool submitted = false;  // handed to a worker thread
   absl::Notification done;
+};
+
+// Waits, when a tick is left early by an exception on this thread, for the tasks already handed to
+// workers: they point into the tick's slots and the batches.
+class TickGuard {
+ public:
+  explicit TickGuard(std::vector<std::unique_ptr<Slot>>& slots) : slots_(slots) {}
+  ~TickGuard() {
+    for (auto& slot : slots_) {
+      if (slot->submitted) {
+        slot->done.WaitForNotification();
+      }
+    }
+  }
+
+ private:
+  std::vector<std::unique_ptr<Slot>>& slots_;
 };
 
 // Runs one task on the current thread, on its partition's compute stream.
@@ -87,6 +105,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     // the other workers are busy meanwhile (Note [Workers and the calling thread]).
     std::vector<std::unique_ptr<Slot>> slots;
     slots.reserve(tick.size());
+    TickGuard guard(slots);
     for (const Task2D& task : tick) {
       const int64_t i = task.microbatch;
       const size_t j = static_cast<size_t>(task.partition);
@@ -103,6 +122,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
             std::make_unique<Checkpointing>(spec.stages[j], batches[i], spec.devices[j]);
       }
       if (!spec.workers->runs_inline(j)) {
+        slot->submitted = true;
         Slot* s = slot.get();
         spec.workers->for_partition(j).submit([s, &spec, state = caller_state.get()] {
           {

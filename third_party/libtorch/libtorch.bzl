@@ -31,7 +31,11 @@ def _uses_old_abi(rctx, root):
 
 def _libtorch_repository_impl(rctx):
     root = rctx.os.environ.get("GPIPE_LIBTORCH", "").rstrip("/")
-    defines = []
+
+    # LibTorch's release builds are compiled with NDEBUG, and some of its headers lay out classes
+    # differently without it (at::RecordFunction has a debug-only member), so everything that
+    # includes them must define it too, in debug and sanitizer builds as well.
+    defines = ["NDEBUG"]
     if root:
         for sub in ["include", "lib"]:
             if not rctx.path(root + "/" + sub).exists:
