@@ -4,8 +4,12 @@
 #include "tests/gpipe/test_util.h"
 
 #include <algorithm>
+#include <map>
+#include <set>
 
 #include <ATen/core/grad_mode.h>
+
+#include <torch/csrc/autograd/function.h>
 
 #include "gpipe/schedule.h"
 
@@ -87,6 +91,45 @@ CATCH_TEST_CASE("backward visits micro-batches in reverse on every partition",
     for (int64_t j = partitions - 1; j >= 0; --j) expected.push_back(j);
     CATCH_CHECK(partitions_seen == expected);
   }
+}
+
+// Counts the autograd nodes of each name reachable from `root`.
+std::map<std::string, int64_t> count_nodes(const std::shared_ptr<torch::autograd::Node>& root) {
+  std::map<std::string, int64_t> counts;
+  std::set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack{root.get()};
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    counts[node->name()] += 1;
+    for (const auto& edge : node->next_edges()) stack.push_back(edge.function.get());
+  }
+  return counts;
+}
+
+// On the CPU the autograd engine happens to visit micro-batches in reverse even without help, so
+// the order test above cannot tell whether the dependencies exist; this one looks at the graph.
+CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task after the first "
+                "micro-batch, and one recomputation per checkpointed task",
+                "[pipeline][schedule][checkpoint]") {
+  const int64_t partitions = GENERATE(1, 2, 3);
+  const int64_t chunks = GENERATE(1, 2, 4);
+  const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
+  CATCH_CAPTURE(partitions, chunks, static_cast<int>(mode));
+  auto log = std::make_shared<Log>(2);
+  GPipe model = probed_model(partitions, chunks, mode, log);
+  model->train();
+  at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
+  const int64_t stop = mode == Checkpoint::kAlways       ? chunks
+                       : mode == Checkpoint::kExceptLast ? chunks - 1
+                                                         : 0;
+  auto counts = count_nodes(y.grad_fn());
+  // depend() per task (i > 0, j), plus a fork and a join around each recomputation.
+  CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions + stop * partitions);
+  CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions + stop * partitions);
+  CATCH_CHECK(counts["gpipe::RecomputeBackward"] == stop * partitions);
+  CATCH_CHECK(counts["gpipe::CheckpointBackward"] == stop * partitions);
 }
 
 CATCH_TEST_CASE("checkpointing runs and recomputes exactly the chosen micro-batches",
