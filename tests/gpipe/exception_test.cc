@@ -54,6 +54,17 @@ torch::nn::Sequential trapped_model(int64_t partitions, const std::shared_ptr<Tr
   return seq;
 }
 
+// Three partitions of a TrapLayer and a Scale each, four micro-batches of two rows.
+GPipe trapped_gpipe(const std::shared_ptr<Trap>& trap, Checkpoint mode, bool threads) {
+  GPipe model(trapped_model(3, trap, 0), GPipeOptions({2, 2, 2})
+                                             .devices({at::kCPU, at::kCPU, at::kCPU})
+                                             .chunks(4)
+                                             .checkpoint(mode)
+                                             .worker_per_partition(threads));
+  model->train();
+  return model;
+}
+
 // After a failed step, the same GPipe still computes what a plain model computes.
 void check_next_step_works(GPipe& model, const std::shared_ptr<Trap>& trap, int64_t partitions) {
   trap->microbatch = -1;
@@ -74,12 +85,7 @@ CATCH_TEST_CASE("an exception in forward at any task reaches the caller", "[pipe
   const bool threads = GENERATE(false, true);
   CATCH_CAPTURE(i, j, static_cast<int>(mode), threads);
   auto trap = std::make_shared<Trap>(Trap{i, j, "forward"});
-  GPipe model(trapped_model(partitions, trap, 0), GPipeOptions({2, 2, 2})
-                                                      .devices({at::kCPU, at::kCPU, at::kCPU})
-                                                      .chunks(4)
-                                                      .checkpoint(mode)
-                                                      .worker_per_partition(threads));
-  model->train();
+  GPipe model = trapped_gpipe(trap, mode, threads);
   CATCH_CHECK_THROWS_WITH(model->forward(rows_input(8, 3)),
                           Catch::Contains(absl::StrFormat("trap in forward at (%d, %d)", i, j)));
   check_next_step_works(model, trap, partitions);
@@ -93,12 +99,7 @@ CATCH_TEST_CASE("an exception in backward at any task reaches the caller", "[pip
   const bool threads = GENERATE(false, true);
   CATCH_CAPTURE(i, j, static_cast<int>(mode), threads);
   auto trap = std::make_shared<Trap>(Trap{i, j, "backward"});
-  GPipe model(trapped_model(partitions, trap, 0), GPipeOptions({2, 2, 2})
-                                                      .devices({at::kCPU, at::kCPU, at::kCPU})
-                                                      .chunks(4)
-                                                      .checkpoint(mode)
-                                                      .worker_per_partition(threads));
-  model->train();
+  GPipe model = trapped_gpipe(trap, mode, threads);
   // The input needs a gradient, so that the first partition's layer has a backward to fail in.
   at::Tensor y = model->forward(rows_input(8, 3).requires_grad_(true));
   CATCH_CHECK_THROWS_WITH(y.sum().backward(),

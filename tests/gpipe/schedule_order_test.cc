@@ -31,6 +31,19 @@ GPipe probed_model(int64_t partitions, int64_t chunks, Checkpoint mode,
                         .checkpoint(mode));
 }
 
+// How many micro-batches `mode` checkpoints in training (the reference's checkpoint_stop).
+int64_t checkpointed(Checkpoint mode, int64_t chunks) {
+  switch (mode) {
+    case Checkpoint::kAlways:
+      return chunks;
+    case Checkpoint::kExceptLast:
+      return chunks - 1;
+    case Checkpoint::kNever:
+      return 0;
+  }
+  return -1;
+}
+
 std::vector<Event> events(const std::string& phase, std::vector<std::pair<int64_t, int64_t>> ij) {
   std::vector<Event> out;
   for (auto [i, j] : ij) out.push_back({phase, i, j});
@@ -121,9 +134,7 @@ CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task afte
   GPipe model = probed_model(partitions, chunks, mode, log);
   model->train();
   at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
-  const int64_t stop = mode == Checkpoint::kAlways       ? chunks
-                       : mode == Checkpoint::kExceptLast ? chunks - 1
-                                                         : 0;
+  const int64_t stop = checkpointed(mode, chunks);
   auto counts = count_nodes(y.grad_fn());
   // depend() per task (i > 0, j), plus a fork and a join around each recomputation.
   CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions + stop * partitions);
@@ -142,9 +153,7 @@ CATCH_TEST_CASE("checkpointing runs and recomputes exactly the chosen micro-batc
   GPipe model = probed_model(partitions, chunks, mode, log);
   model->train();
   at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
-  const int64_t stop = mode == Checkpoint::kAlways       ? chunks
-                       : mode == Checkpoint::kExceptLast ? chunks - 1
-                                                         : 0;
+  const int64_t stop = checkpointed(mode, chunks);
   auto micro_of = [](const std::vector<Event>& es, int64_t j) {
     std::vector<int64_t> out;
     for (const Event& e : es) {
