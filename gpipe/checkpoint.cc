@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include "gpipe/dependency.h"
+#include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
 
@@ -47,33 +48,73 @@ class RngReplay {
 bool is_checkpointing() { return checkpointing_flag; }
 bool is_recomputing() { return recomputing_flag; }
 
-struct Checkpointing::State {
-  State(Function function, Batch input, c10::Device device)
+struct CheckpointFrame::State {
+  State(Checkpointing::Function function, Batch input, c10::Device device)
       : function(std::move(function)), input(std::move(input)), device(device) {}
 
-  Function function;
+  Checkpointing::Function function;
   Batch input;
   c10::Device device;
   RngState rng;
   std::unique_ptr<ThreadState> thread_state;
 
+  // Skips popped from other partitions in the first forward: extra inputs (in pop order).
+  std::vector<std::pair<SkipKey, SkipTensor>> popped;
+
   // Set by RecomputeBackward, used by CheckpointBackward.
   bool recomputed = false;
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> leaves;
+  std::vector<SkipTensor> popped_leaves;  // parallel to `popped`
+  std::vector<std::pair<SkipTensor, std::function<at::Tensor()>>> restashed;
 
   void release() {
     input = Batch(std::vector<at::Tensor>{});
     outputs.clear();
     leaves.clear();
+    popped.clear();
+    popped_leaves.clear();
+    restashed.clear();
   }
 };
+
+namespace {
+thread_local CheckpointFrame* current_frame = nullptr;
+}  // namespace
+
+CheckpointFrame::CheckpointFrame(State* state, bool recomputing)
+    : state_(state), recomputing_(recomputing), previous_(current_frame) {
+  current_frame = this;
+}
+
+CheckpointFrame::~CheckpointFrame() { current_frame = previous_; }
+
+CheckpointFrame* CheckpointFrame::current() { return current_frame; }
+
+void CheckpointFrame::add_popped(const SkipKey& key, at::Tensor tensor) {
+  state_->popped.emplace_back(key, SkipTensor(std::move(tensor)));
+}
+
+at::Tensor CheckpointFrame::popped_leaf(const SkipKey& key) {
+  for (size_t k = 0; k < state_->popped.size(); ++k) {
+    if (state_->popped[k].first == key) {
+      return state_->popped_leaves[k].get();
+    }
+  }
+  TORCH_CHECK(false, "gpipe: the recomputation of a checkpointed micro-batch popped skip '",
+              key.str(), "', which its first forward did not pop; a layer's pops must not depend "
+              "on whether it is recomputing");
+}
+
+void CheckpointFrame::add_restashed(at::Tensor tensor, std::function<at::Tensor()> grad) {
+  state_->restashed.emplace_back(SkipTensor(std::move(tensor)), std::move(grad));
+}
 
 namespace {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-using State = Checkpointing::State;
+using State = CheckpointFrame::State;
 
 struct CheckpointBackward : Node {
   explicit CheckpointBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
@@ -94,13 +135,28 @@ struct CheckpointBackward : Node {
         output_grads.push_back(grads[k]);
       }
     }
+    // Skips stashed again by the recomputation take the gradients their pops produced.
+    for (auto& restashed : state->restashed) {
+      const at::Tensor& t = restashed.first.get();
+      at::Tensor grad = restashed.second();
+      if (t.defined() && t.requires_grad() && grad.defined()) {
+        outputs.push_back(t);
+        output_grads.push_back(std::move(grad));
+      }
+    }
     if (!outputs.empty()) {
       torch::autograd::backward(outputs, output_grads);
     }
+    auto grad_of = [](const at::Tensor& leaf) {
+      return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
+    };
     variable_list input_grads;
-    input_grads.reserve(state->leaves.size());
+    input_grads.reserve(state->leaves.size() + state->popped_leaves.size());
     for (const at::Tensor& leaf : state->leaves) {
-      input_grads.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
+      input_grads.push_back(grad_of(leaf));
+    }
+    for (const SkipTensor& leaf : state->popped_leaves) {
+      input_grads.push_back(grad_of(leaf.get()));
     }
     state->release();
     state.reset();
@@ -109,6 +165,16 @@ struct CheckpointBackward : Node {
 
   std::shared_ptr<State> state;
 };
+
+// A detached stand-in for `x` that needs a gradient exactly when `x` does.
+at::Tensor leaf_of(const at::Tensor& x) {
+  if (!x.defined()) {
+    return at::Tensor();
+  }
+  at::Tensor leaf = x.detach();
+  leaf.set_requires_grad(x.requires_grad());
+  return leaf;
+}
 
 struct RecomputeBackward : Node {
   explicit RecomputeBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
@@ -121,13 +187,10 @@ struct RecomputeBackward : Node {
     std::vector<at::Tensor> leaves;
     leaves.reserve(state->input.size());
     for (const at::Tensor& x : state->input.values()) {
-      if (!x.defined()) {
-        leaves.emplace_back();
-        continue;
-      }
-      at::Tensor leaf = x.detach();
-      leaf.set_requires_grad(x.requires_grad());
-      leaves.push_back(std::move(leaf));
+      leaves.push_back(leaf_of(x));
+    }
+    for (const auto& popped : state->popped) {
+      state->popped_leaves.emplace_back(leaf_of(popped.second.get()));
     }
     Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
     Batch out(std::vector<at::Tensor>{});
@@ -136,6 +199,7 @@ struct RecomputeBackward : Node {
       at::AutoGradMode grad(true);
       RngReplay replay(state->rng);
       FlagScope recomputing(recomputing_flag);
+      CheckpointFrame frame(state.get(), /*recomputing=*/true);
       out = state->function(leaf_batch);
     }
     state->outputs = std::move(out.values());
@@ -160,11 +224,17 @@ Batch Checkpointing::checkpoint() {
   {
     at::NoGradGuard no_grad;
     FlagScope checkpointing(checkpointing_flag);
+    CheckpointFrame frame(state_.get(), /*recomputing=*/false);
     out = state_->function(state_->input);
   }
   auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(state_),
                                                   torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(state_->input.values()));
+  // The edges of the inputs, then of the skips popped from other partitions.
+  std::vector<at::Tensor> inputs = state_->input.values();
+  for (const auto& popped : state_->popped) {
+    inputs.push_back(popped.second.get());
+  }
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (at::Tensor& t : out.values()) {
     if (t.defined() && t.is_floating_point()) {
       t = t.detach();

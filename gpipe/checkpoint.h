@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 
 #include "gpipe/microbatch.h"
+#include "gpipe/skippable.h"
 
 namespace gpipe {
 
@@ -40,6 +41,40 @@ bool is_recomputing();
 // [Thread-local state in workers]); CheckpointBackward then runs backward through the recomputed
 // graph, which accumulates the parameters' gradients, and returns the inputs' gradients.
 
+/// A checkpointed task's view of the skips that cross it (see Note [Skips and checkpointing] in
+/// skip_tracker.h): present on the thread running a checkpoint's first forward or its
+/// recomputation, null elsewhere.
+class CheckpointFrame {
+ public:
+  /// The frame of the checkpoint running on this thread, or null.
+  static CheckpointFrame* current();
+
+  /// Whether this is the recomputation (else the first forward).
+  bool recomputing() const { return recomputing_; }
+
+  /// First forward: `tensor`, popped from another partition, becomes an extra input of the
+  /// checkpoint.
+  void add_popped(const SkipKey& key, at::Tensor tensor);
+
+  /// Recomputation: the leaf standing for what the first forward popped under `key`.
+  at::Tensor popped_leaf(const SkipKey& key);
+
+  /// Recomputation: `tensor` was stashed again, with history; `grad` gives the gradient that the
+  /// popping side caught for it (or an undefined tensor).
+  void add_restashed(at::Tensor tensor, std::function<at::Tensor()> grad);
+
+  struct State;
+  CheckpointFrame(State* state, bool recomputing);
+  ~CheckpointFrame();
+  CheckpointFrame(const CheckpointFrame&) = delete;
+  CheckpointFrame& operator=(const CheckpointFrame&) = delete;
+
+ private:
+  State* state_;
+  bool recomputing_;
+  CheckpointFrame* previous_;
+};
+
 /// Runs a function on a micro-batch with checkpointing; one object per (micro-batch, partition).
 ///
 ///   gpipe::Checkpointing cp(fn, batch, device);
@@ -57,7 +92,7 @@ class Checkpointing {
   /// Wires recomputation into the autograd graph beside `output`'s lane (see the Note).
   void recompute(Batch& output);
 
-  struct State;
+  using State = CheckpointFrame::State;
 
  private:
   std::shared_ptr<State> state_;

@@ -11,6 +11,7 @@
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
 #include "gpipe/pipeline.h"
+#include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 #include "gpipe/worker.h"
 
@@ -80,10 +81,12 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   TORCH_CHECK(options_.chunks() > 0, "GPipe chunks must be a positive number of micro-batches, "
               "got ", options_.chunks());
   verify_module(module);
+  verify_skippables(module);
   std::vector<c10::Device> devices = choose_devices(options_.devices(), options_.balance().size());
   verify_balance(options_.balance(), static_cast<int64_t>(module->size()), devices.size());
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
   partitions_ = split_module(module, options_.balance(), devices_);
+  skip_layout_ = SkipLayout(partitions_);
   partition_list_ = register_module("partitions", torch::nn::ModuleList());
   for (const auto& partition : partitions_) {
     partition_list_->push_back(partition);
@@ -153,6 +156,13 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.checkpoint_stop =
       checkpointing ? checkpoint_stop(options_.checkpoint(), options_.chunks()) : 0;
   spec.workers = workers_.get();
+  spec.skip_layout = &skip_layout_;
+  spec.run = next_run_id();
+  std::unique_ptr<Timeline> timeline;
+  if (options_.record_timeline()) {
+    timeline = std::make_unique<Timeline>();
+    spec.timeline = timeline.get();
+  }
 
   std::unique_ptr<DeferredBatchNorm::TrackingScope> tracking;
   if (deferred_batch_norm_) {
@@ -162,6 +172,9 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     }
   }
   run_pipeline(spec, batches);
+  if (timeline) {
+    last_timeline_ = timeline->events();
+  }
   if (tracking) {
     tracking.reset();
     deferred_batch_norm_->commit();

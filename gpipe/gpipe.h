@@ -17,6 +17,9 @@
 #include <torch/nn/pimpl.h>
 
 #include "gpipe/checkpoint.h"
+#include "gpipe/skip_layout.h"
+#include "gpipe/skippable.h"
+#include "gpipe/timeline.h"
 
 namespace gpipe {
 
@@ -62,6 +65,8 @@ struct GPipeOptions {
   /// draw random numbers from the CPU generator then draw them in an order that depends on thread
   /// timing.
   TORCH_ARG(bool, worker_per_partition) = false;
+  /// Whether each forward records its tasks and copies (see last_timeline()).
+  TORCH_ARG(bool, record_timeline) = false;
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -101,6 +106,11 @@ class GPipeImpl : public torch::nn::Module {
   const std::vector<torch::nn::Sequential>& partitions() const { return partitions_; }
   /// The total number of layers.
   size_t size() const;
+  /// What the last forward did, when GPipeOptions::record_timeline is set (else empty). Draw it
+  /// with gpipe::render_timeline.
+  const std::vector<TimelineEvent>& last_timeline() const { return last_timeline_; }
+  /// Where the model's skip connections run between partitions.
+  const SkipLayout& skip_layout() const { return skip_layout_; }
 
   /// Prints e.g. "gpipe::GPipe(balance={2, 3}, devices={cpu, cpu}, chunks=8,
   /// checkpoint=except_last)" followed by the partitions when printed with `std::cout << *model`.
@@ -125,6 +135,8 @@ class GPipeImpl : public torch::nn::Module {
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<DeferredBatchNorm> deferred_batch_norm_;
   std::vector<std::vector<c10::Stream>> copy_streams_;
+  SkipLayout skip_layout_;
+  std::vector<TimelineEvent> last_timeline_;
 };
 
 /// A GPipe: a module holder of GPipeImpl (see there).

@@ -11,6 +11,7 @@
 #include "gpipe/copy.h"
 #include "gpipe/dependency.h"
 #include "gpipe/schedule.h"
+#include "gpipe/skip_tracker.h"
 #include "gpipe/thread_state.h"
 
 namespace gpipe {
@@ -34,6 +35,7 @@ struct Slot {
   size_t partition = 0;
   Batch output{std::vector<at::Tensor>{}};
   const Batch* input = nullptr;
+  std::function<Batch(const Batch&)> stage;  // the partition, in the micro-batch's context
   std::unique_ptr<Checkpointing> checkpointing;
   std::exception_ptr error;
   bool submitted = false;  // handed to a worker thread
@@ -59,12 +61,31 @@ class TickGuard {
 
 // Runs one task on the current thread, on its partition's compute stream.
 void compute(const PipelineSpec& spec, Slot& slot) {
+  const double start = spec.timeline ? spec.timeline->now_us() : 0;
   try {
     c10::StreamGuard stream_guard(spec.compute_streams[slot.partition]);
-    slot.output = slot.checkpointing ? slot.checkpointing->checkpoint()
-                                     : spec.stages[slot.partition](*slot.input);
+    slot.output = slot.checkpointing ? slot.checkpointing->checkpoint() : slot.stage(*slot.input);
   } catch (...) {
     slot.error = std::current_exception();
+  }
+  if (spec.timeline) {
+    TimelineEvent event{TimelineEvent::Kind::kCompute, slot.microbatch,
+                        static_cast<int64_t>(slot.partition)};
+    event.checkpointed = slot.checkpointing != nullptr;
+    event.start_us = start;
+    event.end_us = spec.timeline->now_us();
+    spec.timeline->add(event);
+  }
+}
+
+// Records a copy into (microbatch, partition) that started at `start`.
+void record_copy(const PipelineSpec& spec, TimelineEvent::Kind kind, int64_t microbatch,
+                 int64_t partition, int64_t from, int64_t tensors, double start) {
+  if (spec.timeline) {
+    TimelineEvent event{kind, microbatch, partition, from, tensors};
+    event.start_us = start;
+    event.end_us = spec.timeline->now_us();
+    spec.timeline->add(event);
   }
 }
 
@@ -86,6 +107,18 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
   // (Note [Thread-local state in workers]).
   const std::unique_ptr<ThreadState> caller_state =
       spec.workers->size() > 0 ? std::make_unique<ThreadState>() : nullptr;
+  // Each micro-batch's context: its skips (Note [Skips and checkpointing]) and its identity.
+  const bool skips = spec.skip_layout != nullptr && !spec.skip_layout->empty();
+  std::vector<TaskContext> contexts(m);
+  std::vector<MicroBatchSkips*> trackers(m, nullptr);
+  for (int64_t i = 0; i < m; ++i) {
+    contexts[i].microbatch = MicroBatch{spec.run, i};
+    if (skips) {
+      auto tracker = std::make_shared<MicroBatchSkips>(spec.skip_layout);
+      trackers[i] = tracker.get();
+      contexts[i].skips = std::move(tracker);
+    }
+  }
 
   for (const std::vector<Task2D>& tick : clock_cycles(m, n)) {
     // Fence: dependencies and copies, on this thread.
@@ -96,8 +129,18 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         depend_lanes(batches[i - 1], batches[i]);
       }
       if (j > 0) {
+        const double start = spec.timeline ? spec.timeline->now_us() : 0;
+        if (trackers[i] != nullptr) {
+          for (int64_t from : trackers[i]->fence(i, j, batches[i], copy_streams,
+                                                 i < spec.checkpoint_stop)) {
+            record_copy(spec, TimelineEvent::Kind::kSkipCopy, i, j, from, 1, start);
+          }
+        }
+        const double copy_start = spec.timeline ? spec.timeline->now_us() : 0;
         batches[i].values() = copy(std::move(batches[i].values()), copy_streams[j - 1][i],
                                    copy_streams[j][i]);
+        record_copy(spec, TimelineEvent::Kind::kCopy, i, j, j - 1,
+                    static_cast<int64_t>(batches[i].size()), copy_start);
       }
     }
 
@@ -117,9 +160,13 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       slot->microbatch = i;
       slot->partition = j;
       slot->input = &batches[i];
+      slot->stage = [stage = spec.stages[j], context = contexts[i]](const Batch& b) {
+        TaskScope scope(context);
+        return stage(b);
+      };
       if (i < spec.checkpoint_stop) {
         slot->checkpointing =
-            std::make_unique<Checkpointing>(spec.stages[j], batches[i], spec.devices[j]);
+            std::make_unique<Checkpointing>(slot->stage, batches[i], spec.devices[j]);
       }
       if (!spec.workers->runs_inline(j)) {
         slot->submitted = true;

@@ -10,6 +10,8 @@
 #include <c10/core/Stream.h>
 
 #include "gpipe/microbatch.h"
+#include "gpipe/skip_layout.h"
+#include "gpipe/timeline.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -29,6 +31,12 @@ struct PipelineSpec {
   /// Micro-batches i < checkpoint_stop are checkpointed.
   int64_t checkpoint_stop = 0;
   WorkerPool* workers = nullptr;
+  /// Where the skips go; null or empty when the model has no skippable layer.
+  const SkipLayout* skip_layout = nullptr;
+  /// Identifies this forward for current_microbatch().
+  uint64_t run = 0;
+  /// Where to record what happened; null to record nothing.
+  Timeline* timeline = nullptr;
 };
 
 /// Runs every micro-batch of `batches` (on the first device) through every partition, replacing

@@ -1,0 +1,151 @@
+// Skip trackers: where stashed tensors wait for their pop. Outside a GPipe a thread-local map
+// holds them; in a GPipe each micro-batch has its own tracker, which the pipeline also uses to
+// move each stashed tensor to its popping partition's device in one copy.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
+
+#include "gpipe/microbatch.h"
+#include "gpipe/skip_layout.h"
+#include "gpipe/skippable.h"
+
+namespace gpipe {
+
+/// A tensor held on behalf of a skip connection, counted by live_skip_tensors() while defined.
+class SkipTensor {
+ public:
+  SkipTensor() = default;
+  explicit SkipTensor(at::Tensor t) { set(std::move(t)); }
+  ~SkipTensor() { reset(); }
+  SkipTensor(SkipTensor&& o) noexcept : tensor_(o.take()) { count(tensor_, +1); }
+  SkipTensor& operator=(SkipTensor&& o) noexcept {
+    set(o.take());
+    return *this;
+  }
+  SkipTensor(const SkipTensor&) = delete;
+  SkipTensor& operator=(const SkipTensor&) = delete;
+
+  void set(at::Tensor t) {
+    reset();
+    tensor_ = std::move(t);
+    count(tensor_, +1);
+  }
+  /// Gives the tensor up (the holder is then empty).
+  at::Tensor take() {
+    count(tensor_, -1);
+    return std::move(tensor_);
+  }
+  void reset() { take(); }
+  const at::Tensor& get() const { return tensor_; }
+
+ private:
+  static void count(const at::Tensor& t, int64_t delta);
+  at::Tensor tensor_;
+};
+
+/// Where gpipe::stash puts tensors and gpipe::pop takes them from.
+class SkipTracker {
+ public:
+  virtual ~SkipTracker() = default;
+  virtual void stash(const SkipKey& key, at::Tensor tensor) = 0;
+  virtual at::Tensor pop(const SkipKey& key) = 0;
+};
+
+/// A skip that crosses partitions, for one micro-batch.
+struct SkipSlot {
+  bool stashed = false;
+  SkipTensor tensor;  // from the stash until the pop
+  SkipTensor grad;    // the gradient caught for a checkpointed stash, until its recomputation
+};
+
+// Note [Skips and checkpointing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A skip from partition a to partition b of micro-batch i is stashed during task (i, a), copied
+// from a's device to b's by the fence of (i, b) on the two copy streams, and popped during task
+// (i, b). The partitions in between never see it. When task (i, a) runs with autograd, the copy
+// keeps the history, and the skip's gradient flows straight back to the stashing layer.
+//
+// Checkpointing breaks that in two places, and the tracker repairs both with the checkpoint's
+// help (checkpoint.h, CheckpointFrame):
+//  - A checkpointed pop side: task (i, b) runs without grad and is recomputed later. Each tensor
+//    it pops becomes an extra input of the checkpoint: the recomputation pops a detached leaf
+//    instead, and the checkpoint's backward returns the leaf's gradient along the popped tensor's
+//    history.
+//  - A checkpointed stash side: task (i, a) stashes a tensor without history, so nothing would
+//    carry the skip's gradient back. The fence gives the copy a catcher node whose backward keeps
+//    the gradient (copied back to a's device) in the slot. The recomputation of (i, a) stashes the
+//    tensor again, with history; the checkpoint's backward then runs backward through it with the
+//    caught gradient, together with the partition's outputs. For the gradient to be caught first,
+//    the catcher hangs off a fork of micro-batch i's lane at b's input: the lane's gradient cannot
+//    go on towards a before the catcher has run.
+
+/// The skips of one micro-batch in a GPipe.
+class MicroBatchSkips : public SkipTracker {
+ public:
+  explicit MicroBatchSkips(const SkipLayout* layout);
+
+  void stash(const SkipKey& key, at::Tensor tensor) override;
+  at::Tensor pop(const SkipKey& key) override;
+
+  /// The fence of (microbatch, partition): copies every skip routed into `partition` from its
+  /// stashing partition's copy stream to `partition`'s, adding a gradient catcher when the
+  /// stashing task was checkpointed (`checkpointed`) and hanging it off `batch`'s lane. Returns
+  /// the stashing partition of each tensor moved.
+  std::vector<int64_t> fence(int64_t microbatch, int64_t partition, Batch& batch,
+                const std::vector<std::vector<c10::Stream>>& copy_streams, bool checkpointed);
+
+ private:
+  const SkipLayout* layout_;
+  std::map<SkipKey, std::shared_ptr<SkipSlot>> slots_;  // crossing skips, made up front
+  std::map<SkipKey, SkipTensor> local_;                 // skips within one partition
+};
+
+/// Which micro-batch a task computes and where its skips go; installed on the thread that runs
+/// the task (and again for its recomputation).
+struct TaskContext {
+  std::shared_ptr<SkipTracker> skips;  // null: the thread's default tracker
+  MicroBatch microbatch;
+};
+
+/// Installs a TaskContext for a scope.
+class TaskScope {
+ public:
+  explicit TaskScope(const TaskContext& context);
+  ~TaskScope();
+  TaskScope(const TaskScope&) = delete;
+  TaskScope& operator=(const TaskScope&) = delete;
+
+ private:
+  const TaskContext* previous_;
+};
+
+// Note [current_microbatch and checkpointing]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// current_microbatch() names the micro-batch a layer is computing: the same key in a checkpointed
+// micro-batch's first forward and in its recomputation, a new key in every GPipe forward. The
+// Python reference had such a function and removed it because its map-keyed-by-micro-batch
+// pattern ("saved[key] = x" in one layer, "x + saved[key]" in a later one) is wrong under
+// checkpointing. That is still so: in a checkpointed micro-batch the first forward runs without
+// autograd, so the tensor the later layer reads has no history and no gradient reaches the
+// stashing layer; the recomputation stores a second tensor that nothing reads. The pattern gives
+// the plain model's outputs and gradients when the stashing layer's micro-batch is not
+// checkpointed: with Checkpoint::kNever, for the last micro-batch under kExceptLast, in eval mode
+// and without grad. Everywhere else use gpipe::stash and gpipe::pop, which handle checkpointing
+// (Note [Skips and checkpointing]). Layers can test is_checkpointing() and is_recomputing() to
+// avoid storing twice.
+
+/// The tracker gpipe::stash and gpipe::pop use on this thread: the running task's, or else the
+/// thread's default one (a plain map, for skippable layers outside a GPipe).
+SkipTracker& current_skip_tracker();
+
+/// The run id for a new GPipe forward (never 0).
+uint64_t next_run_id();
+
+}  // namespace gpipe
