@@ -210,3 +210,46 @@ CATCH_TEST_CASE("is_checkpointing and is_recomputing are false outside a pipelin
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+CATCH_TEST_CASE("the recorded timeline draws the schedule that ran", "[pipeline][timeline]") {
+  auto log = std::make_shared<Log>(2);
+  torch::nn::Sequential seq(Probe(0, log), Scale(3), Probe(1, log), Scale(3));
+  GPipe model(seq, GPipeOptions({2, 2})
+                       .devices({at::kCPU, at::kCPU})
+                       .chunks(3)
+                       .checkpoint(Checkpoint::kExceptLast)
+                       .record_timeline(true));
+  model->train();
+  model->forward(rows_input(6, 3).requires_grad_(true));
+  const std::vector<TimelineEvent> events = model->last_timeline();
+  int64_t computes = 0;
+  for (const TimelineEvent& e : events) {
+    if (e.kind == TimelineEvent::Kind::kCompute) {
+      ++computes;
+      CATCH_CHECK(e.checkpointed == (e.microbatch < 2));
+      CATCH_CHECK(e.end_us >= e.start_us);
+    }
+  }
+  CATCH_CHECK(computes == 6);
+  // Everything up to the busy times, which vary.
+  std::string picture = render_timeline(events);
+  std::string grid;
+  for (size_t start = 0; start < picture.size();) {
+    const size_t end = picture.find('\n', start);
+    const std::string line = picture.substr(start, end - start);
+    grid += line.substr(0, line.rfind('|')) + "\n";
+    start = end + 1;
+  }
+  CATCH_CHECK(grid == "partition 0 | 0* 1* 2  .  \npartition 1 | .  0* 1* 2  \n");
+  GPipe quiet(torch::nn::Sequential(Scale(3)), GPipeOptions({1}).devices({at::kCPU}));
+  quiet->forward(rows_input(2, 3));
+  CATCH_CHECK(quiet->last_timeline().empty());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
