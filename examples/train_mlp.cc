@@ -18,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_join.h"
+#include "examples/models/mlp.h"
 #include "gpipe/gpipe.h"
 
 ABSL_FLAG(int, partitions, 2, "number of pipeline partitions");
@@ -55,10 +56,7 @@ int main(int argc, char** argv) {
   const int width = absl::GetFlag(FLAGS_width);
   at::manual_seed(0);
 
-  namespace nn = torch::nn;
-  nn::Sequential model(nn::Linear(2, width), nn::ReLU(), nn::Linear(width, width), nn::ReLU(),
-                       nn::Linear(width, width), nn::ReLU(), nn::Linear(width, width), nn::ReLU(),
-                       nn::Linear(width, 2));
+  torch::nn::Sequential model = gpipe::models::mlp(width);
   TORCH_CHECK(partitions >= 1 && partitions <= static_cast<int>(model->size()),
               "--partitions must be between 1 and ", model->size(), ", got ", partitions);
   std::vector<int64_t> balance(partitions, model->size() / partitions);

@@ -39,7 +39,8 @@ std::string SkipKey::str() const {
   return ns == Namespace::global() ? name : absl::StrCat(name, "@", ns.id());
 }
 
-SkippableBase::SkippableBase(SkippableOptions options) : options_(std::move(options)) {
+SkippableBase::SkippableBase(SkippableOptions options, std::string name)
+    : torch::nn::Module(std::move(name)), options_(std::move(options)) {
   for (const auto& name : options_.stash()) {
     TORCH_CHECK(!name.empty(), "gpipe::SkippableOptions: a stash name is empty");
   }

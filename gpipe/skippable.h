@@ -68,7 +68,8 @@ struct SkippableOptions {
 /// Sequential with dynamic_cast.
 class SkippableBase : public torch::nn::Module {
  public:
-  explicit SkippableBase(SkippableOptions options);
+  /// `name` is the module name, e.g. "gpipe::Skippable(DownImpl)".
+  SkippableBase(SkippableOptions options, std::string name);
 
   /// The names declared as stashed and as popped.
   const std::vector<std::string>& stash_names() const { return options_.stash(); }
@@ -87,6 +88,10 @@ class SkippableBase : public torch::nn::Module {
 
   /// The module this layer wraps.
   virtual std::shared_ptr<torch::nn::Module> wrapped() const = 0;
+
+  /// Copies another layer's namespaces (for clone()).
+  void copy_namespaces(const SkippableBase& other) { namespaces_ = other.namespaces_; }
+  const SkippableOptions& options() const { return options_; }
 
   /// Makes this layer the one gpipe::stash and gpipe::pop act for during a forward, and checks at
   /// finish() that every declared stash and pop happened.
@@ -120,7 +125,8 @@ template <typename ModuleType, typename Return, typename... Args>
 class SkippableImpl<ModuleType, Return (ModuleType::*)(Args...)> : public SkippableBase {
  public:
   SkippableImpl(std::shared_ptr<ModuleType> module, SkippableOptions options)
-      : SkippableBase(std::move(options)), module_(register_module("module", std::move(module))) {}
+      : SkippableBase(std::move(options), "gpipe::Skippable(" + module->name() + ")"),
+        module_(register_module("module", std::move(module))) {}
 
   Return forward(Args... args) {
     ForwardScope scope(*this);
@@ -130,6 +136,19 @@ class SkippableImpl<ModuleType, Return (ModuleType::*)(Args...)> : public Skippa
   }
 
   std::shared_ptr<torch::nn::Module> wrapped() const override { return module_; }
+
+  /// A deep copy (the wrapped module must implement clone(), e.g. through torch::nn::Cloneable),
+  /// with the same declarations and namespaces.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<c10::Device>& device = c10::nullopt) const override {
+    auto module = std::dynamic_pointer_cast<ModuleType>(module_->clone(device));
+    TORCH_CHECK(module, "gpipe::Skippable: clone() of ", module_->name(),
+                " returned another type");
+    auto copy = std::make_shared<SkippableImpl>(std::move(module), options());
+    copy->copy_namespaces(*this);
+    copy->train(this->is_training());
+    return copy;
+  }
 
  private:
   std::shared_ptr<ModuleType> module_;

@@ -1,0 +1,143 @@
+// balance_by_time and balance_by_size choose the balances their measurements call for, and leave
+// the user's model as it was.
+#include "tests/gpipe/test_util.h"
+
+#include <torch/cuda.h>
+#include <torch/nn/cloneable.h>
+
+#include "balancing/balance.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+// A layer that does `reps` times the work of a Linear(256, 256).
+struct WorkImpl : nn::Cloneable<WorkImpl> {
+  explicit WorkImpl(int64_t reps) : reps(reps) { reset(); }
+  void reset() override { linear = register_module("linear", nn::Linear(256, 256)); }
+  at::Tensor forward(at::Tensor x) {
+    for (int64_t r = 0; r < reps; ++r) x = at::tanh(linear(x));
+    return x;
+  }
+  int64_t reps;
+  nn::Linear linear{nullptr};
+};
+TORCH_MODULE(Work);
+
+nn::Sequential slow_first() {
+  return nn::Sequential(Work(4), Work(1), Work(1), Work(1), Work(1));
+}
+
+nn::Sequential one_huge_layer() {
+  return nn::Sequential(nn::Linear(16, 16), nn::Linear(16, 16), nn::Linear(16, 4096),
+                        nn::Linear(4096, 16), nn::Linear(16, 16));
+}
+
+// The partition that holds layer `layer`, as (first layer, number of layers).
+std::pair<int64_t, int64_t> block_of(const std::vector<int64_t>& balance, int64_t layer) {
+  int64_t start = 0;
+  for (int64_t b : balance) {
+    if (layer < start + b) return {start, b};
+    start += b;
+  }
+  return {-1, 0};
+}
+
+CATCH_TEST_CASE("balance_by_time equalises time around a slow layer", "[balancing][time]") {
+  // Costs 4, 1, 1, 1, 1: the slow layer alone balances the other four (4 against 4); the next
+  // best split is 5 against 3.
+  const auto balance = balance_by_time(2, slow_first(), at::randn({256, 256}),
+                                       BalanceByTimeOptions().timeout(std::chrono::milliseconds(600)));
+  CATCH_CHECK(balance == std::vector<int64_t>{1, 4});
+}
+
+CATCH_TEST_CASE("balance_by_size isolates a layer with huge activations and parameters",
+                "[balancing][size]") {
+  const auto balance = balance_by_size(3, one_huge_layer(), at::randn({64, 16}),
+                                       BalanceBySizeOptions().chunks(1).param_scale(2.0));
+  CATCH_CAPTURE(balance);
+  CATCH_CHECK(block_of(balance, 2) == std::make_pair<int64_t, int64_t>(2, 1));
+}
+
+CATCH_TEST_CASE("the profiler measures memory on the CPU", "[balancing][profile]") {
+  const LayerProfile profile =
+      profile_layers(one_huge_layer(), at::randn({64, 16}), ProfileOptions().timeout(std::chrono::seconds(0)));
+  CATCH_REQUIRE(profile.layers.size() == 5);
+  CATCH_CHECK(profile.passes == 1);
+  const LayerStats& huge = profile.layers[2];
+  // Its output, 64 x 4096 floats, is allocated by its forward and held for the next layer's
+  // backward; parameters 4096 x 16 + 4096 floats.
+  CATCH_CHECK(huge.output_bytes == 64 * 4096 * 4);
+  CATCH_CHECK(huge.held_bytes >= huge.output_bytes);
+  CATCH_CHECK(huge.held_bytes < 2 * huge.output_bytes);
+  CATCH_CHECK(huge.param_bytes == (4096 * 16 + 4096) * 4);
+  CATCH_CHECK(huge.input_bytes == 64 * 16 * 4);
+  CATCH_CHECK(profile.layers[0].held_bytes < huge.held_bytes / 16);
+  CATCH_CHECK(profile.layers[0].forward_us > 0);
+  CATCH_CHECK(profile.layers[0].backward_us > 0);
+  CATCH_CHECK(profile.table().find("torch::nn::LinearImpl") != std::string::npos);
+  CATCH_CHECK(profile.json().find("\"held_bytes\": ") != std::string::npos);
+}
+
+CATCH_TEST_CASE("profiling leaves the model untouched", "[balancing][profile]") {
+  nn::Sequential model(nn::Linear(8, 8), nn::BatchNorm1d(8), nn::ReLU(), nn::Linear(8, 2));
+  model->eval();
+  std::vector<at::Tensor> params;
+  for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : model->buffers()) buffers.push_back(b.clone());
+  balance_by_time(2, model, at::randn({16, 8}),
+                  BalanceByTimeOptions().timeout(std::chrono::milliseconds(50)));
+  balance_by_size(2, model, at::randn({16, 8}));
+  const auto after_params = model->parameters();
+  for (size_t k = 0; k < params.size(); ++k) {
+    CATCH_CHECK(after_params[k].equal(params[k]));
+    CATCH_CHECK_FALSE(after_params[k].grad().defined());
+  }
+  const auto after_buffers = model->buffers();
+  for (size_t k = 0; k < buffers.size(); ++k) CATCH_CHECK(after_buffers[k].equal(buffers[k]));
+  for (const auto& m : model->modules()) CATCH_CHECK_FALSE(m->is_training());
+}
+
+CATCH_TEST_CASE("balancers refuse bad input with a clear error", "[balancing][errors]") {
+  nn::Sequential model(nn::Linear(8, 8), nn::ReLU(), nn::Linear(8, 2));
+  const at::Tensor x = at::randn({4, 8});
+  CATCH_CHECK_THROWS_WITH(balance_by_time(0, model, x), Catch::Contains("at least 1, got 0"));
+  CATCH_CHECK_THROWS_WITH(balance_by_size(4, model, x),
+                          Catch::Contains("cannot split a Sequential of 3 layers into 4"));
+  CATCH_CHECK_THROWS_WITH(balance_by_time(2, model, at::randn({4, 5})),
+                          Catch::Contains("the sample does not go through layer 0 ('0', "
+                                          "torch::nn::LinearImpl)"));
+  model->forward(x).sum().backward();
+  CATCH_CHECK_THROWS_WITH(balance_by_time(2, model, x), Catch::Contains("already has a gradient"));
+  CATCH_CHECK_THROWS_WITH(balance_by_size(2, nn::Sequential(nn::Linear(8, 8), nn::Linear(8, 8)), x,
+                                          BalanceBySizeOptions().chunks(0)),
+                          Catch::Contains("chunks must be at least 1"));
+}
+
+CATCH_TEST_CASE("a layer that cannot be copied is named", "[balancing][errors]") {
+  struct PlainImpl : nn::Module {
+    at::Tensor forward(const at::Tensor& x) { return x; }
+  };
+  nn::Sequential model(nn::Linear(8, 8), nn::ModuleHolder<PlainImpl>(std::make_shared<PlainImpl>()));
+  CATCH_CHECK_THROWS_WITH(balance_by_size(2, model, at::randn({4, 8})),
+                          Catch::Contains("cannot copy layer 1") &&
+                              Catch::Contains("torch::nn::Cloneable"));
+}
+
+CATCH_TEST_CASE("balancers work on CUDA", "[balancing][cuda]") {
+  const c10::Device gpu(at::kCUDA, 0);
+  const auto by_time = balance_by_time(
+      2, slow_first(), at::randn({256, 256}),
+      BalanceByTimeOptions().timeout(std::chrono::milliseconds(300)).device(gpu));
+  CATCH_CHECK(by_time == std::vector<int64_t>{1, 4});
+  const auto by_size = balance_by_size(3, one_huge_layer(), at::randn({64, 16}),
+                                       BalanceBySizeOptions().device(gpu));
+  CATCH_CHECK(block_of(by_size, 2) == std::make_pair<int64_t, int64_t>(2, 1));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
