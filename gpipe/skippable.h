@@ -125,7 +125,8 @@ template <typename ModuleType, typename Return, typename... Args>
 class SkippableImpl<ModuleType, Return (ModuleType::*)(Args...)> : public SkippableBase {
  public:
   SkippableImpl(std::shared_ptr<ModuleType> module, SkippableOptions options)
-      : SkippableBase(std::move(options), "gpipe::Skippable(" + module->name() + ")"),
+      : SkippableBase(std::move(options),
+                      "gpipe::Skippable(" + module->torch::nn::Module::name() + ")"),
         module_(register_module("module", std::move(module))) {}
 
   Return forward(Args... args) {
@@ -142,7 +143,7 @@ class SkippableImpl<ModuleType, Return (ModuleType::*)(Args...)> : public Skippa
   std::shared_ptr<torch::nn::Module> clone(
       const c10::optional<c10::Device>& device = c10::nullopt) const override {
     auto module = std::dynamic_pointer_cast<ModuleType>(module_->clone(device));
-    TORCH_CHECK(module, "gpipe::Skippable: clone() of ", module_->name(),
+    TORCH_CHECK(module, "gpipe::Skippable: clone() of ", module_->torch::nn::Module::name(),
                 " returned another type");
     auto copy = std::make_shared<SkippableImpl>(std::move(module), options());
     copy->copy_namespaces(*this);

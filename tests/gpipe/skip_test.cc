@@ -92,20 +92,7 @@ GPipeOptions cpu(std::vector<int64_t> balance) {
 template <typename Make>
 void check_transparent(Make make, const at::Tensor& x, const GPipeOptions& options, bool train) {
   const int64_t live_before = live_skip_tensors();
-  nn::Sequential plain = build(make, 21);
-  GPipe model(build(make, 21), options);
-  plain->train(train);
-  model->train(train);
-  at::Tensor x1 = x.clone().requires_grad_(true);
-  at::Tensor x2 = x.clone().requires_grad_(true);
-  at::Tensor y1 = plain->forward(x1);
-  at::Tensor y2 = model->forward(x2);
-  CATCH_CHECK(max_diff(y1, y2) <= kTol);
-  at::Tensor w = at::rand_like(y1);
-  (y1 * w).sum().backward();
-  (y2 * w).sum().backward();
-  check_same_grads(plain->parameters(), model->parameters(), kTol);
-  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= kTol);
+  testing::check_transparent(make, x, options, [train](nn::Module& m) { m.train(train); }, kTol);
   CATCH_CHECK(live_skip_tensors() == live_before);
 }
 

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -157,6 +158,29 @@ torch::nn::Sequential build(Make make, uint64_t seed) {
   torch::nn::Sequential model = make();
   model->to(at::kDouble);
   return model;
+}
+
+/// Runs `x` through the plain model and through a GPipe of an identical copy (both built by
+/// `make` with the same seed, both put in train or eval mode by `set_mode`), with the same
+/// weighted-sum loss, and checks outputs, parameter gradients and input gradients within `tol`.
+template <typename Make>
+void check_transparent(Make make, const at::Tensor& x, const GPipeOptions& options,
+                       const std::function<void(torch::nn::Module&)>& set_mode,
+                       double tol = 1e-10) {
+  torch::nn::Sequential plain = build(make, 7);
+  GPipe model(build(make, 7), options);
+  set_mode(*plain);
+  set_mode(*model);
+  at::Tensor x1 = x.clone().requires_grad_(true);
+  at::Tensor x2 = x.clone().requires_grad_(true);
+  at::Tensor y1 = plain->forward(x1);
+  at::Tensor y2 = model->forward(x2);
+  CATCH_CHECK(max_diff(y1, y2) <= tol);
+  at::Tensor w = at::rand_like(y1);
+  (y1 * w).sum().backward();
+  (y2 * w).sum().backward();
+  check_same_grads(plain->parameters(), model->parameters(), tol);
+  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= tol);
 }
 
 }  // namespace testing

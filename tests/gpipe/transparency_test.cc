@@ -78,24 +78,11 @@ GPipeOptions cpu_options(const std::vector<int64_t>& balance) {
   return GPipeOptions(balance).devices(std::vector<c10::Device>(balance.size(), at::kCPU));
 }
 
-// Runs `x` through the plain model and through a GPipe of an identical copy, with the same
-// weighted-sum loss, and checks outputs, parameter gradients and input gradients.
+// check_transparent with BatchNorm layers kept in eval mode (see set_mode).
 template <typename Make>
 void check_transparent(Make make, const at::Tensor& x, const GPipeOptions& options, bool train) {
-  torch::nn::Sequential plain = build(make, 7);
-  GPipe model(build(make, 7), options);
-  set_mode(*plain, train);
-  set_mode(*model, train);
-  at::Tensor x1 = x.clone().requires_grad_(true);
-  at::Tensor x2 = x.clone().requires_grad_(true);
-  at::Tensor y1 = plain->forward(x1);
-  at::Tensor y2 = model->forward(x2);
-  CATCH_CHECK(max_diff(y1, y2) <= kTol);
-  at::Tensor w = at::rand_like(y1);
-  (y1 * w).sum().backward();
-  (y2 * w).sum().backward();
-  check_same_grads(plain->parameters(), model->parameters(), kTol);
-  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= kTol);
+  testing::check_transparent(make, x, options,
+                             [train](torch::nn::Module& m) { set_mode(m, train); }, kTol);
 }
 
 CATCH_TEST_CASE("GPipe of a conv model equals the plain Sequential in outputs and gradients",
