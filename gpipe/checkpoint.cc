@@ -116,6 +116,43 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 using State = CheckpointFrame::State;
 
+// A detached stand-in for `x` that needs a gradient exactly when `x` does.
+at::Tensor leaf_of(const at::Tensor& x) {
+  if (!x.defined()) {
+    return at::Tensor();
+  }
+  at::Tensor leaf = x.detach();
+  leaf.set_requires_grad(x.requires_grad());
+  return leaf;
+}
+
+// Reruns the checkpointed function with autograd on detached inputs, as the first forward did
+// (random state, thread state), and keeps the outputs and leaves for CheckpointBackward.
+void recompute(State& st) {
+  State* state = &st;
+  std::vector<at::Tensor> leaves;
+  leaves.reserve(state->input.size());
+  for (const at::Tensor& x : state->input.values()) {
+    leaves.push_back(leaf_of(x));
+  }
+  for (const auto& popped : state->popped) {
+    state->popped_leaves.emplace_back(leaf_of(popped.second.get()));
+  }
+  Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
+  Batch out(std::vector<at::Tensor>{});
+  {
+    ThreadStateGuard thread_state(*state->thread_state);
+    at::AutoGradMode grad(true);
+    RngReplay replay(state->rng);
+    FlagScope recomputing(recomputing_flag);
+    CheckpointFrame frame(state, /*recomputing=*/true);
+    out = state->function(leaf_batch);
+  }
+  state->outputs = std::move(out.values());
+  state->leaves = std::move(leaves);
+  state->recomputed = true;
+}
+
 struct CheckpointBackward : Node {
   explicit CheckpointBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::CheckpointBackward"; }
@@ -124,8 +161,11 @@ struct CheckpointBackward : Node {
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(state, "gpipe: the backward of a checkpointed micro-batch ran twice; "
                 "retain_graph is not supported with checkpointing");
-    TORCH_CHECK(state->recomputed, "gpipe: internal error: a checkpointed micro-batch reached its "
-                "backward before it was recomputed");
+    if (!state->recomputed) {
+      // The recomputation hangs off the first floating-point output; when the loss does not
+      // depend on that output, it has not run yet.
+      recompute(*state);
+    }
     std::vector<at::Tensor> outputs;
     std::vector<at::Tensor> output_grads;
     for (const auto k : c10::irange(state->outputs.size())) {
@@ -166,16 +206,6 @@ struct CheckpointBackward : Node {
   std::shared_ptr<State> state;
 };
 
-// A detached stand-in for `x` that needs a gradient exactly when `x` does.
-at::Tensor leaf_of(const at::Tensor& x) {
-  if (!x.defined()) {
-    return at::Tensor();
-  }
-  at::Tensor leaf = x.detach();
-  leaf.set_requires_grad(x.requires_grad());
-  return leaf;
-}
-
 struct RecomputeBackward : Node {
   explicit RecomputeBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::RecomputeBackward"; }
@@ -184,27 +214,9 @@ struct RecomputeBackward : Node {
   variable_list apply(variable_list&& /*grads*/) override {
     TORCH_CHECK(state, "gpipe: a checkpointed micro-batch was recomputed twice; retain_graph is "
                 "not supported with checkpointing");
-    std::vector<at::Tensor> leaves;
-    leaves.reserve(state->input.size());
-    for (const at::Tensor& x : state->input.values()) {
-      leaves.push_back(leaf_of(x));
+    if (!state->recomputed) {
+      recompute(*state);
     }
-    for (const auto& popped : state->popped) {
-      state->popped_leaves.emplace_back(leaf_of(popped.second.get()));
-    }
-    Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
-    Batch out(std::vector<at::Tensor>{});
-    {
-      ThreadStateGuard thread_state(*state->thread_state);
-      at::AutoGradMode grad(true);
-      RngReplay replay(state->rng);
-      FlagScope recomputing(recomputing_flag);
-      CheckpointFrame frame(state.get(), /*recomputing=*/true);
-      out = state->function(leaf_batch);
-    }
-    state->outputs = std::move(out.values());
-    state->leaves = std::move(leaves);
-    state->recomputed = true;
     state.reset();
     return {at::Tensor()};
   }

@@ -120,6 +120,19 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     }
   }
 
+  // On an error, drop the skips still held (see MicroBatchSkips::clear).
+  struct ClearOnError {
+    std::vector<MicroBatchSkips*>& trackers;
+    int exceptions = std::uncaught_exceptions();
+    ~ClearOnError() {
+      if (std::uncaught_exceptions() > exceptions) {
+        for (MicroBatchSkips* tracker : trackers) {
+          if (tracker != nullptr) tracker->clear();
+        }
+      }
+    }
+  } clear_on_error{trackers};
+
   for (const std::vector<Task2D>& tick : clock_cycles(m, n)) {
     // Fence: dependencies and copies, on this thread.
     for (const Task2D& task : tick) {
@@ -131,8 +144,8 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       if (j > 0) {
         const double start = spec.timeline ? spec.timeline->now_us() : 0;
         if (trackers[i] != nullptr) {
-          for (int64_t from : trackers[i]->fence(i, j, batches[i], copy_streams,
-                                                 i < spec.checkpoint_stop)) {
+          for (int64_t from : trackers[i]->fence(i, j, batches[i], spec.compute_streams,
+                                                 copy_streams, i < spec.checkpoint_stop)) {
             record_copy(spec, TimelineEvent::Kind::kSkipCopy, i, j, from, 1, start);
           }
         }

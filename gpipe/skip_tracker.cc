@@ -133,9 +133,19 @@ at::Tensor MicroBatchSkips::pop(const SkipKey& key) {
   return tensor;
 }
 
+void MicroBatchSkips::clear() {
+  for (auto& slot : slots_) {
+    slot.second->tensor.reset();
+    slot.second->grad.reset();
+    slot.second->stashed = false;
+  }
+  local_.clear();
+}
+
 std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition, Batch& batch,
-                               const std::vector<std::vector<c10::Stream>>& copy_streams,
-                               bool checkpointed) {
+                                            const std::vector<c10::Stream>& compute_streams,
+                                            const std::vector<std::vector<c10::Stream>>& copy_streams,
+                                            bool checkpointed) {
   std::vector<int64_t> moved;
   for (const auto& route : layout_->routes_into(partition)) {
     SkipSlot& slot = *slots_.at(route.first);
@@ -148,7 +158,11 @@ std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partitio
     }
     const c10::Stream& from = copy_streams[route.second][microbatch];
     const c10::Stream& to = copy_streams[partition][microbatch];
+    // As for activations (Note [Copy streams]): the copy starts after the stashing compute, and
+    // the popping compute starts after the copy; backward reverses both.
+    tensor = wait({std::move(tensor)}, compute_streams[route.second], from)[0];
     at::Tensor moved_tensor = copy({std::move(tensor)}, from, to)[0];
+    moved_tensor = wait({std::move(moved_tensor)}, to, compute_streams[partition])[0];
     moved.push_back(route.second);
     const int64_t lane = batch.lane();
     if (checkpointed && at::GradMode::is_enabled() && moved_tensor.is_floating_point() &&

@@ -95,11 +95,19 @@ class MicroBatchSkips : public SkipTracker {
   at::Tensor pop(const SkipKey& key) override;
 
   /// The fence of (microbatch, partition): copies every skip routed into `partition` from its
-  /// stashing partition's copy stream to `partition`'s, adding a gradient catcher when the
-  /// stashing task was checkpointed (`checkpointed`) and hanging it off `batch`'s lane. Returns
-  /// the stashing partition of each tensor moved.
+  /// stashing partition's copy stream to `partition`'s, with the same stream waits as the
+  /// activations (compute -> copy stream before, copy -> compute stream after, reversed in
+  /// backward), adding a gradient catcher when the stashing task was checkpointed
+  /// (`checkpointed`) and hanging it off `batch`'s lane. Returns the stashing partition of each
+  /// tensor moved.
   std::vector<int64_t> fence(int64_t microbatch, int64_t partition, Batch& batch,
-                const std::vector<std::vector<c10::Stream>>& copy_streams, bool checkpointed);
+                             const std::vector<c10::Stream>& compute_streams,
+                             const std::vector<std::vector<c10::Stream>>& copy_streams,
+                             bool checkpointed);
+
+  /// Drops every tensor still held, after a forward failed: an unpopped skip of a checkpointed
+  /// stash would otherwise keep its micro-batch's graph alive through a reference cycle.
+  void clear();
 
  private:
   const SkipLayout* layout_;

@@ -116,26 +116,25 @@ int64_t memory_allocated(c10::Device device) {
 RngState get_rng_state(c10::Device device) {
   RngState state;
   state.device = device;
-  {
+  if (!device.is_cuda()) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
     state.cpu = cpu.get_state();
+    return state;
   }
-  if (device.is_cuda()) {
 #ifdef GPIPE_WITH_CUDA
-    at::Generator gen =
-        at::cuda::detail::getDefaultCUDAGenerator(device.has_index() ? device.index() : -1);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    state.cuda = gen.get_state();
+  at::Generator gen =
+      at::cuda::detail::getDefaultCUDAGenerator(device.has_index() ? device.index() : -1);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  state.cuda = gen.get_state();
 #else
-    no_cuda(device);
+  no_cuda(device);
 #endif
-  }
   return state;
 }
 
 void set_rng_state(const RngState& state) {
-  {
+  if (state.cpu.defined()) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
     cpu.set_state(state.cpu);

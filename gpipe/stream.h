@@ -43,8 +43,10 @@ void synchronize(c10::Device device);
 /// allocator does not track them (CPU).
 int64_t memory_allocated(c10::Device device);
 
-/// The state of the random generators used by work on a device: the CPU generator always, and the
-/// device's own generator on CUDA.
+/// The state of the random generator that work on a device draws from: the CPU generator for the
+/// CPU, the device's own generator for a CUDA device. (Only that one: recomputations run on one
+/// thread per device at once, and saving and restoring the process-wide CPU generator from
+/// several of them would rewind it.)
 struct RngState {
   at::Tensor cpu;
   at::Tensor cuda;

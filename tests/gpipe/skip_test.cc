@@ -310,6 +310,33 @@ CATCH_TEST_CASE("a run-time skip error inside a GPipe reaches the caller, and th
   CATCH_CHECK(live_skip_tensors() == live_before);
 }
 
+// Throws before popping when `fail` is set.
+struct FailingAddImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    TORCH_CHECK(!fail, "failing before the pop");
+    return x + pop("skip");
+  }
+  bool fail = true;
+};
+
+CATCH_TEST_CASE("a forward that fails before a pop releases the stashed tensors",
+                "[skip][memory][errors]") {
+  // With a checkpointed stash, an unpopped skip would hold its micro-batch's graph in a cycle.
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kNever);
+  const int64_t live_before = live_skip_tensors();
+  auto failing = std::make_shared<FailingAddImpl>();
+  nn::Sequential seq(nn::Linear(3, 3), save("skip"), nn::Linear(3, 3),
+                     skippable(nn::ModuleHolder<FailingAddImpl>(failing),
+                               SkippableOptions().pop({"skip"})));
+  GPipe model(seq, cpu({2, 2}).chunks(2).checkpoint(mode));
+  model->train();
+  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 3})), Catch::Contains("before the pop"));
+  CATCH_CHECK(live_skip_tensors() == live_before);
+  failing->fail = false;
+  model->forward(at::randn({4, 3})).sum().backward();
+  CATCH_CHECK(live_skip_tensors() == live_before);
+}
+
 // The seed documents' pattern: a layer saves its input in the user's own map keyed by
 // current_microbatch(), and a later layer adds it back.
 struct SeedSaveImpl : nn::Module {

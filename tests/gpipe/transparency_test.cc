@@ -154,6 +154,24 @@ CATCH_TEST_CASE("GPipe with tuple batches equals the plain Sequential", "[gpipe]
   CATCH_CHECK(max_diff(in1[1].grad(), in2[1].grad()) <= kTol);
 }
 
+CATCH_TEST_CASE("a checkpointed partition whose first output the loss ignores still gets its "
+                "gradients", "[gpipe][transparency][checkpoint]") {
+  // The recomputation hangs off a partition's first floating-point output; here the loss uses
+  // only the second, so the checkpoint's backward must recompute by itself.
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast);
+  torch::nn::Sequential plain = build(mix_model, 3);
+  GPipe model(build(mix_model, 3), cpu_options({2, 2}).chunks(3).checkpoint(mode));
+  const at::Tensor a = at::randn({6, 5}, at::kDouble);
+  const at::Tensor b = at::randn({6, 3}, at::kDouble);
+  std::vector<at::Tensor> in1{a.clone().requires_grad_(true), b.clone().requires_grad_(true)};
+  std::vector<at::Tensor> in2{a.clone().requires_grad_(true), b.clone().requires_grad_(true)};
+  plain->forward<std::vector<at::Tensor>>(in1)[1].pow(2).sum().backward();
+  model->forward(in2)[1].pow(2).sum().backward();
+  check_same_grads(plain->parameters(), model->parameters(), kTol);
+  CATCH_REQUIRE(in2[1].grad().defined());
+  CATCH_CHECK(max_diff(in1[1].grad(), in2[1].grad()) <= kTol);
+}
+
 torch::nn::Sequential dropout_model() {
   namespace nn = torch::nn;
   return nn::Sequential(nn::Linear(6, 8), nn::Dropout(0.5), nn::ReLU(), nn::Linear(8, 8),
