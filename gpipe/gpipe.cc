@@ -95,6 +95,18 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     deferred_batch_norm_ = std::make_unique<DeferredBatchNorm>(modules(/*include_self=*/false));
   }
   workers_ = std::make_unique<WorkerPool>(devices_, options_.worker_per_partition());
+  if (options_.worker_per_partition() && options_.checkpoint() != Checkpoint::kNever) {
+    for (size_t j = 1; j < devices_.size(); ++j) {
+      if (devices_[j].is_cpu() && devices_[j - 1].is_cpu()) {
+        TORCH_WARN_ONCE(
+            "GPipe: worker_per_partition runs CPU partitions at the same time, so layers that draw "
+            "random numbers from the CPU generator (dropout) draw them in an order that depends on "
+            "thread timing, and a checkpointed micro-batch may recompute different numbers than "
+            "its first forward drew. Use it for deterministic layers, or with Checkpoint::kNever.");
+        break;
+      }
+    }
+  }
   copy_streams_.resize(devices_.size());
 }
 
