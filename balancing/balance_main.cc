@@ -5,6 +5,7 @@
 //   bazel run //balancing:balance -- --model=unet --partitions=3 --by=size --json
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -61,13 +62,7 @@ int main(int argc, char** argv) {
                      : gpipe::size_costs(profile, absl::GetFlag(FLAGS_chunks),
                                          absl::GetFlag(FLAGS_param_scale));
     const std::vector<int64_t> balance = gpipe::block_partition(costs, partitions);
-    std::vector<double> partition_costs;
-    size_t next = 0;
-    for (int64_t b : balance) {
-      double sum = 0;
-      for (int64_t k = 0; k < b; ++k) sum += costs[next++];
-      partition_costs.push_back(sum);
-    }
+    const std::vector<double> partition_costs = gpipe::block_costs(costs, balance);
     const double worst = *std::max_element(partition_costs.begin(), partition_costs.end());
     const char* unit = by == "time" ? "us" : "bytes";
 
@@ -92,19 +87,16 @@ int main(int argc, char** argv) {
     std::printf("%s\n", profile.table().c_str());
     std::printf("balance by %s into %lld partitions: {%s}\n", by.c_str(),
                 static_cast<long long>(partitions), absl::StrJoin(balance, ", ").c_str());
-    next = 0;
+    size_t next = 0;
     for (size_t j = 0; j < balance.size(); ++j) {
       std::printf("  partition %zu: layers %zu-%zu, predicted %.1f %s%s\n", j, next,
                   next + balance[j] - 1, partition_costs[j], unit,
                   partition_costs[j] == worst ? "  <- bottleneck" : "");
       next += balance[j];
     }
+    const double total = std::accumulate(partition_costs.begin(), partition_costs.end(), 0.0);
     std::printf("bottleneck: %.1f %s (%.1f%% of the total)\n", worst, unit,
-                100.0 * worst / std::max(1e-12, [&] {
-                  double t = 0;
-                  for (double c : partition_costs) t += c;
-                  return t;
-                }()));
+                100.0 * worst / std::max(1e-12, total));
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
     return 1;

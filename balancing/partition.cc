@@ -34,17 +34,24 @@ std::vector<double> prefix_sums(absl::Span<const double> costs) {
 
 }  // namespace
 
-double bottleneck(absl::Span<const double> costs, absl::Span<const int64_t> balance) {
-  double worst = 0;
+std::vector<double> block_costs(absl::Span<const double> costs,
+                                absl::Span<const int64_t> balance) {
+  std::vector<double> sums;
+  sums.reserve(balance.size());
   size_t next = 0;
   for (int64_t b : balance) {
     double sum = 0;
     for (int64_t k = 0; k < b; ++k) {
       sum += costs[next++];
     }
-    worst = std::max(worst, sum);
+    sums.push_back(sum);
   }
-  return worst;
+  return sums;
+}
+
+double bottleneck(absl::Span<const double> costs, absl::Span<const int64_t> balance) {
+  const std::vector<double> sums = block_costs(costs, balance);
+  return sums.empty() ? 0.0 : *std::max_element(sums.begin(), sums.end());
 }
 
 std::vector<int64_t> block_partition(absl::Span<const double> costs, int64_t partitions) {

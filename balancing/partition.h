@@ -28,6 +28,11 @@ namespace gpipe {
 /// finite.
 std::vector<int64_t> block_partition(absl::Span<const double> costs, int64_t partitions);
 
+/// The sum of `costs` over each block of `balance`.
+///
+///   gpipe::block_costs({1, 2, 3, 4, 5, 6}, {4, 2});  // {10, 11}
+std::vector<double> block_costs(absl::Span<const double> costs, absl::Span<const int64_t> balance);
+
 /// The largest block sum of `balance` over `costs`.
 double bottleneck(absl::Span<const double> costs, absl::Span<const int64_t> balance);
 

@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/microbatch.h"
+#include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 
@@ -83,11 +84,6 @@ class ProfileSkipTracker : public SkipTracker {
   std::map<SkipKey, at::Tensor> stashed_;
 };
 
-std::string describe(const torch::nn::Sequential& module, size_t index) {
-  const auto children = module->named_children();
-  const auto& child = children[index];
-  return absl::StrFormat("layer %d ('%s', %s)", index, child.key(), child.value()->name());
-}
 
 double elapsed_us(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since)
@@ -125,7 +121,7 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
     try {
       layers.push_back(original.clone(device));
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "profile_layers: cannot copy ", describe(module, k),
+      TORCH_CHECK(false, "profile_layers: cannot copy ", describe_layer(module, k),
                   ": it must implement clone() (derive from torch::nn::Cloneable); ",
                   e.what_without_backtrace());
     }
@@ -171,10 +167,10 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
             return layers[k].any_forward(input.to_any());
           } catch (const c10::Error& e) {
             TORCH_CHECK(false, "profile_layers: the sample does not go through ",
-                        describe(module, k), ": ", e.what_without_backtrace());
+                        describe_layer(module, k), ": ", e.what_without_backtrace());
           }
         };
-        Batch result = Batch::from_any(forward(), describe(module, k));
+        Batch result = Batch::from_any(forward(), describe_layer(module, k));
         values_atomic = result.atomic();
         outputs = std::move(result.values());
         synchronize(device);

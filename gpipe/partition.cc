@@ -20,13 +20,6 @@ const char* const kBalanceAdvice =
     "gpipe::balance_by_size (balancing/balance.h) compute a balance from measurements, e.g.\n"
     "  auto balance = gpipe::balance_by_time(/*partitions=*/4, model, sample);\n";
 
-// "layer 3 ('conv', torch::nn::Conv2dImpl)" for a layer of the user's Sequential.
-std::string describe(const torch::nn::Sequential& module, size_t index) {
-  const auto& children = module->named_children();
-  return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),
-                         children[index].value()->name());
-}
-
 // "layer 'conv' (torch::nn::Conv2dImpl)" for a layer of a partition: partitions keep the
 // user's layer names, while their indices restart at 0.
 std::string describe_in_partition(const torch::nn::Sequential& partition, size_t index) {
@@ -37,14 +30,20 @@ std::string describe_in_partition(const torch::nn::Sequential& partition, size_t
 
 }  // namespace
 
+std::string describe_layer(const torch::nn::Sequential& module, size_t index) {
+  const auto children = module->named_children();
+  return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),
+                         children[index].value()->name());
+}
+
 void verify_module(const torch::nn::Sequential& module) {
   std::unordered_map<const torch::nn::Module*, size_t> first_index;
   for (const auto i : c10::irange(module->size())) {
     const torch::nn::Module* layer = module->ptr(i).get();
     auto inserted = first_index.emplace(layer, i);
     TORCH_CHECK(inserted.second, "GPipe cannot partition a Sequential that holds the same module "
-                "object twice: ", describe(module, inserted.first->second), " and ",
-                describe(module, i), " are one object; use two separate modules");
+                "object twice: ", describe_layer(module, inserted.first->second), " and ",
+                describe_layer(module, i), " are one object; use two separate modules");
   }
   std::unordered_map<const c10::TensorImpl*, size_t> owner;
   for (const auto i : c10::irange(module->size())) {
@@ -52,8 +51,8 @@ void verify_module(const torch::nn::Sequential& module) {
       auto inserted = owner.emplace(param.value().unsafeGetTensorImpl(), i);
       TORCH_CHECK(inserted.second || inserted.first->second == i,
                   "GPipe cannot partition a Sequential whose layers share a parameter: '",
-                  param.key(), "' of ", describe(module, i), " is also a parameter of ",
-                  describe(module, inserted.first->second),
+                  param.key(), "' of ", describe_layer(module, i), " is also a parameter of ",
+                  describe_layer(module, inserted.first->second),
                   "; partitions may live on different devices, so each layer needs its own "
                   "parameters");
     }

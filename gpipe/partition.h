@@ -29,6 +29,9 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
                                                 const std::vector<int64_t>& balance,
                                                 const std::vector<c10::Device>& devices);
 
+/// "layer 3 ('conv', torch::nn::Conv2dImpl)": layer `index` of `module`, for error messages.
+std::string describe_layer(const torch::nn::Sequential& module, size_t index);
+
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors.
 Batch run_partition(const torch::nn::Sequential& partition, const Batch& input);

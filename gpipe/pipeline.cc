@@ -59,6 +59,15 @@ class TickGuard {
   std::vector<std::unique_ptr<Slot>>& slots_;
 };
 
+// Adds `event`, which started at `start` and ends now, to the timeline if one is recorded.
+void record(const PipelineSpec& spec, TimelineEvent event, double start) {
+  if (spec.timeline) {
+    event.start_us = start;
+    event.end_us = spec.timeline->now_us();
+    spec.timeline->add(event);
+  }
+}
+
 // Runs one task on the current thread, on its partition's compute stream.
 void compute(const PipelineSpec& spec, Slot& slot) {
   const double start = spec.timeline ? spec.timeline->now_us() : 0;
@@ -68,25 +77,10 @@ void compute(const PipelineSpec& spec, Slot& slot) {
   } catch (...) {
     slot.error = std::current_exception();
   }
-  if (spec.timeline) {
-    TimelineEvent event{TimelineEvent::Kind::kCompute, slot.microbatch,
-                        static_cast<int64_t>(slot.partition)};
-    event.checkpointed = slot.checkpointing != nullptr;
-    event.start_us = start;
-    event.end_us = spec.timeline->now_us();
-    spec.timeline->add(event);
-  }
-}
-
-// Records a copy into (microbatch, partition) that started at `start`.
-void record_copy(const PipelineSpec& spec, TimelineEvent::Kind kind, int64_t microbatch,
-                 int64_t partition, int64_t from, int64_t tensors, double start) {
-  if (spec.timeline) {
-    TimelineEvent event{kind, microbatch, partition, from, tensors};
-    event.start_us = start;
-    event.end_us = spec.timeline->now_us();
-    spec.timeline->add(event);
-  }
+  TimelineEvent event{TimelineEvent::Kind::kCompute, slot.microbatch,
+                      static_cast<int64_t>(slot.partition)};
+  event.checkpointed = slot.checkpointing != nullptr;
+  record(spec, event, start);
 }
 
 void depend_lanes(Batch& before, Batch& after) {
@@ -146,14 +140,15 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         if (trackers[i] != nullptr) {
           for (int64_t from : trackers[i]->fence(i, j, batches[i], spec.compute_streams,
                                                  copy_streams, i < spec.checkpoint_stop)) {
-            record_copy(spec, TimelineEvent::Kind::kSkipCopy, i, j, from, 1, start);
+            record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, start);
           }
         }
         const double copy_start = spec.timeline ? spec.timeline->now_us() : 0;
         batches[i].values() = copy(std::move(batches[i].values()), copy_streams[j - 1][i],
                                    copy_streams[j][i]);
-        record_copy(spec, TimelineEvent::Kind::kCopy, i, j, j - 1,
-                    static_cast<int64_t>(batches[i].size()), copy_start);
+        record(spec,
+               {TimelineEvent::Kind::kCopy, i, j, j - 1, static_cast<int64_t>(batches[i].size())},
+               copy_start);
       }
     }
 

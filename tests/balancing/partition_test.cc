@@ -84,6 +84,8 @@ CATCH_TEST_CASE("block_partition handles the reference's examples and equal cost
   CATCH_CHECK(block_partition(std::vector<double>{1, 2, 3, 4, 5, 6}, 2) ==
               std::vector<int64_t>{4, 2});
   CATCH_CHECK(bottleneck(std::vector<double>{1, 2, 3, 4, 5, 6}, std::vector<int64_t>{4, 2}) == 11);
+  CATCH_CHECK(block_costs(std::vector<double>{1, 2, 3, 4, 5, 6}, std::vector<int64_t>{4, 2}) ==
+              std::vector<double>{10, 11});
   // Ten equal layers in three blocks: bottleneck 4; the earliest blocks as short as possible.
   CATCH_CHECK(block_partition(std::vector<double>(10, 1.0), 3) == std::vector<int64_t>{2, 4, 4});
   CATCH_CHECK(block_partition(std::vector<double>{5}, 1) == std::vector<int64_t>{1});
