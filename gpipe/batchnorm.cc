@@ -1,14 +1,15 @@
-// Deferred batch norm; see Note [Deferred batch norm without replacing modules] in batchnorm.h.
+// Batch norm in a pipeline; see the Notes in batchnorm.h.
 #include "gpipe/batchnorm.h"
 
 #include <cstring>
+#include <mutex>
 #include <unordered_map>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/var_mean.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/util/irange.h>
 #include <torch/nn/modules/batchnorm.h>
 
 #include "absl/synchronization/mutex.h"
@@ -16,58 +17,42 @@
 
 namespace gpipe {
 
-struct DeferredBatchNorm::Layer {
-  torch::nn::Module* module;
-  at::Tensor* running_mean;  // the layer's members, redirected to sinks while training
-  at::Tensor* running_var;
-  at::Tensor* num_batches_tracked;
-  c10::optional<double> momentum;
+struct BatchNormLayers::Layer {
+  ~Layer();
 
-  at::Tensor sink_mean;
-  at::Tensor sink_var;
-  at::Tensor sink_count;
+  torch::nn::Module* module = nullptr;
+  at::Tensor* running_mean = nullptr;  // the layer's members, redirected to sinks at times
+  at::Tensor* running_var = nullptr;
+  at::Tensor* num_batches_tracked = nullptr;
+  const torch::nn::BatchNormOptions* options = nullptr;  // read at every commit
 
+  // Redirection (Note [Recomputation leaves running statistics alone]).
+  std::mutex redirect_mu;
+  int redirects = 0;
+  at::Tensor saved_mean, saved_var, saved_count;  // the members while redirected
+  at::Tensor sink_mean, sink_var, sink_count;
+
+  // Deferred statistics.
   absl::Mutex mu;
   double count ABSL_GUARDED_BY(mu) = 0;
   at::Tensor mean ABSL_GUARDED_BY(mu);  // float64, per channel
   at::Tensor m2 ABSL_GUARDED_BY(mu);    // float64, per channel: sum of squared deviations
 
-  at::Tensor buffer(const char* name) const { return module->named_buffers(false)[name]; }
-
-  void accumulate(const at::Tensor& input) {
-    TORCH_CHECK(input.dim() >= 2, "deferred batch norm: expected an input with at least 2 "
-                "dimensions (N, C, ...), got ", input.dim());
-    std::vector<int64_t> dims{0};
-    for (int64_t d = 2; d < input.dim(); ++d) {
-      dims.push_back(d);
-    }
-    const double n = static_cast<double>(input.numel() / input.size(1));
-    auto var_mean = at::var_mean(input.detach().to(at::kDouble), dims, /*unbiased=*/false);
-    at::Tensor batch_mean = std::get<1>(var_mean);
-    at::Tensor batch_m2 = std::get<0>(var_mean) * n;
-    absl::MutexLock lock(&mu);
-    if (count == 0) {
-      mean = batch_mean;
-      m2 = batch_m2;
-      count = n;
-      return;
-    }
-    // Chan et al.: combine (count, mean, m2) with (n, batch_mean, batch_m2).
-    const double total = count + n;
-    at::Tensor delta = batch_mean - mean;
-    mean = mean + delta * (n / total);
-    m2 = m2 + batch_m2 + delta * delta * (count * n / total);
-    count = total;
-  }
+  void accumulate(const at::Tensor& input);
 };
 
 namespace {
 
 // Sink tensor -> layer, for the callback. Guarded by registry_mu.
 absl::Mutex registry_mu(absl::kConstInit);
-std::unordered_map<const c10::TensorImpl*, DeferredBatchNorm::Layer*>& registry() {
-  static auto* map = new std::unordered_map<const c10::TensorImpl*, DeferredBatchNorm::Layer*>();
+std::unordered_map<const c10::TensorImpl*, BatchNormLayers::Layer*>& registry() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, BatchNormLayers::Layer*>();
   return *map;
+}
+
+bool same_kind(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() &&
+         a.device() == b.device() && a.sizes() == b.sizes();
 }
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
@@ -78,7 +63,7 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (inputs.size() < 4 || !inputs[0].isTensor() || !inputs[3].isTensor()) {
     return nullptr;
   }
-  DeferredBatchNorm::Layer* layer = nullptr;
+  BatchNormLayers::Layer* layer = nullptr;
   {
     absl::MutexLock lock(&registry_mu);
     auto it = registry().find(inputs[3].toTensor().unsafeGetTensorImpl());
@@ -96,29 +81,62 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
 }
 
 template <typename BatchNormImpl>
-std::unique_ptr<DeferredBatchNorm::Layer> as_layer(torch::nn::Module& module) {
+std::unique_ptr<BatchNormLayers::Layer> as_layer(torch::nn::Module& module) {
   auto* bn = dynamic_cast<BatchNormImpl*>(&module);
   if (bn == nullptr || !bn->options.track_running_stats()) {
     return nullptr;
   }
-  auto layer = std::make_unique<DeferredBatchNorm::Layer>();
+  auto layer = std::make_unique<BatchNormLayers::Layer>();
   layer->module = bn;
   layer->running_mean = &bn->running_mean;
   layer->running_var = &bn->running_var;
   layer->num_batches_tracked = &bn->num_batches_tracked;
-  layer->momentum = bn->options.momentum();
+  layer->options = &bn->options;
   return layer;
-}
-
-bool same_kind(const at::Tensor& a, const at::Tensor& b) {
-  return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() &&
-         a.device() == b.device() && a.sizes() == b.sizes();
 }
 
 }  // namespace
 
-DeferredBatchNorm::DeferredBatchNorm(
-    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+BatchNormLayers::Layer::~Layer() {
+  if (sink_mean.defined()) {
+    absl::MutexLock lock(&registry_mu);
+    registry().erase(sink_mean.unsafeGetTensorImpl());
+  }
+}
+
+void BatchNormLayers::Layer::accumulate(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 2, "deferred batch norm: expected an input with at least 2 "
+              "dimensions (N, C, ...), got ", input.dim());
+  std::vector<int64_t> dims{0};
+  for (int64_t d = 2; d < input.dim(); ++d) {
+    dims.push_back(d);
+  }
+  const double n = static_cast<double>(input.numel() / input.size(1));
+  // In the input's own precision (float at least, as BatchNorm computes); only the per-channel
+  // results become float64.
+  at::Tensor x = input.detach();
+  if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
+    x = x.to(at::kFloat);
+  }
+  auto var_mean = at::var_mean(x, dims, /*unbiased=*/false);
+  at::Tensor batch_mean = std::get<1>(var_mean).to(at::kDouble);
+  at::Tensor batch_m2 = std::get<0>(var_mean).to(at::kDouble) * n;
+  absl::MutexLock lock(&mu);
+  if (count == 0) {
+    mean = batch_mean;
+    m2 = batch_m2;
+    count = n;
+    return;
+  }
+  // Chan et al.: combine (count, mean, m2) with (n, batch_mean, batch_m2).
+  const double total = count + n;
+  at::Tensor delta = batch_mean - mean;
+  mean = mean + delta * (n / total);
+  m2 = m2 + batch_m2 + delta * delta * (count * n / total);
+  count = total;
+}
+
+BatchNormLayers::BatchNormLayers(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   for (const auto& module : modules) {
     std::unique_ptr<Layer> layer = as_layer<torch::nn::BatchNorm1dImpl>(*module);
     if (!layer) layer = as_layer<torch::nn::BatchNorm2dImpl>(*module);
@@ -129,82 +147,101 @@ DeferredBatchNorm::DeferredBatchNorm(
   }
 }
 
-DeferredBatchNorm::~DeferredBatchNorm() {
-  set_training(false);
-}
+BatchNormLayers::~BatchNormLayers() = default;
 
-void DeferredBatchNorm::set_training(bool training) {
-  absl::MutexLock lock(&registry_mu);
-  for (auto& layer : layers_) {
-    at::Tensor real_mean = layer->buffer("running_mean");
-    at::Tensor real_var = layer->buffer("running_var");
-    at::Tensor real_count = layer->buffer("num_batches_tracked");
-    if (!training) {
-      if (layer->sink_mean.defined()) {
-        registry().erase(layer->sink_mean.unsafeGetTensorImpl());
-        layer->sink_mean.reset();
-        layer->sink_var.reset();
-        layer->sink_count.reset();
-      }
-      *layer->running_mean = real_mean;
-      *layer->running_var = real_var;
-      *layer->num_batches_tracked = real_count;
-      continue;
+BatchNormLayers::Redirect BatchNormLayers::redirect() {
+  Redirect redirect;
+  for (auto& owned : layers_) {
+    Layer& layer = *owned;
+    if (!layer.module->is_training()) {
+      continue;  // an eval-mode BatchNorm updates nothing
     }
-    // (Re)make the sinks when the buffers changed dtype or device (e.g. after to(kDouble)).
-    if (!same_kind(layer->sink_mean, real_mean) || !same_kind(layer->sink_var, real_var)) {
-      if (layer->sink_mean.defined()) {
-        registry().erase(layer->sink_mean.unsafeGetTensorImpl());
+    std::lock_guard<std::mutex> lock(layer.redirect_mu);
+    if (layer.redirects++ == 0) {
+      layer.saved_mean = *layer.running_mean;
+      layer.saved_var = *layer.running_var;
+      layer.saved_count = *layer.num_batches_tracked;
+      // (Re)make the sinks when the buffers changed dtype or device (e.g. after to(kDouble)), as
+      // normal tensors even under InferenceMode, so that a later normal step can write them.
+      if (!same_kind(layer.sink_mean, layer.saved_mean) ||
+          !same_kind(layer.sink_var, layer.saved_var) ||
+          !same_kind(layer.sink_count, layer.saved_count)) {
+        c10::InferenceMode normal_tensors(false);
+        at::NoGradGuard no_grad;
+        absl::MutexLock registry_lock(&registry_mu);
+        if (layer.sink_mean.defined()) {
+          registry().erase(layer.sink_mean.unsafeGetTensorImpl());
+        }
+        layer.sink_mean = at::empty_like(layer.saved_mean).zero_();
+        layer.sink_var = at::empty_like(layer.saved_var).fill_(1);
+        layer.sink_count = at::empty_like(layer.saved_count).zero_();
+        registry()[layer.sink_mean.unsafeGetTensorImpl()] = &layer;
       }
-      layer->sink_mean = at::empty_like(real_mean).zero_();
-      layer->sink_var = at::empty_like(real_var).fill_(1);
-      layer->sink_count = at::empty_like(real_count).zero_();
-      registry()[layer->sink_mean.unsafeGetTensorImpl()] = layer.get();
+      *layer.running_mean = layer.sink_mean;
+      *layer.running_var = layer.sink_var;
+      *layer.num_batches_tracked = layer.sink_count;
     }
-    *layer->running_mean = layer->sink_mean;
-    *layer->running_var = layer->sink_var;
-    *layer->num_batches_tracked = layer->sink_count;
+    redirect.layers_.push_back(&layer);
   }
-  training_ = training;
+  return redirect;
 }
 
-std::unique_ptr<DeferredBatchNorm::TrackingScope> DeferredBatchNorm::track() {
+BatchNormLayers::Redirect::~Redirect() {
+  for (Layer* layer : layers_) {
+    std::lock_guard<std::mutex> lock(layer->redirect_mu);
+    if (--layer->redirects == 0) {
+      *layer->running_mean = std::move(layer->saved_mean);
+      *layer->running_var = std::move(layer->saved_var);
+      *layer->num_batches_tracked = std::move(layer->saved_count);
+    }
+  }
+}
+
+void BatchNormLayers::reset_statistics() {
   for (auto& layer : layers_) {
     absl::MutexLock lock(&layer->mu);
     layer->count = 0;
     layer->mean.reset();
     layer->m2.reset();
   }
-  at::CallbackHandle handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(&on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-  return std::make_unique<TrackingScope>(handle);
 }
 
-DeferredBatchNorm::TrackingScope::~TrackingScope() { at::removeCallback(handle_); }
-
-void DeferredBatchNorm::commit() {
+void BatchNormLayers::commit() {
   at::NoGradGuard no_grad;
-  for (auto& layer : layers_) {
-    absl::MutexLock lock(&layer->mu);
-    if (layer->count == 0) {
+  for (auto& owned : layers_) {
+    Layer& layer = *owned;
+    absl::MutexLock lock(&layer.mu);
+    if (layer.count == 0) {
       continue;
     }
-    at::Tensor real_mean = layer->buffer("running_mean");
-    at::Tensor real_var = layer->buffer("running_var");
-    at::Tensor real_count = layer->buffer("num_batches_tracked");
+    at::Tensor real_mean, real_var, real_count;
+    {
+      // Another thread's recomputation may hold the members redirected.
+      std::lock_guard<std::mutex> redirect_lock(layer.redirect_mu);
+      const bool redirected = layer.redirects > 0;
+      real_mean = redirected ? layer.saved_mean : *layer.running_mean;
+      real_var = redirected ? layer.saved_var : *layer.running_var;
+      real_count = redirected ? layer.saved_count : *layer.num_batches_tracked;
+    }
     real_count.add_(1);
-    const double factor = layer->momentum.has_value()
-                              ? *layer->momentum
-                              : 1.0 / real_count.item<double>();
+    const c10::optional<double> momentum = layer.options->momentum();
+    const double factor =
+        momentum.has_value() ? *momentum : 1.0 / real_count.item<double>();
     // Unbiased variance, as BatchNorm uses for running_var (a count of 1 has none: BatchNorm
     // refuses such input in training).
-    at::Tensor var = layer->m2 / std::max(layer->count - 1.0, 1.0);
-    real_mean.mul_(1.0 - factor).add_(layer->mean.to(real_mean.options()), factor);
+    at::Tensor var = layer.m2 / std::max(layer.count - 1.0, 1.0);
+    real_mean.mul_(1.0 - factor).add_(layer.mean.to(real_mean.options()), factor);
     real_var.mul_(1.0 - factor).add_(var.to(real_var.options()), factor);
-    layer->count = 0;
-    layer->mean.reset();
-    layer->m2.reset();
+    layer.count = 0;
+    layer.mean.reset();
+    layer.m2.reset();
   }
 }
+
+DeferredStatisticsScope::DeferredStatisticsScope()
+    : handle_(at::addThreadLocalCallback(
+          at::RecordFunctionCallback(&on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}))) {}
+
+DeferredStatisticsScope::~DeferredStatisticsScope() { at::removeCallback(handle_); }
 
 }  // namespace gpipe

@@ -1,6 +1,6 @@
-// Deferred batch norm: BatchNorm layers in a pipeline normalise each micro-batch with its own
-// statistics, but update their running statistics once per mini-batch, as if they had seen the
-// whole mini-batch at once.
+// Batch norm in a pipeline: the BatchNorm layers of a partition, whose running statistics are
+// kept out of the recomputation of checkpointed micro-batches and, with deferred batch norm,
+// updated once per mini-batch as if the layers had seen the whole mini-batch at once.
 #pragma once
 
 #include <cstdint>
@@ -17,67 +17,89 @@ namespace gpipe {
 // The Python reference swaps every BatchNorm for a DeferredBatchNorm module. In C++ that cannot
 // work in general: a user's module calls its BatchNorm through its own member (`bn1->forward(x)`),
 // which a replacement in the module registry does not reach. gpipe therefore keeps the user's
-// BatchNorm objects and changes what they touch:
+// BatchNorm objects and changes what they touch, only while a GPipe forward runs:
 //
-//  - In a training forward, each BatchNorm's `running_mean`, `running_var` and
-//    `num_batches_tracked` *members* point at scratch tensors ("sinks"), so the layer's own
-//    per-micro-batch update lands there and is thrown away. The registered buffers (what
-//    `named_buffers()`, `torch::save` and eval mode use) are untouched. The layer normalises with
-//    the micro-batch's statistics, as BatchNorm does in training.
+//  - At the start of a training forward, each BatchNorm that is itself in training mode gets its
+//    `running_mean`, `running_var` and `num_batches_tracked` *members* pointed at scratch tensors
+//    ("sinks"), so the layer's own per-micro-batch update lands there and is thrown away. The layer
+//    normalises with the micro-batch's statistics, as BatchNorm does in training. A BatchNorm in
+//    eval mode inside a training model (a frozen BatchNorm, as in fine-tuning) is left alone: it
+//    normalises with its running statistics and is never updated, as in the plain model.
 //  - A thread-local at::RecordFunction callback, carried to the workers with the caller's thread
 //    state, sees each `aten::batch_norm` call, recognises the layer by its sink, and accumulates
-//    the input's per-channel count, mean and sum of squared deviations (Chan's parallel
-//    combination, in float64). Calls made while recomputing a checkpoint are skipped, so every
-//    micro-batch counts once.
-//  - After the last micro-batch, commit() updates the real buffers once, exactly as BatchNorm would
-//    on the whole mini-batch: num_batches_tracked += 1, then running stats with the momentum (or the
-//    cumulative average when momentum is unset) and the *unbiased* variance.
-//  - In eval mode the members point at the real buffers again.
+//    the input's per-channel count, mean and sum of squared deviations (computed in the input's
+//    precision, float at least, and combined in float64 by Chan's formula: only per-channel
+//    results are converted). The recomputation of a checkpointed micro-batch runs under a thread
+//    state captured before the callback was added, so no operator of a recomputation is observed.
+//  - At the end of the forward the members point at the registered buffers again, so between
+//    forwards the user's own Sequential, named_buffers(), torch::save and eval() all see the real
+//    running statistics. Then the buffers are updated once, exactly as BatchNorm would on the
+//    whole mini-batch: num_batches_tracked += 1, then running stats with the momentum read from
+//    the layer's options at that moment (or the cumulative average when momentum is unset) and
+//    the *unbiased* variance.
+//
+// Note [Recomputation leaves running statistics alone]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A checkpointed micro-batch runs its BatchNorms twice: in the forward and again in backward.
+// Whether or not deferred batch norm is on, the recomputation points the members of the
+// partition's training-mode BatchNorms at sinks while it runs, so running statistics are updated
+// by forwards only, never a second time by a backward, and never by the backward of a GPipe that
+// was destroyed in between. The redirection is counted per layer, so overlapping redirections
+// (a forward and another thread's backward) restore the real buffers only when the last ends.
 
-/// The deferred-batch-norm state of one GPipe: every BatchNorm1d/2d/3d with running statistics
-/// found in the given modules, nested ones included.
+/// The BatchNorm1d/2d/3d layers with running statistics found in some modules, nested ones
+/// included (see the Notes). Shared by a GPipe and the autograd graphs of its forwards.
 ///
-///   gpipe::DeferredBatchNorm dbn(sequential->modules());
-///   dbn.set_training(true);
-///   { auto scope = dbn.track(); /* run the micro-batches */ }
-///   dbn.commit();
-class DeferredBatchNorm {
+///   auto layers = std::make_shared<gpipe::BatchNormLayers>(partition->modules());
+///   { auto redirected = layers->redirect(); /* run layers without updating statistics */ }
+class BatchNormLayers {
  public:
-  explicit DeferredBatchNorm(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
-  ~DeferredBatchNorm();
-  DeferredBatchNorm(const DeferredBatchNorm&) = delete;
-  DeferredBatchNorm& operator=(const DeferredBatchNorm&) = delete;
+  explicit BatchNormLayers(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  ~BatchNormLayers();
+  BatchNormLayers(const BatchNormLayers&) = delete;
+  BatchNormLayers& operator=(const BatchNormLayers&) = delete;
 
-  /// The number of BatchNorm layers handled.
+  /// The number of BatchNorm layers found.
   size_t size() const { return layers_.size(); }
-
-  /// Points the layers' running-statistics members at sinks (training) or at their registered
-  /// buffers (eval); see the Note. Call before each forward.
-  void set_training(bool training);
-
-  /// Registers the statistics callback on the calling thread and clears the accumulators, until
-  /// the returned object is destroyed. The callback must be in place before the caller's thread
-  /// state is captured for the workers.
-  class TrackingScope {
-   public:
-    explicit TrackingScope(at::CallbackHandle handle) : handle_(handle) {}
-    ~TrackingScope();
-    TrackingScope(const TrackingScope&) = delete;
-    TrackingScope& operator=(const TrackingScope&) = delete;
-
-   private:
-    at::CallbackHandle handle_;
-  };
-  std::unique_ptr<TrackingScope> track();
-
-  /// Updates every layer's running statistics from what was accumulated since track().
-  void commit();
 
   struct Layer;
 
+  /// Points the running-statistics members of the layers that are in training mode at sinks for
+  /// its lifetime, then back at what they were.
+  class Redirect {
+   public:
+    Redirect(Redirect&&) = default;
+    ~Redirect();
+
+   private:
+    friend class BatchNormLayers;
+    Redirect() = default;
+    std::vector<Layer*> layers_;
+  };
+  Redirect redirect();
+
+  /// Clears the deferred statistics of every layer.
+  void reset_statistics();
+
+  /// Updates the running statistics of every layer from what was accumulated since
+  /// reset_statistics() (see Note [Deferred batch norm without replacing modules]).
+  void commit();
+
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
-  bool training_ = false;
+};
+
+/// Registers the deferred-batch-norm statistics callback on the calling thread for its lifetime.
+/// Must be in place before the caller's thread state is captured for the workers.
+class DeferredStatisticsScope {
+ public:
+  DeferredStatisticsScope();
+  ~DeferredStatisticsScope();
+  DeferredStatisticsScope(const DeferredStatisticsScope&) = delete;
+  DeferredStatisticsScope& operator=(const DeferredStatisticsScope&) = delete;
+
+ private:
+  at::CallbackHandle handle_;
 };
 
 }  // namespace gpipe

@@ -48,15 +48,48 @@ class RngReplay {
 bool is_checkpointing() { return checkpointing_flag; }
 bool is_recomputing() { return recomputing_flag; }
 
+bool GradRecord::find(uint64_t key, Entry& entry) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    return false;
+  }
+  entry = it->second;
+  return true;
+}
+
+void GradRecord::put(uint64_t key, Entry entry) {
+  absl::MutexLock lock(&mu_);
+  entries_[key] = std::move(entry);
+}
+
+void GradRecord::drop(uint64_t key) {
+  absl::MutexLock lock(&mu_);
+  entries_.erase(key);
+}
+
 struct CheckpointFrame::State {
-  State(Checkpointing::Function function, Batch input, c10::Device device)
-      : function(std::move(function)), input(std::move(input)), device(device) {}
+  State(Checkpointing::Function function, Batch input, c10::Device device,
+        std::shared_ptr<const ThreadState> thread_state, std::shared_ptr<GradRecord> record,
+        uint64_t key)
+      : function(std::move(function)),
+        input(std::move(input)),
+        device(device),
+        thread_state(std::move(thread_state)),
+        record(std::move(record)),
+        key(key) {}
 
   Checkpointing::Function function;
   Batch input;
   c10::Device device;
   RngState rng;
-  std::unique_ptr<ThreadState> thread_state;
+  std::shared_ptr<const ThreadState> thread_state;
+
+  // Note [Autograd metadata of checkpointed micro-batches].
+  std::shared_ptr<GradRecord> record;
+  uint64_t key;
+  bool learning = false;  // the first forward runs with grad to fill `entry`
+  GradRecord::Entry entry;
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
   std::vector<std::pair<SkipKey, SkipTensor>> popped;
@@ -93,6 +126,18 @@ CheckpointFrame* CheckpointFrame::current() { return current_frame; }
 
 void CheckpointFrame::add_popped(const SkipKey& key, at::Tensor tensor) {
   state_->popped.emplace_back(key, SkipTensor(std::move(tensor)));
+}
+
+at::Tensor CheckpointFrame::stash_first_forward(const SkipKey& key, at::Tensor tensor,
+                                                bool& requires_grad) {
+  if (state_->learning) {
+    requires_grad = tensor.defined() && tensor.requires_grad();
+    state_->entry.stashes[key] = requires_grad;
+    return tensor.defined() ? tensor.detach() : tensor;
+  }
+  auto it = state_->entry.stashes.find(key);
+  requires_grad = it == state_->entry.stashes.end() || it->second;
+  return tensor;
 }
 
 at::Tensor CheckpointFrame::popped_leaf(const SkipKey& key) {
@@ -151,6 +196,16 @@ void recompute(State& st) {
   state->outputs = std::move(out.values());
   state->leaves = std::move(leaves);
   state->recomputed = true;
+  // A layer that now gives an output history where the first forward's entry said none (or the
+  // reverse) has changed its mind: learn the entry again next time.
+  bool same = state->outputs.size() == state->entry.outputs.size();
+  for (size_t k = 0; same && k < state->outputs.size(); ++k) {
+    same = (state->outputs[k].defined() && state->outputs[k].requires_grad()) ==
+           state->entry.outputs[k];
+  }
+  if (!same) {
+    state->record->drop(state->key);
+  }
 }
 
 struct CheckpointBackward : Node {
@@ -226,18 +281,50 @@ struct RecomputeBackward : Node {
 
 }  // namespace
 
-Checkpointing::Checkpointing(Function function, Batch input, c10::Device device)
-    : state_(std::make_shared<State>(std::move(function), std::move(input), device)) {}
+namespace {
+
+// The key of a GradRecord entry: which inputs require grad, mixed with the parameters' key.
+uint64_t record_key(const Batch& input, uint64_t params_key) {
+  uint64_t bits = 0;
+  for (size_t k = 0; k < input.size(); ++k) {
+    if (input[k].defined() && input[k].requires_grad()) {
+      bits |= uint64_t{1} << (k % 64);
+    }
+  }
+  return bits ^ (params_key * 0x9E3779B97F4A7C15ull);
+}
+
+}  // namespace
+
+Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
+                             std::shared_ptr<const ThreadState> thread_state,
+                             std::shared_ptr<GradRecord> record, uint64_t params_key) {
+  const uint64_t key = record_key(input, params_key);
+  state_ = std::make_shared<State>(std::move(function), std::move(input), device,
+                                   std::move(thread_state), std::move(record), key);
+}
 
 Batch Checkpointing::checkpoint() {
   state_->rng = get_rng_state(state_->device);
-  state_->thread_state = std::make_unique<ThreadState>();
+  state_->learning = !state_->record->find(state_->key, state_->entry);
   Batch out(std::vector<at::Tensor>{});
   {
-    at::NoGradGuard no_grad;
+    // Without grad, unless the autograd metadata is still to be learnt (Note [Autograd metadata
+    // of checkpointed micro-batches]); never with cached casts (Note [Autocast regions in
+    // workers and recomputation]).
+    at::AutoGradMode grad_mode(state_->learning);
+    AutocastCacheOff no_cast_cache;
     FlagScope checkpointing(checkpointing_flag);
     CheckpointFrame frame(state_.get(), /*recomputing=*/false);
     out = state_->function(state_->input);
+  }
+  if (state_->learning) {
+    state_->entry.outputs.clear();
+    for (const at::Tensor& t : out.values()) {
+      state_->entry.outputs.push_back(t.defined() && t.requires_grad());
+    }
+    state_->record->put(state_->key, state_->entry);
+    state_->learning = false;
   }
   auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(state_),
                                                   torch::autograd::deleteNode);
@@ -247,11 +334,16 @@ Batch Checkpointing::checkpoint() {
     inputs.push_back(popped.second.get());
   }
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
-  for (at::Tensor& t : out.values()) {
-    if (t.defined() && t.is_floating_point()) {
+  for (const auto k : c10::irange(out.size())) {
+    at::Tensor& t = out[k];
+    const bool needs_grad = k < state_->entry.outputs.size() ? state_->entry.outputs[k] : true;
+    if (t.defined() && t.is_floating_point() && needs_grad) {
       t = t.detach();
       torch::autograd::set_history(t, node);
     } else {
+      if (t.defined()) {
+        t = t.detach();
+      }
       node->add_input_metadata(Node::undefined_input());
     }
   }

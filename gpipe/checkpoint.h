@@ -2,13 +2,18 @@
 // is recomputed during backward, trading compute for memory.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <vector>
 
 #include <c10/core/Device.h>
 
+#include "absl/synchronization/mutex.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/skippable.h"
+#include "gpipe/thread_state.h"
 
 namespace gpipe {
 
@@ -41,6 +46,38 @@ bool is_recomputing();
 // [Thread-local state in workers]); CheckpointBackward then runs backward through the recomputed
 // graph, which accumulates the parameters' gradients, and returns the inputs' gradients.
 
+// Note [Autograd metadata of checkpointed micro-batches]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Without grad, a checkpointed forward cannot tell which outputs the plain model would give a
+// gradient: a layer that detaches (or a frozen first partition) yields outputs that need none,
+// and giving them the checkpoint's history anyway makes the model's output require grad where the
+// plain model's does not (loss.backward() then silently does nothing instead of failing). So each
+// partition keeps a GradRecord: for a key made of which inputs require grad and how many of the
+// partition's parameters do, which outputs and which stashed skips require grad. When the key is
+// not known yet, the checkpointed forward runs once with grad on (and its graph is dropped right
+// after: the peak is one micro-batch's activations of one partition, as in its recomputation) and
+// learns the entry; afterwards checkpointed forwards run without grad and give history only where
+// the entry says so. A recomputation that finds otherwise (a layer that changed its mind) drops
+// the entry, so the next forward learns it again.
+
+/// What a partition's outputs and stashes need in autograd, by key (see Note [Autograd metadata
+/// of checkpointed micro-batches]). Thread-safe.
+class GradRecord {
+ public:
+  struct Entry {
+    std::vector<bool> outputs;
+    std::map<SkipKey, bool> stashes;
+  };
+  /// Copies the entry for `key` into `entry`; false when there is none.
+  bool find(uint64_t key, Entry& entry) const;
+  void put(uint64_t key, Entry entry);
+  void drop(uint64_t key);
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
+
 /// A checkpointed task's view of the skips that cross it (see Note [Skips and checkpointing] in
 /// skip_tracker.h): present on the thread running a checkpoint's first forward or its
 /// recomputation, null elsewhere.
@@ -55,6 +92,10 @@ class CheckpointFrame {
   /// First forward: `tensor`, popped from another partition, becomes an extra input of the
   /// checkpoint.
   void add_popped(const SkipKey& key, at::Tensor tensor);
+
+  /// First forward: `tensor` is stashed under `key`. Returns it without history and says in
+  /// `requires_grad` whether the plain model's tensor would require grad.
+  at::Tensor stash_first_forward(const SkipKey& key, at::Tensor tensor, bool& requires_grad);
 
   /// Recomputation: the leaf standing for what the first forward popped under `key`.
   at::Tensor popped_leaf(const SkipKey& key);
@@ -77,14 +118,19 @@ class CheckpointFrame {
 
 /// Runs a function on a micro-batch with checkpointing; one object per (micro-batch, partition).
 ///
-///   gpipe::Checkpointing cp(fn, batch, device);
+///   gpipe::Checkpointing cp(fn, batch, device, thread_state, record, params_key);
 ///   gpipe::Batch out = cp.checkpoint();  // on the worker
 ///   cp.recompute(out);                   // on the main thread, after the task
 class Checkpointing {
  public:
   using Function = std::function<Batch(const Batch&)>;
 
-  Checkpointing(Function function, Batch input, c10::Device device);
+  /// `thread_state` is the caller's, for the recomputation; `record` is the partition's and
+  /// `params_key` says which of its parameters require grad (see Note [Autograd metadata of
+  /// checkpointed micro-batches]).
+  Checkpointing(Function function, Batch input, c10::Device device,
+                std::shared_ptr<const ThreadState> thread_state, std::shared_ptr<GradRecord> record,
+                uint64_t params_key);
 
   /// Runs the function without recording activations; the outputs carry CheckpointBackward.
   Batch checkpoint();

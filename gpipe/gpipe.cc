@@ -3,6 +3,7 @@
 
 #include <ostream>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 #include <torch/cuda.h>
 
@@ -13,6 +14,7 @@
 #include "gpipe/pipeline.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
+#include "gpipe/thread_state.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -30,12 +32,12 @@ const char* checkpoint_name(Checkpoint mode) {
   return "?";
 }
 
-// `cuda` means the current CUDA device; the CPU has no index.
+// `cuda` means the current CUDA device, as everywhere in LibTorch; the CPU has no index.
 c10::Device normalize(const c10::Device& device) {
   if (device.is_cuda() && !device.has_index()) {
     TORCH_CHECK(torch::cuda::is_available(), "GPipe was given device ", device,
                 ", but CUDA is not available");
-    return c10::Device(c10::kCUDA, 0);
+    return c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
   }
   if (device.is_cpu()) {
     return c10::Device(c10::kCPU);
@@ -73,6 +75,16 @@ int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
   return 0;
 }
 
+// Which of a partition's parameters require grad, as a number (see Note [Autograd metadata of
+// checkpointed micro-batches] in checkpoint.h).
+uint64_t params_key(const torch::nn::Sequential& partition) {
+  uint64_t key = 1469598103934665603ull;
+  for (const at::Tensor& p : partition->parameters()) {
+    key = (key ^ (p.requires_grad() ? 2u : 1u)) * 1099511628211ull;
+  }
+  return key;
+}
+
 }  // namespace
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
@@ -91,8 +103,22 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   for (const auto& partition : partitions_) {
     partition_list_->push_back(partition);
   }
-  if (options_.deferred_batch_norm()) {
-    deferred_batch_norm_ = std::make_unique<DeferredBatchNorm>(modules(/*include_self=*/false));
+  for (const auto& partition : partitions_) {
+    batch_norms_.push_back(
+        std::make_shared<BatchNormLayers>(partition->modules(/*include_self=*/false)));
+    grad_records_.push_back(std::make_shared<GradRecord>());
+  }
+  if (options_.worker_per_partition()) {
+    for (size_t j = 1; j < devices_.size(); ++j) {
+      for (size_t k = 0; k < j; ++k) {
+        TORCH_CHECK(!devices_[j].is_cuda() || devices_[j] != devices_[k],
+                    "GPipe worker_per_partition would run partitions ", k, " and ", j,
+                    " on two threads that share ", devices_[j], " and its random generator, so "
+                    "a checkpointed micro-batch could recompute different random numbers; give "
+                    "each partition its own GPU, or turn worker_per_partition off (partitions "
+                    "on one GPU then share its worker thread)");
+      }
+    }
   }
   workers_ = std::make_unique<WorkerPool>(devices_, options_.worker_per_partition());
   if (options_.worker_per_partition() && options_.checkpoint() != Checkpoint::kNever) {
@@ -107,7 +133,19 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
       }
     }
   }
+  // Every stream a forward needs exists before the first forward (Note [Copy streams]): forwards
+  // share them read-only.
   copy_streams_.resize(devices_.size());
+  for (const auto j : c10::irange(devices_.size())) {
+    for (int64_t i = 0; i < options_.chunks(); ++i) {
+      copy_streams_[j].push_back(new_stream(devices_[j]));
+    }
+  }
+}
+
+std::vector<TimelineEvent> GPipeImpl::last_timeline() const {
+  absl::MutexLock lock(&forward_mu_);
+  return last_timeline_;
 }
 
 GPipeImpl::~GPipeImpl() = default;
@@ -151,22 +189,35 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
                 "; move the input there first, e.g. x.to(model->devices().front())");
   }
   std::vector<Batch> batches = scatter(input, options_.chunks());
-  const int64_t m = static_cast<int64_t>(batches.size());
+  absl::MutexLock lock(&forward_mu_);
 
   PipelineSpec spec;
   spec.devices = devices_;
-  for (const auto j : c10::irange(devices_.size())) {
-    spec.stages.emplace_back(
-        [partition = partitions_[j]](const Batch& b) { return run_partition(partition, b); });
-    spec.compute_streams.push_back(current_stream(devices_[j]));
-    while (static_cast<int64_t>(copy_streams_[j].size()) < m) {
-      copy_streams_[j].push_back(new_stream(devices_[j]));
-    }
-  }
-  spec.copy_streams = &copy_streams_;
   const bool checkpointing = is_training() && at::GradMode::is_enabled();
   spec.checkpoint_stop =
       checkpointing ? checkpoint_stop(options_.checkpoint(), options_.chunks()) : 0;
+  for (const auto j : c10::irange(devices_.size())) {
+    spec.stages.emplace_back([partition = partitions_[j],
+                              batch_norms = batch_norms_[j]](const Batch& b) {
+      if (batch_norms->size() > 0 && is_recomputing()) {
+        // Note [Recomputation leaves running statistics alone] in batchnorm.h.
+        BatchNormLayers::Redirect redirect = batch_norms->redirect();
+        return run_partition(partition, b);
+      }
+      return run_partition(partition, b);
+    });
+    spec.compute_streams.push_back(current_stream(devices_[j]));
+  }
+  if (spec.checkpoint_stop > 0) {
+    spec.grad_records = grad_records_;
+    for (const auto& partition : partitions_) {
+      spec.params_keys.push_back(params_key(partition));
+    }
+    // Captured before the deferred-batch-norm callback is added: the recomputation observes no
+    // operator (Note [Deferred batch norm without replacing modules]).
+    spec.recompute_state = std::make_shared<const ThreadState>();
+  }
+  spec.copy_streams = &copy_streams_;
   spec.workers = workers_.get();
   spec.skip_layout = &skip_layout_;
   spec.run = next_run_id();
@@ -176,20 +227,28 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     spec.timeline = timeline.get();
   }
 
-  std::unique_ptr<DeferredBatchNorm::TrackingScope> tracking;
-  if (deferred_batch_norm_) {
-    deferred_batch_norm_->set_training(is_training());
-    if (is_training()) {
-      tracking = deferred_batch_norm_->track();
+  const bool deferred = options_.deferred_batch_norm() && is_training();
+  {
+    // Deferred batch norm: the training-mode BatchNorms write their own updates to sinks while
+    // the pipeline runs, and the callback gathers the statistics.
+    std::vector<BatchNormLayers::Redirect> redirects;
+    std::unique_ptr<DeferredStatisticsScope> statistics;
+    if (deferred) {
+      for (const auto& batch_norms : batch_norms_) {
+        batch_norms->reset_statistics();
+        redirects.push_back(batch_norms->redirect());
+      }
+      statistics = std::make_unique<DeferredStatisticsScope>();
+    }
+    run_pipeline(spec, batches);
+  }
+  if (deferred) {
+    for (const auto& batch_norms : batch_norms_) {
+      batch_norms->commit();
     }
   }
-  run_pipeline(spec, batches);
   if (timeline) {
     last_timeline_ = timeline->events();
-  }
-  if (tracking) {
-    tracking.reset();
-    deferred_batch_norm_->commit();
   }
   Batch result = gather(batches);
   out_atomic = result.atomic();

@@ -16,6 +16,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include "absl/synchronization/mutex.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
@@ -23,7 +24,7 @@
 
 namespace gpipe {
 
-class DeferredBatchNorm;
+class BatchNormLayers;
 class WorkerPool;
 
 /// When micro-batches are checkpointed (their activations recomputed in backward instead of
@@ -80,13 +81,17 @@ struct GPipeOptions {
 /// train()/eval(), named_parameters() (as "partitions.<j>.<layer name>.<param>") and
 /// torch::save/torch::load work as for any module. Moving a GPipe to another device is refused:
 /// it owns the placement. Changing the dtype is allowed.
+///
+/// Threads: forward may be called from several threads at once; the forwards of one GPipe are
+/// serialised by a lock (one mini-batch at a time goes through the pipeline, which already keeps
+/// every device busy), while backward passes and forwards of other GPipes run concurrently.
 class GPipeImpl : public torch::nn::Module {
  public:
   GPipeImpl(torch::nn::Sequential module, GPipeOptions options);
   ~GPipeImpl() override;
 
   /// Runs a mini-batch through the pipeline. `input` must be on devices().front(); the result is
-  /// on devices().back().
+  /// on devices().back(). Thread-safe: concurrent calls run one after another.
   at::Tensor forward(const at::Tensor& input);
 
   /// Runs a tuple mini-batch (several tensors split alike along dimension 0). The layers must
@@ -108,7 +113,7 @@ class GPipeImpl : public torch::nn::Module {
   size_t size() const;
   /// What the last forward did, when GPipeOptions::record_timeline is set (else empty). Draw it
   /// with gpipe::render_timeline.
-  const std::vector<TimelineEvent>& last_timeline() const { return last_timeline_; }
+  std::vector<TimelineEvent> last_timeline() const;
   /// Where the model's skip connections run between partitions.
   const SkipLayout& skip_layout() const { return skip_layout_; }
 
@@ -133,10 +138,16 @@ class GPipeImpl : public torch::nn::Module {
   std::vector<torch::nn::Sequential> partitions_;
   torch::nn::ModuleList partition_list_;
   std::unique_ptr<WorkerPool> workers_;
-  std::unique_ptr<DeferredBatchNorm> deferred_batch_norm_;
+  // Per partition: its BatchNorm layers (shared with the autograd graphs of checkpointed
+  // micro-batches, which may outlive this GPipe) and its GradRecord.
+  std::vector<std::shared_ptr<BatchNormLayers>> batch_norms_;
+  std::vector<std::shared_ptr<GradRecord>> grad_records_;
+  // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
   SkipLayout skip_layout_;
-  std::vector<TimelineEvent> last_timeline_;
+  // Serialises forwards (see the class comment).
+  mutable absl::Mutex forward_mu_;
+  std::vector<TimelineEvent> last_timeline_ ABSL_GUARDED_BY(forward_mu_);
 };
 
 /// A GPipe: a module holder of GPipeImpl (see there).

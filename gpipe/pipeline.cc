@@ -173,12 +173,15 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         return stage(b);
       };
       if (i < spec.checkpoint_stop) {
-        slot->checkpointing =
-            std::make_unique<Checkpointing>(slot->stage, batches[i], spec.devices[j]);
+        slot->checkpointing = std::make_unique<Checkpointing>(
+            slot->stage, batches[i], spec.devices[j], spec.recompute_state, spec.grad_records[j],
+            spec.params_keys[j]);
       }
+      Slot* s = slot.get();
+      slots.push_back(std::move(slot));
       if (!spec.workers->runs_inline(j)) {
-        slot->submitted = true;
-        Slot* s = slot.get();
+        // Marked submitted only once the worker has it: a submit that fails (out of memory)
+        // leaves nothing for TickGuard to wait for.
         spec.workers->for_partition(j).submit([s, &spec, state = caller_state.get()] {
           {
             ThreadStateGuard guard(*state);
@@ -186,8 +189,8 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
           }
           s->done.Notify();
         });
+        s->submitted = true;
       }
-      slots.push_back(std::move(slot));
     }
     for (auto& slot : slots) {
       if (spec.workers->runs_inline(slot->partition)) {

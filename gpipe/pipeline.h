@@ -4,12 +4,15 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
+#include "gpipe/checkpoint.h"
 #include "gpipe/microbatch.h"
+#include "gpipe/thread_state.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"
@@ -30,6 +33,11 @@ struct PipelineSpec {
   const std::vector<std::vector<c10::Stream>>* copy_streams = nullptr;
   /// Micro-batches i < checkpoint_stop are checkpointed.
   int64_t checkpoint_stop = 0;
+  /// With checkpointing: the thread state recomputations run under, each partition's
+  /// GradRecord and parameters' key (see Checkpointing).
+  std::shared_ptr<const ThreadState> recompute_state;
+  std::vector<std::shared_ptr<GradRecord>> grad_records;
+  std::vector<uint64_t> params_keys;
   WorkerPool* workers = nullptr;
   /// Where the skips go; null or empty when the model has no skippable layer.
   const SkipLayout* skip_layout = nullptr;

@@ -13,26 +13,52 @@ c10::ScalarType cpu_dtype() { return at::autocast::get_autocast_dtype(at::kCPU);
 c10::ScalarType gpu_dtype() { return at::autocast::get_autocast_dtype(at::kCUDA); }
 void set_cpu_dtype(c10::ScalarType t) { at::autocast::set_autocast_dtype(at::kCPU, t); }
 void set_gpu_dtype(c10::ScalarType t) { at::autocast::set_autocast_dtype(at::kCUDA, t); }
+bool autocast_on() {
+  return at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA);
+}
 #else
 c10::ScalarType cpu_dtype() { return at::autocast::get_autocast_cpu_dtype(); }
 c10::ScalarType gpu_dtype() { return at::autocast::get_autocast_gpu_dtype(); }
 void set_cpu_dtype(c10::ScalarType t) { at::autocast::set_autocast_cpu_dtype(t); }
 void set_gpu_dtype(c10::ScalarType t) { at::autocast::set_autocast_gpu_dtype(t); }
+bool autocast_on() { return at::autocast::is_cpu_enabled() || at::autocast::is_enabled(); }
 #endif
 
 }  // namespace
 
-ThreadState::ThreadState() : autocast_cpu_dtype_(cpu_dtype()), autocast_gpu_dtype_(gpu_dtype()) {}
+ThreadState::ThreadState()
+    : autocast_cpu_dtype_(cpu_dtype()),
+      autocast_gpu_dtype_(gpu_dtype()),
+      autocast_cache_enabled_(at::autocast::is_autocast_cache_enabled()) {}
 
-ThreadStateGuard::ThreadStateGuard(const ThreadState& state)
-    : tls_guard_(state.tls_), previous_cpu_dtype_(cpu_dtype()), previous_gpu_dtype_(gpu_dtype()) {
+ThreadStateGuard::Previous::Previous()
+    : cpu_dtype(gpipe::cpu_dtype()),
+      gpu_dtype(gpipe::gpu_dtype()),
+      cache_enabled(at::autocast::is_autocast_cache_enabled()) {}
+
+ThreadStateGuard::ThreadStateGuard(const ThreadState& state) : tls_guard_(state.tls_) {
   set_cpu_dtype(state.autocast_cpu_dtype_);
   set_gpu_dtype(state.autocast_gpu_dtype_);
+  at::autocast::set_autocast_cache_enabled(state.autocast_cache_enabled_);
+  if (autocast_on()) {
+    at::autocast::increment_nesting();
+    region_ = true;
+  }
 }
 
 ThreadStateGuard::~ThreadStateGuard() {
-  set_cpu_dtype(previous_cpu_dtype_);
-  set_gpu_dtype(previous_gpu_dtype_);
+  if (region_ && at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  set_cpu_dtype(previous_.cpu_dtype);
+  set_gpu_dtype(previous_.gpu_dtype);
+  at::autocast::set_autocast_cache_enabled(previous_.cache_enabled);
 }
+
+AutocastCacheOff::AutocastCacheOff() : previous_(at::autocast::is_autocast_cache_enabled()) {
+  at::autocast::set_autocast_cache_enabled(false);
+}
+
+AutocastCacheOff::~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(previous_); }
 
 }  // namespace gpipe

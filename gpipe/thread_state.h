@@ -14,8 +14,24 @@ namespace gpipe {
 // the thread that called GPipe::forward, or it would compute something else: under autocast a
 // Linear would run in float32 instead of bfloat16, under InferenceMode it would record autograd
 // history. The Python reference passes only grad mode to its workers and loses autocast. gpipe
-// captures the whole at::ThreadLocalState plus the autocast dtypes (plain thread-locals outside
-// ThreadLocalState) once per forward and installs them around every task.
+// captures the whole at::ThreadLocalState plus the autocast settings that live in plain
+// thread-locals outside it (the dtypes and whether casts are cached) once per forward, and
+// installs them around every task.
+//
+// Note [Autocast regions in workers and recomputation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Autocast caches the low-precision copy of each weight it casts, in a thread-local cache that is
+// cleared when the outermost autocast region of the thread ends (torch.autocast's exit,
+// at::autocast::decrement_nesting() reaching 0). A worker thread or a backward-time recomputation
+// runs under the caller's autocast, but no region of the caller ever ends on that thread: its cache
+// would keep the casts of the weights from before the optimizer's update, and every later step
+// would compute with stale weights. So ThreadStateGuard opens a region of its own when the state
+// it installs has autocast on (increment_nesting), and closes it when it ends: the cache is
+// cleared when the thread's outermost region closes, as torch.utils.checkpoint does around its
+// recomputation. The caller's cache-enabled flag is carried along. A checkpointed micro-batch's
+// first forward runs without grad; a cast cached there would have no autograd history and, reused
+// by a later micro-batch with grad in the same region, would cut the weights off their gradients.
+// That forward therefore runs with the cast cache off (AutocastCacheOff).
 
 /// A snapshot of the calling thread's thread-local state.
 ///
@@ -31,9 +47,12 @@ class ThreadState {
   at::ThreadLocalState tls_;
   c10::ScalarType autocast_cpu_dtype_;
   c10::ScalarType autocast_gpu_dtype_;
+  bool autocast_cache_enabled_;
 };
 
 /// Installs a ThreadState on the current thread for its lifetime, then restores the previous one.
+/// Opens and closes an autocast region when the state has autocast on (see Note [Autocast regions
+/// in workers and recomputation]).
 class ThreadStateGuard {
  public:
   explicit ThreadStateGuard(const ThreadState& state);
@@ -42,9 +61,29 @@ class ThreadStateGuard {
   ThreadStateGuard& operator=(const ThreadStateGuard&) = delete;
 
  private:
+  // Read before the new state is installed, restored after it is removed.
+  struct Previous {
+    Previous();
+    c10::ScalarType cpu_dtype;
+    c10::ScalarType gpu_dtype;
+    bool cache_enabled;
+  };
+  Previous previous_;
   at::ThreadLocalStateGuard tls_guard_;
-  c10::ScalarType previous_cpu_dtype_;
-  c10::ScalarType previous_gpu_dtype_;
+  bool region_ = false;
+};
+
+/// Turns autocast's weight-cast cache off for a scope (see Note [Autocast regions in workers and
+/// recomputation]).
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff();
+  ~AutocastCacheOff();
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool previous_;
 };
 
 }  // namespace gpipe

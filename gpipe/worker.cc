@@ -4,6 +4,14 @@
 #include <utility>
 
 namespace gpipe {
+namespace {
+std::function<void()>& submit_hook() {
+  static auto* hook = new std::function<void()>();
+  return *hook;
+}
+}  // namespace
+
+void internal::set_submit_hook(std::function<void()> hook) { submit_hook() = std::move(hook); }
 
 Worker::Worker(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {}
 
@@ -16,6 +24,9 @@ Worker::~Worker() {
 }
 
 void Worker::submit(std::function<void()> task) {
+  if (submit_hook()) {
+    submit_hook()();
+  }
   absl::MutexLock lock(&mu_);
   queue_.push_back(std::move(task));
 }

@@ -57,6 +57,13 @@ class Worker {
 // (except the first, which runs on the caller), so partitions on one device run concurrently; the
 // tests use it to exercise real concurrency on the CPU.
 
+namespace internal {
+/// Fault injection for tests: `hook` (or nothing, when empty) runs at the start of every
+/// Worker::submit, before the task is queued; a hook that throws stands for a submit that fails
+/// (out of memory). Not for concurrent use with running pipelines.
+void set_submit_hook(std::function<void()> hook);
+}  // namespace internal
+
 /// The workers of a pipeline (see Note [Workers and the calling thread]).
 ///
 ///   gpipe::WorkerPool pool({torch::kCPU, torch::kCUDA}, /*worker_per_partition=*/false);

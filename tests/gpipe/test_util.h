@@ -13,6 +13,8 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -181,6 +183,76 @@ void check_transparent(Make make, const at::Tensor& x, const GPipeOptions& optio
   (y2 * w).sum().backward();
   check_same_grads(plain->parameters(), model->parameters(), tol);
   CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= tol);
+}
+
+/// An autocast region on the CPU, as torch.autocast("cpu", dtype) opens one: autocast on with
+/// `dtype`, one level of nesting, and the weight-cast cache cleared when the outermost region
+/// ends.
+class CpuAutocast {
+ public:
+  explicit CpuAutocast(at::ScalarType dtype = at::kBFloat16) {
+#if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
+    previous_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
+    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+#else
+    previous_enabled_ = at::autocast::is_cpu_enabled();
+    previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+#endif
+    at::autocast::increment_nesting();
+  }
+  ~CpuAutocast() {
+    if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
+#if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(at::kCPU, previous_enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, previous_dtype_);
+#else
+    at::autocast::set_cpu_enabled(previous_enabled_);
+    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+#endif
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool previous_enabled_;
+  at::ScalarType previous_dtype_;
+};
+
+/// One SGD step without momentum, in place, as torch::optim::SGD does: p -= lr * p.grad; then
+/// the gradients are zeroed.
+inline void sgd_step(const std::vector<at::Tensor>& params, double lr) {
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) {
+      const_cast<at::Tensor&>(p).sub_(p.grad() * lr);
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+/// The running statistics of every BatchNorm of `module`, in order (mean, var, count, ...).
+inline std::vector<at::Tensor> running_stats(torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  for (const auto& buffer : module.named_buffers()) {
+    out.push_back(buffer.value().clone());
+  }
+  return out;
+}
+
+/// Checks that two lists of tensors are alike within `tol`.
+inline void check_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                       double tol) {
+  CATCH_REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    CATCH_INFO("tensor " << k);
+    CATCH_CHECK(max_diff(a[k], b[k]) <= tol);
+  }
 }
 
 }  // namespace testing

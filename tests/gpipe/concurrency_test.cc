@@ -1,0 +1,143 @@
+// Concurrent use: servers call one GPipe from several threads, and a task that cannot be handed to
+// a worker fails the forward instead of hanging it. Results are compared with the plain model.
+#include "tests/gpipe/test_util.h"
+
+#include <atomic>
+#include <future>
+#include <new>
+#include <thread>
+
+#include "gpipe/worker.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+nn::Sequential conv_model() {
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(3, 4, 3).padding(1)), nn::ReLU(),
+                        nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1)), nn::Tanh(),
+                        nn::Flatten(), nn::Linear(4 * 5 * 5, 3));
+}
+
+// Runs `fn` on a thread and waits for it at most `seconds`; a hang fails the test (and aborts,
+// since the stuck thread cannot be joined) instead of stalling the suite.
+template <typename Fn>
+void within(int seconds, Fn fn) {
+  auto task = std::make_shared<std::packaged_task<void()>>(std::move(fn));
+  std::future<void> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (done.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready) {
+    CATCH_FAIL("hung for " << seconds << " s");
+    std::abort();
+  }
+  done.get();
+}
+
+CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the plain model's "
+                "results",
+                "[concurrency]") {
+  const bool warm = GENERATE(false, true);
+  const bool threads = GENERATE(false, true);
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_CAPTURE(warm, threads, static_cast<int>(mode));
+  nn::Sequential plain = build(conv_model, 41);
+  GPipe model(build(conv_model, 41), GPipeOptions({2, 2, 2})
+                                         .devices({at::kCPU, at::kCPU, at::kCPU})
+                                         .chunks(4)
+                                         .checkpoint(mode)
+                                         .worker_per_partition(threads));
+  const at::Tensor x = at::randn({8, 3, 5, 5}, at::kDouble);
+  const at::Tensor expected = plain->forward(x);
+  expected.sum().backward();
+  if (warm) {
+    model->forward(x).sum().backward();
+    for (auto& p : model->parameters()) p.mutable_grad().zero_();
+  }
+  constexpr int kSteps = 6;
+  std::atomic<int> wrong{0};
+  auto train = [&] {
+    for (int k = 0; k < kSteps; ++k) {
+      at::Tensor y = model->forward(x);
+      if (max_diff(y, expected) > 1e-10) ++wrong;
+      y.sum().backward();
+    }
+  };
+  within(300, [&] {
+    std::thread a(train);
+    std::thread b(train);
+    a.join();
+    b.join();
+  });
+  CATCH_CHECK(wrong == 0);
+  // Every step's gradients were accumulated: 2 threads x kSteps times the plain model's.
+  auto plain_params = plain->parameters();
+  auto params = model->parameters();
+  for (size_t k = 0; k < params.size(); ++k) {
+    CATCH_CHECK(max_diff(params[k].grad(), plain_params[k].grad() * (2 * kSteps)) <= 1e-9);
+  }
+}
+
+CATCH_TEST_CASE("Threads serving inference from one GPipe get the plain model's outputs",
+                "[concurrency]") {
+  nn::Sequential plain = build(conv_model, 42);
+  GPipe model(build(conv_model, 42), GPipeOptions({3, 3})
+                                         .devices({at::kCPU, at::kCPU})
+                                         .chunks(3)
+                                         .worker_per_partition(true));
+  plain->eval();
+  model->eval();
+  std::atomic<int> wrong{0};
+  auto serve = [&](uint64_t seed) {
+    for (int k = 0; k < 20; ++k) {
+      at::Tensor x = at::randn({3 + k % 4, 3, 5, 5}, at::kDouble);
+      at::NoGradGuard no_grad;
+      if (max_diff(model->forward(x), plain->forward(x)) > 1e-10) ++wrong;
+    }
+    (void)seed;
+  };
+  within(300, [&] {
+    std::vector<std::thread> threads;
+    for (uint64_t t = 0; t < 4; ++t) threads.emplace_back(serve, t);
+    for (auto& t : threads) t.join();
+  });
+  CATCH_CHECK(wrong == 0);
+}
+
+CATCH_TEST_CASE("A task that cannot be handed to a worker fails the forward without hanging it",
+                "[concurrency][errors]") {
+  const int fail_at = GENERATE(0, 1, 3, 5);
+  CATCH_CAPTURE(fail_at);
+  nn::Sequential plain = build(conv_model, 43);
+  GPipe model(build(conv_model, 43), GPipeOptions({2, 2, 2})
+                                         .devices({at::kCPU, at::kCPU, at::kCPU})
+                                         .chunks(3)
+                                         .worker_per_partition(true));
+  const at::Tensor x = at::randn({6, 3, 5, 5}, at::kDouble);
+  std::atomic<int> calls{0};
+  internal::set_submit_hook([&] {
+    if (calls++ == fail_at) throw std::bad_alloc();
+  });
+  bool threw = false;
+  within(120, [&] {
+    try {
+      model->forward(x);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+  });
+  internal::set_submit_hook(nullptr);
+  CATCH_CHECK(threw);
+  // The next step is exact.
+  at::Tensor y1 = plain->forward(x);
+  at::Tensor y2 = model->forward(x);
+  CATCH_CHECK(max_diff(y1, y2) <= 1e-10);
+  y1.sum().backward();
+  y2.sum().backward();
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
