@@ -1,6 +1,8 @@
 // Checkpointing; see Note [Checkpoint and recompute] in checkpoint.h.
 #include "gpipe/checkpoint.h"
 
+#include <tuple>
+
 #include <ATen/core/grad_mode.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -99,7 +101,13 @@ struct CheckpointFrame::State {
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> leaves;
   std::vector<SkipTensor> popped_leaves;  // parallel to `popped`
-  std::vector<std::pair<SkipTensor, std::function<at::Tensor()>>> restashed;
+  std::vector<std::pair<SkipKey, SkipTensor>> restashed;
+  // Stashes of the first forward that need a gradient: given the checkpoint's history once its
+  // node exists (`rehome` installs that version in the skip's slot), in this order after the
+  // outputs among the node's inputs.
+  std::vector<std::tuple<SkipKey, at::Tensor, std::function<void(at::Tensor)>>> pending_stashes;
+  std::vector<SkipKey> stash_inputs;
+  size_t outputs_count = 0;  // the checkpoint's outputs among the node's inputs
 
   void release() {
     input = Batch(std::vector<at::Tensor>{});
@@ -108,6 +116,7 @@ struct CheckpointFrame::State {
     popped.clear();
     popped_leaves.clear();
     restashed.clear();
+    pending_stashes.clear();
   }
 };
 
@@ -129,14 +138,22 @@ void CheckpointFrame::add_popped(const SkipKey& key, at::Tensor tensor) {
 }
 
 at::Tensor CheckpointFrame::stash_first_forward(const SkipKey& key, at::Tensor tensor,
-                                                bool& requires_grad) {
+                                                std::function<void(at::Tensor)> rehome) {
+  bool requires_grad;
   if (state_->learning) {
     requires_grad = tensor.defined() && tensor.requires_grad();
     state_->entry.stashes[key] = requires_grad;
-    return tensor.defined() ? tensor.detach() : tensor;
+    if (tensor.defined()) {
+      tensor = tensor.detach();
+    }
+  } else {
+    auto it = state_->entry.stashes.find(key);
+    requires_grad = it == state_->entry.stashes.end() || it->second;
   }
-  auto it = state_->entry.stashes.find(key);
-  requires_grad = it == state_->entry.stashes.end() || it->second;
+  requires_grad = requires_grad && tensor.defined() && tensor.is_floating_point();
+  if (requires_grad) {
+    state_->pending_stashes.emplace_back(key, tensor, std::move(rehome));
+  }
   return tensor;
 }
 
@@ -151,8 +168,8 @@ at::Tensor CheckpointFrame::popped_leaf(const SkipKey& key) {
               "on whether it is recomputing");
 }
 
-void CheckpointFrame::add_restashed(at::Tensor tensor, std::function<at::Tensor()> grad) {
-  state_->restashed.emplace_back(SkipTensor(std::move(tensor)), std::move(grad));
+void CheckpointFrame::add_restashed(const SkipKey& key, at::Tensor tensor) {
+  state_->restashed.emplace_back(key, SkipTensor(std::move(tensor)));
 }
 
 namespace {
@@ -191,7 +208,16 @@ void recompute(State& st) {
     RngReplay replay(state->rng);
     FlagScope recomputing(recomputing_flag);
     CheckpointFrame frame(state, /*recomputing=*/true);
-    out = state->function(leaf_batch);
+    try {
+      out = state->function(leaf_batch);
+    } catch (const std::exception&) {
+      throw;
+    } catch (...) {
+      // The autograd engine carries only std::exceptions back to the caller of backward().
+      TORCH_CHECK(false, "gpipe: a layer threw an exception that is not a std::exception while "
+                  "a checkpointed micro-batch was recomputed in backward; throw a "
+                  "std::exception (e.g. with TORCH_CHECK) to have it reach the caller");
+    }
   }
   state->outputs = std::move(out.values());
   state->leaves = std::move(leaves);
@@ -230,13 +256,20 @@ struct CheckpointBackward : Node {
         output_grads.push_back(grads[k]);
       }
     }
-    // Skips stashed again by the recomputation take the gradients their pops produced.
-    for (auto& restashed : state->restashed) {
-      const at::Tensor& t = restashed.first.get();
-      at::Tensor grad = restashed.second();
-      if (t.defined() && t.requires_grad() && grad.defined()) {
-        outputs.push_back(t);
-        output_grads.push_back(std::move(grad));
+    // Skips stashed again by the recomputation take the gradients that reached the first
+    // forward's stashes (the node's inputs after the outputs).
+    for (size_t e = 0; e < state->stash_inputs.size(); ++e) {
+      const size_t index = state->outputs_count + e;
+      if (index >= grads.size() || !grads[index].defined()) {
+        continue;
+      }
+      for (auto& restashed : state->restashed) {
+        const at::Tensor& t = restashed.second.get();
+        if (restashed.first == state->stash_inputs[e] && t.defined() && t.requires_grad()) {
+          outputs.push_back(t);
+          output_grads.push_back(grads[index]);
+          break;
+        }
       }
     }
     if (!outputs.empty()) {
@@ -347,6 +380,14 @@ Batch Checkpointing::checkpoint() {
       node->add_input_metadata(Node::undefined_input());
     }
   }
+  state_->outputs_count = out.size();
+  for (auto& pending : state_->pending_stashes) {
+    at::Tensor t = std::get<1>(pending).detach();
+    torch::autograd::set_history(t, node);
+    state_->stash_inputs.push_back(std::get<0>(pending));
+    std::get<2>(pending)(std::move(t));
+  }
+  state_->pending_stashes.clear();
   return out;
 }
 

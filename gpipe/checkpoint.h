@@ -93,16 +93,19 @@ class CheckpointFrame {
   /// checkpoint.
   void add_popped(const SkipKey& key, at::Tensor tensor);
 
-  /// First forward: `tensor` is stashed under `key`. Returns it without history and says in
-  /// `requires_grad` whether the plain model's tensor would require grad.
-  at::Tensor stash_first_forward(const SkipKey& key, at::Tensor tensor, bool& requires_grad);
+  /// First forward: `tensor` is stashed under `key`; returns it without history. When the plain
+  /// model's tensor would require grad, the tensor becomes an extra output of the checkpoint once
+  /// the forward is done, and `rehome` is called with that version (see Note [Skips and
+  /// checkpointing] in skip_tracker.h).
+  at::Tensor stash_first_forward(const SkipKey& key, at::Tensor tensor,
+                                 std::function<void(at::Tensor)> rehome);
 
   /// Recomputation: the leaf standing for what the first forward popped under `key`.
   at::Tensor popped_leaf(const SkipKey& key);
 
-  /// Recomputation: `tensor` was stashed again, with history; `grad` gives the gradient that the
-  /// popping side caught for it (or an undefined tensor).
-  void add_restashed(at::Tensor tensor, std::function<at::Tensor()> grad);
+  /// Recomputation: `tensor` was stashed again under `key`, with history; it takes the gradient
+  /// that reached the first forward's stash.
+  void add_restashed(const SkipKey& key, at::Tensor tensor);
 
   struct State;
   CheckpointFrame(State* state, bool recomputing);

@@ -138,8 +138,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       if (j > 0) {
         const double start = spec.timeline ? spec.timeline->now_us() : 0;
         if (trackers[i] != nullptr) {
-          for (int64_t from : trackers[i]->fence(i, j, batches[i], spec.compute_streams,
-                                                 copy_streams, i < spec.checkpoint_stop)) {
+          for (int64_t from : trackers[i]->fence(i, j, spec.compute_streams, copy_streams)) {
             record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, start);
           }
         }

@@ -8,6 +8,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/copy.h"
 #include "gpipe/dependency.h"
+#include "gpipe/stream.h"
 
 namespace gpipe {
 namespace {
@@ -36,24 +37,34 @@ class PlainSkipTracker : public SkipTracker {
 
 thread_local const TaskContext* current_context = nullptr;
 
-// Keeps the gradient of a skip whose stashing task was checkpointed, copied back to the stashing
-// device, for the recomputation (Note [Skips and checkpointing]).
-// It holds the slot weakly: the slot holds the tensor whose history is this node until the pop.
-struct SkipGradCatcher : torch::autograd::Node {
-  SkipGradCatcher(std::weak_ptr<SkipSlot> slot, c10::Stream here, c10::Stream back)
-      : slot(std::move(slot)), here(here), back(back) {}
-  std::string name() const override { return "gpipe::SkipGradCatcher"; }
+// The backward half of gpipe::wait (copy.h): `waiting` waits for `source` before the gradient
+// goes on (Note [Skip copy streams]).
+struct SkipWaitBackward : torch::autograd::Node {
+  SkipWaitBackward(c10::Stream waiting, c10::Stream source) : waiting(waiting), source(source) {}
+  std::string name() const override { return "gpipe::SkipWaitBackward"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    std::shared_ptr<SkipSlot> target = slot.lock();
-    if (target && grads[0].defined()) {
-      target->grad.set(copy({grads[0]}, here, back)[0]);
-    }
-    return {at::Tensor()};
+    wait_stream(waiting, source);
+    return std::move(grads);
   }
-  std::weak_ptr<SkipSlot> slot;
-  c10::Stream here;
-  c10::Stream back;
+  c10::Stream waiting;
+  c10::Stream source;
 };
+
+// Gives `tensor` (returned detached) a SkipWaitBackward, and makes no wait in forward. Returns
+// `tensor` itself when no gradient can flow or the streams are not real streams.
+at::Tensor wait_in_backward(at::Tensor tensor, const c10::Stream& waiting,
+                            const c10::Stream& source) {
+  if (!has_streams(waiting.device()) || !has_streams(source.device()) ||
+      !at::GradMode::is_enabled() || !tensor.requires_grad()) {
+    return tensor;
+  }
+  at::Tensor out = tensor.detach();
+  auto node = std::shared_ptr<SkipWaitBackward>(new SkipWaitBackward(waiting, source),
+                                                torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(tensor));
+  torch::autograd::set_history(out, node);
+  return out;
+}
 
 }  // namespace
 
@@ -102,8 +113,14 @@ void MicroBatchSkips::stash(const SkipKey& key, at::Tensor tensor) {
   if (frame != nullptr && frame->recomputing()) {
     // The first forward's tensor has gone to the popping partition already; this one, with
     // history, takes the gradient caught there.
-    frame->add_restashed(std::move(tensor), [slot] { return slot->grad.take(); });
+    frame->add_restashed(key, std::move(tensor));
     return;
+  }
+  if (frame != nullptr) {
+    // A checkpoint's first forward: the tensor leaves without history; when the plain model's
+    // would need a gradient, the checkpoint gives it its own history once the forward is done.
+    tensor = frame->stash_first_forward(key, std::move(tensor),
+                                        [slot](at::Tensor t) { slot->tensor.set(std::move(t)); });
   }
   slot->tensor.set(std::move(tensor));
   slot->stashed = true;
@@ -136,16 +153,36 @@ at::Tensor MicroBatchSkips::pop(const SkipKey& key) {
 void MicroBatchSkips::clear() {
   for (auto& slot : slots_) {
     slot.second->tensor.reset();
-    slot.second->grad.reset();
     slot.second->stashed = false;
   }
   local_.clear();
 }
 
-std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition, Batch& batch,
+// Note [Skip copy streams]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A skip stashed by task (i, a) and popped by task (i, b) is copied by the fence of (i, b), on the
+// copy streams of micro-batch i: from copy stream [a][i] to copy stream [b][i]. By the time of that
+// fence (clock tick i+b), compute stream a has also been given tasks (i+1, a) ... (i+b-a-1, a) of
+// later micro-batches. Making copy stream [a][i] wait for compute stream a now, as the activation
+// copy from partition b-1 does, would hold the skip, and so task (i, b), back until those later
+// micro-batches have been computed on a's device: a dependency that the schedule does not have.
+//
+// Forward, the skip copy therefore waits only for what task (i, a) produced, and copy stream [a][i]
+// already does: when the pipeline collected task (i, a), it made that stream wait for compute
+// stream a as it was then (the wait after each task's output, Note [Copy streams]). That wait was
+// issued in an earlier tick than this fence, so it precedes the copy on copy stream [a][i], and
+// nothing issued to compute stream a after it is waited for. The reference's portal copy does the
+// same: it copies between the two copy streams and relies on the stashing task's output wait. Then
+// compute stream b waits for copy stream [b][i] before the pop, as it does for the activations.
+//
+// Backward keeps both waits, reversed: copy stream [b][i] waits for compute stream b before the
+// gradient is copied back, and compute stream a waits for copy stream [a][i] before the stashing
+// layers use the gradient. The latter has no forward half, so it is made by wait_in_backward, not
+// gpipe::wait.
+
+std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition,
                                             const std::vector<c10::Stream>& compute_streams,
-                                            const std::vector<std::vector<c10::Stream>>& copy_streams,
-                                            bool checkpointed) {
+                                            const std::vector<std::vector<c10::Stream>>& copy_streams) {
   std::vector<int64_t> moved;
   for (const auto& route : layout_->routes_into(partition)) {
     SkipSlot& slot = *slots_.at(route.first);
@@ -158,23 +195,12 @@ std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partitio
     }
     const c10::Stream& from = copy_streams[route.second][microbatch];
     const c10::Stream& to = copy_streams[partition][microbatch];
-    // As for activations (Note [Copy streams]): the copy starts after the stashing compute, and
-    // the popping compute starts after the copy; backward reverses both.
-    tensor = wait({std::move(tensor)}, compute_streams[route.second], from)[0];
+    // No forward wait on the stashing compute stream: `from` waits already for the stashing task
+    // and must not wait for later ones (Note [Skip copy streams]).
+    tensor = wait_in_backward(std::move(tensor), compute_streams[route.second], from);
     at::Tensor moved_tensor = copy({std::move(tensor)}, from, to)[0];
     moved_tensor = wait({std::move(moved_tensor)}, to, compute_streams[partition])[0];
     moved.push_back(route.second);
-    const int64_t lane = batch.lane();
-    if (checkpointed && at::GradMode::is_enabled() && moved_tensor.is_floating_point() &&
-        !moved_tensor.requires_grad() && lane >= 0 && batch[lane].requires_grad()) {
-      auto forked = fork(batch[lane]);
-      batch[lane] = std::move(forked.first);
-      auto node = std::shared_ptr<SkipGradCatcher>(
-          new SkipGradCatcher(slots_.at(route.first), to, from), torch::autograd::deleteNode);
-      node->set_next_edges(torch::autograd::collect_next_edges(forked.second));
-      moved_tensor = moved_tensor.detach();
-      torch::autograd::set_history(moved_tensor, node);
-    }
     slot.tensor.set(std::move(moved_tensor));
   }
   return moved;

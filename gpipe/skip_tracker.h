@@ -62,7 +62,6 @@ class SkipTracker {
 struct SkipSlot {
   bool stashed = false;
   SkipTensor tensor;  // from the stash until the pop
-  SkipTensor grad;    // the gradient caught for a checkpointed stash, until its recomputation
 };
 
 // Note [Skips and checkpointing]
@@ -79,12 +78,15 @@ struct SkipSlot {
 //    instead, and the checkpoint's backward returns the leaf's gradient along the popped tensor's
 //    history.
 //  - A checkpointed stash side: task (i, a) stashes a tensor without history, so nothing would
-//    carry the skip's gradient back. The fence gives the copy a catcher node whose backward keeps
-//    the gradient (copied back to a's device) in the slot. The recomputation of (i, a) stashes the
-//    tensor again, with history; the checkpoint's backward then runs backward through it with the
-//    caught gradient, together with the partition's outputs. For the gradient to be caught first,
-//    the catcher hangs off a fork of micro-batch i's lane at b's input: the lane's gradient cannot
-//    go on towards a before the catcher has run.
+//    carry the skip's gradient back. When the plain model's stashed tensor would need a gradient
+//    (the partition's GradRecord says so: Note [Autograd metadata of checkpointed micro-batches]),
+//    the checkpoint makes the stashed tensor an extra output of its CheckpointBackward node once
+//    the first forward is done. The skip's gradient then arrives at that node as an input, and
+//    the autograd engine runs the node only when all of its inputs' gradients, the outputs' and
+//    the skips', are there: no lane dependency is needed, even when the partitions' main path
+//    carries no gradient. The recomputation of (i, a) stashes the tensor again, with history; the
+//    checkpoint's backward runs backward through it with that gradient, together with the
+//    partition's outputs.
 
 /// The skips of one micro-batch in a GPipe.
 class MicroBatchSkips : public SkipTracker {
@@ -95,15 +97,14 @@ class MicroBatchSkips : public SkipTracker {
   at::Tensor pop(const SkipKey& key) override;
 
   /// The fence of (microbatch, partition): copies every skip routed into `partition` from its
-  /// stashing partition's copy stream to `partition`'s, with the same stream waits as the
-  /// activations (compute -> copy stream before, copy -> compute stream after, reversed in
-  /// backward), adding a gradient catcher when the stashing task was checkpointed
-  /// (`checkpointed`) and hanging it off `batch`'s lane. Returns the stashing partition of each
-  /// tensor moved.
-  std::vector<int64_t> fence(int64_t microbatch, int64_t partition, Batch& batch,
+  /// stashing partition's copy stream to `partition`'s. Forward, the copy relies on the wait the
+  /// pipeline made after the stashing task (stashing compute -> its copy stream) and waits for no
+  /// later task; `partition`'s compute stream waits for the copy. Backward makes both waits, in
+  /// reverse (Note [Skip copy streams] in skip_tracker.cc). Returns the stashing partition of
+  /// each tensor moved.
+  std::vector<int64_t> fence(int64_t microbatch, int64_t partition,
                              const std::vector<c10::Stream>& compute_streams,
-                             const std::vector<std::vector<c10::Stream>>& copy_streams,
-                             bool checkpointed);
+                             const std::vector<std::vector<c10::Stream>>& copy_streams);
 
   /// Drops every tensor still held, after a forward failed: an unpopped skip of a checkpointed
   /// stash would otherwise keep its micro-batch's graph alive through a reference cycle.

@@ -2,17 +2,19 @@
 // (GPIPE_WITH_CUDA); elsewhere CUDA devices are refused with a clear error.
 #include "gpipe/stream.h"
 
+#include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
+#include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
 
 #ifdef GPIPE_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -26,6 +28,69 @@ namespace {
 
 c10::Stream cpu_stream(const c10::Device& device) {
   return c10::Stream(c10::Stream::DEFAULT, c10::Device(device.type(), device.index()));
+}
+
+#ifdef GPIPE_WITH_CUDA
+// The device index LibTorch's CUDA functions take for `device`: -1, which they read as the
+// calling thread's current device, when `device` names none (plain "cuda").
+c10::DeviceIndex cuda_index(const c10::Device& device) {
+  return device.has_index() ? device.index() : static_cast<c10::DeviceIndex>(-1);
+}
+#endif
+
+// Note [Event pool]
+// ~~~~~~~~~~~~~~~~~
+// wait_stream records an event on the source stream and makes the waiting stream wait for it.
+// Creating and destroying an event for every wait would cost more than the wait itself, so events
+// are reused. That is safe as soon as the wait has been issued: the waiting stream waits for the
+// event as it was recorded when the wait was issued (cudaStreamWaitEvent), and a later record
+// makes a new version of the event that this wait does not see, even if the waiting stream has
+// not reached its wait yet. An event belongs to the device of its first record, so free events are
+// kept per device. A c10::Event is not thread-safe: worker threads and the autograd engine's
+// device threads all call wait_stream, so each event is taken out of the pool under the lock and
+// used by one thread only until it is given back. The pool holds as many events per device as
+// waits were ever issued at the same time, and is never destroyed: events destroyed at exit could
+// outlive the CUDA runtime. c10::Event goes through the device guard interface
+// (c10::impl::VirtualGuardImpl), so no CUDA-specific header is needed here.
+class EventPool {
+ public:
+  c10::Event take(const c10::Device& device) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<c10::Event>& free = free_list(device);
+      if (!free.empty()) {
+        c10::Event event = std::move(free.back());
+        free.pop_back();
+        return event;
+      }
+    }
+    return c10::Event(device.type());  // made on its first record
+  }
+
+  void give(const c10::Device& device, c10::Event event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_list(device).push_back(std::move(event));
+  }
+
+ private:
+  std::vector<c10::Event>& free_list(const c10::Device& device) {
+    for (auto& entry : free_) {
+      if (entry.first == device) {
+        return entry.second;
+      }
+    }
+    free_.emplace_back(device, std::vector<c10::Event>());
+    return free_.back().second;
+  }
+
+  std::mutex mu_;
+  // A few devices at most: a list is enough.
+  std::vector<std::pair<c10::Device, std::vector<c10::Event>>> free_;
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool();  // never destroyed (Note [Event pool])
+  return *pool;
 }
 
 }  // namespace
@@ -43,7 +108,7 @@ c10::Stream current_stream(c10::Device device) {
     return cpu_stream(device);
   }
 #ifdef GPIPE_WITH_CUDA
-  return c10::cuda::getCurrentCUDAStream(device.has_index() ? device.index() : -1);
+  return c10::cuda::getCurrentCUDAStream(cuda_index(device));
 #else
   no_cuda(device);
 #endif
@@ -54,8 +119,7 @@ c10::Stream new_stream(c10::Device device) {
     return cpu_stream(device);
   }
 #ifdef GPIPE_WITH_CUDA
-  return c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
-                                      device.has_index() ? device.index() : -1);
+  return c10::cuda::getStreamFromPool(/*isHighPriority=*/false, cuda_index(device));
 #else
   no_cuda(device);
 #endif
@@ -65,11 +129,13 @@ void wait_stream(const c10::Stream& waiting, const c10::Stream& source) {
   if (waiting == source || !has_streams(waiting.device()) || !has_streams(source.device())) {
     return;
   }
-#ifdef GPIPE_WITH_CUDA
-  at::cuda::CUDAEvent event;
-  event.record(c10::cuda::CUDAStream(source));
-  event.block(c10::cuda::CUDAStream(waiting));
-#endif
+  // Streams always carry their device's index, so the event's device is fully named.
+  const c10::Device device = source.device();
+  EventPool& pool = event_pool();
+  c10::Event event = pool.take(device);
+  event.record(source);
+  event.block(waiting);
+  pool.give(device, std::move(event));  // reusable at once (Note [Event pool])
 }
 
 void record_stream(const at::Tensor& tensor, const c10::Stream& stream) {
@@ -92,7 +158,10 @@ void synchronize(c10::Device device) {
     return;
   }
 #ifdef GPIPE_WITH_CUDA
-  c10::cuda::CUDAStream(current_stream(device)).synchronize();
+  // That device only: the guard makes it current for the call (a device without an index stays
+  // the current one) and puts the previous one back, so no other device is touched or gets a
+  // context. cudaDeviceSynchronize waits for every stream of the device, pool streams included.
+  const c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();
 #else
   no_cuda(device);
@@ -123,8 +192,12 @@ RngState get_rng_state(c10::Device device) {
     return state;
   }
 #ifdef GPIPE_WITH_CUDA
-  at::Generator gen =
-      at::cuda::detail::getDefaultCUDAGenerator(device.has_index() ? device.index() : -1);
+  // "cuda" is resolved to the current device now, so that set_rng_state restores the same
+  // generator even on a thread whose current device is another one (a recomputation runs on the
+  // autograd engine's thread).
+  state.device = c10::Device(c10::kCUDA, device.has_index() ? device.index()
+                                                            : c10::cuda::current_device());
+  at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(state.device.index());
   std::lock_guard<std::mutex> lock(gen.mutex());
   state.cuda = gen.get_state();
 #else
@@ -141,8 +214,7 @@ void set_rng_state(const RngState& state) {
   }
   if (state.cuda.defined()) {
 #ifdef GPIPE_WITH_CUDA
-    at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(
-        state.device.has_index() ? state.device.index() : -1);
+    at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(cuda_index(state.device));
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state.cuda);
 #endif

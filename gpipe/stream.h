@@ -26,7 +26,8 @@ c10::Stream new_stream(c10::Device device);
 
 /// Makes `waiting` wait for all work issued to `source` so far. No-op when both are the same
 /// stream or `waiting` is a CPU stream; a CPU `waiting` on a CUDA `source` is not needed because
-/// CPU work does not read CUDA memory asynchronously.
+/// CPU work does not read CUDA memory asynchronously. Thread-safe; the events it needs are
+/// reused (Note [Event pool] in stream.cc).
 ///
 ///   gpipe::wait_stream(compute, copy);  // compute runs after the copy has landed
 void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
@@ -36,7 +37,9 @@ void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
 /// view with an offset protects all of its memory. No-op on CPU.
 void record_stream(const at::Tensor& tensor, const c10::Stream& stream);
 
-/// Blocks the calling thread until all work on `device` has finished. No-op on CPU.
+/// Blocks the calling thread until all work on `device`, on every one of its streams, has finished.
+/// Only that device (the current one for a plain "cuda") is synchronised or made current, and only
+/// for the call. No-op on CPU.
 void synchronize(c10::Device device);
 
 /// Bytes currently allocated on `device` by LibTorch's caching allocator (CUDA), or -1 where the
@@ -53,7 +56,8 @@ struct RngState {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-/// Saves the generator states that work on `device` uses.
+/// Saves the generator states that work on `device` uses. A CUDA device without an index is the
+/// calling thread's current device, resolved here.
 RngState get_rng_state(c10::Device device);
 
 /// Restores generator states saved by get_rng_state.
