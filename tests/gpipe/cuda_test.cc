@@ -250,6 +250,29 @@ CATCH_TEST_CASE("synchronize(device) waits for every stream of that device, what
   }
 }
 
+CATCH_TEST_CASE("torch::kCUDA without an index means the current CUDA device, as in LibTorch",
+                "[cuda][gpipe]") {
+  const c10::Device last = cuda_device(torch::cuda::device_count() - 1);
+  c10::DeviceGuard guard(last);
+  GPipe model(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
+              GPipeOptions({1, 1}).devices({at::kCUDA, at::kCUDA}));
+  CATCH_CHECK(model->devices()[0] == last);
+  CATCH_CHECK(model->devices()[1] == last);
+  for (const auto& p : model->parameters()) CATCH_CHECK(p.device() == last);
+}
+
+CATCH_TEST_CASE("worker_per_partition refuses two partitions on one GPU", "[cuda][gpipe]") {
+  const c10::Device gpu = cuda_device(0);
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
+            GPipeOptions({1, 1}).devices({gpu, gpu}).worker_per_partition(true)),
+      Catch::Contains("worker_per_partition") && Catch::Contains("its own GPU"));
+  // Without it, the two partitions share the GPU's worker and train as the plain model.
+  GPipe model(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
+              GPipeOptions({1, 1}).devices({gpu, gpu}));
+  CATCH_CHECK(model->devices()[1] == gpu);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe

@@ -118,19 +118,6 @@ int thread_count() {
 
 size_t heap_bytes() { return mallinfo2().uordblks; }
 
-template <typename Fn>
-void within(int seconds, Fn fn) {
-  auto task = std::make_shared<std::packaged_task<void()>>(std::move(fn));
-  std::future<void> done = task->get_future();
-  std::thread runner([task] { (*task)(); });
-  if (done.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready) {
-    std::fprintf(stderr, "watchdog: a step hung for %d s\n", seconds);
-    std::abort();
-  }
-  runner.join();
-  done.get();
-}
-
 // Whether the caught exception is the injected one.
 bool is_injected(std::exception_ptr e, const Fault& f) {
   const std::string what =

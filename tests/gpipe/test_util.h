@@ -4,8 +4,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <future>
+#include <thread>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -223,6 +228,22 @@ class CpuAutocast {
   bool previous_enabled_;
   at::ScalarType previous_dtype_;
 };
+
+/// Runs `fn` on a thread of its own and waits for it at most `seconds` (a watchdog): a hang aborts
+/// the test binary with a message instead of stalling the suite (a stuck thread cannot be
+/// joined). Exceptions from `fn` are re-thrown here.
+template <typename Fn>
+void within(int seconds, Fn fn) {
+  auto task = std::make_shared<std::packaged_task<void()>>(std::move(fn));
+  std::future<void> done = task->get_future();
+  std::thread runner([task] { (*task)(); });
+  if (done.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready) {
+    std::fprintf(stderr, "watchdog: hung for %d s\n", seconds);
+    std::abort();
+  }
+  runner.join();
+  done.get();
+}
 
 /// One SGD step without momentum, in place, as torch::optim::SGD does: p -= lr * p.grad; then
 /// the gradients are zeroed.
