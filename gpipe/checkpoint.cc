@@ -36,7 +36,8 @@ class FlagScope {
 // random sequence of the rest of the program.
 class RngReplay {
  public:
-  explicit RngReplay(const RngState& saved) : current_(get_rng_state(saved.device)) {
+  explicit RngReplay(const RngState& saved)
+      : current_(saved.empty() ? RngState{} : get_rng_state(saved.device)) {
     set_rng_state(saved);
   }
   ~RngReplay() { set_rng_state(current_); }
@@ -50,17 +51,13 @@ class RngReplay {
 bool is_checkpointing() { return checkpointing_flag; }
 bool is_recomputing() { return recomputing_flag; }
 
-bool GradRecord::find(uint64_t key, Entry& entry) const {
+std::shared_ptr<const GradRecord::Entry> GradRecord::find(uint64_t key) const {
   absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
-  if (it == entries_.end()) {
-    return false;
-  }
-  entry = it->second;
-  return true;
+  return it == entries_.end() ? nullptr : it->second;
 }
 
-void GradRecord::put(uint64_t key, Entry entry) {
+void GradRecord::put(uint64_t key, std::shared_ptr<const Entry> entry) {
   absl::MutexLock lock(&mu_);
   entries_[key] = std::move(entry);
 }
@@ -90,8 +87,10 @@ struct CheckpointFrame::State {
   // Note [Autograd metadata of checkpointed micro-batches].
   std::shared_ptr<GradRecord> record;
   uint64_t key;
-  bool learning = false;  // the first forward runs with grad to fill `entry`
-  GradRecord::Entry entry;
+  bool learning = false;  // the first forward runs with grad to fill `learnt`
+  std::shared_ptr<const GradRecord::Entry> known;
+  GradRecord::Entry learnt;
+  const GradRecord::Entry& entry() const { return known ? *known : learnt; }
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
   std::vector<std::pair<SkipKey, SkipTensor>> popped;
@@ -142,13 +141,14 @@ at::Tensor CheckpointFrame::stash_first_forward(const SkipKey& key, at::Tensor t
   bool requires_grad;
   if (state_->learning) {
     requires_grad = tensor.defined() && tensor.requires_grad();
-    state_->entry.stashes[key] = requires_grad;
+    state_->learnt.stashes[key] = requires_grad;
     if (tensor.defined()) {
       tensor = tensor.detach();
     }
   } else {
-    auto it = state_->entry.stashes.find(key);
-    requires_grad = it == state_->entry.stashes.end() || it->second;
+    const auto& stashes = state_->entry().stashes;
+    auto it = stashes.find(key);
+    requires_grad = it == stashes.end() || it->second;
   }
   requires_grad = requires_grad && tensor.defined() && tensor.is_floating_point();
   if (requires_grad) {
@@ -224,10 +224,11 @@ void recompute(State& st) {
   state->recomputed = true;
   // A layer that now gives an output history where the first forward's entry said none (or the
   // reverse) has changed its mind: learn the entry again next time.
-  bool same = state->outputs.size() == state->entry.outputs.size();
+  const std::vector<bool>& expected = state->entry().outputs;
+  bool same = state->outputs.size() == expected.size();
   for (size_t k = 0; same && k < state->outputs.size(); ++k) {
     same = (state->outputs[k].defined() && state->outputs[k].requires_grad()) ==
-           state->entry.outputs[k];
+           expected[k];
   }
   if (!same) {
     state->record->drop(state->key);
@@ -339,7 +340,8 @@ Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
 
 Batch Checkpointing::checkpoint() {
   state_->rng = get_rng_state(state_->device);
-  state_->learning = !state_->record->find(state_->key, state_->entry);
+  state_->known = state_->record->find(state_->key);
+  state_->learning = state_->known == nullptr;
   Batch out(std::vector<at::Tensor>{});
   {
     // Without grad, unless the autograd metadata is still to be learnt (Note [Autograd metadata
@@ -351,12 +353,17 @@ Batch Checkpointing::checkpoint() {
     CheckpointFrame frame(state_.get(), /*recomputing=*/false);
     out = state_->function(state_->input);
   }
+  if (rng_unchanged(state_->rng)) {
+    // The partition drew no random number (and no other thread did meanwhile): the recomputation
+    // has nothing to replay, and saves and restores nothing.
+    state_->rng = RngState{};
+  }
   if (state_->learning) {
-    state_->entry.outputs.clear();
     for (const at::Tensor& t : out.values()) {
-      state_->entry.outputs.push_back(t.defined() && t.requires_grad());
+      state_->learnt.outputs.push_back(t.defined() && t.requires_grad());
     }
-    state_->record->put(state_->key, state_->entry);
+    state_->known = std::make_shared<const GradRecord::Entry>(std::move(state_->learnt));
+    state_->record->put(state_->key, state_->known);
     state_->learning = false;
   }
   auto node = std::shared_ptr<CheckpointBackward>(new CheckpointBackward(state_),
@@ -369,7 +376,8 @@ Batch Checkpointing::checkpoint() {
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (const auto k : c10::irange(out.size())) {
     at::Tensor& t = out[k];
-    const bool needs_grad = k < state_->entry.outputs.size() ? state_->entry.outputs[k] : true;
+    const std::vector<bool>& needs = state_->entry().outputs;
+    const bool needs_grad = k < needs.size() ? needs[k] : true;
     if (t.defined() && t.is_floating_point() && needs_grad) {
       t = t.detach();
       torch::autograd::set_history(t, node);

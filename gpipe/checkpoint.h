@@ -68,14 +68,14 @@ class GradRecord {
     std::vector<bool> outputs;
     std::map<SkipKey, bool> stashes;
   };
-  /// Copies the entry for `key` into `entry`; false when there is none.
-  bool find(uint64_t key, Entry& entry) const;
-  void put(uint64_t key, Entry entry);
+  /// The entry for `key`, or null when there is none. Entries are shared, never changed.
+  std::shared_ptr<const Entry> find(uint64_t key) const;
+  void put(uint64_t key, std::shared_ptr<const Entry> entry);
   void drop(uint64_t key);
 
  private:
   mutable absl::Mutex mu_;
-  std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<const Entry>> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 /// A checkpointed task's view of the skips that cross it (see Note [Skips and checkpointing] in

@@ -188,7 +188,7 @@ RngState get_rng_state(c10::Device device) {
   if (!device.is_cuda()) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
-    state.cpu = cpu.get_state();
+    state.cpu = at::check_generator<at::CPUGeneratorImpl>(cpu)->clone();
     return state;
   }
 #ifdef GPIPE_WITH_CUDA
@@ -207,10 +207,13 @@ RngState get_rng_state(c10::Device device) {
 }
 
 void set_rng_state(const RngState& state) {
-  if (state.cpu.defined()) {
+  if (state.cpu) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
-    cpu.set_state(state.cpu);
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(cpu);
+    impl->set_engine(state.cpu->engine());
+    impl->set_next_float_normal_sample(state.cpu->next_float_normal_sample());
+    impl->set_next_double_normal_sample(state.cpu->next_double_normal_sample());
   }
   if (state.cuda.defined()) {
 #ifdef GPIPE_WITH_CUDA
@@ -219,6 +222,21 @@ void set_rng_state(const RngState& state) {
     gen.set_state(state.cuda);
 #endif
   }
+}
+
+bool rng_unchanged(const RngState& state) {
+  if (!state.cpu) {
+    return false;
+  }
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(cpu.mutex());
+  auto* impl = at::check_generator<at::CPUGeneratorImpl>(cpu);
+  const at::mt19937_data_pod now = impl->engine().data();
+  const at::mt19937_data_pod then = state.cpu->engine().data();
+  return now.seed_ == then.seed_ && now.left_ == then.left_ && now.seeded_ == then.seeded_ &&
+         now.next_ == then.next_ && now.state_ == then.state_ &&
+         impl->next_float_normal_sample() == state.cpu->next_float_normal_sample() &&
+         impl->next_double_normal_sample() == state.cpu->next_double_normal_sample();
 }
 
 }  // namespace gpipe

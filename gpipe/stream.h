@@ -5,10 +5,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
+
+namespace at {
+struct CPUGeneratorImpl;
+}  // namespace at
 
 namespace gpipe {
 
@@ -51,9 +56,11 @@ int64_t memory_allocated(c10::Device device);
 /// thread per device at once, and saving and restoring the process-wide CPU generator from
 /// several of them would rewind it.)
 struct RngState {
-  at::Tensor cpu;
+  std::shared_ptr<at::CPUGeneratorImpl> cpu;  // a copy of the CPU generator (no serialisation)
   at::Tensor cuda;
   c10::Device device = c10::Device(c10::kCPU);
+  /// Whether nothing was saved (set_rng_state then does nothing).
+  bool empty() const { return !cpu && !cuda.defined(); }
 };
 
 /// Saves the generator states that work on `device` uses. A CUDA device without an index is the
@@ -62,5 +69,9 @@ RngState get_rng_state(c10::Device device);
 
 /// Restores generator states saved by get_rng_state.
 void set_rng_state(const RngState& state);
+
+/// Whether the CPU generator is still exactly as `state` saved it: nothing drew a random number
+/// from it since. False for CUDA states (not compared).
+bool rng_unchanged(const RngState& state);
 
 }  // namespace gpipe
