@@ -7,7 +7,6 @@
 
 #include "gpipe/checkpoint.h"
 #include "gpipe/copy.h"
-#include "gpipe/dependency.h"
 #include "gpipe/stream.h"
 
 namespace gpipe {
