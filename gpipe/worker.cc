@@ -3,6 +3,10 @@
 
 #include <utility>
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
 namespace gpipe {
 namespace {
 std::function<void()>& submit_hook() {
@@ -13,7 +17,13 @@ std::function<void()>& submit_hook() {
 
 void internal::set_submit_hook(std::function<void()> hook) { submit_hook() = std::move(hook); }
 
-Worker::Worker(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {}
+Worker::Worker(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {
+#ifdef __linux__
+  // Named "gpipe <device>" (Linux allows 15 characters) for debuggers, `top -H`, and tests that
+  // count gpipe's own threads among those of OpenMP, CUDA and the autograd engine.
+  pthread_setname_np(thread_.native_handle(), ("gpipe " + name_).substr(0, 15).c_str());
+#endif
+}
 
 Worker::~Worker() {
   {

@@ -7,7 +7,6 @@
 #include <malloc.h>
 
 #include <cstdio>
-#include <dirent.h>
 #include <future>
 #include <stdexcept>
 #include <thread>
@@ -107,15 +106,6 @@ nn::Sequential fault_model(const std::shared_ptr<Fault>& fault) {
   return seq;
 }
 
-int thread_count() {
-  int n = 0;
-  if (DIR* dir = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(dir)) n += e->d_name[0] != '.';
-    closedir(dir);
-  }
-  return n;
-}
-
 size_t heap_bytes() { return mallinfo2().uordblks; }
 
 // Whether the caught exception is the injected one.
@@ -157,7 +147,7 @@ CATCH_TEST_CASE("A fault at any task in forward, recomputation or backward reach
   };
   step();  // warm: threads, learnt metadata, allocator
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-  const int threads_before = thread_count();
+  const int threads_before = worker_thread_count();
   const int64_t skips_before = live_skip_tensors();
   size_t heap_after_first = 0;
   int64_t cases = 0;
@@ -185,7 +175,7 @@ CATCH_TEST_CASE("A fault at any task in forward, recomputation or backward reach
           CATCH_REQUIRE(error != nullptr);
           CATCH_CHECK(is_injected(error, *fault));
           error = nullptr;
-          CATCH_CHECK(thread_count() == threads_before);
+          CATCH_CHECK(worker_thread_count() == threads_before);
           CATCH_CHECK(live_skip_tensors() == skips_before);
           if (cases == 0) heap_after_first = heap_bytes();
           ++cases;

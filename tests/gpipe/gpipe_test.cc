@@ -2,7 +2,6 @@
 // (parameters, modes, serialization, optimizers, dtype and device moves) and thread state.
 #include "tests/gpipe/test_util.h"
 
-#include <dirent.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -51,15 +50,21 @@ CATCH_TEST_CASE("GPipe prints its configuration", "[gpipe][api]") {
                            "checkpoint=except_last, deferred_batch_norm=true)");
 }
 
-CATCH_TEST_CASE("GPipe defaults to one micro-batch, kExceptLast and CPU devices without CUDA",
+CATCH_TEST_CASE("GPipe defaults to one micro-batch, kExceptLast and every GPU, else the CPU",
                 "[gpipe][api]") {
+  const size_t gpus = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+  if (gpus == 1) {
+    // As in the reference: the default devices are the GPUs, one per partition.
+    CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), GPipeOptions({3, 2})),
+                            Catch::Contains("2 partitions, but only 1 devices"));
+    return;
+  }
   GPipe model(build(mlp, 1), GPipeOptions({3, 2}));
   CATCH_CHECK(model->chunks() == 1);
   CATCH_CHECK(model->checkpoint() == Checkpoint::kExceptLast);
   CATCH_CHECK(model->devices().size() == 2);
-  if (!torch::cuda::is_available()) {
-    CATCH_CHECK(model->devices()[0] == c10::Device(at::kCPU));
-  }
+  const c10::Device first = gpus == 0 ? c10::Device(at::kCPU) : c10::Device(at::kCUDA, 0);
+  CATCH_CHECK(model->devices()[0] == first);
 }
 
 CATCH_TEST_CASE("GPipe ignores devices beyond the number of partitions", "[gpipe][api]") {
@@ -298,28 +303,19 @@ CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the work
   CATCH_CHECK(model->forward(at::randn({2, 4})).requires_grad());
 }
 
-size_t thread_count() {
-  size_t n = 0;
-  if (DIR* dir = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(dir)) n += e->d_name[0] != '.';
-    closedir(dir);
-  }
-  return n;
-}
-
 CATCH_TEST_CASE("a GPipe's worker threads end with it", "[gpipe][worker]") {
-  const size_t before = thread_count();
+  const int before = worker_thread_count();
   for (int k = 0; k < 10; ++k) {
     // One device: the calling thread does all the work.
     GPipe model(build(mlp, 1), cpu({2, 3}).chunks(2));
     model->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
-    CATCH_CHECK(thread_count() == before);
+    CATCH_CHECK(worker_thread_count() == before);
     // A thread for every partition but the first.
     GPipe threaded(build(mlp, 1), cpu({1, 1, 3}).chunks(2).worker_per_partition(true));
     threaded->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
-    CATCH_CHECK(thread_count() == before + 2);
+    CATCH_CHECK(worker_thread_count() == before + 2);
   }
-  CATCH_CHECK(thread_count() == before);
+  CATCH_CHECK(worker_thread_count() == before);
 }
 
 }  // namespace

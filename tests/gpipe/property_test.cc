@@ -1,8 +1,11 @@
 // Randomized transparency: a few hundred random models, balances, chunk counts, checkpoint modes
 // and threadings per run, each checked against the plain Sequential (outputs, parameter gradients
 // and the input's gradient, float64). The run prints its seed; GPIPE_PROPERTY_SEED replays one,
-// GPIPE_PROPERTY_CASES sets how many cases run.
+// GPIPE_PROPERTY_CASES sets how many cases run. Where a GPU is present, a second suite places
+// every partition at random on the CPU or a GPU (GPIPE_PROPERTY_CUDA_CASES, default 100).
 #include "tests/gpipe/test_util.h"
+
+#include <torch/cuda.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -175,7 +178,7 @@ void check_alike(const Result& a, const Result& b) {
     if (a.outputs[k].is_floating_point()) {
       CATCH_CHECK(max_diff(a.outputs[k], b.outputs[k]) <= 1e-10);
     } else {
-      CATCH_CHECK(a.outputs[k].equal(b.outputs[k]));
+      CATCH_CHECK(a.outputs[k].cpu().equal(b.outputs[k].cpu()));
     }
   }
   CATCH_CHECK(a.input_grad.defined() == b.input_grad.defined());
@@ -202,7 +205,7 @@ Result run(const std::function<std::vector<at::Tensor>(const std::vector<at::Ten
   r.outputs = forward(in);
   at::Tensor y = r.outputs[0];
   if (y.requires_grad()) {
-    (y * weight).sum().backward();
+    (y * weight.to(y.device())).sum().backward();
   }
   r.input_grad = in[0].grad();
   for (const at::Tensor& p : module.parameters()) r.grads.push_back(p.grad());
@@ -214,17 +217,10 @@ int64_t env_int(const char* name, int64_t fallback) {
   return v != nullptr && *v != '\0' ? std::strtoll(v, nullptr, 10) : fallback;
 }
 
-CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads give the plain "
-                "model's outputs and gradients",
-                "[property]") {
-  const uint64_t seed =
-      static_cast<uint64_t>(env_int("GPIPE_PROPERTY_SEED", static_cast<int64_t>(std::random_device{}())));
-  const int64_t cases = env_int("GPIPE_PROPERTY_CASES", 300);
-  std::printf("gpipe-property: seed %llu, %lld randomized cases (replay with "
-              "GPIPE_PROPERTY_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<long long>(cases),
-              static_cast<unsigned long long>(seed));
-  std::fflush(stdout);
+// Runs `cases` random cases from `seed`. With `gpus` > 0, each partition is placed at random on
+// the CPU or one of the first `gpus` GPUs (worker threads only where no GPU holds two partitions,
+// which GPipe refuses); the plain model, the oracle, stays on the CPU.
+void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
   std::mt19937_64 rng(seed);
   auto pick = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
@@ -249,14 +245,26 @@ CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads g
     const bool train = pick(0, 3) != 0;
     // Dropout is compared between checkpointed and plain pipelines drawing in the same order, so
     // it runs without worker threads.
-    const bool threads = !(train && c.dropout) && pick(0, 1) == 1;
+    bool threads = !(train && c.dropout) && pick(0, 1) == 1;
+    std::vector<c10::Device> devices;
+    for (size_t j = 0; j < balance.size(); ++j) {
+      const int64_t d = gpus == 0 ? -1 : pick(-1, gpus - 1);
+      devices.push_back(d < 0 ? c10::Device(at::kCPU)
+                              : c10::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
+      for (size_t i = 0; i < j; ++i) {
+        if (devices[j].is_cuda() && devices[i] == devices[j]) threads = false;
+      }
+    }
     const uint64_t model_seed = rng();
 
     std::ostringstream config;
     config << "case " << n << " (seed " << seed << "): " << c.description << " balance={";
     for (int64_t b : balance) config << b << ",";
     config << "} chunks=" << chunks << " batch=" << batch << " checkpoint="
-           << static_cast<int>(mode) << " train=" << train << " threads=" << threads;
+           << static_cast<int>(mode) << " train=" << train << " threads=" << threads
+           << " devices={";
+    for (const c10::Device& d : devices) config << d << ",";
+    config << "}";
     CATCH_INFO(config.str());
 
     std::vector<at::Tensor> inputs;
@@ -264,9 +272,11 @@ CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads g
     shape.insert(shape.end(), c.input_shape.begin(), c.input_shape.end());
     inputs.push_back(at::randn(shape, at::kDouble));
     if (c.tuple) inputs.push_back(at::randint(0, 10, {batch}, at::kLong));
+    std::vector<at::Tensor> pipe_inputs;
+    for (const at::Tensor& t : inputs) pipe_inputs.push_back(t.to(devices.front()));
 
     auto options = GPipeOptions(balance)
-                       .devices(std::vector<c10::Device>(balance.size(), at::kCPU))
+                       .devices(devices)
                        .chunks(chunks)
                        .checkpoint(mode)
                        .worker_per_partition(threads);
@@ -289,7 +299,7 @@ CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads g
                       GPipeOptions(options).checkpoint(Checkpoint::kNever));
       reference->train();
       at::manual_seed(run_seed);
-      expected = run(pipe_forward(reference), *reference, inputs, weight);
+      expected = run(pipe_forward(reference), *reference, pipe_inputs, weight);
     } else {
       // The plain model, one micro-batch at a time in training (a BatchNorm normalises each
       // micro-batch on its own statistics), on the whole batch in eval mode.
@@ -319,11 +329,42 @@ CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads g
       expected = run(plain_forward, *plain, inputs, weight);
     }
     at::manual_seed(run_seed);
-    const Result got = run(pipe_forward(model), *model, inputs, weight);
+    const Result got = run(pipe_forward(model), *model, pipe_inputs, weight);
     check_alike(expected, got);
     ++ran;
   }
   CATCH_CHECK(ran == cases);
+}
+
+uint64_t seed_from_env() {
+  return static_cast<uint64_t>(
+      env_int("GPIPE_PROPERTY_SEED", static_cast<int64_t>(std::random_device{}())));
+}
+
+CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads give the plain "
+                "model's outputs and gradients",
+                "[property]") {
+  const uint64_t seed = seed_from_env();
+  const int64_t cases = env_int("GPIPE_PROPERTY_CASES", 300);
+  std::printf("gpipe-property: seed %llu, %lld randomized cases (replay with "
+              "GPIPE_PROPERTY_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<long long>(cases),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  random_cases(seed, cases, 0);
+}
+
+CATCH_TEST_CASE("Random models placed at random on the CPU and GPUs give the plain model's "
+                "outputs and gradients",
+                "[property][cuda]") {
+  const uint64_t seed = seed_from_env();
+  const int64_t cases = env_int("GPIPE_PROPERTY_CUDA_CASES", 100);
+  std::printf("gpipe-property: seed %llu, %lld randomized CPU/GPU cases (replay with "
+              "GPIPE_PROPERTY_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<long long>(cases),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  random_cases(seed, cases, static_cast<int64_t>(torch::cuda::device_count()));
 }
 
 }  // namespace

@@ -4,10 +4,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <dirent.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <thread>
@@ -45,15 +48,17 @@ inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble).cpu() - b.to(at::kDouble).cpu()).abs().max().item<double>();
 }
 
-/// Checks that the parameters of `a` and `b` (in order) have gradients within `tol`.
+/// Checks that the parameters of `a` and `b` (in order) have gradients within `tol`, plus `rel`
+/// times the largest magnitude of `a`'s gradient (for low-precision arithmetic).
 inline void check_same_grads(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                             double tol) {
+                             double tol, double rel = 0.0) {
   CATCH_REQUIRE(a.size() == b.size());
   for (size_t k = 0; k < a.size(); ++k) {
     CATCH_INFO("parameter " << k);
     CATCH_REQUIRE(a[k].grad().defined() == b[k].grad().defined());
     if (a[k].grad().defined()) {
-      CATCH_CHECK(max_diff(a[k].grad(), b[k].grad()) <= tol);
+      const double scale = rel == 0.0 ? 0.0 : a[k].grad().abs().max().item<double>();
+      CATCH_CHECK(max_diff(a[k].grad(), b[k].grad()) <= tol + rel * scale);
     }
   }
 }
@@ -190,44 +195,88 @@ void check_transparent(Make make, const at::Tensor& x, const GPipeOptions& optio
   CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= tol);
 }
 
-/// An autocast region on the CPU, as torch.autocast("cpu", dtype) opens one: autocast on with
-/// `dtype`, one level of nesting, and the weight-cast cache cleared when the outermost region
-/// ends.
-class CpuAutocast {
+/// The plain model's forward under the same split as GPipe's: one forward per micro-batch,
+/// concatenated. Under autocast this is the plain model's arithmetic on the same shapes, so it
+/// equals GPipe's up to the order in which gradients are summed.
+inline at::Tensor plain_by_microbatch(torch::nn::Sequential& plain, const at::Tensor& x,
+                                     int64_t chunks) {
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& mb : x.chunk(chunks)) {
+    outs.push_back(plain->forward(mb));
+  }
+  return at::cat(outs);
+}
+
+/// An autocast region, as torch.autocast(device_type, dtype) opens one: autocast on for
+/// `device_type` (kCPU or kCUDA) with `dtype`, one level of nesting, and the weight-cast cache
+/// cleared when the outermost region ends.
+class Autocast {
  public:
-  explicit CpuAutocast(at::ScalarType dtype = at::kBFloat16) {
+  explicit Autocast(at::DeviceType device_type = at::kCPU, at::ScalarType dtype = at::kBFloat16)
+      : device_type_(device_type) {
 #if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
-    previous_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
-    previous_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, dtype);
+    previous_enabled_ = at::autocast::is_autocast_enabled(device_type);
+    previous_dtype_ = at::autocast::get_autocast_dtype(device_type);
+    at::autocast::set_autocast_enabled(device_type, true);
+    at::autocast::set_autocast_dtype(device_type, dtype);
 #else
-    previous_enabled_ = at::autocast::is_cpu_enabled();
-    previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_cpu_enabled(true);
-    at::autocast::set_autocast_cpu_dtype(dtype);
+    if (device_type == at::kCPU) {
+      previous_enabled_ = at::autocast::is_cpu_enabled();
+      previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
+      at::autocast::set_cpu_enabled(true);
+      at::autocast::set_autocast_cpu_dtype(dtype);
+    } else {
+      previous_enabled_ = at::autocast::is_enabled();
+      previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(dtype);
+    }
 #endif
     at::autocast::increment_nesting();
   }
-  ~CpuAutocast() {
+  ~Autocast() {
     if (at::autocast::decrement_nesting() == 0) {
       at::autocast::clear_cache();
     }
 #if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(at::kCPU, previous_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, previous_dtype_);
+    at::autocast::set_autocast_enabled(device_type_, previous_enabled_);
+    at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
 #else
-    at::autocast::set_cpu_enabled(previous_enabled_);
-    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+    if (device_type_ == at::kCPU) {
+      at::autocast::set_cpu_enabled(previous_enabled_);
+      at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+    } else {
+      at::autocast::set_enabled(previous_enabled_);
+      at::autocast::set_autocast_gpu_dtype(previous_dtype_);
+    }
 #endif
   }
-  CpuAutocast(const CpuAutocast&) = delete;
-  CpuAutocast& operator=(const CpuAutocast&) = delete;
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
 
  private:
+  at::DeviceType device_type_;
   bool previous_enabled_;
   at::ScalarType previous_dtype_;
 };
+
+/// The number of gpipe's worker threads alive in this process: threads named "gpipe ..."
+/// (worker.cc). The threads of OpenMP teams, CUDA and the autograd engine come and go with those
+/// libraries (more of them on machines with more cores or a GPU) and are not counted.
+inline int worker_thread_count() {
+  int n = 0;
+  if (DIR* dir = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] == '.') continue;
+      std::ifstream comm(std::string("/proc/self/task/") + e->d_name + "/comm");
+      std::string name;
+      std::getline(comm, name);
+      n += name.rfind("gpipe ", 0) == 0;
+    }
+    closedir(dir);
+  }
+  return n;
+}
 
 /// Runs `fn` on a thread of its own and waits for it at most `seconds` (a watchdog): a hang aborts
 /// the test binary with a message instead of stalling the suite (a stuck thread cannot be

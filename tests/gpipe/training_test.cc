@@ -16,17 +16,6 @@ nn::Sequential mlp() {
                         nn::Linear(32, 4));
 }
 
-// The plain model's forward under the same split as GPipe's: one forward per micro-batch,
-// concatenated. Under autocast this is the plain model's arithmetic on the same shapes, so it
-// equals GPipe's up to the order in which gradients are summed.
-at::Tensor plain_by_microbatch(nn::Sequential& plain, const at::Tensor& x, int64_t chunks) {
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& mb : x.chunk(chunks)) {
-    outs.push_back(plain->forward(mb));
-  }
-  return at::cat(outs);
-}
-
 CATCH_TEST_CASE("Autocast training over several optimizer steps equals the plain model under "
                 "autocast at every step",
                 "[training][autocast]") {
@@ -49,7 +38,7 @@ CATCH_TEST_CASE("Autocast training over several optimizer steps equals the plain
     CATCH_INFO("step " << step);
     at::Tensor y1, y2;
     {
-      CpuAutocast autocast;
+      Autocast autocast;
       y1 = plain_by_microbatch(plain, x, chunks);
       y2 = model->forward(x);
     }
@@ -83,13 +72,13 @@ CATCH_TEST_CASE("Autocast regions opened by workers and recomputations close and
                          .worker_per_partition(true));
   const at::Tensor x = at::randn({4, 16});
   {
-    CpuAutocast autocast;
+    Autocast autocast;
     model->forward(x).to(at::kFloat).sum().backward();
   }
   sgd_step(model->parameters(), 1.0);
   at::Tensor after;
   {
-    CpuAutocast autocast;
+    Autocast autocast;
     after = model->forward(x);
   }
   at::manual_seed(5);
@@ -102,7 +91,7 @@ CATCH_TEST_CASE("Autocast regions opened by workers and recomputations close and
   }
   at::Tensor expected;
   {
-    CpuAutocast autocast;
+    Autocast autocast;
     expected = plain_by_microbatch(fresh, x, 2);
   }
   CATCH_CHECK(max_diff(after, expected) <= 2e-2);

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds gpipe with CMake and Ninja in a build folder and runs every test binary: the one test
+# runner shared by CI's CMake step, the Debian 13 builds (tools/debian13.sh) and builds against a
+# PyTorch install (tools/build_with_pytorch.sh).
+#
+#   tools/cmake_test.sh BUILD_DIR [cmake configure arguments...]
+#
+# Prints each binary's last lines and, as its last line, "N passed, N failed, N skipped", added up
+# from the binaries' "gpipe-test-summary:" lines (tests/main.cc); a binary that printed none (it
+# crashed or was killed) counts as one failed test case, a build that failed as one more. Exits
+# non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
+#
+# Environment: JOBS (compile jobs, default 2), FIRST_TESTS (test binaries to build and run before
+# the others, e.g. "cuda_test"), TEST_ARGS (arguments for every test binary, e.g. "[cuda]").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build=${1:?usage: tools/cmake_test.sh BUILD_DIR [cmake arguments...]}
+shift
+jobs=${JOBS:-2}
+passed=0; failed=0; skipped=0
+
+run_test() {
+  local t=$1 log="$build/logs/$1.log" line p f s
+  mkdir -p "$build/logs"
+  # shellcheck disable=SC2086
+  (cd "$build" && "./$t" ${TEST_ARGS:-}) > "$log" 2>&1
+  tail -n 3 "$log"
+  line=$(grep -a "gpipe-test-summary:" "$log" | tail -n 1)
+  if [[ -z "$line" ]]; then
+    echo "$t printed no test summary: counting one failed test case"
+    failed=$((failed + 1))
+    return
+  fi
+  read -r p f s < <(echo "$line" | sed -E 's/.*: ([0-9]+) passed, ([0-9]+) failed, ([0-9]+) skipped.*/\1 \2 \3/')
+  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+}
+
+if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"; then
+  echo "cmake configure failed"
+  echo "0 passed, 1 failed, 0 skipped"
+  exit 1
+fi
+done_tests=" "
+for t in ${FIRST_TESTS:-}; do
+  if cmake --build "$build" -j "$jobs" --target "$t"; then
+    run_test "$t"
+  else
+    failed=$((failed + 1))
+  fi
+  done_tests+="$t "
+done
+# Build everything (and keep going past errors, so that one log shows them all).
+if ! cmake --build "$build" -j "$jobs" -- -k 0; then
+  echo "cmake build failed: counting one failed test case"
+  failed=$((failed + 1))
+fi
+for t in $(cd "$build" && ctest -N | sed -n -E 's/^ *Test +#[0-9]+: (.*)$/\1/p'); do
+  [[ "$done_tests" == *" $t "* ]] && continue
+  [[ -x "$build/$t" ]] || { echo "$t was not built"; failed=$((failed + 1)); continue; }
+  run_test "$t"
+done
+echo "$passed passed, $failed failed, $skipped skipped"
+((failed == 0))
