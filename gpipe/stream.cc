@@ -21,10 +21,12 @@
 namespace gpipe {
 namespace {
 
+#ifndef GPIPE_WITH_CUDA
 [[noreturn]] void no_cuda(const c10::Device& device) {
   TORCH_CHECK(false, "gpipe was built without CUDA, so it cannot use device ", device,
               "; build against a CUDA-enabled LibTorch (see docs/building.md)");
 }
+#endif
 
 c10::Stream cpu_stream(const c10::Device& device) {
   return c10::Stream(c10::Stream::DEFAULT, c10::Device(device.type(), device.index()));

@@ -104,17 +104,17 @@ CATCH_TEST_CASE("profiling leaves the model untouched", "[balancing][profile]") 
 CATCH_TEST_CASE("balancers refuse bad input with a clear error", "[balancing][errors]") {
   nn::Sequential model(nn::Linear(8, 8), nn::ReLU(), nn::Linear(8, 2));
   const at::Tensor x = at::randn({4, 8});
-  CATCH_CHECK_THROWS_WITH(balance_by_time(0, model, x), Catch::Contains("at least 1, got 0"));
+  CATCH_CHECK_THROWS_WITH(balance_by_time(0, model, x), gpipe_test::contains("at least 1, got 0"));
   CATCH_CHECK_THROWS_WITH(balance_by_size(4, model, x),
-                          Catch::Contains("cannot split a Sequential of 3 layers into 4"));
+                          gpipe_test::contains("cannot split a Sequential of 3 layers into 4"));
   CATCH_CHECK_THROWS_WITH(balance_by_time(2, model, at::randn({4, 5})),
-                          Catch::Contains("the sample does not go through layer 0 ('0', "
+                          gpipe_test::contains("the sample does not go through layer 0 ('0', "
                                           "torch::nn::LinearImpl)"));
   model->forward(x).sum().backward();
-  CATCH_CHECK_THROWS_WITH(balance_by_time(2, model, x), Catch::Contains("already has a gradient"));
+  CATCH_CHECK_THROWS_WITH(balance_by_time(2, model, x), gpipe_test::contains("already has a gradient"));
   CATCH_CHECK_THROWS_WITH(balance_by_size(2, nn::Sequential(nn::Linear(8, 8), nn::Linear(8, 8)), x,
                                           BalanceBySizeOptions().chunks(0)),
-                          Catch::Contains("chunks must be at least 1"));
+                          gpipe_test::contains("chunks must be at least 1"));
 }
 
 CATCH_TEST_CASE("a layer that cannot be copied is named", "[balancing][errors]") {
@@ -123,8 +123,8 @@ CATCH_TEST_CASE("a layer that cannot be copied is named", "[balancing][errors]")
   };
   nn::Sequential model(nn::Linear(8, 8), nn::ModuleHolder<PlainImpl>(std::make_shared<PlainImpl>()));
   CATCH_CHECK_THROWS_WITH(balance_by_size(2, model, at::randn({4, 8})),
-                          Catch::Contains("cannot copy layer 1") &&
-                              Catch::Contains("torch::nn::Cloneable"));
+                          gpipe_test::contains("cannot copy layer 1") &&
+                              gpipe_test::contains("torch::nn::Cloneable"));
 }
 
 CATCH_TEST_CASE("balancers work on CUDA", "[balancing][cuda]") {

@@ -31,7 +31,7 @@ CATCH_TEST_CASE("a sequential ResNet is the stem, one layer per block, and the h
   CATCH_CHECK(models::resnet(50)->size() == 1 + 16 + 1);
   CATCH_CHECK(models::resnet(101)->size() == 1 + 33 + 1);
   CATCH_CHECK(models::resnet(152)->size() == 1 + 50 + 1);
-  CATCH_CHECK_THROWS_WITH(models::resnet(42), Catch::Contains("18, 34, 50, 101 or 152, got 42"));
+  CATCH_CHECK_THROWS_WITH(models::resnet(42), gpipe_test::contains("18, 34, 50, 101 or 152, got 42"));
 }
 
 CATCH_TEST_CASE("a CIFAR ResNet in a GPipe equals the plain model", "[models][transparency]") {
@@ -60,7 +60,7 @@ CATCH_TEST_CASE("every bundled model builds and takes its sample", "[models]") {
     named.model->eval();
     CATCH_CHECK(named.model->forward(at::randn(shape)).size(0) == 2);
   }
-  CATCH_CHECK_THROWS_WITH(models::make_model("vgg"), Catch::Contains("unknown model 'vgg'"));
+  CATCH_CHECK_THROWS_WITH(models::make_model("vgg"), gpipe_test::contains("unknown model 'vgg'"));
 }
 
 }  // namespace

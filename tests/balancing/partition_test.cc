@@ -1,6 +1,6 @@
 // The block partitioner against brute force: optimal bottleneck, deterministic ties, and the
 // memory-constrained variant.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <functional>
 #include <limits>
@@ -96,14 +96,14 @@ CATCH_TEST_CASE("block_partition handles the reference's examples and equal cost
 
 CATCH_TEST_CASE("block_partition refuses impossible requests", "[balancing][partition][errors]") {
   CATCH_CHECK_THROWS_WITH(block_partition(std::vector<double>{1, 2}, 0),
-                          Catch::Contains("partitions must be at least 1, got 0"));
+                          gpipe_test::contains("partitions must be at least 1, got 0"));
   CATCH_CHECK_THROWS_WITH(block_partition(std::vector<double>{1, 2}, 3),
-                          Catch::Contains("cannot split 2 layers into 3"));
+                          gpipe_test::contains("cannot split 2 layers into 3"));
   CATCH_CHECK_THROWS_WITH(block_partition(std::vector<double>{1, -2}, 1),
-                          Catch::Contains("layer 1 is -2"));
+                          gpipe_test::contains("layer 1 is -2"));
   CATCH_CHECK_THROWS_WITH(
       block_partition(std::vector<double>{1, std::numeric_limits<double>::quiet_NaN()}, 1),
-      Catch::Contains("finite and non-negative"));
+      gpipe_test::contains("finite and non-negative"));
 }
 
 CATCH_TEST_CASE("the memory-constrained partition equals brute force", "[balancing][partition]") {
@@ -119,7 +119,7 @@ CATCH_TEST_CASE("the memory-constrained partition equals brute force", "[balanci
     CATCH_INFO("trial " << trial);
     if (expected.empty()) {
       CATCH_CHECK_THROWS_WITH(block_partition_with_memory(times, memory, capacities),
-                              Catch::Contains("do not fit the memory capacities"));
+                              gpipe_test::contains("do not fit the memory capacities"));
     } else {
       CATCH_CHECK(block_partition_with_memory(times, memory, capacities) == expected);
     }
@@ -135,7 +135,7 @@ CATCH_TEST_CASE("a model that only fits when balanced by memory", "[balancing][p
   const auto balance = block_partition_with_memory(times, memory, capacities);
   CATCH_CHECK(balance == std::vector<int64_t>{2, 3});
   CATCH_CHECK_THROWS_WITH(block_partition_with_memory(times, memory, std::vector<double>{7, 7}),
-                          Catch::Contains("do not fit"));
+                          gpipe_test::contains("do not fit"));
 }
 
 }  // namespace

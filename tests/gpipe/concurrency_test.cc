@@ -42,22 +42,7 @@ CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the 
     for (auto& p : model->parameters()) p.mutable_grad().zero_();
   }
   constexpr int kSteps = 6;
-  std::atomic<int> wrong{0};
-  auto train = [&] {
-    for (int k = 0; k < kSteps; ++k) {
-      at::Tensor y = model->forward(x);
-      // No Catch2 assertion off the main thread (Catch2 is not thread-safe; TSan found it).
-      if ((y - expected).abs().max().item<double>() > 1e-10) ++wrong;
-      y.sum().backward();
-    }
-  };
-  within(300, [&] {
-    std::thread a(train);
-    std::thread b(train);
-    a.join();
-    b.join();
-  });
-  CATCH_CHECK(wrong == 0);
+  CATCH_CHECK(train_from_two_threads(model, x, expected, kSteps) == 0);
   // Every step's gradients were accumulated: 2 threads x kSteps times the plain model's.
   auto plain_params = plain->parameters();
   auto params = model->parameters();
@@ -118,12 +103,7 @@ CATCH_TEST_CASE("A task that cannot be handed to a worker fails the forward with
   internal::set_submit_hook(nullptr);
   CATCH_CHECK(threw);
   // The next step is exact.
-  at::Tensor y1 = plain->forward(x);
-  at::Tensor y2 = model->forward(x);
-  CATCH_CHECK(max_diff(y1, y2) <= 1e-10);
-  y1.sum().backward();
-  y2.sum().backward();
-  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+  check_same_step(plain, model, x);
 }
 
 }  // namespace

@@ -8,16 +8,13 @@
 #include <c10/core/StreamGuard.h>
 #include <torch/cuda.h>
 
-#include <atomic>
 #include <map>
-#include <thread>
 
 #include "gpipe/skippable.h"
 #include "gpipe/stream.h"
 
 #ifdef GPIPE_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
-#include <torch/csrc/autograd/custom_function.h>
 #endif
 
 namespace gpipe {
@@ -275,7 +272,7 @@ CATCH_TEST_CASE("worker_per_partition refuses two partitions on one GPU", "[cuda
   CATCH_CHECK_THROWS_WITH(
       GPipe(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
             GPipeOptions({1, 1}).devices({gpu, gpu}).worker_per_partition(true)),
-      Catch::Contains("worker_per_partition") && Catch::Contains("its own GPU"));
+      gpipe_test::contains("worker_per_partition") && gpipe_test::contains("its own GPU"));
   // Without it, the two partitions share the GPU's worker and train as the plain model.
   GPipe model(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
               GPipeOptions({1, 1}).devices({gpu, gpu}));
@@ -367,22 +364,7 @@ CATCH_TEST_CASE("Two threads training through one GPipe on a GPU get the plain m
   expected.sum().backward();
   const at::Tensor input = x.to(where.devices.front());
   constexpr int kSteps = 6;
-  std::atomic<int> wrong{0};
-  auto train = [&] {
-    for (int k = 0; k < kSteps; ++k) {
-      at::Tensor y = model->forward(input);
-      // No Catch2 assertion off the main thread (Catch2 is not thread-safe).
-      if ((y - expected).abs().max().item<double>() > 1e-10) ++wrong;
-      y.sum().backward();
-    }
-  };
-  within(300, [&] {
-    std::thread a(train);
-    std::thread b(train);
-    a.join();
-    b.join();
-  });
-  CATCH_CHECK(wrong == 0);
+  CATCH_CHECK(train_from_two_threads(model, input, expected, kSteps) == 0);
   auto plain_params = plain->parameters();
   auto params = model->parameters();
   for (size_t k = 0; k < params.size(); ++k) {
@@ -398,33 +380,25 @@ CATCH_TEST_CASE("Two threads training through one GPipe on a GPU get the plain m
 // tests do) on its stream before producing its output, in forward and in backward, leaves the
 // output unwritten for that long: any consumer on another stream that does not wait for it reads
 // garbage.
+// x.clone(), after spinning the GPU for about 10 ms on the current stream when x is on a GPU.
+at::Tensor spin_then_copy(const at::Tensor& x) {
 #ifdef GPIPE_WITH_CUDA
-struct SpinThenCopy : torch::autograd::Function<SpinThenCopy> {
-  static constexpr int64_t kCycles = 20'000'000;  // about 10 ms on a 2 GHz GPU
-  static at::Tensor spin_then_copy(const at::Tensor& x) {
-    if (x.is_cuda()) {
-      c10::DeviceGuard guard(x.device());
-      at::cuda::sleep(kCycles);
-    }
-    return x.clone();
+  if (x.is_cuda()) {
+    c10::DeviceGuard guard(x.device());
+    at::cuda::sleep(20'000'000);  // cycles
   }
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
-    return spin_then_copy(x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    return {spin_then_copy(grads[0])};
-  }
-};
 #endif
+  return x.clone();
+}
 
+// Spins before producing its output in forward, and before passing the gradient on in backward.
 struct SlowImpl : nn::Module {
   at::Tensor forward(const at::Tensor& x) {
-#ifdef GPIPE_WITH_CUDA
-    return SpinThenCopy::apply(x);
-#else
-    return x.clone();
-#endif
+    at::Tensor y = spin_then_copy(x);
+    if (y.requires_grad()) {
+      y.register_hook([](const at::Tensor& grad) { return spin_then_copy(grad); });
+    }
+    return y;
   }
 };
 TORCH_MODULE(Slow);

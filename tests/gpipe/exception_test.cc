@@ -32,7 +32,7 @@ struct TrapLayerImpl : torch::nn::Module {
     at::Tensor y = x * 1.0;
     if (here && trap->phase == "backward" && y.requires_grad()) {
       const int64_t j = partition;
-      y.register_hook([mb, j](const at::Tensor& g) -> at::Tensor {
+      y.register_hook([mb, j](const at::Tensor& /*grad*/) -> at::Tensor {
         TORCH_CHECK(false, absl::StrFormat("trap in backward at (%d, %d)", mb, j));
       });
     }
@@ -87,7 +87,7 @@ CATCH_TEST_CASE("an exception in forward at any task reaches the caller", "[pipe
   auto trap = std::make_shared<Trap>(Trap{i, j, "forward"});
   GPipe model = trapped_gpipe(trap, mode, threads);
   CATCH_CHECK_THROWS_WITH(model->forward(rows_input(8, 3)),
-                          Catch::Contains(absl::StrFormat("trap in forward at (%d, %d)", i, j)));
+                          gpipe_test::contains(absl::StrFormat("trap in forward at (%d, %d)", i, j)));
   check_next_step_works(model, trap, partitions);
 }
 
@@ -103,7 +103,7 @@ CATCH_TEST_CASE("an exception in backward at any task reaches the caller", "[pip
   // The input needs a gradient, so that the first partition's layer has a backward to fail in.
   at::Tensor y = model->forward(rows_input(8, 3).requires_grad_(true));
   CATCH_CHECK_THROWS_WITH(y.sum().backward(),
-                          Catch::Contains(absl::StrFormat("trap in backward at (%d, %d)", i, j)));
+                          gpipe_test::contains(absl::StrFormat("trap in backward at (%d, %d)", i, j)));
   check_next_step_works(model, trap, partitions);
 }
 
@@ -123,7 +123,7 @@ CATCH_TEST_CASE("an exception stops the pipeline at the end of its clock tick",
                        .devices(std::vector<c10::Device>(4, at::kCPU))
                        .chunks(3)
                        .checkpoint(Checkpoint::kNever));
-  CATCH_CHECK_THROWS_WITH(model->forward(rows_input(6, 3)), Catch::Contains("trap in forward"));
+  CATCH_CHECK_THROWS_WITH(model->forward(rows_input(6, 3)), gpipe_test::contains("trap in forward"));
   std::vector<int64_t> per_partition(4, 0);
   for (const Event& e : log->take("forward")) per_partition[e.partition] += 1;
   CATCH_CHECK(per_partition == std::vector<int64_t>{3, 3, 2, 1});

@@ -194,15 +194,7 @@ CATCH_TEST_CASE("A fault at any task in forward, recomputation or backward reach
   // The next step equals the plain model.
   fault->microbatch = -1;
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-  at::Tensor x1 = x.clone().requires_grad_(true);
-  at::Tensor x2 = x.clone().requires_grad_(true);
-  at::Tensor y1 = plain->forward(x1);
-  at::Tensor y2 = model->forward(x2);
-  CATCH_CHECK(max_diff(y1, y2) <= 1e-10);
-  y1.sum().backward();
-  y2.sum().backward();
-  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
-  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= 1e-10);
+  check_same_step(plain, model, x);
 }
 
 }  // namespace

@@ -336,35 +336,32 @@ void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
   CATCH_CHECK(ran == cases);
 }
 
-uint64_t seed_from_env() {
-  return static_cast<uint64_t>(
+// Runs the suite with the seed from GPIPE_PROPERTY_SEED (else a random one) and the number of
+// cases from `cases_variable` (else `default_cases`), printing both first so that a failure can
+// be replayed.
+void run_suite(const char* what, const char* cases_variable, int64_t default_cases, int64_t gpus) {
+  const uint64_t seed = static_cast<uint64_t>(
       env_int("GPIPE_PROPERTY_SEED", static_cast<int64_t>(std::random_device{}())));
+  const int64_t cases = env_int(cases_variable, default_cases);
+  std::printf("gpipe-property: seed %llu, %lld randomized %scases (replay with "
+              "GPIPE_PROPERTY_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<long long>(cases), what,
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  random_cases(seed, cases, gpus);
 }
 
 CATCH_TEST_CASE("Random models, balances, chunks, checkpoint modes and threads give the plain "
                 "model's outputs and gradients",
                 "[property]") {
-  const uint64_t seed = seed_from_env();
-  const int64_t cases = env_int("GPIPE_PROPERTY_CASES", 300);
-  std::printf("gpipe-property: seed %llu, %lld randomized cases (replay with "
-              "GPIPE_PROPERTY_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<long long>(cases),
-              static_cast<unsigned long long>(seed));
-  std::fflush(stdout);
-  random_cases(seed, cases, 0);
+  run_suite("", "GPIPE_PROPERTY_CASES", 300, 0);
 }
 
 CATCH_TEST_CASE("Random models placed at random on the CPU and GPUs give the plain model's "
                 "outputs and gradients",
                 "[property][cuda]") {
-  const uint64_t seed = seed_from_env();
-  const int64_t cases = env_int("GPIPE_PROPERTY_CUDA_CASES", 100);
-  std::printf("gpipe-property: seed %llu, %lld randomized CPU/GPU cases (replay with "
-              "GPIPE_PROPERTY_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<long long>(cases),
-              static_cast<unsigned long long>(seed));
-  std::fflush(stdout);
-  random_cases(seed, cases, static_cast<int64_t>(torch::cuda::device_count()));
+  run_suite("CPU/GPU ", "GPIPE_PROPERTY_CUDA_CASES", 100,
+            static_cast<int64_t>(torch::cuda::device_count()));
 }
 
 }  // namespace

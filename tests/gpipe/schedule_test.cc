@@ -1,5 +1,5 @@
 // Tests of the clock-cycle schedule (gpipe/schedule.h).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <set>
 
@@ -45,8 +45,8 @@ CATCH_TEST_CASE("clock_cycles with nothing to do has no ticks", "[schedule]") {
 }
 
 CATCH_TEST_CASE("clock_cycles rejects negative sizes with a clear error", "[schedule]") {
-  CATCH_CHECK_THROWS_WITH(clock_cycles(-1, 2), Catch::Contains("micro-batches must be >= 0, got -1"));
-  CATCH_CHECK_THROWS_WITH(clock_cycles(2, -3), Catch::Contains("partitions must be >= 0, got -3"));
+  CATCH_CHECK_THROWS_WITH(clock_cycles(-1, 2), gpipe_test::contains("micro-batches must be >= 0, got -1"));
+  CATCH_CHECK_THROWS_WITH(clock_cycles(2, -3), gpipe_test::contains("partitions must be >= 0, got -3"));
 }
 
 CATCH_TEST_CASE("every task runs exactly once, at tick i + j, in partition order",

@@ -215,14 +215,14 @@ CATCH_TEST_CASE("verify_skippables reports every mismatch at once", "[skip][erro
     CATCH_FAIL("no error");
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();
-    CATCH_CHECK_THAT(message, Catch::Contains("do not match"));
-    CATCH_CHECK_THAT(message, Catch::Contains("layer '0' declares 'x' both as a stash and as a pop"));
-    CATCH_CHECK_THAT(message, Catch::Contains("layer '2' stashes 'a', which layer '1' already stashes"));
-    CATCH_CHECK_THAT(message, Catch::Contains("layer '3' pops 'b', but no earlier layer stashes it"));
-    CATCH_CHECK_THAT(message, Catch::Contains("layer '4' stashes 'c', but no later layer pops it"));
-    CATCH_CHECK_THAT(message, Catch::Contains("layer '6' pops 'a', which an earlier layer already pops"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("do not match"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("layer '0' declares 'x' both as a stash and as a pop"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("layer '2' stashes 'a', which layer '1' already stashes"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("layer '3' pops 'b', but no earlier layer stashes it"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("layer '4' stashes 'c', but no later layer pops it"));
+    CATCH_CHECK_THAT(message, gpipe_test::contains("layer '6' pops 'a', which an earlier layer already pops"));
   }
-  CATCH_CHECK_THROWS_WITH(GPipe(seq, cpu({7})), Catch::Contains("do not match"));
+  CATCH_CHECK_THROWS_WITH(GPipe(seq, cpu({7})), gpipe_test::contains("do not match"));
   CATCH_CHECK_NOTHROW(verify_skippables(build(skip_model, 1)));
   CATCH_CHECK_NOTHROW(verify_skippables(unet_model(true)));
 }
@@ -231,12 +231,12 @@ CATCH_TEST_CASE("the same skip names in different namespaces pass verification",
   auto down = skippable(Save(), SkippableOptions().stash({"skip"}));
   auto up = skippable(Add(), SkippableOptions().pop({"skip"}));
   nn::Sequential unisolated(save("skip"), down, up, add("skip"));
-  CATCH_CHECK_THROWS_WITH(verify_skippables(unisolated), Catch::Contains("already stashes"));
+  CATCH_CHECK_THROWS_WITH(verify_skippables(unisolated), gpipe_test::contains("already stashes"));
   Namespace ns;
   down->isolate(ns);
   up->isolate(ns);
   CATCH_CHECK_NOTHROW(verify_skippables(unisolated));
-  CATCH_CHECK_THROWS_WITH(down->isolate(ns, {"nope"}), Catch::Contains("'nope' is not one of"));
+  CATCH_CHECK_THROWS_WITH(down->isolate(ns, {"nope"}), gpipe_test::contains("'nope' is not one of"));
 }
 
 // Layers that break their declarations at run time.
@@ -260,33 +260,33 @@ CATCH_TEST_CASE("breaking a declaration at run time is a clear error", "[skip][e
   const at::Tensor x = at::randn({2, 3});
   {
     nn::Sequential seq(skippable(StashUndeclared(), SkippableOptions().stash({"skip"})), add("skip"));
-    CATCH_CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("stashed 'other', which it does not "
+    CATCH_CHECK_THROWS_WITH(seq->forward(x), gpipe_test::contains("stashed 'other', which it does not "
                                                              "declare as a stash (declared "
                                                              "stashes: 'skip')"));
   }
   {
     nn::Sequential seq(save("skip"), skippable(PopUndeclared(), SkippableOptions().pop({"skip"})));
-    CATCH_CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("popped 'other', which it does not "
+    CATCH_CHECK_THROWS_WITH(seq->forward(x), gpipe_test::contains("popped 'other', which it does not "
                                                              "declare as a pop"));
   }
   {
     nn::Sequential seq(skippable(Lazy(), SkippableOptions().stash({"skip"})), add("skip"));
-    CATCH_CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("declares 'skip' as a stash, but its "
+    CATCH_CHECK_THROWS_WITH(seq->forward(x), gpipe_test::contains("declares 'skip' as a stash, but its "
                                                              "forward did not call "
                                                              "gpipe::stash(\"skip\""));
   }
   {
     nn::Sequential seq(save("skip"), skippable(Lazy(), SkippableOptions().pop({"skip"})));
-    CATCH_CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("declares 'skip' as a pop, but its "
+    CATCH_CHECK_THROWS_WITH(seq->forward(x), gpipe_test::contains("declares 'skip' as a pop, but its "
                                                              "forward did not call gpipe::pop"));
   }
   {
     nn::Sequential seq(add("never"));
-    CATCH_CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("skip 'never' was not stashed"));
+    CATCH_CHECK_THROWS_WITH(seq->forward(x), gpipe_test::contains("skip 'never' was not stashed"));
   }
-  CATCH_CHECK_THROWS_WITH(stash("skip", x), Catch::Contains("outside the forward of a skippable "
+  CATCH_CHECK_THROWS_WITH(stash("skip", x), gpipe_test::contains("outside the forward of a skippable "
                                                             "layer"));
-  CATCH_CHECK_THROWS_WITH(pop("skip"), Catch::Contains("outside the forward of a skippable layer"));
+  CATCH_CHECK_THROWS_WITH(pop("skip"), gpipe_test::contains("outside the forward of a skippable layer"));
 }
 
 CATCH_TEST_CASE("a run-time skip error inside a GPipe reaches the caller, and the next step works",
@@ -303,7 +303,7 @@ CATCH_TEST_CASE("a run-time skip error inside a GPipe reaches the caller, and th
                                                  SkippableOptions().stash({"skip"})),
                      nn::Linear(3, 3), add("skip"));
   GPipe model(seq, cpu({2, 2}).chunks(2));
-  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 3})), Catch::Contains("did not call gpipe::stash"));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 3})), gpipe_test::contains("did not call gpipe::stash"));
   flaky->fail = false;
   const int64_t live_before = live_skip_tensors();
   model->forward(at::randn({4, 3})).sum().backward();
@@ -330,7 +330,7 @@ CATCH_TEST_CASE("a forward that fails before a pop releases the stashed tensors"
                                SkippableOptions().pop({"skip"})));
   GPipe model(seq, cpu({2, 2}).chunks(2).checkpoint(mode));
   model->train();
-  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 3})), Catch::Contains("before the pop"));
+  CATCH_CHECK_THROWS_WITH(model->forward(at::randn({4, 3})), gpipe_test::contains("before the pop"));
   CATCH_CHECK(live_skip_tensors() == live_before);
   failing->fail = false;
   model->forward(at::randn({4, 3})).sum().backward();

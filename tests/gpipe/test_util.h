@@ -2,10 +2,11 @@
 // builders, and comparisons with the plain Sequential (the oracle of every pipeline result).
 #pragma once
 
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <dirent.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -292,6 +293,45 @@ void within(int seconds, Fn fn) {
   }
   runner.join();
   done.get();
+}
+
+/// One training step of the plain model and of the pipeline on copies of `x` (each a leaf that
+/// needs a gradient): checks the outputs, the parameters' gradients and the input's gradient
+/// within `tol`.
+template <typename Plain, typename Pipe>
+void check_same_step(Plain& plain, Pipe& model, const at::Tensor& x, double tol = 1e-10) {
+  at::Tensor x1 = x.clone().requires_grad_(true);
+  at::Tensor x2 = x.clone().requires_grad_(true);
+  at::Tensor y1 = plain->forward(x1);
+  at::Tensor y2 = model->forward(x2);
+  CATCH_CHECK(max_diff(y1, y2) <= tol);
+  y1.sum().backward();
+  y2.sum().backward();
+  check_same_grads(plain->parameters(), model->parameters(), tol);
+  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= tol);
+}
+
+/// Trains `model` from two threads at once, `steps` forward and backward passes each on `input`,
+/// and returns how many outputs differed from `expected` by more than 1e-10 (no Catch2 assertion
+/// is made off the main thread: Catch2 is not thread-safe).
+template <typename Pipe>
+int train_from_two_threads(Pipe& model, const at::Tensor& input, const at::Tensor& expected,
+                           int steps) {
+  std::atomic<int> wrong{0};
+  auto train = [&] {
+    for (int k = 0; k < steps; ++k) {
+      at::Tensor y = model->forward(input);
+      if ((y - expected).abs().max().item<double>() > 1e-10) ++wrong;
+      y.sum().backward();
+    }
+  };
+  within(300, [&] {
+    std::thread a(train);
+    std::thread b(train);
+    a.join();
+    b.join();
+  });
+  return wrong;
 }
 
 /// One SGD step without momentum, in place, as torch::optim::SGD does: p -= lr * p.grad; then

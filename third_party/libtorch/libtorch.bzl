@@ -10,7 +10,11 @@ Which LibTorch:
     CUDA Toolkit's headers and runtime are taken from CUDA_HOME (default /usr/local/cuda).
 
 The generated repository has one target, @libtorch//:libtorch, and a file @libtorch//:config.bzl
-with LIBTORCH_CUDA = True/False.
+with LIBTORCH_CUDA = True/False, LIBTORCH_CXX_STANDARD ("17" or "20") and GPIPE_COPTS (the
+-std= flag every gpipe rule compiles with). The standard is the lowest one the LibTorch's headers
+accept: C++17, or C++20 for the LibTorch versions whose headers refuse anything older (their
+c10/util/C++17.h, ATen/ATen.h or torch/all.h test `__cplusplus < 202002L`). GPIPE_CXX_STANDARD=20
+(or 17, 23) overrides it.
 """
 
 _SYSTEM_INCLUDE = "/usr/include"
@@ -28,6 +32,18 @@ def _uses_old_abi(rctx, root):
     if not config.exists:
         return False
     return "_GLIBCXX_USE_CXX11_ABI=0" in rctx.read(config)
+
+def _cxx_standard(rctx, include_dir):
+    chosen = rctx.os.environ.get("GPIPE_CXX_STANDARD", "")
+    if chosen:
+        if chosen not in ["17", "20", "23"]:
+            fail("gpipe: GPIPE_CXX_STANDARD=%s; use 17, 20 or 23" % chosen)
+        return chosen
+    for header in ["c10/util/C++17.h", "ATen/ATen.h", "torch/csrc/api/include/torch/all.h"]:
+        path = rctx.path(include_dir + "/" + header)
+        if path.exists and "__cplusplus < 202002L" in rctx.read(path):
+            return "20"
+    return "17"
 
 def _libtorch_repository_impl(rctx):
     root = rctx.os.environ.get("GPIPE_LIBTORCH", "").rstrip("/")
@@ -58,16 +74,28 @@ def _libtorch_repository_impl(rctx):
     cuda = rctx.path(libdir + "/libtorch_cuda.so").exists
     linkopts = ["-L" + libdir, "-Wl,-rpath," + libdir, "-Wl,--no-as-needed", "-ltorch", "-ltorch_cpu", "-lc10"]
     if cuda:
+        # The CUDA runtime's headers (c10/cuda includes cuda_runtime_api.h). gpipe calls no CUDA
+        # function itself, so nothing beyond LibTorch's own libraries is linked: a PyTorch install
+        # without a CUDA Toolkit works, with the headers of its nvidia-cuda-runtime wheel.
         cuda_home = rctx.os.environ.get("CUDA_HOME", "/usr/local/cuda").rstrip("/")
-        if not rctx.path(cuda_home + "/include/cuda_runtime_api.h").exists:
-            fail("gpipe: %s/lib/libtorch_cuda.so is CUDA-enabled, but the CUDA Toolkit's headers " % root +
-                 "were not found in CUDA_HOME=%s (expected include/cuda_runtime_api.h). " % cuda_home +
-                 "Set CUDA_HOME to the CUDA Toolkit folder.")
-        rctx.symlink(cuda_home + "/include", "cuda_include")
-        includes.append("cuda_include")
-        hdrs = hdrs[:-1] + ' + glob(["cuda_include/**"], allow_empty = True))'
-        cuda_libdir = cuda_home + "/lib64"
-        linkopts += ["-ltorch_cuda", "-lc10_cuda", "-L" + cuda_libdir, "-Wl,-rpath," + cuda_libdir, "-lcudart"]
+        candidates = [cuda_home, "/usr"]  # /usr: Debian's nvidia-cuda-dev
+        if root:
+            site = root.rsplit("/", 1)[0]
+            candidates += [site + "/nvidia/cuda_runtime", site + "/nvidia/cu13", site + "/nvidia/cu12"]
+        cuda_root = None
+        for c in candidates:
+            if rctx.path(c + "/include/cuda_runtime_api.h").exists:
+                cuda_root = c
+                break
+        if not cuda_root:
+            fail("gpipe: %s/lib/libtorch_cuda.so is CUDA-enabled, but the CUDA runtime's headers " % root +
+                 "(include/cuda_runtime_api.h) are in none of %s. Set CUDA_HOME to the " % candidates +
+                 "CUDA Toolkit folder, or install PyTorch's nvidia-cuda-runtime wheel.")
+        if cuda_root != "/usr":  # /usr/include is searched by the compiler anyway
+            rctx.symlink(cuda_root + "/include", "cuda_include")
+            includes.append("cuda_include")
+            hdrs = hdrs[:-1] + ' + glob(["cuda_include/**"], allow_empty = True))'
+        linkopts += ["-ltorch_cuda", "-lc10_cuda"]
         defines.append("GPIPE_WITH_CUDA=1")
     linkopts += ["-Wl,--as-needed", "-lpthread"]
 
@@ -82,10 +110,17 @@ cc_library(
     linkopts = {linkopts},
 )
 """.format(libdir = libdir, hdrs = hdrs, includes = includes, defines = defines, linkopts = linkopts))
-    rctx.file("config.bzl", "LIBTORCH_CUDA = %s\nLIBTORCH_LIBDIR = %r\n" % (cuda, libdir))
+    standard = _cxx_standard(rctx, (root + "/include") if root else _SYSTEM_INCLUDE)
+    rctx.file("config.bzl", "\n".join([
+        "LIBTORCH_CUDA = %s" % cuda,
+        "LIBTORCH_LIBDIR = %r" % libdir,
+        "LIBTORCH_CXX_STANDARD = %r" % standard,
+        "GPIPE_COPTS = [%r, \"-Wall\", \"-Wextra\"]" % ("-std=c++" + standard),
+        "",
+    ]))
 
 libtorch_repository = repository_rule(
     implementation = _libtorch_repository_impl,
-    environ = ["GPIPE_LIBTORCH", "CUDA_HOME"],
+    environ = ["GPIPE_LIBTORCH", "CUDA_HOME", "GPIPE_CXX_STANDARD"],
     local = True,
 )

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Builds and tests gpipe against Debian 13's LibTorch 2.6, with GCC 14 and Catch2 3, inside
+# Debian 13 roots made with debootstrap: the CPU build (libtorch-dev, as C++20) and the CUDA build
+# (libtorch-cuda-dev with CUDA 12, C++ standard chosen by CMake; GPIPE_WITH_CUDA on, [cuda] tests
+# compiled, and skipped for want of a GPU). Warnings are errors in both.
+#
+#   sudo tools/debian13.sh [--prepare] [cpu|cuda|all]        (default: all)
+#
+# --prepare only makes the roots (debootstrap and apt: mostly downloading), so that CI can do it
+# in the background while it builds something else.
+#
+# The roots are kept in $GPIPE_DEBIAN13_CACHE (default /var/cache/gpipe: trixie-base,
+# trixie-cpu, trixie-cuda) and made again when missing or when their package list changes. The
+# CUDA root does without cuDNN: Debian's nvidia-cudnn is only an installer that downloads it from
+# NVIDIA, so an empty stand-in package (equivs) satisfies libtorch-cuda-2.6's dependency, and a
+# stub libcudnn.so.9 defining the cuDNN symbols libtorch_cuda.so imports lets it load (it is
+# linked with BIND_NOW). Nothing calls cuDNN without a GPU. See docs/building.md.
+#
+# For each variant it prints the LibTorch version, the compiler and the C++ standard, then
+# tools/cmake_test.sh's count; the CPU variant also installs gpipe and builds a project that finds
+# it with find_package(gpipe) (tools/consumer_test.sh). The last line adds them up:
+# "N passed, N failed". Needs root (debootstrap, chroot, mount) and Debian's package mirror.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+src=$PWD
+prepare_only=false
+if [[ "${1:-}" == --prepare ]]; then
+  prepare_only=true
+  shift
+fi
+variants=${1:-all}
+[[ "$variants" == all ]] && variants="cpu cuda"
+cache=${GPIPE_DEBIAN13_CACHE:-/var/cache/gpipe}
+mkdir -p "$cache"
+# The mirror this machine's apt uses (deb822 or one-line sources), else Debian's own.
+mirror=$(grep -hoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list.d/*.sources \
+           /etc/apt/sources.list 2>/dev/null | grep -v security | head -n 1)
+mirror=${mirror:-http://deb.debian.org/debian}
+
+common="cmake ninja-build g++ libabsl-dev libcatch2-dev"
+cudnn_version="9.0.0.312~cuda12+gpipe1"
+
+die() { echo "debian13: $*"; echo "0 passed, 1 failed"; exit 1; }
+
+mounted=()
+cleanup() {
+  local m
+  for m in "${mounted[@]}"; do umount -l "$m" 2>/dev/null; done
+}
+trap cleanup EXIT
+
+in_root() {  # in_root ROOT COMMAND...
+  chroot "$1" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+    DEBIAN_FRONTEND=noninteractive "${@:2}"
+}
+
+base_root() {
+  local base="$cache/trixie-base"
+  if [[ ! -f "$base/.gpipe-ready" ]]; then
+    echo "=== debootstrap Debian 13 (trixie) from $mirror"
+    command -v debootstrap > /dev/null || apt-get install -y -q debootstrap > /dev/null ||
+      die "cannot install debootstrap"
+    rm -rf "$base"
+    debootstrap --variant=minbase trixie "$base" "$mirror" > "$cache/debootstrap.log" 2>&1 ||
+      { tail -n 20 "$cache/debootstrap.log"; die "debootstrap failed"; }
+    touch "$base/.gpipe-ready"
+  fi
+}
+
+# An empty package standing in for nvidia-cudnn (the installer script that downloads cuDNN).
+cudnn_stand_in() {
+  local dir="$cache/cudnn-stand-in"
+  local deb="$dir/nvidia-cudnn_${cudnn_version}_all.deb"
+  if [[ ! -f "$deb" ]]; then
+    command -v equivs-build > /dev/null || apt-get install -y -q equivs > /dev/null ||
+      die "cannot install equivs"
+    rm -rf "$dir" && mkdir -p "$dir"
+    cat > "$dir/nvidia-cudnn.ctl" <<EOF
+Section: contrib/libs
+Priority: optional
+Standards-Version: 3.9.2
+Package: nvidia-cudnn
+Version: $cudnn_version
+Provides: libcudnn.so.9
+Description: empty stand-in for the cuDNN installer script (gpipe's Debian 13 CUDA build)
+ Satisfies libtorch-cuda-2.6's dependency without downloading cuDNN from NVIDIA.
+EOF
+    (cd "$dir" && equivs-build nvidia-cudnn.ctl > build.log 2>&1) || die "equivs-build failed"
+  fi
+  echo "$deb"
+}
+
+# A libcudnn.so.9 that defines (as empty functions) every cuDNN symbol libtorch_cuda.so imports,
+# with the version node those imports name.
+cudnn_stub() {
+  local root=$1 lib
+  lib=$(in_root "$root" sh -c 'ls /usr/lib/x86_64-linux-gnu/libtorch_cuda.so* | head -n 1')
+  in_root "$root" sh -c "
+    objdump -T $lib | awk '/\\*UND\\*/ && \$NF ~ /^cudnn/ {print \$NF}' | sort -u > /tmp/cudnn.syms
+    [ -s /tmp/cudnn.syms ] || exit 1
+    sed 's/.*/void &(void) {}/' /tmp/cudnn.syms > /tmp/cudnn_stub.c
+    echo 'libcudnn.so.9 { global: *; };' > /tmp/cudnn_stub.map
+    gcc -shared -fPIC -o /usr/lib/x86_64-linux-gnu/libcudnn.so.9 /tmp/cudnn_stub.c \
+      -Wl,-soname,libcudnn.so.9 -Wl,--version-script=/tmp/cudnn_stub.map && ldconfig
+    wc -l < /tmp/cudnn.syms" || die "could not make the cuDNN stub"
+}
+
+make_root() {  # make_root VARIANT
+  local v=$1 root="$cache/trixie-$1" packages sources deb=""
+  if [[ "$v" == cpu ]]; then
+    packages="libtorch-dev $common"
+    sources="deb $mirror trixie main"
+  else
+    deb=$(cudnn_stand_in) || exit 1
+    packages="/tmp/$(basename "$deb") libtorch-cuda-dev nvidia-cuda-toolkit $common"
+    sources="deb $mirror trixie main contrib non-free non-free-firmware"
+  fi
+  if [[ -f "$root/.gpipe-ready" && "$(cat "$root/.gpipe-ready")" == "$packages" ]]; then
+    return
+  fi
+  echo "=== Debian 13 root for the $v build: $packages"
+  base_root
+  rm -rf "$root"
+  cp -a "$cache/trixie-base" "$root"
+  echo "$sources" > "$root/etc/apt/sources.list"
+  [[ -n "$deb" ]] && cp "$deb" "$root/tmp/"
+  # shellcheck disable=SC2086
+  in_root "$root" sh -c "apt-get update -q && apt-get install -y -q --no-install-recommends \
+    $packages" > "$root.log" 2>&1 || { tail -n 30 "$root.log"; die "apt-get failed in $root"; }
+  if [[ "$v" == cuda ]]; then
+    echo "cuDNN stub: $(cudnn_stub "$root") symbols"
+  fi
+  echo "$packages" > "$root/.gpipe-ready"
+}
+
+total_passed=0
+total_failed=0
+# Adds a "N passed, N failed" line (else one failure) to the totals.
+count() {
+  echo "debian13 $2: $1"
+  if [[ "$1" =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed ]]; then
+    total_passed=$((total_passed + BASH_REMATCH[1]))
+    total_failed=$((total_failed + BASH_REMATCH[2]))
+  else
+    total_failed=$((total_failed + 1))
+  fi
+}
+for v in $variants; do
+  [[ "$v" == cpu || "$v" == cuda ]] || die "unknown variant '$v' (cpu, cuda or all)"
+  start=$(date +%s)
+  make_root "$v"
+  root="$cache/trixie-$v"
+  if $prepare_only; then
+    echo "debian13 $v: root ready ($(($(date +%s) - start)) s)"
+    continue
+  fi
+  for m in proc dev; do
+    mountpoint -q "$root/$m" || {
+      if [[ $m == proc ]]; then mount -t proc proc "$root/proc"; else mount --bind /dev "$root/dev"; fi
+      mounted+=("$root/$m")
+    }
+  done
+  # The working tree as git sees it (tracked and untracked-but-not-ignored files).
+  rm -rf "$root/src/gpipe" && mkdir -p "$root/src/gpipe"
+  git -C "$src" ls-files -z --cached --others --exclude-standard |
+    (cd "$src" && tar --null -T - -cf -) | tar -xf - -C "$root/src/gpipe"
+  if [[ "$v" == cpu ]]; then
+    torch_pkg=libtorch-dev; args="-DCMAKE_CXX_STANDARD=20"
+  else
+    torch_pkg=libtorch-cuda-dev; args=""
+  fi
+  echo "=== Debian 13, $v: $(in_root "$root" dpkg-query -W -f='${Package} ${Version}' "$torch_pkg"), $(in_root "$root" g++ --version | head -n 1)"
+  log="$cache/trixie-$v-test.log"
+  in_root "$root" sh -c "cd /src/gpipe && JOBS=${JOBS:-2} bash tools/cmake_test.sh /build/gpipe \
+    -DGPIPE_WERROR=ON $args" > "$log" 2>&1
+  grep -E "^-- gpipe:" "$log"
+  grep -E "error|warning:" "$log" | head -n 20
+  count "$(tail -n 1 "$log")" "$v"
+  if [[ "$v" == cpu ]]; then
+    # A project of the user's, built against the installed tree with find_package(gpipe).
+    in_root "$root" sh -c "cd /src/gpipe && bash tools/consumer_test.sh /build/gpipe" \
+      > "$cache/trixie-cpu-consumer.log" 2>&1
+    grep "gpipe consumer:" "$cache/trixie-cpu-consumer.log"
+    count "$(tail -n 1 "$cache/trixie-cpu-consumer.log")" "cpu find_package(gpipe) consumer"
+  fi
+  echo "debian13 $v: $(($(date +%s) - start)) s"
+done
+echo "$total_passed passed, $total_failed failed"
+((total_failed == 0))
