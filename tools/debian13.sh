@@ -33,8 +33,9 @@ variants=${1:-all}
 cache=${GPIPE_DEBIAN13_CACHE:-/var/cache/gpipe}
 mkdir -p "$cache"
 # The mirror this machine's apt uses (deb822 or one-line sources), else Debian's own.
-mirror=$(grep -hoE 'https?://[^ ]+/debian/?' /etc/apt/sources.list.d/*.sources \
-           /etc/apt/sources.list 2>/dev/null | grep -v security | head -n 1)
+# (Comments are skipped: Debian's images name a snapshot.debian.org mirror in one.)
+mirror=$(grep -hE '^[[:space:]]*(URIs:|deb[[:space:]])' /etc/apt/sources.list.d/*.sources \
+           /etc/apt/sources.list 2>/dev/null | grep -oE 'https?://[^ ]+/debian/?' | head -n 1)
 mirror=${mirror:-http://deb.debian.org/debian}
 
 common="cmake ninja-build g++ libabsl-dev libcatch2-dev"
