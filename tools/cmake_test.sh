@@ -12,7 +12,8 @@
 #
 # Environment: JOBS (compile jobs, default 2), FIRST_TESTS (test binaries to build and run before
 # the others, e.g. "cuda_test"), ONLY_TESTS (build and run these test binaries and nothing else),
-# TEST_ARGS (arguments for every test binary, e.g. "[cuda]").
+# TEST_ARGS (arguments for every test binary, e.g. "[cuda]"), TEST_TIMEOUT (seconds a test binary
+# may run, default 1800).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:?usage: tools/cmake_test.sh BUILD_DIR [cmake arguments...]}
@@ -23,8 +24,10 @@ passed=0; failed=0; skipped=0
 run_test() {
   local t=$1 log="$build/logs/$1.log" line p f s rc=0
   mkdir -p "$build/logs"
-  # shellcheck disable=SC2086
-  (cd "$build" && "./$t" ${TEST_ARGS:-}) > "$log" 2>&1 || rc=$?
+  local args=()
+  read -ra args <<< "${TEST_ARGS:-}"
+  # A binary that hangs is killed after TEST_TIMEOUT seconds (default 1800) and counted failed.
+  (cd "$build" && timeout -k 30 "${TEST_TIMEOUT:-1800}" "./$t" "${args[@]}") > "$log" 2>&1 || rc=$?
   tail -n 3 "$log"
   line=$(grep -a "gpipe-test-summary:" "$log" | tail -n 1)
   if [[ -z "$line" ]]; then

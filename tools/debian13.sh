@@ -41,14 +41,21 @@ mirror=${mirror:-http://deb.debian.org/debian}
 common="cmake ninja-build g++ libabsl-dev libcatch2-dev"
 cudnn_version="9.0.0.312~cuda12+gpipe1"
 
-die() { echo "debian13: $*"; echo "0 passed, 1 failed"; exit 1; }
+# A failure while making a root ends the script: it says why and counts one failure (a variant
+# that failed after its root was made is counted by the loop below).
+die() { echo "debian13: $*"; echo "$total_passed passed, $((total_failed + 1)) failed"; exit 1; }
+total_passed=0
+total_failed=0
 
-mounted=()
-cleanup() {
+# Every mount under the cache is undone on exit, and before anything is removed: a root is
+# deleted only with nothing mounted in it (a bind mount of /dev left by a killed run would
+# otherwise take the host's /dev with it).
+unmount_all() {
   local m
-  for m in "${mounted[@]}"; do umount -l "$m" 2>/dev/null; done
+  findmnt -rno TARGET | grep -E "^$cache/" | sort -r | while read -r m; do umount -l "$m"; done
 }
-trap cleanup EXIT
+trap unmount_all EXIT
+unmount_all
 
 in_root() {  # in_root ROOT COMMAND...
   chroot "$1" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
@@ -61,7 +68,8 @@ base_root() {
     echo "=== debootstrap Debian 13 (trixie) from $mirror"
     command -v debootstrap > /dev/null || apt-get install -y -q debootstrap > /dev/null ||
       die "cannot install debootstrap"
-    rm -rf "$base"
+    unmount_all
+    rm -rf --one-file-system "$base"
     debootstrap --variant=minbase trixie "$base" "$mirror" > "$cache/debootstrap.log" 2>&1 ||
       { tail -n 20 "$cache/debootstrap.log"; die "debootstrap failed"; }
     touch "$base/.gpipe-ready"
@@ -112,7 +120,7 @@ make_root() {  # make_root VARIANT
     packages="libtorch-dev $common"
     sources="deb $mirror trixie main"
   else
-    deb=$(cudnn_stand_in) || exit 1
+    deb=$(cudnn_stand_in) || die "could not build the nvidia-cudnn stand-in: $deb"
     packages="/tmp/$(basename "$deb") libtorch-cuda-dev nvidia-cuda-toolkit $common"
     sources="deb $mirror trixie main contrib non-free non-free-firmware"
   fi
@@ -121,7 +129,8 @@ make_root() {  # make_root VARIANT
   fi
   echo "=== Debian 13 root for the $v build: $packages"
   base_root
-  rm -rf "$root"
+  unmount_all
+  rm -rf --one-file-system "$root"
   cp -a "$cache/trixie-base" "$root"
   echo "$sources" > "$root/etc/apt/sources.list"
   [[ -n "$deb" ]] && cp "$deb" "$root/tmp/"
@@ -129,13 +138,13 @@ make_root() {  # make_root VARIANT
   in_root "$root" sh -c "apt-get update -q && apt-get install -y -q --no-install-recommends \
     $packages" > "$root.log" 2>&1 || { tail -n 30 "$root.log"; die "apt-get failed in $root"; }
   if [[ "$v" == cuda ]]; then
-    echo "cuDNN stub: $(cudnn_stub "$root") symbols"
+    local symbols
+    symbols=$(cudnn_stub "$root") || die "could not make the cuDNN stub in $root"
+    echo "cuDNN stub: $symbols symbols"
   fi
   echo "$packages" > "$root/.gpipe-ready"
 }
 
-total_passed=0
-total_failed=0
 # Adds a "N passed, N failed" line (else one failure) to the totals.
 count() {
   echo "debian13 $2: $1"
@@ -155,12 +164,8 @@ for v in $variants; do
     echo "debian13 $v: root ready ($(($(date +%s) - start)) s)"
     continue
   fi
-  for m in proc dev; do
-    mountpoint -q "$root/$m" || {
-      if [[ $m == proc ]]; then mount -t proc proc "$root/proc"; else mount --bind /dev "$root/dev"; fi
-      mounted+=("$root/$m")
-    }
-  done
+  mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
+  mountpoint -q "$root/dev" || mount --bind /dev "$root/dev"
   # The working tree as git sees it (tracked and untracked-but-not-ignored files).
   rm -rf "$root/src/gpipe" && mkdir -p "$root/src/gpipe"
   git -C "$src" ls-files -z --cached --others --exclude-standard |

@@ -23,17 +23,18 @@ src="$build/absl-src"
 if ! ls -d "$src"/abseil-*/ > /dev/null 2>&1; then
   echo "=== Abseil's sources (Debian's source package, the installed libabsl-dev's version)"
   . /etc/os-release
-  rm -rf "$src" && mkdir -p "$src/lists/partial"
+  rm -rf "$src" && mkdir -p "$src/lists/partial" "$src/cache/archives/partial"
   {
     echo "deb-src http://deb.debian.org/debian $VERSION_CODENAME main"
     echo "deb-src http://deb.debian.org/debian-security $VERSION_CODENAME-security main"
   } > "$src/sources.list"
+  # A private source list, package lists and cache: the machine's own apt state is not touched.
   apt=(-q -o "Dir::Etc::SourceList=$src/sources.list" -o Dir::Etc::SourceParts=/dev/null
-       -o "Dir::State::Lists=$src/lists")
+       -o "Dir::State::Lists=$src/lists" -o "Dir::Cache=$src/cache")
   version=$(dpkg-query -W -f='${source:Version}' libabsl-dev)
   (cd "$src" && apt-get "${apt[@]}" update > /dev/null &&
      apt-get "${apt[@]}" source --download-only "abseil=$version" > /dev/null 2>&1 &&
-     tar xzf abseil_*.orig.tar.gz) ||
+     mkdir -p unpack && tar xzf abseil_*.orig.tar.gz -C unpack && mv unpack/abseil-* .) ||
     { echo "could not download Abseil's source"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
 fi
 
