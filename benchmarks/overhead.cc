@@ -24,6 +24,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "gpipe/gpipe.h"
 
 ABSL_FLAG(int, repeats, 30,
@@ -31,6 +32,9 @@ ABSL_FLAG(int, repeats, 30,
           "of the per-round differences is the overhead");
 ABSL_FLAG(int, warmup, 5, "untimed steps before timing");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+ABSL_FLAG(std::string, only, "",
+          "run only the configurations named here, comma-separated as partitions x chunks : "
+          "checkpoint, e.g. --only=4x128:except_last,4x128:never (default: all)");
 
 namespace {
 
@@ -94,6 +98,17 @@ struct Row {
   double overhead_single_backward_us;
 };
 
+// Whether --only names this configuration (or is empty).
+bool selected(int64_t partitions, int64_t chunks, const std::string& checkpoint) {
+  const std::string only = absl::GetFlag(FLAGS_only);
+  if (only.empty()) return true;
+  const std::string name = absl::StrFormat("%dx%d:%s", partitions, chunks, checkpoint);
+  for (absl::string_view part : absl::StrSplit(only, ',')) {
+    if (part == name) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -147,6 +162,10 @@ int main(int argc, char** argv) {
     };
     for (const int64_t partitions : {1, 4}) {
       for (const gpipe::Checkpoint mode : {gpipe::Checkpoint::kNever, gpipe::Checkpoint::kExceptLast}) {
+        if (!selected(partitions, chunks,
+                      mode == gpipe::Checkpoint::kNever ? "never" : "except_last")) {
+          continue;
+        }
         std::vector<int64_t> balance(partitions, kLayers / partitions);
         gpipe::GPipe model(make_model(), gpipe::GPipeOptions(balance)
                                              .devices(std::vector<c10::Device>(partitions, at::kCPU))

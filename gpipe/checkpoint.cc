@@ -295,21 +295,25 @@ struct CheckpointBackward : Node {
   std::shared_ptr<State> state;
 };
 
-struct RecomputeBackward : Node {
+// Passes the gradient of a checkpointed task's lane through, after recomputing the task (see Note
+// [Checkpoint and recompute] in checkpoint.h). A PassBackward, so that the dependency on the next
+// micro-batch (Note [Backward order] in pipeline.cc) takes its phony from this node.
+struct RecomputeBackward : PassBackward {
   explicit RecomputeBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::RecomputeBackward"; }
   void release_variables() override { state.reset(); }
 
-  variable_list apply(variable_list&& /*grads*/) override {
+ protected:
+  void before_pass() override {
     TORCH_CHECK(state, "gpipe: a checkpointed micro-batch was recomputed twice; retain_graph is "
                 "not supported with checkpointing");
     if (!state->recomputed) {
       recompute(*state);
     }
     state.reset();
-    return {at::Tensor()};
   }
 
+ public:
   std::shared_ptr<State> state;
 };
 
@@ -404,13 +408,12 @@ void Checkpointing::recompute(Batch& output) {
   if (lane < 0 || !output[lane].requires_grad()) {
     return;
   }
-  auto forked = fork(output[lane]);
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(state_),
                                                  torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(forked.second));
-  at::Tensor phony = make_phony(output[lane].options());
-  torch::autograd::set_history(phony, node);
-  output[lane] = join(forked.first, phony);
+  node->set_next_edges(torch::autograd::collect_next_edges(output[lane]));
+  at::Tensor lane_tensor = output[lane].detach();
+  torch::autograd::set_history(lane_tensor, node);
+  output[lane] = std::move(lane_tensor);
 }
 
 }  // namespace gpipe

@@ -31,20 +31,23 @@ bool is_recomputing();
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A checkpointed task runs its partition under no-grad (is_checkpointing() is true) and gives the
 // outputs a CheckpointBackward node whose next edges are the inputs'. Only the inputs are kept.
-// After the task, the main thread inserts a RecomputeBackward node beside the output's lane:
+// After the task, the main thread puts a RecomputeBackward node on the output's lane, after the
+// stream wait and before the copy to the next partition:
 //
-//   output --fork--> output' --join--> next partition
-//             \--phony--> RecomputeBackward --phony--/
+//   CheckpointBackward <- output <- RecomputeBackward <- output' -> (copy) -> next partition
 //
-// In backward the join hands the gradient both to the fork and to RecomputeBackward; the fork's
-// node (and so CheckpointBackward behind it) runs only after RecomputeBackward has run. So the
-// recomputation starts as soon as the gradient reaches this partition, in parallel with the
-// gradient's copy, and not when CheckpointBackward finally needs it (the Python reference's
-// reason for not using a plain checkpoint function). RecomputeBackward reruns the partition with
-// grad enabled on detached copies of the inputs, restoring the random generator state saved at
-// the first forward (dropout masks are identical) and the caller's thread state (see Note
+// In backward the lane's gradient reaches RecomputeBackward first; it reruns the partition and
+// then passes the gradient on, so CheckpointBackward always finds the recomputed graph. The
+// recomputation starts as soon as the gradient reaches this partition: on CUDA its kernels are
+// queued on the compute stream before the wait for the gradient's copy, so they overlap the copy
+// (the Python reference's reason for not using a plain checkpoint function; it puts the node on a
+// fork and a join of the lane instead — two more autograd nodes per task for the same order, which
+// cost 5–7 µs per task on the CPU, see docs/benchmarks.md). RecomputeBackward reruns the partition
+// with grad enabled on detached copies of the inputs, restoring the random generator state saved
+// at the first forward (dropout masks are identical) and the caller's thread state (see Note
 // [Thread-local state in workers]); CheckpointBackward then runs backward through the recomputed
-// graph, which accumulates the parameters' gradients, and returns the inputs' gradients.
+// graph, which accumulates the parameters' gradients, and returns the inputs' gradients. When the
+// loss does not depend on the lane, CheckpointBackward recomputes by itself.
 
 // Note [Autograd metadata of checkpointed micro-batches]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -13,10 +13,8 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 // Backward of fork: the gradient of x' goes to x; the phony's gradient is dropped.
-struct ForkBackward : Node {
-  using Node::Node;
+struct ForkBackward : PassBackward {
   std::string name() const override { return "gpipe::ForkBackward"; }
-  variable_list apply(variable_list&& grads) override { return {std::move(grads[0])}; }
 };
 
 // Backward of join: the gradient goes to x, and nothing (an empty gradient) to the phony.
@@ -30,6 +28,11 @@ struct JoinBackward : Node {
 
 }  // namespace
 
+variable_list PassBackward::apply(variable_list&& grads) {
+  before_pass();
+  return {std::move(grads[0])};
+}
+
 at::Tensor make_phony(const at::TensorOptions& options) {
   return at::empty({0}, options.requires_grad(false));
 }
@@ -37,6 +40,12 @@ at::Tensor make_phony(const at::TensorOptions& options) {
 std::pair<at::Tensor, at::Tensor> fork(const at::Tensor& x) {
   at::Tensor phony = make_phony(x.options());
   if (!at::GradMode::is_enabled() || !x.requires_grad()) {
+    return {x, std::move(phony)};
+  }
+  const torch::autograd::Edge edge = torch::autograd::impl::gradient_edge(x);
+  if (auto* pass = dynamic_cast<PassBackward*>(edge.function.get());
+      pass != nullptr && edge.input_nr == 0 && pass->num_inputs() == 1) {
+    torch::autograd::set_history(phony, edge.function);
     return {x, std::move(phony)};
   }
   auto node = std::shared_ptr<ForkBackward>(new ForkBackward(), torch::autograd::deleteNode);

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
 
 namespace gpipe {
 
@@ -17,8 +18,22 @@ namespace gpipe {
 /// An empty tensor on `options`' device to carry an autograd edge; see Note [Phony].
 at::Tensor make_phony(const at::TensorOptions& options);
 
+/// An autograd node that passes its first input's gradient through unchanged, after `before_pass`,
+/// and gives its other inputs (phonies) nothing. fork() of a tensor that such a node produced, as
+/// its only output so far, adds the phony to that node instead of making a node of its own: one
+/// node less per task when a checkpointed task's RecomputeBackward is followed by a dependency
+/// (Note [Backward order] in pipeline.cc).
+struct PassBackward : torch::autograd::Node {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+
+ protected:
+  /// Runs once all inputs have their gradients, before the first one is passed on.
+  virtual void before_pass() {}
+};
+
 /// Returns `(x', phony)`: `x'` is `x` (detached, same data) and `phony` an empty tensor, both
-/// produced by one autograd node. The node runs in backward only after both outputs have their
+/// produced by one autograd node (`x` itself and a phony added to its node when that node is a
+/// PassBackward with one output). The node runs in backward only after both outputs have their
 /// gradients, so whatever `phony` is joined into must finish its backward first.
 /// Without grad mode, or when `x` needs no gradient, returns `x` itself and a phony with no
 /// history.

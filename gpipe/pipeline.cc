@@ -25,7 +25,11 @@ namespace gpipe {
 // i's lane (dependency.h). The fork's backward node then waits for the gradient of micro-batch i
 // at partition j's input: partition j's backward for micro-batch i-1 starts only after the one for
 // micro-batch i has finished. Across partitions the data edges (and the copies) already order
-// everything. The "lane" is the batch's first floating-point tensor (Batch::lane).
+// everything. The "lane" is the batch's first floating-point tensor (Batch::lane). When micro-batch
+// i-1 was checkpointed at partition j, its lane comes out of a RecomputeBackward node (Note
+// [Checkpoint and recompute]) and the fork adds the phony to that node instead of making its own:
+// the recomputation then also waits for micro-batch i, which it did behind the fork anyway, and
+// each checkpointed task costs one autograd node less.
 
 namespace {
 

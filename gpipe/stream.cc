@@ -190,7 +190,9 @@ RngState get_rng_state(c10::Device device) {
   if (!device.is_cuda()) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
-    state.cpu = at::check_generator<at::CPUGeneratorImpl>(cpu)->clone();
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(cpu);
+    state.cpu.emplace(RngState::Cpu{impl->engine(), impl->next_float_normal_sample(),
+                                    impl->next_double_normal_sample()});
     return state;
   }
 #ifdef GPIPE_WITH_CUDA
@@ -213,9 +215,9 @@ void set_rng_state(const RngState& state) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
     auto* impl = at::check_generator<at::CPUGeneratorImpl>(cpu);
-    impl->set_engine(state.cpu->engine());
-    impl->set_next_float_normal_sample(state.cpu->next_float_normal_sample());
-    impl->set_next_double_normal_sample(state.cpu->next_double_normal_sample());
+    impl->set_engine(state.cpu->engine);
+    impl->set_next_float_normal_sample(state.cpu->next_float_normal);
+    impl->set_next_double_normal_sample(state.cpu->next_double_normal);
   }
   if (state.cuda.defined()) {
 #ifdef GPIPE_WITH_CUDA
@@ -234,11 +236,11 @@ bool rng_unchanged(const RngState& state) {
   std::lock_guard<std::mutex> lock(cpu.mutex());
   auto* impl = at::check_generator<at::CPUGeneratorImpl>(cpu);
   const at::mt19937_data_pod now = impl->engine().data();
-  const at::mt19937_data_pod then = state.cpu->engine().data();
+  const at::mt19937_data_pod then = state.cpu->engine.data();
   return now.seed_ == then.seed_ && now.left_ == then.left_ && now.seeded_ == then.seeded_ &&
          now.next_ == then.next_ && now.state_ == then.state_ &&
-         impl->next_float_normal_sample() == state.cpu->next_float_normal_sample() &&
-         impl->next_double_normal_sample() == state.cpu->next_double_normal_sample();
+         impl->next_float_normal_sample() == state.cpu->next_float_normal &&
+         impl->next_double_normal_sample() == state.cpu->next_double_normal;
 }
 
 }  // namespace gpipe

@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <memory>
 
+#include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
+#include <c10/util/Optional.h>
 
 namespace at {
 struct CPUGeneratorImpl;
@@ -56,7 +58,14 @@ int64_t memory_allocated(c10::Device device);
 /// thread per device at once, and saving and restoring the process-wide CPU generator from
 /// several of them would rewind it.)
 struct RngState {
-  std::shared_ptr<at::CPUGeneratorImpl> cpu;  // a copy of the CPU generator (no serialisation)
+  /// A copy of the CPU generator's state (its engine and cached normal samples; no serialisation
+  /// and no generator object, whose construction would seed an engine only to overwrite it).
+  struct Cpu {
+    at::mt19937 engine;
+    c10::optional<float> next_float_normal;
+    c10::optional<double> next_double_normal;
+  };
+  c10::optional<Cpu> cpu;
   at::Tensor cuda;
   c10::Device device = c10::Device(c10::kCPU);
   /// Whether nothing was saved (set_rng_state then does nothing).

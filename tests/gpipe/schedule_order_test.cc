@@ -136,9 +136,11 @@ CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task afte
   at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
   const int64_t stop = checkpointed(mode, chunks);
   auto counts = count_nodes(y.grad_fn());
-  // depend() per task (i > 0, j), plus a fork and a join around each recomputation.
-  CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions + stop * partitions);
-  CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions + stop * partitions);
+  // depend() per task (i > 0, j): a join, and a fork unless micro-batch i - 1 was checkpointed,
+  // whose RecomputeBackward (one node on the lane, no fork or join of its own) gives the phony.
+  const int64_t merged = std::min(stop, chunks - 1) * partitions;
+  CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions - merged);
+  CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions);
   CATCH_CHECK(counts["gpipe::RecomputeBackward"] == stop * partitions);
   CATCH_CHECK(counts["gpipe::CheckpointBackward"] == stop * partitions);
 }
