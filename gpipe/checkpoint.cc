@@ -94,6 +94,8 @@ struct CheckpointFrame::State {
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
   std::vector<std::pair<SkipKey, SkipTensor>> popped;
+  // The phony of the previous micro-batch's fork, if any: CheckpointBackward's last next edge.
+  at::Tensor dependency;
 
   // Set by RecomputeBackward, used by CheckpointBackward.
   bool recomputed = false;
@@ -280,13 +282,14 @@ struct CheckpointBackward : Node {
       return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
     };
     variable_list input_grads;
-    input_grads.reserve(state->leaves.size() + state->popped_leaves.size());
+    input_grads.reserve(num_outputs());
     for (const at::Tensor& leaf : state->leaves) {
       input_grads.push_back(grad_of(leaf));
     }
     for (const SkipTensor& leaf : state->popped_leaves) {
       input_grads.push_back(grad_of(leaf.get()));
     }
+    input_grads.resize(num_outputs());  // nothing for the dependency's phony
     state->release();
     state.reset();
     return input_grads;
@@ -342,6 +345,8 @@ Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
                                    std::move(thread_state), std::move(record), key);
 }
 
+void Checkpointing::depend_on(at::Tensor phony) { state_->dependency = std::move(phony); }
+
 Batch Checkpointing::checkpoint() {
   state_->rng = get_rng_state(state_->device);
   state_->known = state_->record->find(state_->key);
@@ -378,6 +383,10 @@ Batch Checkpointing::checkpoint() {
     inputs.push_back(popped.second.get());
   }
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  if (state_->dependency.defined() && state_->dependency.requires_grad()) {
+    node->add_next_edge(torch::autograd::impl::gradient_edge(state_->dependency));
+  }
+  state_->dependency.reset();
   for (const auto k : c10::irange(out.size())) {
     at::Tensor& t = out[k];
     const std::vector<bool>& needs = state_->entry().outputs;

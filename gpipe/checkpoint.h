@@ -138,6 +138,11 @@ class Checkpointing {
                 std::shared_ptr<const ThreadState> thread_state, std::shared_ptr<GradRecord> record,
                 uint64_t params_key);
 
+  /// Makes this task's backward a dependency of `phony`'s node (a fork's phony, Note [Backward
+  /// order] in pipeline.cc): CheckpointBackward gets the phony's edge, and no join is needed.
+  /// Call before checkpoint().
+  void depend_on(at::Tensor phony);
+
   /// Runs the function without recording activations; the outputs carry CheckpointBackward.
   Batch checkpoint();
 

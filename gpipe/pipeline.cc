@@ -28,8 +28,11 @@ namespace gpipe {
 // everything. The "lane" is the batch's first floating-point tensor (Batch::lane). When micro-batch
 // i-1 was checkpointed at partition j, its lane comes out of a RecomputeBackward node (Note
 // [Checkpoint and recompute]) and the fork adds the phony to that node instead of making its own:
-// the recomputation then also waits for micro-batch i, which it did behind the fork anyway, and
-// each checkpointed task costs one autograd node less.
+// the recomputation then also waits for micro-batch i, which it did behind the fork anyway. When
+// micro-batch i is checkpointed at partition j, the phony becomes an extra next edge of its
+// CheckpointBackward instead of being joined into its lane: the fork then waits for the end of
+// that task's backward, as it would behind the join (a little earlier: before the gradient's copy
+// to partition j-1 is queued). Each checkpointed task so costs two autograd nodes fewer.
 
 namespace {
 
@@ -132,11 +135,20 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
   } clear_on_error{trackers};
 
   for (const std::vector<Task2D>& tick : clock_cycles(m, n)) {
-    // Fence: dependencies and copies, on this thread.
-    for (const Task2D& task : tick) {
-      const int64_t i = task.microbatch;
-      const int64_t j = task.partition;
-      if (i > 0) {
+    // Fence: dependencies and copies, on this thread. A checkpointed task takes its dependency's
+    // phony into its CheckpointBackward instead of a join (Note [Backward order]).
+    std::vector<at::Tensor> phonies(tick.size());
+    for (size_t k = 0; k < tick.size(); ++k) {
+      const int64_t i = tick[k].microbatch;
+      const int64_t j = tick[k].partition;
+      if (i > 0 && i < spec.checkpoint_stop) {
+        const int64_t lane = batches[i - 1].lane();
+        if (lane >= 0) {
+          auto forked = fork(batches[i - 1][lane]);
+          batches[i - 1][lane] = std::move(forked.first);
+          phonies[k] = std::move(forked.second);
+        }
+      } else if (i > 0) {
         depend_lanes(batches[i - 1], batches[i]);
       }
       if (j > 0) {
@@ -160,9 +172,9 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     std::vector<std::unique_ptr<Slot>> slots;
     slots.reserve(tick.size());
     TickGuard guard(slots);
-    for (const Task2D& task : tick) {
-      const int64_t i = task.microbatch;
-      const size_t j = static_cast<size_t>(task.partition);
+    for (size_t k = 0; k < tick.size(); ++k) {
+      const int64_t i = tick[k].microbatch;
+      const size_t j = static_cast<size_t>(tick[k].partition);
       if (j > 0) {
         batches[i].values() =
             wait(std::move(batches[i].values()), copy_streams[j][i], spec.compute_streams[j]);
@@ -179,6 +191,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         slot->checkpointing = std::make_unique<Checkpointing>(
             slot->stage, batches[i], spec.devices[j], spec.recompute_state, spec.grad_records[j],
             spec.params_keys[j]);
+        slot->checkpointing->depend_on(std::move(phonies[k]));
       }
       Slot* s = slot.get();
       slots.push_back(std::move(slot));

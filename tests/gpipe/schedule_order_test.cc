@@ -106,7 +106,8 @@ CATCH_TEST_CASE("backward visits micro-batches in reverse on every partition",
   }
 }
 
-// Counts the autograd nodes of each name reachable from `root`.
+// Counts the autograd nodes of each name reachable from `root`, and (under "A -> B:k") the edges
+// from nodes named A to input k of nodes named B.
 std::map<std::string, int64_t> count_nodes(const std::shared_ptr<torch::autograd::Node>& root) {
   std::map<std::string, int64_t> counts;
   std::set<torch::autograd::Node*> seen;
@@ -116,7 +117,13 @@ std::map<std::string, int64_t> count_nodes(const std::shared_ptr<torch::autograd
     stack.pop_back();
     if (node == nullptr || !seen.insert(node).second) continue;
     counts[node->name()] += 1;
-    for (const auto& edge : node->next_edges()) stack.push_back(edge.function.get());
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) {
+        counts[node->name() + " -> " + edge.function->name() + ":" +
+               std::to_string(edge.input_nr)] += 1;
+      }
+      stack.push_back(edge.function.get());
+    }
   }
   return counts;
 }
@@ -136,11 +143,20 @@ CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task afte
   at::Tensor y = model->forward(rows_input(2 * chunks, 3).requires_grad_(true));
   const int64_t stop = checkpointed(mode, chunks);
   auto counts = count_nodes(y.grad_fn());
-  // depend() per task (i > 0, j): a join, and a fork unless micro-batch i - 1 was checkpointed,
-  // whose RecomputeBackward (one node on the lane, no fork or join of its own) gives the phony.
-  const int64_t merged = std::min(stop, chunks - 1) * partitions;
-  CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions - merged);
-  CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions);
+  // A dependency per task (i > 0, j): a fork, unless micro-batch i - 1 was checkpointed, whose
+  // RecomputeBackward (one node on the lane, no fork or join of its own) gives the phony; and a
+  // join, unless micro-batch i is checkpointed, whose CheckpointBackward takes the phony.
+  const int64_t merged_forks = std::min(stop, chunks - 1) * partitions;
+  const int64_t merged_joins = std::max<int64_t>(stop - 1, 0) * partitions;
+  CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions - merged_forks);
+  CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions - merged_joins);
+  // The phonies (input 1 of a fork): where the join is left out, the checkpoint's node holds the
+  // edge to the previous micro-batch's fork (a RecomputeBackward: both are checkpointed).
+  CATCH_CHECK(counts["gpipe::CheckpointBackward -> gpipe::RecomputeBackward:1"] == merged_joins);
+  CATCH_CHECK(counts["gpipe::JoinBackward -> gpipe::RecomputeBackward:1"] ==
+              merged_forks - merged_joins);
+  CATCH_CHECK(counts["gpipe::JoinBackward -> gpipe::ForkBackward:1"] ==
+              (chunks - 1) * partitions - merged_forks);
   CATCH_CHECK(counts["gpipe::RecomputeBackward"] == stop * partitions);
   CATCH_CHECK(counts["gpipe::CheckpointBackward"] == stop * partitions);
 }
