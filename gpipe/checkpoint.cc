@@ -97,6 +97,21 @@ struct CheckpointFrame::State {
   // The phony of the previous micro-batch's fork, if any: CheckpointBackward's last next edge.
   at::Tensor dependency;
 
+  // Where the recomputation and the backward are recorded, if anywhere.
+  std::shared_ptr<Timeline> timeline;
+  int64_t microbatch = 0;
+  int64_t partition = 0;
+  double now_us() const { return timeline ? timeline->now_us() : 0.0; }
+  void record_event(TimelineEvent::Kind kind, double start_us) const {
+    if (timeline) {
+      TimelineEvent event{kind, microbatch, partition};
+      event.checkpointed = true;
+      event.start_us = start_us;
+      event.end_us = timeline->now_us();
+      timeline->add(event);
+    }
+  }
+
   // Set by RecomputeBackward, used by CheckpointBackward.
   bool recomputed = false;
   std::vector<at::Tensor> outputs;
@@ -204,6 +219,7 @@ void recompute(State& st) {
   }
   Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
   Batch out(std::vector<at::Tensor>{});
+  const double start_us = state->now_us();
   {
     ThreadStateGuard thread_state(*state->thread_state);
     at::AutoGradMode grad(true);
@@ -221,6 +237,7 @@ void recompute(State& st) {
                   "std::exception (e.g. with TORCH_CHECK) to have it reach the caller");
     }
   }
+  state->record_event(TimelineEvent::Kind::kRecompute, start_us);
   state->outputs = std::move(out.values());
   state->leaves = std::move(leaves);
   state->recomputed = true;
@@ -276,7 +293,9 @@ struct CheckpointBackward : Node {
       }
     }
     if (!outputs.empty()) {
+      const double start_us = state->now_us();
       torch::autograd::backward(outputs, output_grads);
+      state->record_event(TimelineEvent::Kind::kBackward, start_us);
     }
     auto grad_of = [](const at::Tensor& leaf) {
       return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();
@@ -346,6 +365,13 @@ Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
 }
 
 void Checkpointing::depend_on(at::Tensor phony) { state_->dependency = std::move(phony); }
+
+void Checkpointing::record_to(std::shared_ptr<Timeline> timeline, int64_t microbatch,
+                              int64_t partition) {
+  state_->timeline = std::move(timeline);
+  state_->microbatch = microbatch;
+  state_->partition = partition;
+}
 
 Batch Checkpointing::checkpoint() {
   state_->rng = get_rng_state(state_->device);

@@ -14,6 +14,7 @@
 #include "gpipe/microbatch.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
+#include "gpipe/timeline.h"
 
 namespace gpipe {
 
@@ -142,6 +143,10 @@ class Checkpointing {
   /// order] in pipeline.cc): CheckpointBackward gets the phony's edge, and no join is needed.
   /// Call before checkpoint().
   void depend_on(at::Tensor phony);
+
+  /// Records the recomputation and the backward of this task, (microbatch, partition), in
+  /// `timeline` (TimelineEvent::Kind::kRecompute, kBackward).
+  void record_to(std::shared_ptr<Timeline> timeline, int64_t microbatch, int64_t partition);
 
   /// Runs the function without recording activations; the outputs carry CheckpointBackward.
   Batch checkpoint();

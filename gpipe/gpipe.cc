@@ -15,6 +15,7 @@
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
+#include "gpipe/trace.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -145,7 +146,26 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
 
 std::vector<TimelineEvent> GPipeImpl::last_timeline() const {
   absl::MutexLock lock(&forward_mu_);
-  return last_timeline_;
+  return last_timeline_ ? last_timeline_->events() : std::vector<TimelineEvent>{};
+}
+
+namespace {
+
+std::vector<TimelineEvent> recorded(const GPipeImpl& model, const char* what) {
+  std::vector<TimelineEvent> events = model.last_timeline();
+  TORCH_CHECK(!events.empty(), "GPipe::", what, ": no timeline was recorded; construct the GPipe "
+              "with GPipeOptions(...).record_timeline(true) and run a forward first");
+  return events;
+}
+
+}  // namespace
+
+void GPipeImpl::write_chrome_trace(const std::string& path) const {
+  write_file(path, chrome_trace_json(recorded(*this, "write_chrome_trace"), devices_));
+}
+
+void GPipeImpl::write_timeline_svg(const std::string& path) const {
+  write_file(path, timeline_svg(recorded(*this, "write_timeline_svg"), devices_));
 }
 
 GPipeImpl::~GPipeImpl() = default;
@@ -221,10 +241,8 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.workers = workers_.get();
   spec.skip_layout = &skip_layout_;
   spec.run = next_run_id();
-  std::unique_ptr<Timeline> timeline;
   if (options_.record_timeline()) {
-    timeline = std::make_unique<Timeline>();
-    spec.timeline = timeline.get();
+    spec.timeline = std::make_shared<Timeline>();
   }
 
   const bool deferred = options_.deferred_batch_norm() && is_training();
@@ -247,9 +265,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
       batch_norms->commit();
     }
   }
-  if (timeline) {
-    last_timeline_ = timeline->events();
-  }
+  last_timeline_ = spec.timeline;
   Batch result = gather(batches);
   out_atomic = result.atomic();
   out = std::move(result.values());

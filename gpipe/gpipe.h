@@ -111,9 +111,23 @@ class GPipeImpl : public torch::nn::Module {
   const std::vector<torch::nn::Sequential>& partitions() const { return partitions_; }
   /// The total number of layers.
   size_t size() const;
-  /// What the last forward did, when GPipeOptions::record_timeline is set (else empty). Draw it
-  /// with gpipe::render_timeline.
+  /// What the last forward did, when GPipeOptions::record_timeline is set (else empty), and the
+  /// recomputations and checkpointed backward of its backward so far. Draw it with
+  /// gpipe::render_timeline, or write it out with write_chrome_trace / write_timeline_svg.
   std::vector<TimelineEvent> last_timeline() const;
+
+  /// Writes last_timeline() as a Chrome trace (JSON; open it in https://ui.perfetto.dev or
+  /// chrome://tracing): one track per partition, named after its device. Call it after the
+  /// backward to see the recomputations too. Throws c10::Error when nothing was recorded or the
+  /// file cannot be written.
+  ///
+  ///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 2}).chunks(8).record_timeline(true));
+  ///   model->forward(x).sum().backward();
+  ///   model->write_chrome_trace("/tmp/step.json");
+  void write_chrome_trace(const std::string& path) const;
+
+  /// Writes last_timeline() as an SVG picture (see gpipe::timeline_svg). Same errors.
+  void write_timeline_svg(const std::string& path) const;
   /// Where the model's skip connections run between partitions.
   const SkipLayout& skip_layout() const { return skip_layout_; }
 
@@ -147,7 +161,8 @@ class GPipeImpl : public torch::nn::Module {
   SkipLayout skip_layout_;
   // Serialises forwards (see the class comment).
   mutable absl::Mutex forward_mu_;
-  std::vector<TimelineEvent> last_timeline_ ABSL_GUARDED_BY(forward_mu_);
+  // The last forward's timeline (it goes on filling during backward), or null.
+  std::shared_ptr<Timeline> last_timeline_ ABSL_GUARDED_BY(forward_mu_);
 };
 
 /// A GPipe: a module holder of GPipeImpl (see there).

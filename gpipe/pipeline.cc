@@ -192,6 +192,9 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
             slot->stage, batches[i], spec.devices[j], spec.recompute_state, spec.grad_records[j],
             spec.params_keys[j]);
         slot->checkpointing->depend_on(std::move(phonies[k]));
+        if (spec.timeline) {
+          slot->checkpointing->record_to(spec.timeline, i, static_cast<int64_t>(j));
+        }
       }
       Slot* s = slot.get();
       slots.push_back(std::move(slot));

@@ -43,8 +43,8 @@ struct PipelineSpec {
   const SkipLayout* skip_layout = nullptr;
   /// Identifies this forward for current_microbatch().
   uint64_t run = 0;
-  /// Where to record what happened; null to record nothing.
-  Timeline* timeline = nullptr;
+  /// Where to record what happened, also in backward; null to record nothing.
+  std::shared_ptr<Timeline> timeline;
 };
 
 /// Runs every micro-batch of `batches` (on the first device) through every partition, replacing

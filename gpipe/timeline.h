@@ -19,6 +19,11 @@ struct TimelineEvent {
     kCopy,
     /// `tensors` stashed skip tensors moved from partition `from` to `partition`.
     kSkipCopy,
+    /// During backward: checkpointed task (microbatch, partition) ran its layers again.
+    kRecompute,
+    /// During backward: the backward of checkpointed task (microbatch, partition) through its
+    /// recomputed layers. (Other tasks' backward is LibTorch's, node by node, and not recorded.)
+    kBackward,
   };
   Kind kind;
   int64_t microbatch;
@@ -26,12 +31,12 @@ struct TimelineEvent {
   int64_t from = -1;
   int64_t tensors = 0;
   bool checkpointed = false;
-  /// Microseconds since the forward started.
+  /// Microseconds since the forward started (host clock).
   double start_us = 0;
   double end_us = 0;
 };
 
-/// Collects a forward's events; thread-safe.
+/// Collects the events of a forward and of its backward (recomputations); thread-safe.
 class Timeline {
  public:
   Timeline() : start_(std::chrono::steady_clock::now()) {}

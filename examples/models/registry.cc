@@ -3,7 +3,11 @@
 
 #include <c10/util/Exception.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "examples/models/amoebanet.h"
 #include "examples/models/mlp.h"
 #include "examples/models/resnet.h"
 #include "examples/models/unet.h"
@@ -13,24 +17,54 @@ namespace models {
 
 std::vector<std::string> model_names() {
   std::vector<std::string> names;
-  for (const char* suffix : {"", "_cifar"}) {
+  for (const char* suffix : {"", "_cifar", "_fine"}) {
     for (int depth : {18, 34, 50, 101, 152}) {
       names.push_back("resnet" + std::to_string(depth) + suffix);
     }
   }
+  for (int depth : {20, 32, 44, 56, 110}) {
+    names.push_back("resnet" + std::to_string(depth) + "_cifar");
+  }
+  names.push_back("amoebanet_d_<L>_<D> (e.g. amoebanet_d_18_256)");
   names.push_back("unet");
   names.push_back("mlp");
   return names;
 }
 
-NamedModel make_model(const std::string& name) {
+NamedModel make_model(const std::string& name, const ModelInput& input) {
+  TORCH_CHECK(input.channels >= 1, "make_model: channels must be positive, got ", input.channels);
+  auto shape = [&](int64_t size) {
+    const int64_t s = input.size > 0 ? input.size : size;
+    return std::vector<int64_t>{input.channels, s, s};
+  };
+  auto classes = [&](int64_t own) { return input.classes > 0 ? input.classes : own; };
   for (int depth : {18, 34, 50, 101, 152}) {
-    if (name == "resnet" + std::to_string(depth)) {
-      return {resnet(depth, 1000, /*imagenet=*/true), {3, 224, 224}};
+    const std::string base = "resnet" + std::to_string(depth);
+    if (name == base) {
+      return {resnet(depth, classes(1000), /*imagenet=*/true, input.channels), shape(224)};
     }
+    if (name == base + "_cifar") {
+      return {resnet(depth, classes(10), /*imagenet=*/false, input.channels), shape(32)};
+    }
+    if (name == base + "_fine") {
+      return {resnet_fine(depth, classes(1000), /*imagenet=*/true, input.channels), shape(224)};
+    }
+  }
+  for (int depth : {20, 32, 44, 56, 110}) {
     if (name == "resnet" + std::to_string(depth) + "_cifar") {
-      return {resnet(depth, 10, /*imagenet=*/false), {3, 32, 32}};
+      return {resnet_cifar(depth, classes(10), input.channels), shape(32)};
     }
+  }
+  absl::string_view rest = name;
+  if (absl::ConsumePrefix(&rest, "amoebanet_d_")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(rest, '_');
+    int64_t layers = 0;
+    int64_t filters = 0;
+    TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &layers) &&
+                    absl::SimpleAtoi(parts[1], &filters),
+                "make_model: '", name, "' is not amoebanet_d_<L>_<D> with numbers L (normal "
+                "cells, a multiple of 3) and D (filters), e.g. amoebanet_d_18_256");
+    return {amoebanet_d(layers, filters, classes(1000), input.channels), shape(224)};
   }
   if (name == "unet") return {unet(), {1, 16, 16}};
   if (name == "mlp") return {mlp(), {2}};

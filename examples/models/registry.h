@@ -1,5 +1,5 @@
 // The bundled example models by name, with the shape of one input sample, for tools such as the
-// balancing command line (//balancing:balance).
+// balancing command line (//balancing:balance) and the trainers (//examples:resnet, :amoebanet).
 #pragma once
 
 #include <cstdint>
@@ -17,12 +17,27 @@ struct NamedModel {
   std::vector<int64_t> sample_shape;
 };
 
-/// The names make_model knows: resnet18 ... resnet152 (ImageNet, 224x224, 1000 classes),
-/// resnet18_cifar ... resnet152_cifar (32x32, 10 classes), unet, mlp.
+/// What the data gives a model: channels and size of its images, number of classes (0 for the
+/// model's own: 1000 for ImageNet models, 10 for CIFAR ones).
+struct ModelInput {
+  int64_t channels = 3;
+  int64_t size = 0;  // 0: the model's own (224 for ImageNet models, 32 for CIFAR ones)
+  int64_t classes = 0;
+};
+
+/// The names make_model knows:
+/// - resnet18 ... resnet152: one layer per block (ImageNet, 224x224, 1000 classes);
+///   resnet18_cifar ... resnet152_cifar: the same with a 3x3 stem (32x32, 10 classes);
+/// - resnet18_fine ... resnet152_fine: split into single layers (resnet101_fine has 370);
+/// - resnet20_cifar, resnet32_cifar, resnet44_cifar, resnet56_cifar, resnet110_cifar: He et al.'s;
+/// - amoebanet_d_<L>_<D>: AmoebaNet-D with L normal cells (a multiple of 3) and D filters, e.g.
+///   amoebanet_d_18_256 (224x224, 1000 classes);
+/// - unet, mlp.
 std::vector<std::string> model_names();
 
-/// The model called `name`. Throws c10::Error listing the names for an unknown one.
-NamedModel make_model(const std::string& name);
+/// The model called `name`, for `input` (channels, image size and classes; the model's own where
+/// zero). Throws c10::Error listing the names for an unknown one.
+NamedModel make_model(const std::string& name, const ModelInput& input = {});
 
 }  // namespace models
 }  // namespace gpipe

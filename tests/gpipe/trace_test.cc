@@ -1,0 +1,191 @@
+// The timeline written out: a real training step's Chrome trace parses and holds every task in
+// clock-cycle order, every recomputation before its backward, and a named track per partition;
+// the SVG pictures draw every event and cell.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "gpipe/trace.h"
+#include "tests/gpipe/json.h"
+#include "tests/gpipe/test_util.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+using gpipe_test::Json;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / name).string();
+}
+
+torch::nn::Sequential linear_stack(int64_t layers) {
+  torch::nn::Sequential seq;
+  for (int64_t k = 0; k < layers; ++k) {
+    seq->push_back(torch::nn::Linear(4, 4));
+    seq->push_back(torch::nn::Tanh());
+  }
+  return seq;
+}
+
+struct TraceEvent {
+  std::string cat;
+  int64_t microbatch, partition, tid;
+  double ts, dur;
+};
+
+CATCH_TEST_CASE("a training step's Chrome trace holds every task in clock-cycle order and every "
+                "recomputation before its backward",
+                "[trace]") {
+  const int64_t partitions = 3;
+  const int64_t chunks = GENERATE(1, 4);
+  const bool workers = GENERATE(false, true);
+  CATCH_CAPTURE(chunks, workers);
+  GPipe model(linear_stack(3), GPipeOptions({2, 2, 2})
+                                   .devices({at::kCPU, at::kCPU, at::kCPU})
+                                   .chunks(chunks)
+                                   .checkpoint(Checkpoint::kExceptLast)
+                                   .worker_per_partition(workers)
+                                   .record_timeline(true));
+  model->train();
+  model->forward(at::randn({8, 4}).requires_grad_(true)).sum().backward();
+  const std::string path = temp_path("gpipe_trace_test.json");
+  model->write_chrome_trace(path);
+  const Json trace = Json::parse(read_file(path));
+  std::remove(path.c_str());
+
+  std::map<int64_t, std::string> track_names;
+  std::vector<TraceEvent> events;
+  for (const Json& e : trace["traceEvents"].array) {
+    if (e["ph"].string == "M") {
+      if (e["name"].string == "thread_name") {
+        track_names[static_cast<int64_t>(e["tid"].number)] = e["args"]["name"].string;
+      }
+      continue;
+    }
+    CATCH_REQUIRE(e["ph"].string == "X");
+    CATCH_CHECK(e["dur"].number >= 0);
+    events.push_back(TraceEvent{e["cat"].string,
+                                static_cast<int64_t>(e["args"]["microbatch"].number),
+                                static_cast<int64_t>(e["args"]["partition"].number),
+                                static_cast<int64_t>(e["tid"].number), e["ts"].number,
+                                e["dur"].number});
+    CATCH_CHECK(events.back().tid == events.back().partition);  // one track per partition
+  }
+  CATCH_CHECK(track_names == std::map<int64_t, std::string>{{0, "partition 0 (cpu)"},
+                                                            {1, "partition 1 (cpu)"},
+                                                            {2, "partition 2 (cpu)"}});
+  auto of_kind = [&](const std::string& cat) {
+    std::vector<TraceEvent> out;
+    for (const TraceEvent& e : events) {
+      if (e.cat == cat) out.push_back(e);
+    }
+    std::sort(out.begin(), out.end(),
+              [](const TraceEvent& a, const TraceEvent& b) { return a.ts < b.ts; });
+    return out;
+  };
+  // Every task once; ordered by start time, their clock ticks i + j never go back, and on each
+  // partition the micro-batches come in order.
+  std::vector<TraceEvent> tasks = of_kind("compute");
+  std::set<std::pair<int64_t, int64_t>> seen;
+  for (const TraceEvent& t : tasks) seen.emplace(t.microbatch, t.partition);
+  CATCH_CHECK(tasks.size() == static_cast<size_t>(chunks * partitions));
+  CATCH_CHECK(seen.size() == static_cast<size_t>(chunks * partitions));
+  for (size_t k = 1; k < tasks.size(); ++k) {
+    CATCH_CHECK(tasks[k - 1].microbatch + tasks[k - 1].partition <=
+                tasks[k].microbatch + tasks[k].partition);
+  }
+  // A task starts after the same micro-batch's task on the previous partition ended.
+  for (const TraceEvent& t : tasks) {
+    for (const TraceEvent& before : tasks) {
+      if (before.microbatch == t.microbatch && before.partition == t.partition - 1) {
+        CATCH_CHECK(before.ts + before.dur <= t.ts);
+      }
+    }
+  }
+  // kExceptLast: micro-batches 0 .. chunks - 2 are recomputed on every partition, each before the
+  // backward through its recomputed layers, in reverse micro-batch order on each partition.
+  std::vector<TraceEvent> recomputes = of_kind("recompute");
+  std::vector<TraceEvent> backwards = of_kind("backward");
+  CATCH_CHECK(recomputes.size() == static_cast<size_t>((chunks - 1) * partitions));
+  CATCH_CHECK(backwards.size() == recomputes.size());
+  for (const TraceEvent& r : recomputes) {
+    CATCH_CHECK(r.microbatch < chunks - 1);
+    for (const TraceEvent& b : backwards) {
+      if (b.microbatch == r.microbatch && b.partition == r.partition) {
+        CATCH_CHECK(r.ts + r.dur <= b.ts);
+      }
+    }
+    for (const TraceEvent& t : tasks) {
+      if (t.microbatch == r.microbatch && t.partition == r.partition) {
+        CATCH_CHECK(t.ts + t.dur <= r.ts);
+      }
+    }
+  }
+  for (int64_t j = 0; j < partitions; ++j) {
+    std::vector<int64_t> order;
+    for (const TraceEvent& r : recomputes) {
+      if (r.partition == j) order.push_back(r.microbatch);
+    }
+    CATCH_CHECK(std::is_sorted(order.rbegin(), order.rend()));
+  }
+}
+
+CATCH_TEST_CASE("the schedule's pictures draw every event and every cell", "[trace]") {
+  GPipe model(linear_stack(2), GPipeOptions({2, 2})
+                                   .devices({at::kCPU, at::kCPU})
+                                   .chunks(3)
+                                   .checkpoint(Checkpoint::kAlways)
+                                   .record_timeline(true));
+  model->forward(at::randn({6, 4}).requires_grad_(true)).sum().backward();
+  const std::vector<TimelineEvent> events = model->last_timeline();
+  const std::string svg = timeline_svg(events, model->devices());
+  auto count = [](const std::string& text, const std::string& what) {
+    int64_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  CATCH_CHECK(svg.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\"", 0) == 0);
+  CATCH_CHECK(svg.find("</svg>") == svg.size() - 7);
+  // One box with a tooltip per event: 6 tasks, 4 copies, 6 recomputations, 6 backwards.
+  CATCH_CHECK(count(svg, "<title>") == static_cast<int64_t>(events.size()));
+  CATCH_CHECK(events.size() == 6 + 3 + 6 + 6);
+  CATCH_CHECK(count(svg, "partition 1 (cpu)") == 1);
+  const std::string path = temp_path("gpipe_trace_test.svg");
+  model->write_timeline_svg(path);
+  CATCH_CHECK(read_file(path) == svg);
+  std::remove(path.c_str());
+
+  // The ideal schedule: a forward and a backward cell per task.
+  const std::string ideal = schedule_svg(4, 3, 3);
+  CATCH_CHECK(count(ideal, "<rect x=") == 2 * 4 * 3);
+  CATCH_CHECK(ideal.find("(n-1)/(m+n-1) = 33%") != std::string::npos);
+  CATCH_CHECK_THROWS_WITH(schedule_svg(0, 2), gpipe_test::contains("got 0 and 2"));
+}
+
+CATCH_TEST_CASE("writing a trace says what is missing or which file cannot be written",
+                "[trace][errors]") {
+  GPipe quiet(linear_stack(1), GPipeOptions({2}).devices({at::kCPU}).chunks(2));
+  quiet->forward(at::randn({4, 4}));
+  CATCH_CHECK_THROWS_WITH(quiet->write_chrome_trace(temp_path("never.json")),
+                          gpipe_test::contains("record_timeline(true)"));
+  GPipe model(linear_stack(1),
+              GPipeOptions({2}).devices({at::kCPU}).chunks(2).record_timeline(true));
+  model->forward(at::randn({4, 4}));
+  CATCH_CHECK_THROWS_WITH(model->write_chrome_trace("/nonexistent-dir/trace.json"),
+                          gpipe_test::contains("cannot open '/nonexistent-dir/trace.json'"));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
