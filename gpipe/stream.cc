@@ -184,6 +184,18 @@ int64_t memory_allocated(c10::Device device) {
 #endif
 }
 
+int64_t peak_memory_allocated(c10::Device device) {
+  if (!device.is_cuda()) {
+    return -1;
+  }
+#ifdef GPIPE_WITH_CUDA
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].peak;
+#else
+  no_cuda(device);
+#endif
+}
+
 RngState get_rng_state(c10::Device device) {
   RngState state;
   state.device = device;

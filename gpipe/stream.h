@@ -53,6 +53,10 @@ void synchronize(c10::Device device);
 /// allocator does not track them (CPU).
 int64_t memory_allocated(c10::Device device);
 
+/// The most bytes allocated on `device` by LibTorch's caching allocator since the process started
+/// (or since its peak statistics were reset), or -1 where the allocator does not track them (CPU).
+int64_t peak_memory_allocated(c10::Device device);
+
 /// The state of the random generator that work on a device draws from: the CPU generator for the
 /// CPU, the device's own generator for a CUDA device. (Only that one: recomputations run on one
 /// thread per device at once, and saving and restoring the process-wide CPU generator from

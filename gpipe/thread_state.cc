@@ -61,4 +61,45 @@ AutocastCacheOff::AutocastCacheOff() : previous_(at::autocast::is_autocast_cache
 
 AutocastCacheOff::~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(previous_); }
 
+Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype)
+    : device_type_(device_type) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  previous_enabled_ = at::autocast::is_autocast_enabled(device_type);
+  previous_dtype_ = at::autocast::get_autocast_dtype(device_type);
+  at::autocast::set_autocast_enabled(device_type, true);
+  at::autocast::set_autocast_dtype(device_type, dtype);
+#else
+  if (device_type == c10::kCPU) {
+    previous_enabled_ = at::autocast::is_cpu_enabled();
+    previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    previous_enabled_ = at::autocast::is_enabled();
+    previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
+    at::autocast::set_enabled(true);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+#endif
+  at::autocast::increment_nesting();
+}
+
+Autocast::~Autocast() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  at::autocast::set_autocast_enabled(device_type_, previous_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
+#else
+  if (device_type_ == c10::kCPU) {
+    at::autocast::set_cpu_enabled(previous_enabled_);
+    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+  } else {
+    at::autocast::set_enabled(previous_enabled_);
+    at::autocast::set_autocast_gpu_dtype(previous_dtype_);
+  }
+#endif
+}
+
 }  // namespace gpipe

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
 namespace gpipe {
@@ -84,6 +85,30 @@ class AutocastCacheOff {
 
  private:
   bool previous_;
+};
+
+/// An autocast region, as Python's `torch.autocast(device_type, dtype)` opens one (LibTorch's C++
+/// API has none): autocast on for `device_type` (kCPU or kCUDA) with `dtype`, one level of
+/// nesting, and the weight-cast cache cleared when the outermost region ends, so that the next
+/// region casts the weights as the optimizer left them.
+///
+///   {
+///     gpipe::Autocast autocast(torch::kCPU, torch::kBFloat16);
+///     loss = criterion(model->forward(x), y);
+///   }
+///   loss.backward();
+class Autocast {
+ public:
+  explicit Autocast(c10::DeviceType device_type = c10::kCPU,
+                    c10::ScalarType dtype = c10::kBFloat16);
+  ~Autocast();
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  c10::DeviceType device_type_;
+  bool previous_enabled_;
+  c10::ScalarType previous_dtype_;
 };
 
 }  // namespace gpipe

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything gpipe needs to build and test on a fresh Debian 12 machine, from Debian's
 # packages: a C++ compiler, Bazel 4 with Debian's Java rules, CMake and Ninja, LibTorch (CPU),
-# Abseil, Catch2 2, and OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
-# times slower). Idempotent: installs only what is missing.
+# Abseil, Catch2 2, OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
+# times slower), zlib and Fashion-MNIST (the example trainers' data). Idempotent: installs only what
+# is missing.
 #
 #   sudo tools/setup.sh
 set -euo pipefail
@@ -29,6 +30,7 @@ PACKAGES=(
   bazel-bootstrap bazel-rules-java
   libtorch-dev libabsl-dev catch2
   libopenblas0-pthread
+  zlib1g-dev dataset-fashion-mnist
 )
 
 missing=()

@@ -208,58 +208,7 @@ inline at::Tensor plain_by_microbatch(torch::nn::Sequential& plain, const at::Te
   return at::cat(outs);
 }
 
-/// An autocast region, as torch.autocast(device_type, dtype) opens one: autocast on for
-/// `device_type` (kCPU or kCUDA) with `dtype`, one level of nesting, and the weight-cast cache
-/// cleared when the outermost region ends.
-class Autocast {
- public:
-  explicit Autocast(at::DeviceType device_type = at::kCPU, at::ScalarType dtype = at::kBFloat16)
-      : device_type_(device_type) {
-#if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
-    previous_enabled_ = at::autocast::is_autocast_enabled(device_type);
-    previous_dtype_ = at::autocast::get_autocast_dtype(device_type);
-    at::autocast::set_autocast_enabled(device_type, true);
-    at::autocast::set_autocast_dtype(device_type, dtype);
-#else
-    if (device_type == at::kCPU) {
-      previous_enabled_ = at::autocast::is_cpu_enabled();
-      previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-      at::autocast::set_cpu_enabled(true);
-      at::autocast::set_autocast_cpu_dtype(dtype);
-    } else {
-      previous_enabled_ = at::autocast::is_enabled();
-      previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(dtype);
-    }
-#endif
-    at::autocast::increment_nesting();
-  }
-  ~Autocast() {
-    if (at::autocast::decrement_nesting() == 0) {
-      at::autocast::clear_cache();
-    }
-#if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
-    at::autocast::set_autocast_enabled(device_type_, previous_enabled_);
-    at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
-#else
-    if (device_type_ == at::kCPU) {
-      at::autocast::set_cpu_enabled(previous_enabled_);
-      at::autocast::set_autocast_cpu_dtype(previous_dtype_);
-    } else {
-      at::autocast::set_enabled(previous_enabled_);
-      at::autocast::set_autocast_gpu_dtype(previous_dtype_);
-    }
-#endif
-  }
-  Autocast(const Autocast&) = delete;
-  Autocast& operator=(const Autocast&) = delete;
-
- private:
-  at::DeviceType device_type_;
-  bool previous_enabled_;
-  at::ScalarType previous_dtype_;
-};
+using gpipe::Autocast;
 
 /// The number of gpipe's worker threads alive in this process: threads named "gpipe ..."
 /// (worker.cc). The threads of OpenMP teams, CUDA and the autograd engine come and go with those

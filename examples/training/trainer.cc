@@ -1,0 +1,384 @@
+// The example trainers' shared program; see trainer.h.
+#include "examples/training/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+#include <torch/data/dataloader.h>
+#include <torch/data/datasets/map.h>
+#include <torch/data/samplers/random.h>
+#include <torch/data/samplers/sequential.h>
+#include <torch/data/transforms/stack.h>
+#include <torch/optim/adam.h>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "balancing/balance.h"
+#include "examples/training/data.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/stream.h"
+#include "gpipe/thread_state.h"
+
+ABSL_FLAG(std::string, data, "fashion-mnist",
+          "fashion-mnist[:<folder>] (Debian's dataset-fashion-mnist by default), "
+          "cifar10:<folder> (CIFAR-10's binary batches) or synthetic[:<channels>x<size>]");
+ABSL_FLAG(std::string, data_cache, "",
+          "where Fashion-MNIST is uncompressed (default: <temp dir>/gpipe-data)");
+ABSL_FLAG(int64_t, synthetic_samples, 2048, "training images of --data=synthetic");
+ABSL_FLAG(std::string, devices, "",
+          "cpu, or a list such as cuda:0,cuda:1 (one per partition; default: every GPU, else the "
+          "CPU with one worker thread per partition)");
+ABSL_FLAG(int64_t, partitions, 0,
+          "pipeline partitions (default: the number of --devices, or 2 on the CPU)");
+ABSL_FLAG(std::string, balance, "auto",
+          "auto or time (balance_by_time), size (balance_by_size), or layers per partition "
+          "such as 4,5,3");
+ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
+ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
+ABSL_FLAG(bool, amp, false, "autocast: bfloat16 on the CPU, float16 on CUDA (with loss scaling)");
+ABSL_FLAG(int64_t, epochs, 2, "passes over the training set");
+ABSL_FLAG(int64_t, steps, 0, "stop each epoch after this many steps (0: the whole training set)");
+ABSL_FLAG(int64_t, test_batches, 0, "test on this many batches only (0: the whole test set)");
+ABSL_FLAG(int64_t, batch_size, 128, "images per mini-batch");
+ABSL_FLAG(double, lr, 2e-3,
+          "Adam's learning rate at the start; it follows a cosine down to zero at the last step");
+ABSL_FLAG(int64_t, threads, 0,
+          "intra-op threads on the CPU (default: the cores divided among the partitions)");
+ABSL_FLAG(int64_t, seed, 0, "random seed");
+ABSL_FLAG(std::string, trace, "", "write the last step's schedule here as a Chrome trace (JSON)");
+ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+
+namespace gpipe {
+namespace training {
+namespace {
+
+std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partitions) {
+  std::vector<c10::Device> devices;
+  if (spec.empty()) {
+    if (torch::cuda::is_available()) {
+      const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+      if (partitions == 0) partitions = gpus;
+      for (int64_t j = 0; j < partitions; ++j) {
+        devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(j % gpus));
+      }
+      return devices;
+    }
+    if (partitions == 0) partitions = 2;
+    return std::vector<c10::Device>(partitions, c10::Device(c10::kCPU));
+  }
+  if (spec == "cpu") {
+    if (partitions == 0) partitions = 2;
+    return std::vector<c10::Device>(partitions, c10::Device(c10::kCPU));
+  }
+  for (absl::string_view part : absl::StrSplit(spec, ',')) {
+    try {
+      devices.emplace_back(std::string(part));
+    } catch (const c10::Error&) {
+      TORCH_CHECK(false, "--devices: '", part, "' is not a device; use cpu or cuda:<index>");
+    }
+  }
+  if (partitions == 0) partitions = static_cast<int64_t>(devices.size());
+  TORCH_CHECK(static_cast<int64_t>(devices.size()) == partitions, "--devices names ",
+              devices.size(), " devices but --partitions is ", partitions,
+              "; name one device per partition");
+  return devices;
+}
+
+Checkpoint parse_checkpoint(const std::string& name) {
+  if (name == "always") return Checkpoint::kAlways;
+  if (name == "never") return Checkpoint::kNever;
+  TORCH_CHECK(name == "except_last", "--checkpoint must be always, except_last or never, got '",
+              name, "'");
+  return Checkpoint::kExceptLast;
+}
+
+std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
+                                    const torch::nn::Sequential& model, const at::Tensor& sample,
+                                    int64_t chunks, c10::Device device) {
+  if (spec == "auto" || spec == "time") {
+    return balance_by_time(partitions, model, sample,
+                           BalanceByTimeOptions().timeout(std::chrono::seconds(2)).device(device));
+  }
+  if (spec == "size") {
+    return balance_by_size(partitions, model, sample,
+                           BalanceBySizeOptions().chunks(chunks).device(device));
+  }
+  std::vector<int64_t> balance;
+  for (absl::string_view part : absl::StrSplit(spec, ',')) {
+    int64_t layers = 0;
+    TORCH_CHECK(absl::SimpleAtoi(part, &layers) && layers >= 1, "--balance: '", part,
+                "' is not a positive number of layers; use auto, time, size or e.g. 4,5,3");
+    balance.push_back(layers);
+  }
+  TORCH_CHECK(static_cast<int64_t>(balance.size()) == partitions, "--balance has ",
+              balance.size(), " partitions but there are ", partitions,
+              " (--partitions / --devices)");
+  return balance;
+}
+
+std::string duration(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  return absl::StrFormat("%d:%02d", s / 60, s % 60);
+}
+
+// A progress bar on one line (a terminal), or a line every tenth of the epoch (a log).
+class Progress {
+ public:
+  Progress(int64_t epoch, int64_t total) : epoch_(epoch), total_(total), tty_(isatty(1)) {}
+  void update(int64_t done, double loss) {
+    const double elapsed = seconds();
+    const double rate = done / std::max(elapsed, 1e-9);
+    const double eta = (total_ - done) / std::max(rate, 1e-9);
+    const int64_t tenth = std::max<int64_t>(total_ / 10, 1);
+    if (!tty_ && done / tenth == last_tenth_ && done < total_) return;
+    last_tenth_ = done / tenth;
+    const int width = 30;
+    const int filled = static_cast<int>(width * done / std::max<int64_t>(total_, 1));
+    std::printf("%sepoch %lld [%s%s] %6lld/%lld  %7.1f samples/s  loss %.4f  ETA %s%s",
+                tty_ ? "\r" : "", static_cast<long long>(epoch_),
+                std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
+                static_cast<long long>(done), static_cast<long long>(total_), rate, loss,
+                duration(eta).c_str(), tty_ ? "" : "\n");
+    std::fflush(stdout);
+  }
+  void finish() {
+    if (tty_) std::printf("\n");
+  }
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  int64_t epoch_, total_;
+  bool tty_;
+  int64_t last_tenth_ = -1;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+// The forward's bubble: per partition, the share of the forward's span it computed nothing,
+// averaged over the partitions.
+double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partitions) {
+  double start = 1e300, end = 0;
+  std::vector<double> busy(partitions, 0.0);
+  for (const TimelineEvent& e : events) {
+    if (e.kind != TimelineEvent::Kind::kCompute) continue;
+    start = std::min(start, e.start_us);
+    end = std::max(end, e.end_us);
+    busy[e.partition] += e.end_us - e.start_us;
+  }
+  if (end <= start) return 0;
+  double idle = 0;
+  for (double b : busy) idle += 1 - b / (end - start);
+  return idle / partitions;
+}
+
+}  // namespace
+
+int train(const TrainerModel& trainer) {
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  std::string cache = absl::GetFlag(FLAGS_data_cache);
+  if (cache.empty()) cache = (std::filesystem::temp_directory_path() / "gpipe-data").string();
+  Data data = load_data(absl::GetFlag(FLAGS_data), cache, absl::GetFlag(FLAGS_synthetic_samples));
+  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
+  const int64_t chunks = absl::GetFlag(FLAGS_chunks);
+  TORCH_CHECK(batch_size >= 1, "--batch_size must be positive, got ", batch_size);
+  TORCH_CHECK(chunks >= 1, "--chunks must be positive, got ", chunks);
+
+  int64_t partitions = absl::GetFlag(FLAGS_partitions);
+  TORCH_CHECK(partitions >= 0, "--partitions must be positive, got ", partitions);
+  const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
+  const bool on_cpu = std::all_of(devices.begin(), devices.end(),
+                                  [](const c10::Device& d) { return d.is_cpu(); });
+  if (on_cpu) {
+    // The CPU as a pipeline of cores: one worker per partition, the cores divided among them.
+    const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+    const int64_t threads = absl::GetFlag(FLAGS_threads) > 0
+                                ? absl::GetFlag(FLAGS_threads)
+                                : std::max<int64_t>(cores / partitions, 1);
+    at::set_num_threads(static_cast<int>(threads));
+  }
+
+  torch::nn::Sequential model =
+      trainer.make(models::ModelInput{data.channels, data.size, data.classes});
+  const at::Tensor sample = data.train.images().slice(0, 0, batch_size);
+  const std::vector<int64_t> balance =
+      choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
+                     devices.front());
+  GPipe pipe(model, GPipeOptions(balance)
+                        .devices(devices)
+                        .chunks(chunks)
+                        .checkpoint(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                        .deferred_batch_norm(true)
+                        .worker_per_partition(on_cpu && partitions > 1)
+                        .record_timeline(true));
+  int64_t parameters = 0;
+  for (const auto& p : pipe->parameters()) parameters += p.numel();
+  std::printf("%s on %s (%lld training, %lld test images of %lldx%lldx%lld): %lld layers, "
+              "%.2fM parameters\n",
+              trainer.name.c_str(), data.name.c_str(),
+              static_cast<long long>(data.train.images().size(0)),
+              static_cast<long long>(data.test.images().size(0)),
+              static_cast<long long>(data.channels), static_cast<long long>(data.size),
+              static_cast<long long>(data.size), static_cast<long long>(model->size()),
+              parameters / 1e6);
+  std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of a %lld-image batch, "
+              "checkpoint %s%s%s\n",
+              absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
+              absl::StrJoin(devices, ", ", [](std::string* s, const c10::Device& d) {
+                s->append(d.str());
+              }).c_str(),
+              static_cast<long long>(chunks), static_cast<long long>(batch_size),
+              absl::GetFlag(FLAGS_checkpoint).c_str(),
+              on_cpu ? absl::StrFormat(", one worker and %d intra-op thread%s per partition",
+                                       at::get_num_threads(),
+                                       at::get_num_threads() == 1 ? "" : "s").c_str()
+                     : "",
+              absl::GetFlag(FLAGS_amp) ? (on_cpu ? ", autocast bfloat16" : ", autocast float16")
+                                       : "");
+
+  torch::optim::Adam optimizer(pipe->parameters(), torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
+  const c10::Device in = devices.front();
+  const c10::Device out = devices.back();
+  const bool amp = absl::GetFlag(FLAGS_amp);
+  const c10::DeviceType amp_device = on_cpu ? c10::kCPU : c10::kCUDA;
+  const c10::ScalarType amp_dtype = on_cpu ? c10::kBFloat16 : c10::kHalf;
+  // float16 gradients underflow without loss scaling: a fixed scale, and a step skipped when a
+  // gradient overflows.
+  const double loss_scale = amp && !on_cpu ? 1024.0 : 1.0;
+
+  auto train_loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
+      data.train.map(torch::data::transforms::Stack<>()),
+      torch::data::DataLoaderOptions(batch_size).drop_last(true));
+  auto test_loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      data.test.map(torch::data::transforms::Stack<>()),
+      torch::data::DataLoaderOptions(batch_size));
+
+  const int64_t epochs = absl::GetFlag(FLAGS_epochs);
+  const int64_t max_steps = absl::GetFlag(FLAGS_steps);
+  const int64_t steps_per_epoch = data.train.images().size(0) / batch_size;
+  const int64_t steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch) : steps_per_epoch;
+  const auto run_start = std::chrono::steady_clock::now();
+  double last_accuracy = 0;
+  double last_throughput = 0;
+  std::vector<TimelineEvent> last_forward;
+  const double lr = absl::GetFlag(FLAGS_lr);
+  const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
+  int64_t global_step = 0;
+  for (int64_t epoch = 1; epoch <= epochs; ++epoch) {
+    pipe->train();
+    Progress progress(epoch, steps * batch_size);
+    int64_t step = 0;
+    double loss_sum = 0;
+    for (auto& batch : *train_loader) {
+      if (step == steps) break;
+      optimizer.zero_grad();
+      at::Tensor loss;
+      {
+        std::unique_ptr<Autocast> autocast;
+        if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
+        at::Tensor logits = pipe->forward(batch.data.to(in));
+        loss = at::cross_entropy_loss(logits.to(at::kFloat), batch.target.to(out));
+      }
+      (loss * loss_scale).backward();
+      bool finite = true;
+      if (loss_scale != 1.0) {
+        at::NoGradGuard no_grad;
+        for (auto& p : pipe->parameters()) {
+          if (!p.grad().defined()) continue;
+          p.mutable_grad().div_(loss_scale);
+          finite = finite && p.grad().isfinite().all().item<bool>();
+        }
+      }
+      for (auto& group : optimizer.param_groups()) {
+        static_cast<torch::optim::AdamOptions&>(group.options())
+            .lr(lr * 0.5 * (1 + std::cos(M_PI * global_step / total_steps)));
+      }
+      if (finite) optimizer.step();
+      ++step;
+      ++global_step;
+      loss_sum += loss.item<double>();
+      progress.update(step * batch_size, loss_sum / step);
+    }
+    progress.finish();
+    const double train_seconds = progress.seconds();
+    last_throughput = step * batch_size / train_seconds;
+    last_forward = pipe->last_timeline();
+    if (epoch == epochs) {
+      if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
+      if (!absl::GetFlag(FLAGS_svg).empty()) pipe->write_timeline_svg(absl::GetFlag(FLAGS_svg));
+    }
+
+    // Test accuracy, pipelined too.
+    pipe->eval();
+    at::NoGradGuard no_grad;
+    int64_t correct = 0;
+    int64_t seen = 0;
+    int64_t batches = 0;
+    for (auto& batch : *test_loader) {
+      if (absl::GetFlag(FLAGS_test_batches) > 0 && batches == absl::GetFlag(FLAGS_test_batches)) {
+        break;
+      }
+      at::Tensor logits = pipe->forward(batch.data.to(in));
+      correct += logits.argmax(1).eq(batch.target.to(out)).sum().item<int64_t>();
+      seen += batch.target.size(0);
+      ++batches;
+    }
+    last_accuracy = 100.0 * correct / std::max<int64_t>(seen, 1);
+    std::printf("epoch %lld: train loss %.4f, %.1f samples/s (%s); test accuracy %.2f%% "
+                "(%lld images)\n",
+                static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step, 1),
+                last_throughput, duration(train_seconds).c_str(), last_accuracy,
+                static_cast<long long>(seen));
+    std::fflush(stdout);
+  }
+
+  const double total =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+  const double ideal = static_cast<double>(partitions - 1) / (chunks + partitions - 1);
+  std::printf("summary: balance {%s}; %lld micro-batches; last step's forward bubble %.0f%% "
+              "(ideal clock-cycle schedule (n-1)/(m+n-1) = %.0f%%); %.1f samples/s; "
+              "test accuracy %.2f%%; %s in all\n",
+              absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
+              100 * measured_bubble(last_forward, partitions), 100 * ideal, last_throughput,
+              last_accuracy, duration(total).c_str());
+  std::vector<c10::Device> seen_devices;
+  for (const c10::Device& d : devices) {
+    if (std::find(seen_devices.begin(), seen_devices.end(), d) != seen_devices.end()) continue;
+    seen_devices.push_back(d);
+    if (d.is_cuda()) {
+      std::printf("peak memory on %s: %.1f MiB allocated\n", d.str().c_str(),
+                  peak_memory_allocated(d) / 1048576.0);
+    } else {
+      struct rusage usage {};
+      getrusage(RUSAGE_SELF, &usage);
+      std::printf("peak memory on %s: %.1f MiB resident (the whole process)\n", d.str().c_str(),
+                  usage.ru_maxrss / 1024.0);
+    }
+  }
+  if (!absl::GetFlag(FLAGS_trace).empty()) {
+    std::printf("trace of the last step: %s (open in https://ui.perfetto.dev)\n",
+                absl::GetFlag(FLAGS_trace).c_str());
+  }
+  if (!absl::GetFlag(FLAGS_svg).empty()) {
+    std::printf("picture of the last step: %s\n", absl::GetFlag(FLAGS_svg).c_str());
+  }
+  return 0;
+}
+
+}  // namespace training
+}  // namespace gpipe
