@@ -2,6 +2,9 @@
 // the user's model as it was.
 #include "tests/gpipe/test_util.h"
 
+#include <chrono>
+#include <thread>
+
 #include <torch/cuda.h>
 #include <torch/nn/cloneable.h>
 
@@ -59,6 +62,34 @@ CATCH_TEST_CASE("balance_by_size isolates a layer with huge activations and para
                                        BalanceBySizeOptions().chunks(1).param_scale(2.0));
   CATCH_CAPTURE(balance);
   CATCH_CHECK(block_of(balance, 2) == std::make_pair<int64_t, int64_t>(2, 1));
+}
+
+// Sleeps 1 s in its first forward only (a stand-in for a kernel library's one-time
+// initialisation), or 300 ms in every forward. A Cloneable: the profiler times copies.
+struct SlowImpl : nn::Cloneable<SlowImpl> {
+  explicit SlowImpl(bool every_call) : every_call(every_call) {}
+  void reset() override {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (calls++ == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(every_call ? 300 : 1000));
+    } else if (every_call) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+    return x * 2;
+  }
+  bool every_call;
+  int calls = 0;
+};
+TORCH_MODULE(Slow);
+
+CATCH_TEST_CASE("the profiler does not charge one-time costs of a first pass to the first layers",
+                "[balancing][profile]") {
+  nn::Sequential seq(Slow(false), Slow(true));
+  const LayerProfile profile = profile_layers(seq, at::randn({4, 4}).requires_grad_(true),
+                                              ProfileOptions().timeout(std::chrono::seconds(0)));
+  CATCH_CHECK(profile.passes == 1);
+  CATCH_CHECK(profile.layers[1].forward_us >= 300000);
+  CATCH_CHECK(profile.layers[0].forward_us < profile.layers[1].forward_us);
 }
 
 CATCH_TEST_CASE("the profiler measures memory on the CPU", "[balancing][profile]") {

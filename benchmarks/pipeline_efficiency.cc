@@ -1,0 +1,130 @@
+// The CPU as a pipeline of cores: a balanced model in n partitions, each with one worker thread
+// and one intra-op thread, against the same GPipe with every task on the calling thread (same
+// partitions, same micro-batches), for training steps and for inference, m = 1 ... 32
+// micro-batches. The speed-up is compared with the ideal clock-cycle speed-up n * m / (m + n - 1).
+//
+//   bazel run -c opt //benchmarks:pipeline_efficiency -- --partitions=2 --json_out=/tmp/pe.json
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/version.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gpipe/gpipe.h"
+
+ABSL_FLAG(int64_t, partitions, 2, "n: partitions (at most the cores)");
+ABSL_FLAG(int64_t, max_chunks, 32, "largest m (m = 1, 2, 4, ... up to this)");
+ABSL_FLAG(int64_t, layers_per_partition, 4, "Linear + ReLU layers per partition");
+ABSL_FLAG(int64_t, width, 512, "features of each Linear layer");
+ABSL_FLAG(int64_t, microbatch, 32, "rows per micro-batch (the mini-batch is m times this)");
+ABSL_FLAG(int, repeats, 7, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+
+namespace {
+
+double median_ms(const std::function<void()>& step, int repeats) {
+  step();  // warm-up
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    times.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+torch::nn::Sequential make_model(int64_t layers, int64_t width) {
+  at::manual_seed(0);
+  torch::nn::Sequential seq;
+  for (int64_t k = 0; k < layers; ++k) {
+    seq->push_back(torch::nn::Linear(width, width));
+    seq->push_back(torch::nn::ReLU());
+  }
+  return seq;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int64_t n = absl::GetFlag(FLAGS_partitions);
+  const int64_t per = absl::GetFlag(FLAGS_layers_per_partition);
+  const int64_t width = absl::GetFlag(FLAGS_width);
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  at::set_num_threads(1);  // one intra-op thread for every task, wherever it runs
+  const std::vector<int64_t> balance(n, 2 * per);
+
+  std::printf("Pipeline efficiency on the CPU: %lld partitions of %lld x (Linear(%lld, %lld) + "
+              "ReLU), %lld rows per micro-batch, one intra-op thread; %u hardware threads; "
+              "LibTorch %s; medians of %d steps\n\n",
+              static_cast<long long>(n), static_cast<long long>(per),
+              static_cast<long long>(width), static_cast<long long>(width),
+              static_cast<long long>(absl::GetFlag(FLAGS_microbatch)),
+              std::thread::hardware_concurrency(), TORCH_VERSION, repeats);
+  std::printf("%9s %3s %12s %12s %9s %7s %14s\n", "mode", "m", "1 thread ms", "pipeline ms",
+              "speed-up", "ideal", "of the ideal");
+  std::vector<std::string> json;
+  for (const bool training : {true, false}) {
+    for (int64_t m = 1; m <= absl::GetFlag(FLAGS_max_chunks); m *= 2) {
+      const at::Tensor x = at::randn({m * absl::GetFlag(FLAGS_microbatch), width});
+      double ms[2];
+      for (const bool workers : {false, true}) {
+        gpipe::GPipe model(make_model(n * per, width),
+                           gpipe::GPipeOptions(balance)
+                               .devices(std::vector<c10::Device>(n, at::kCPU))
+                               .chunks(m)
+                               .checkpoint(gpipe::Checkpoint::kNever)
+                               .worker_per_partition(workers));
+        std::function<void()> step;
+        if (training) {
+          model->train();
+          step = [&] {
+            for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+            model->forward(x).sum().backward();
+          };
+        } else {
+          model->eval();
+          step = [&] {
+            at::NoGradGuard no_grad;
+            model->forward(x);
+          };
+        }
+        ms[workers ? 1 : 0] = median_ms(step, repeats);
+      }
+      const double speedup = ms[0] / ms[1];
+      const double ideal = static_cast<double>(n * m) / (m + n - 1);
+      const char* mode = training ? "training" : "inference";
+      std::printf("%9s %3lld %12.2f %12.2f %8.2fx %6.2fx %13.0f%%\n", mode,
+                  static_cast<long long>(m), ms[0], ms[1], speedup, ideal,
+                  100 * speedup / ideal);
+      json.push_back(absl::StrFormat(
+          "{\"mode\": \"%s\", \"partitions\": %d, \"chunks\": %d, \"one_thread_ms\": %.3f, "
+          "\"pipeline_ms\": %.3f, \"speedup\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f}",
+          mode, n, m, ms[0], ms[1], speedup, ideal, speedup / ideal));
+    }
+  }
+  const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
+  std::printf("\n%s", text.c_str());
+  if (!absl::GetFlag(FLAGS_json_out).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_json_out)) << text;
+  }
+  return 0;
+}
