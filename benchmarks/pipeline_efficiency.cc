@@ -4,6 +4,8 @@
 // micro-batches. The speed-up is compared with the ideal clock-cycle speed-up n * m / (m + n - 1).
 //
 //   bazel run -c opt //benchmarks:pipeline_efficiency -- --partitions=2 --json_out=/tmp/pe.json
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/worker.h"
 
 ABSL_FLAG(int64_t, partitions, 2, "n: partitions (at most the cores)");
 ABSL_FLAG(int64_t, max_chunks, 32, "largest m (m = 1, 2, 4, ... up to this)");
@@ -69,7 +72,12 @@ int main(int argc, char** argv) {
   const int64_t per = absl::GetFlag(FLAGS_layers_per_partition);
   const int64_t width = absl::GetFlag(FLAGS_width);
   const int repeats = absl::GetFlag(FLAGS_repeats);
-  at::set_num_threads(1);  // one intra-op thread for every task, wherever it runs
+  gpipe::set_intra_op_threads(1);  // one thread for every task, wherever it runs
+  // glibc returns freed memory above 128 KiB to the system and takes it back with page faults at
+  // the next allocation: for the 1 MiB weight gradients here that made training steps 4 to 8
+  // times slower (and noisy), on one thread and in the pipeline alike. Keep it instead.
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   const std::vector<int64_t> balance(n, 2 * per);
 
   std::printf("Pipeline efficiency on the CPU: %lld partitions of %lld x (Linear(%lld, %lld) + "
@@ -97,7 +105,9 @@ int main(int argc, char** argv) {
         if (training) {
           model->train();
           step = [&] {
-            for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+            for (auto& p : model->parameters()) {
+              if (p.grad().defined()) p.mutable_grad().zero_();
+            }
             model->forward(x).sum().backward();
           };
         } else {

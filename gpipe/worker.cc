@@ -1,6 +1,10 @@
 // Workers; see worker.h.
 #include "gpipe/worker.h"
 
+#include <dlfcn.h>
+
+#include <ATen/Parallel.h>
+
 #include <utility>
 
 #ifdef __linux__
@@ -85,6 +89,17 @@ WorkerPool::WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_
       workers_.push_back(std::make_unique<Worker>(device.str()));
     }
     worker_of_partition_.push_back(static_cast<int64_t>(index) - 1);
+  }
+}
+
+void set_intra_op_threads(int threads) {
+  TORCH_CHECK(threads >= 1, "set_intra_op_threads: threads must be at least 1, got ", threads);
+  at::set_num_threads(threads);
+  // OpenBLAS, when it is the BLAS LibTorch was linked with (Debian's LibTorch is): found at run
+  // time, so that gpipe does not depend on it.
+  using SetThreads = void (*)(int);
+  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set(threads);
   }
 }
 

@@ -57,6 +57,15 @@ class Worker {
 // (except the first, which runs on the caller), so partitions on one device run concurrently; the
 // tests use it to exercise real concurrency on the CPU.
 
+/// Sets how many threads each CPU operator may use: LibTorch's intra-op threads and, where
+/// LibTorch's CPU kernels call OpenBLAS, OpenBLAS's own thread pool (which LibTorch 1.13 leaves at
+/// one thread per core, so that two pipeline workers each running a matrix product start twice
+/// as many BLAS threads as there are cores, and spin against each other). With
+/// GPipeOptions::worker_per_partition on the CPU, cores / partitions is the usual choice.
+///
+///   gpipe::set_intra_op_threads(std::thread::hardware_concurrency() / partitions);
+void set_intra_op_threads(int threads);
+
 namespace internal {
 /// Fault injection for tests: `hook` (or nothing, when empty) runs at the start of every
 /// Worker::submit, before the task is queued; a hook that throws stands for a submit that fails

@@ -1,6 +1,7 @@
 // The example trainers' shared program; see trainer.h.
 #include "examples/training/trainer.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -33,6 +34,7 @@
 #include "gpipe/gpipe.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
+#include "gpipe/worker.h"
 
 ABSL_FLAG(std::string, data, "fashion-mnist",
           "fashion-mnist[:<folder>] (Debian's dataset-fashion-mnist by default), "
@@ -191,6 +193,10 @@ double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partiti
 
 int train(const TrainerModel& trainer) {
   at::manual_seed(absl::GetFlag(FLAGS_seed));
+  // Keep freed memory instead of returning it to the system above 128 KiB, which costs page
+  // faults at every step (see benchmarks/pipeline_efficiency.cc).
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   std::string cache = absl::GetFlag(FLAGS_data_cache);
   if (cache.empty()) cache = (std::filesystem::temp_directory_path() / "gpipe-data").string();
   Data data = load_data(absl::GetFlag(FLAGS_data), cache, absl::GetFlag(FLAGS_synthetic_samples));
@@ -210,7 +216,7 @@ int train(const TrainerModel& trainer) {
     const int64_t threads = absl::GetFlag(FLAGS_threads) > 0
                                 ? absl::GetFlag(FLAGS_threads)
                                 : std::max<int64_t>(cores / partitions, 1);
-    at::set_num_threads(static_cast<int>(threads));
+    set_intra_op_threads(static_cast<int>(threads));
   }
 
   torch::nn::Sequential model =
