@@ -11,6 +11,7 @@
 #include "examples/models/mlp.h"
 #include "examples/models/resnet.h"
 #include "examples/models/unet.h"
+#include "examples/models/unet_reference.h"
 
 namespace gpipe {
 namespace models {
@@ -26,6 +27,7 @@ std::vector<std::string> model_names() {
     names.push_back("resnet" + std::to_string(depth) + "_cifar");
   }
   names.push_back("amoebanet_d_<L>_<D> (e.g. amoebanet_d_18_256)");
+  names.push_back("unet_<B>_<C> (e.g. unet_5_64)");
   names.push_back("unet");
   names.push_back("mlp");
   return names;
@@ -65,6 +67,16 @@ NamedModel make_model(const std::string& name, const ModelInput& input) {
                 "make_model: '", name, "' is not amoebanet_d_<L>_<D> with numbers L (normal "
                 "cells, a multiple of 3) and D (filters), e.g. amoebanet_d_18_256");
     return {amoebanet_d(layers, filters, classes(1000), input.channels), shape(224)};
+  }
+  if (absl::ConsumePrefix(&rest, "unet_")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(rest, '_');
+    int64_t convs = 0;
+    int64_t channels = 0;
+    TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &convs) &&
+                    absl::SimpleAtoi(parts[1], &channels),
+                "make_model: '", name, "' is not unet_<B>_<C> with numbers B (convolutions per "
+                "level) and C (base channels), e.g. unet_5_64");
+    return {unet_reference(5, convs, channels, input.channels, 1), shape(192)};
   }
   if (name == "unet") return {unet(), {1, 16, 16}};
   if (name == "mlp") return {mlp(), {2}};

@@ -32,7 +32,9 @@ struct ModelInput {
 /// - resnet20_cifar, resnet32_cifar, resnet44_cifar, resnet56_cifar, resnet110_cifar: He et al.'s;
 /// - amoebanet_d_<L>_<D>: AmoebaNet-D with L normal cells (a multiple of 3) and D filters, e.g.
 ///   amoebanet_d_18_256 (224x224, 1000 classes);
-/// - unet, mlp.
+/// - unet_<B>_<C>: the reference's benchmark U-Net (depth 5) with B convolutions per level and C
+///   base channels, e.g. unet_5_64 (3 x 192 x 192 in, 1 channel out);
+/// - unet (a small U-Net for 1 x 16 x 16), mlp.
 std::vector<std::string> model_names();
 
 /// The model called `name`, for `input` (channels, image size and classes; the model's own where
