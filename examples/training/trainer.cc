@@ -34,6 +34,7 @@
 #include "gpipe/gpipe.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
+#include "gpipe/trace.h"
 #include "gpipe/worker.h"
 
 ABSL_FLAG(std::string, data, "fashion-mnist",
@@ -64,6 +65,8 @@ ABSL_FLAG(int64_t, threads, 0,
 ABSL_FLAG(int64_t, seed, 0, "random seed");
 ABSL_FLAG(std::string, trace, "", "write the last step's schedule here as a Chrome trace (JSON)");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+ABSL_FLAG(std::string, ideal_svg, "",
+          "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
 namespace gpipe {
 namespace training {
@@ -327,6 +330,13 @@ int train(const TrainerModel& trainer) {
     if (epoch == epochs) {
       if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
       if (!absl::GetFlag(FLAGS_svg).empty()) pipe->write_timeline_svg(absl::GetFlag(FLAGS_svg));
+      if (!absl::GetFlag(FLAGS_ideal_svg).empty()) {
+        const Checkpoint mode = parse_checkpoint(absl::GetFlag(FLAGS_checkpoint));
+        const int64_t stop = mode == Checkpoint::kAlways       ? chunks
+                             : mode == Checkpoint::kExceptLast ? chunks - 1
+                                                               : 0;
+        write_file(absl::GetFlag(FLAGS_ideal_svg), schedule_svg(chunks, partitions, stop));
+      }
     }
 
     // Test accuracy, pipelined too.
