@@ -42,16 +42,9 @@ int main(int argc, char** argv) {
   add("pipeline-2", 18, 544, {16, 8});
   add("pipeline-4", 36, 544, {16, 12, 7, 7});
   add("pipeline-8", 72, 512, {23, 16, 11, 6, 6, 5, 5, 6});
-  if (!absl::GetFlag(FLAGS_child).empty()) {
-    const bench::Experiment* chosen = nullptr;
-    for (const auto& e : experiments) {
-      if (e.name == absl::GetFlag(FLAGS_child)) chosen = &e;
-    }
-    return bench::memory_child(chosen, cuda);
-  }
-  bench::run_memory(absl::StrFormat("AmoebaNet-D memory (filters / %d, %dx%d images, batch %d)",
+  return bench::memory_main(absl::StrFormat("AmoebaNet-D memory (filters / %d, %dx%d images, batch %d)",
                                     divide, image, image, batch),
-                    bench::select(experiments, cuda, absl::GetFlag(FLAGS_experiments)), cuda, 3.0,
-                    "/proc/self/exe", {"--size=" + size}, absl::GetFlag(FLAGS_json_out));
-  return 0;
+                            experiments, cuda, 3.0, size, absl::GetFlag(FLAGS_child),
+                            absl::GetFlag(FLAGS_experiments), absl::GetFlag(FLAGS_json_out));
 }
+

@@ -308,6 +308,25 @@ inline std::vector<Experiment> select(const std::vector<Experiment>& experiments
   return out;
 }
 
+/// The main of a memory benchmark: in a child (`child` not empty), runs that experiment (or
+/// nothing, for kIdle) and reports; else runs every selected experiment in a child of its own.
+inline int memory_main(const std::string& title, const std::vector<Experiment>& experiments,
+                       bool cuda, double param_scale, const std::string& size,
+                       const std::string& child, const std::string& only,
+                       const std::string& json_out) {
+  if (!child.empty()) {
+    const Experiment* chosen = nullptr;
+    for (const Experiment& e : experiments) {
+      if (e.name == child) chosen = &e;
+    }
+    TORCH_CHECK(chosen != nullptr || child == kIdle, "--child: no experiment '", child, "'");
+    return memory_child(chosen, cuda);
+  }
+  run_memory(title, select(experiments, cuda, only), cuda, param_scale, "/proc/self/exe",
+             {"--size=" + size}, json_out);
+  return 0;
+}
+
 /// Whether to run the full-size experiments: on CUDA when `size` is "full", or "auto" and
 /// `gpus_needed` GPUs are present.
 inline bool use_cuda(const std::string& size, int64_t gpus_needed) {

@@ -39,16 +39,9 @@ int main(int argc, char** argv) {
   add("pipeline-2", 24, 128, {526, 551}, 32);
   add("pipeline-4", 24, 160, {472, 54, 36, 515}, 32);
   add("pipeline-8", 48, 160, {800, 140, 62, 36, 36, 36, 36, 987}, 128);
-  if (!absl::GetFlag(FLAGS_child).empty()) {
-    const bench::Experiment* chosen = nullptr;
-    for (const auto& e : experiments) {
-      if (e.name == absl::GetFlag(FLAGS_child)) chosen = &e;
-    }
-    return bench::memory_child(chosen, cuda);
-  }
-  bench::run_memory(absl::StrFormat("U-Net memory (C / %d, %dx%d images, batch %d)", divide, image,
+  return bench::memory_main(absl::StrFormat("U-Net memory (C / %d, %dx%d images, batch %d)", divide, image,
                                     image, batch),
-                    bench::select(experiments, cuda, absl::GetFlag(FLAGS_experiments)), cuda, 2.0,
-                    "/proc/self/exe", {"--size=" + size}, absl::GetFlag(FLAGS_json_out));
-  return 0;
+                            experiments, cuda, 2.0, size, absl::GetFlag(FLAGS_child),
+                            absl::GetFlag(FLAGS_experiments), absl::GetFlag(FLAGS_json_out));
 }
+

@@ -16,6 +16,21 @@
 namespace gpipe {
 namespace models {
 
+namespace {
+
+// "<a>_<b>" as two numbers; else an error saying that `name` is not `pattern`.
+std::pair<int64_t, int64_t> two_numbers(absl::string_view text, const std::string& name,
+                                        const char* pattern) {
+  std::vector<absl::string_view> parts = absl::StrSplit(text, '_');
+  int64_t a = 0;
+  int64_t b = 0;
+  TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &a) && absl::SimpleAtoi(parts[1], &b),
+              "make_model: '", name, "' is not ", pattern);
+  return {a, b};
+}
+
+}  // namespace
+
 std::vector<std::string> model_names() {
   std::vector<std::string> names;
   for (const char* suffix : {"", "_cifar", "_fine"}) {
@@ -59,23 +74,15 @@ NamedModel make_model(const std::string& name, const ModelInput& input) {
   }
   absl::string_view rest = name;
   if (absl::ConsumePrefix(&rest, "amoebanet_d_")) {
-    std::vector<absl::string_view> parts = absl::StrSplit(rest, '_');
-    int64_t layers = 0;
-    int64_t filters = 0;
-    TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &layers) &&
-                    absl::SimpleAtoi(parts[1], &filters),
-                "make_model: '", name, "' is not amoebanet_d_<L>_<D> with numbers L (normal "
-                "cells, a multiple of 3) and D (filters), e.g. amoebanet_d_18_256");
+    const auto [layers, filters] = two_numbers(
+        rest, name, "amoebanet_d_<L>_<D> with numbers L (normal cells, a multiple of 3) and D "
+                    "(filters), e.g. amoebanet_d_18_256");
     return {amoebanet_d(layers, filters, classes(1000), input.channels), shape(224)};
   }
   if (absl::ConsumePrefix(&rest, "unet_")) {
-    std::vector<absl::string_view> parts = absl::StrSplit(rest, '_');
-    int64_t convs = 0;
-    int64_t channels = 0;
-    TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &convs) &&
-                    absl::SimpleAtoi(parts[1], &channels),
-                "make_model: '", name, "' is not unet_<B>_<C> with numbers B (convolutions per "
-                "level) and C (base channels), e.g. unet_5_64");
+    const auto [convs, channels] = two_numbers(
+        rest, name, "unet_<B>_<C> with numbers B (convolutions per level) and C (base channels), "
+                    "e.g. unet_5_64");
     return {unet_reference(5, convs, channels, input.channels, 1), shape(192)};
   }
   if (name == "unet") return {unet(), {1, 16, 16}};

@@ -63,11 +63,7 @@ CATCH_TEST_CASE("a training step of AmoebaNet-D in a GPipe equals the plain mode
   at::manual_seed(5);
   const at::Tensor x = at::randn({6, 1, 28, 28}, at::kDouble);
   const at::Tensor labels = at::randint(10, {6}, at::kLong);
-  check_training_step(make, x, labels,
-                      GPipeOptions(balance)
-                          .devices(std::vector<c10::Device>(balance.size(), at::kCPU))
-                          .chunks(3)
-                          .checkpoint(mode));
+  check_training_step(make, x, labels, cpu_options(balance, 3, mode));
 }
 
 }  // namespace

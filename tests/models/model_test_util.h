@@ -17,6 +17,15 @@ inline int64_t parameter_count(const torch::nn::Module& module) {
   return n;
 }
 
+/// A GPipe over `balance.size()` CPU partitions.
+inline GPipeOptions cpu_options(const std::vector<int64_t>& balance, int64_t chunks,
+                                Checkpoint mode) {
+  return GPipeOptions(balance)
+      .devices(std::vector<c10::Device>(balance.size(), at::kCPU))
+      .chunks(chunks)
+      .checkpoint(mode);
+}
+
 /// One training step (cross-entropy on `labels`, in training mode) of the plain model, built by
 /// `make`, one micro-batch at a time (the split GPipe makes, so that batch norms see the same
 /// batches), against a GPipe of an identical copy with `options`: same loss and parameter

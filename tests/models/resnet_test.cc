@@ -89,11 +89,7 @@ CATCH_TEST_CASE("a training step of a fine-grained ResNet in a GPipe, with parti
   at::manual_seed(3);
   const at::Tensor x = at::randn({6, 1, 12, 12}, at::kDouble);
   const at::Tensor labels = at::randint(10, {6}, at::kLong);
-  check_training_step(make, x, labels,
-                      GPipeOptions(balance)
-                          .devices(std::vector<c10::Device>(balance.size(), at::kCPU))
-                          .chunks(3)
-                          .checkpoint(mode));
+  check_training_step(make, x, labels, cpu_options(balance, 3, mode));
 }
 
 CATCH_TEST_CASE("a training step of a CIFAR ResNet in a GPipe equals the plain model's",
