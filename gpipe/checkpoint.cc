@@ -94,8 +94,12 @@ struct CheckpointFrame::State {
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
   std::vector<std::pair<SkipKey, SkipTensor>> popped;
-  // The phony of the previous micro-batch's fork, if any: CheckpointBackward's last next edge.
+  // The phony of the previous micro-batch's fork, if any: CheckpointBackward's last next edge,
+  // added by attach_dependency on the main thread. `node` is CheckpointBackward (weak: the node
+  // owns this state).
   at::Tensor dependency;
+  bool has_dependency = false;
+  std::weak_ptr<torch::autograd::Node> node;
 
   // Where the recomputation and the backward are recorded, if anywhere.
   std::shared_ptr<Timeline> timeline;
@@ -209,6 +213,8 @@ at::Tensor leaf_of(const at::Tensor& x) {
 // (random state, thread state), and keeps the outputs and leaves for CheckpointBackward.
 void recompute(State& st) {
   State* state = &st;
+  state->popped_leaves.clear();  // (a recomputation that threw may have left some)
+  state->restashed.clear();
   std::vector<at::Tensor> leaves;
   leaves.reserve(state->input.size());
   for (const at::Tensor& x : state->input.values()) {
@@ -308,7 +314,12 @@ struct CheckpointBackward : Node {
     for (const SkipTensor& leaf : state->popped_leaves) {
       input_grads.push_back(grad_of(leaf.get()));
     }
-    input_grads.resize(num_outputs());  // nothing for the dependency's phony
+    if (state->has_dependency) {
+      input_grads.emplace_back();  // nothing for the dependency's phony
+    }
+    TORCH_INTERNAL_ASSERT(input_grads.size() == num_outputs(), "gpipe: CheckpointBackward has ",
+                          num_outputs(), " next edges but made ", input_grads.size(),
+                          " gradients");
     state->release();
     state.reset();
     return input_grads;
@@ -366,6 +377,15 @@ Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
 
 void Checkpointing::depend_on(at::Tensor phony) { state_->dependency = std::move(phony); }
 
+void Checkpointing::attach_dependency() {
+  std::shared_ptr<Node> node = state_->node.lock();
+  if (node && state_->dependency.defined() && state_->dependency.requires_grad()) {
+    node->add_next_edge(torch::autograd::impl::gradient_edge(state_->dependency));
+    state_->has_dependency = true;
+  }
+  state_->dependency.reset();
+}
+
 void Checkpointing::record_to(std::shared_ptr<Timeline> timeline, int64_t microbatch,
                               int64_t partition) {
   state_->timeline = std::move(timeline);
@@ -409,10 +429,7 @@ Batch Checkpointing::checkpoint() {
     inputs.push_back(popped.second.get());
   }
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
-  if (state_->dependency.defined() && state_->dependency.requires_grad()) {
-    node->add_next_edge(torch::autograd::impl::gradient_edge(state_->dependency));
-  }
-  state_->dependency.reset();
+  state_->node = node;
   for (const auto k : c10::irange(out.size())) {
     at::Tensor& t = out[k];
     const std::vector<bool>& needs = state_->entry().outputs;

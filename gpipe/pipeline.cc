@@ -218,10 +218,13 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       }
     }
 
-    // Collect the tick's outputs in order; keep the first error but let every task finish.
-    std::exception_ptr first_error;
+    // Collect the tick's outputs in order, once every task has finished (attach_dependency
+    // touches other tasks' nodes); keep the first error.
     for (auto& slot : slots) {
       slot->done.WaitForNotification();
+    }
+    std::exception_ptr first_error;
+    for (auto& slot : slots) {
       if (slot->error) {
         if (!first_error) {
           first_error = slot->error;
@@ -234,6 +237,9 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       const int64_t i = slot->microbatch;
       const size_t j = slot->partition;
       Batch& out = slot->output;
+      if (slot->checkpointing) {
+        slot->checkpointing->attach_dependency();
+      }
       if (static_cast<int64_t>(j) < n - 1) {
         out.values() = wait(std::move(out.values()), spec.compute_streams[j], copy_streams[j][i]);
       }
