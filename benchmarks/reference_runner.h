@@ -32,6 +32,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/version.h>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -41,6 +42,13 @@
 #include "gpipe/worker.h"
 
 extern char** environ;
+
+// The flags every reference benchmark takes (each program is one translation unit).
+ABSL_FLAG(std::string, size, "auto", "full (CUDA), reduced (CPU), or auto (full where CUDA is)");
+ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (default: all)");
+ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+ABSL_FLAG(std::string, child, "",
+          "memory benchmarks, internal: run this one experiment and report (\"idle\": nothing)");
 
 namespace gpipe {
 namespace bench {

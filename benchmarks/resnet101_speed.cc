@@ -10,11 +10,8 @@
 #include "benchmarks/reference_runner.h"
 #include "examples/models/resnet.h"
 
-ABSL_FLAG(std::string, size, "auto", "full (CUDA), reduced (CPU), or auto (full where CUDA is)");
-ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (default: all)");
 ABSL_FLAG(int, epochs, 0, "epochs (default: 10 full size, 3 reduced)");
 ABSL_FLAG(int64_t, dataset_size, 0, "samples per epoch (default: 50000 full size, 192 reduced)");
-ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);

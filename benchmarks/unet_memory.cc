@@ -11,11 +11,6 @@
 #include "benchmarks/reference_runner.h"
 #include "examples/models/unet_reference.h"
 
-ABSL_FLAG(std::string, size, "auto", "full (CUDA), reduced (CPU), or auto (full where CUDA is)");
-ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (default: all)");
-ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
-ABSL_FLAG(std::string, child, "", "internal: run this one experiment and report (\"idle\": "
-          "nothing)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
