@@ -117,7 +117,8 @@ cudnn_stub() {
 make_root() {  # make_root VARIANT
   local v=$1 root="$cache/trixie-$1" packages sources deb=""
   if [[ "$v" == cpu ]]; then
-    packages="libtorch-dev $common"
+    # zlib and Fashion-MNIST: the example trainers and their data test.
+    packages="libtorch-dev zlib1g-dev dataset-fashion-mnist $common"
     sources="deb $mirror trixie main"
   else
     deb=$(cudnn_stand_in) || die "could not build the nvidia-cudnn stand-in: $deb"
