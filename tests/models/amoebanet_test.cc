@@ -12,7 +12,9 @@ CATCH_TEST_CASE("AmoebaNet-D has the reference's parameter counts", "[models][am
   // torchgpipe's benchmarks/amoebanetd-memory: 81.5M and 319.0M parameters (exact counts of the
   // reference's code with 1,000 classes).
   CATCH_CHECK(parameter_count(*models::amoebanet_d(18, 208)) == 81505540);
+#ifndef __SANITIZE_ADDRESS__  // a 1.3 GB model: counted in the plain builds, not again under ASan
   CATCH_CHECK(parameter_count(*models::amoebanet_d(18, 416)) == 319024120);
+#endif
 }
 
 CATCH_TEST_CASE("AmoebaNet-D is L + 6 layers that pass pairs of tensors", "[models][amoebanet]") {

@@ -14,10 +14,12 @@ CATCH_TEST_CASE("the reference U-Net has its layer and parameter counts", "[mode
   torch::nn::Sequential small = models::unet_reference(5, 1, 64);
   CATCH_CHECK(small->size() == 65);
   CATCH_CHECK(parameter_count(*small) == 28276448);
+#ifndef __SANITIZE_ADDRESS__  // a 1.4 GB model: counted in the plain builds, not again under ASan
   torch::nn::Sequential baseline = models::unet_reference(5, 6, 72);
   CATCH_CHECK(baseline->size() == 44 * 6 + 21);
   CATCH_CHECK(parameter_count(*baseline) == 362157516);
   CATCH_CHECK_NOTHROW(verify_skippables(baseline));
+#endif
   CATCH_CHECK_THROWS_WITH(models::unet_reference(5, 0, 64), gpipe_test::contains("got 0"));
 }
 
