@@ -87,9 +87,11 @@ struct Setup {
   at::Tensor input, target;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::vector<c10::Device> devices;
+  bool segmentation;  // binary cross-entropy against a mask, else cross-entropy against classes
   int64_t parameters = 0;
 
-  Setup(const Experiment& e, bool cuda) : devices(devices_for(e, cuda)) {
+  Setup(const Experiment& e, bool cuda)
+      : devices(devices_for(e, cuda)), segmentation(e.classes == 0) {
     at::manual_seed(0);
     torch::nn::Sequential model = e.make();
     const bool cpu_pipeline = !cuda && e.balance.size() > 1;
@@ -113,7 +115,7 @@ struct Setup {
     std::vector<int64_t> shape{e.batch};
     shape.insert(shape.end(), e.sample_shape.begin(), e.sample_shape.end());
     input = at::rand(shape).to(devices.front());
-    if (e.classes > 0) {
+    if (!segmentation) {
       target = at::randint(e.classes, {e.batch}, at::kLong).to(devices.back());
     }
   }
@@ -121,11 +123,13 @@ struct Setup {
   void step() {
     at::Tensor out = plain ? plain->forward(input) : pipe->forward(input);
     at::Tensor loss;
-    if (target.defined()) {
-      loss = at::cross_entropy_loss(out, target);
-    } else {
-      if (!target.defined() || target.sizes() != out.sizes()) target = at::rand_like(out);
+    if (segmentation) {
+      // A random mask shaped as the output, drawn at the first step (the output's shape is the
+      // model's to say).
+      if (!target.defined()) target = at::rand_like(out);
       loss = at::binary_cross_entropy_with_logits(out, target);
+    } else {
+      loss = at::cross_entropy_loss(out, target);
     }
     loss.backward();
     optimizer->step();
