@@ -94,10 +94,8 @@ struct CheckpointFrame::State {
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
   std::vector<std::pair<SkipKey, SkipTensor>> popped;
-  // The phony of the previous micro-batch's fork, if any: CheckpointBackward's last next edge,
-  // added by attach_dependency on the main thread. `node` is CheckpointBackward (weak: the node
-  // owns this state).
-  at::Tensor dependency;
+  // Whether CheckpointBackward has the dependency's edge as its last next edge
+  // (attach_dependency). `node` is CheckpointBackward (weak: the node owns this state).
   bool has_dependency = false;
   std::weak_ptr<torch::autograd::Node> node;
 
@@ -375,15 +373,12 @@ Checkpointing::Checkpointing(Function function, Batch input, c10::Device device,
                                    std::move(thread_state), std::move(record), key);
 }
 
-void Checkpointing::depend_on(at::Tensor phony) { state_->dependency = std::move(phony); }
-
-void Checkpointing::attach_dependency() {
+void Checkpointing::attach_dependency(const at::Tensor& phony) {
   std::shared_ptr<Node> node = state_->node.lock();
-  if (node && state_->dependency.defined() && state_->dependency.requires_grad()) {
-    node->add_next_edge(torch::autograd::impl::gradient_edge(state_->dependency));
+  if (node && phony.defined() && phony.requires_grad()) {
+    node->add_next_edge(torch::autograd::impl::gradient_edge(phony));
     state_->has_dependency = true;
   }
-  state_->dependency.reset();
 }
 
 void Checkpointing::record_to(std::shared_ptr<Timeline> timeline, int64_t microbatch,

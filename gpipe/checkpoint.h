@@ -141,14 +141,11 @@ class Checkpointing {
 
   /// Makes this task's backward a dependency of `phony`'s node (a fork's phony, Note [Backward
   /// order] in pipeline.cc): CheckpointBackward gets the phony's edge, and no join is needed.
-  /// Call before checkpoint(); the edge is added by attach_dependency().
-  void depend_on(at::Tensor phony);
-
-  /// Adds the edge of depend_on's phony to CheckpointBackward. On the main thread, after every task
-  /// of the tick has finished and before the outputs get nodes of their own: the edge's target is
-  /// another task's node, which a worker may be reading while its task runs (Node::topological_nr
-  /// writes), and LibTorch 2.x refuses new edges on a node that already has a parent.
-  void attach_dependency();
+  /// After checkpoint(), on the main thread, once every task of the tick has finished and before
+  /// the outputs get nodes of their own: the edge's target is another task's node, which a worker
+  /// may be reading while its task runs (Node::topological_nr writes), and LibTorch 2.x refuses
+  /// new edges on a node that already has a parent.
+  void attach_dependency(const at::Tensor& phony);
 
   /// Records the recomputation and the backward of this task, (microbatch, partition), in
   /// `timeline` (TimelineEvent::Kind::kRecompute, kBackward).

@@ -64,18 +64,6 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
   return devices;
 }
 
-int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
-  switch (mode) {
-    case Checkpoint::kAlways:
-      return chunks;
-    case Checkpoint::kExceptLast:
-      return chunks - 1;
-    case Checkpoint::kNever:
-      return 0;
-  }
-  return 0;
-}
-
 // Which of a partition's parameters require grad, as a number (see Note [Autograd metadata of
 // checkpointed micro-batches] in checkpoint.h).
 uint64_t params_key(const torch::nn::Sequential& partition) {
@@ -87,6 +75,18 @@ uint64_t params_key(const torch::nn::Sequential& partition) {
 }
 
 }  // namespace
+
+int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
+  switch (mode) {
+    case Checkpoint::kAlways:
+      return chunks;
+    case Checkpoint::kExceptLast:
+      return chunks - 1;
+    case Checkpoint::kNever:
+      return 0;
+  }
+  return 0;
+}
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     : options_(std::move(options)) {

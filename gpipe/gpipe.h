@@ -38,6 +38,10 @@ enum class Checkpoint {
   kNever,
 };
 
+/// How many micro-batches of `chunks` a training forward with `mode` checkpoints (the first ones):
+/// chunks, chunks - 1 or 0.
+int64_t checkpoint_stop(Checkpoint mode, int64_t chunks);
+
 /// Options of a GPipe.
 ///
 ///   gpipe::GPipeOptions({2, 3})

@@ -44,6 +44,7 @@ struct Slot {
   const Batch* input = nullptr;
   std::function<Batch(const Batch&)> stage;  // the partition, in the micro-batch's context
   std::unique_ptr<Checkpointing> checkpointing;
+  at::Tensor dependency;  // checkpointed: the previous micro-batch's fork's phony, if any
   std::exception_ptr error;
   bool submitted = false;  // handed to a worker thread
   absl::Notification done;
@@ -191,7 +192,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         slot->checkpointing = std::make_unique<Checkpointing>(
             slot->stage, batches[i], spec.devices[j], spec.recompute_state, spec.grad_records[j],
             spec.params_keys[j]);
-        slot->checkpointing->depend_on(std::move(phonies[k]));
+        slot->dependency = std::move(phonies[k]);
         if (spec.timeline) {
           slot->checkpointing->record_to(spec.timeline, i, static_cast<int64_t>(j));
         }
@@ -238,7 +239,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       const size_t j = slot->partition;
       Batch& out = slot->output;
       if (slot->checkpointing) {
-        slot->checkpointing->attach_dependency();
+        slot->checkpointing->attach_dependency(slot->dependency);
       }
       if (static_cast<int64_t>(j) < n - 1) {
         out.values() = wait(std::move(out.values()), spec.compute_streams[j], copy_streams[j][i]);

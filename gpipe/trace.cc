@@ -234,20 +234,18 @@ std::string schedule_svg(int64_t microbatches, int64_t partitions, int64_t check
       const double fx = kLeft + (i + j) * cell;
       const double bx = kLeft + (ticks + (m - 1 - i) + (n - 1 - j)) * cell;
       const bool checkpointed = i < checkpoint_stop;
-      absl::StrAppendFormat(&out,
-                            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
-                            "fill=\"%s\" stroke=\"white\"/>"
-                            "<text x=\"%.1f\" y=\"%.1f\" fill=\"white\" "
-                            "text-anchor=\"middle\">%d</text>\n",
-                            fx, y + 2, cell, kRow - 12, checkpointed ? "#6a9fd8" : "#2f6fb5",
-                            fx + cell / 2, y + kRow / 2 + 1, i);
-      absl::StrAppendFormat(&out,
-                            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
-                            "fill=\"%s\" stroke=\"white\"/>"
-                            "<text x=\"%.1f\" y=\"%.1f\" fill=\"white\" "
-                            "text-anchor=\"middle\">%d</text>\n",
-                            bx, y + 2, cell, kRow - 12, checkpointed ? "#f0a04b" : "#5aa469",
-                            bx + cell / 2, y + kRow / 2 + 1, i);
+      // A cell at `x`, labelled with the micro-batch.
+      auto draw = [&](double x, const char* colour) {
+        absl::StrAppendFormat(&out,
+                              "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                              "fill=\"%s\" stroke=\"white\"/>"
+                              "<text x=\"%.1f\" y=\"%.1f\" fill=\"white\" "
+                              "text-anchor=\"middle\">%d</text>\n",
+                              x, y + 2, cell, kRow - 12, colour, x + cell / 2, y + kRow / 2 + 1,
+                              i);
+      };
+      draw(fx, checkpointed ? "#6a9fd8" : "#2f6fb5");
+      draw(bx, checkpointed ? "#f0a04b" : "#5aa469");
     }
   }
   const double axis_y = kTop + n * kRow + 14;

@@ -306,12 +306,15 @@ int train(const TrainerModel& trainer) {
       (loss * loss_scale).backward();
       bool finite = true;
       if (loss_scale != 1.0) {
+        // One host synchronisation for all gradients, not one per parameter.
         at::NoGradGuard no_grad;
+        std::vector<at::Tensor> checks;
         for (auto& p : pipe->parameters()) {
           if (!p.grad().defined()) continue;
           p.mutable_grad().div_(loss_scale);
-          finite = finite && p.grad().isfinite().all().item<bool>();
+          checks.push_back(p.grad().isfinite().all().to(in));
         }
+        finite = checks.empty() || at::stack(checks).all().item<bool>();
       }
       for (auto& group : optimizer.param_groups()) {
         static_cast<torch::optim::AdamOptions&>(group.options())
@@ -331,10 +334,8 @@ int train(const TrainerModel& trainer) {
       if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
       if (!absl::GetFlag(FLAGS_svg).empty()) pipe->write_timeline_svg(absl::GetFlag(FLAGS_svg));
       if (!absl::GetFlag(FLAGS_ideal_svg).empty()) {
-        const Checkpoint mode = parse_checkpoint(absl::GetFlag(FLAGS_checkpoint));
-        const int64_t stop = mode == Checkpoint::kAlways       ? chunks
-                             : mode == Checkpoint::kExceptLast ? chunks - 1
-                                                               : 0;
+        const int64_t stop =
+            checkpoint_stop(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)), chunks);
         write_file(absl::GetFlag(FLAGS_ideal_svg), schedule_svg(chunks, partitions, stop));
       }
     }
