@@ -1,6 +1,7 @@
 // The CPU as a pipeline of cores: a balanced model in n partitions, each with one worker thread
 // and one intra-op thread, against the same GPipe with every task on the calling thread (same
-// partitions, same micro-batches), for training steps and for inference, m = 1 ... 32
+// partitions, same micro-batches), for training steps (backward as one autograd graph, and
+// stage-local: each partition's backward on its worker) and for inference, m = 1 ... 32
 // micro-batches. The speed-up is compared with the ideal clock-cycle speed-up n * m / (m + n - 1).
 //
 //   bazel run -c opt //benchmarks:pipeline_efficiency -- --partitions=2 --json_out=/tmp/pe.json
@@ -87,10 +88,12 @@ int main(int argc, char** argv) {
               static_cast<long long>(width), static_cast<long long>(width),
               static_cast<long long>(absl::GetFlag(FLAGS_microbatch)),
               std::thread::hardware_concurrency(), TORCH_VERSION, repeats);
-  std::printf("%9s %3s %12s %12s %9s %7s %14s\n", "mode", "m", "1 thread ms", "pipeline ms",
+  std::printf("%31s %3s %12s %12s %9s %7s %14s\n", "mode", "m", "1 thread ms", "pipeline ms",
               "speed-up", "ideal", "of the ideal");
   std::vector<std::string> json;
-  for (const bool training : {true, false}) {
+  for (const char* mode : {"training", "training, stage-local backward", "inference"}) {
+    const bool training = std::string(mode) != "inference";
+    const bool stage_local = std::string(mode) == "training, stage-local backward";
     for (int64_t m = 1; m <= absl::GetFlag(FLAGS_max_chunks); m *= 2) {
       const at::Tensor x = at::randn({m * absl::GetFlag(FLAGS_microbatch), width});
       double ms[2];
@@ -100,7 +103,8 @@ int main(int argc, char** argv) {
                                .devices(std::vector<c10::Device>(n, at::kCPU))
                                .chunks(m)
                                .checkpoint(gpipe::Checkpoint::kNever)
-                               .worker_per_partition(workers));
+                               .worker_per_partition(workers)
+                               .stage_local_backward(workers && stage_local));
         std::function<void()> step;
         if (training) {
           model->train();
@@ -121,8 +125,7 @@ int main(int argc, char** argv) {
       }
       const double speedup = ms[0] / ms[1];
       const double ideal = static_cast<double>(n * m) / (m + n - 1);
-      const char* mode = training ? "training" : "inference";
-      std::printf("%9s %3lld %12.2f %12.2f %8.2fx %6.2fx %13.0f%%\n", mode,
+      std::printf("%31s %3lld %12.2f %12.2f %8.2fx %6.2fx %13.0f%%\n", mode,
                   static_cast<long long>(m), ms[0], ms[1], speedup, ideal,
                   100 * speedup / ideal);
       json.push_back(absl::StrFormat(

@@ -34,9 +34,7 @@ struct BatchNormLayers::Layer {
 
   // Deferred statistics.
   absl::Mutex mu;
-  double count ABSL_GUARDED_BY(mu) = 0;
-  at::Tensor mean ABSL_GUARDED_BY(mu);  // float64, per channel
-  at::Tensor m2 ABSL_GUARDED_BY(mu);    // float64, per channel: sum of squared deviations
+  BatchNormStatistics statistics ABSL_GUARDED_BY(mu);  // count 0 and undefined tensors: none yet
 
   void accumulate(const at::Tensor& input);
 };
@@ -122,18 +120,7 @@ void BatchNormLayers::Layer::accumulate(const at::Tensor& input) {
   at::Tensor batch_mean = std::get<1>(var_mean).to(at::kDouble);
   at::Tensor batch_m2 = std::get<0>(var_mean).to(at::kDouble) * n;
   absl::MutexLock lock(&mu);
-  if (count == 0) {
-    mean = batch_mean;
-    m2 = batch_m2;
-    count = n;
-    return;
-  }
-  // Chan et al.: combine (count, mean, m2) with (n, batch_mean, batch_m2).
-  const double total = count + n;
-  at::Tensor delta = batch_mean - mean;
-  mean = mean + delta * (n / total);
-  m2 = m2 + batch_m2 + delta * delta * (count * n / total);
-  count = total;
+  statistics.merge(n, batch_mean, batch_m2);
 }
 
 BatchNormLayers::BatchNormLayers(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
@@ -200,18 +187,58 @@ BatchNormLayers::Redirect::~Redirect() {
 void BatchNormLayers::reset_statistics() {
   for (auto& layer : layers_) {
     absl::MutexLock lock(&layer->mu);
-    layer->count = 0;
-    layer->mean.reset();
-    layer->m2.reset();
+    layer->statistics = BatchNormStatistics{};
   }
 }
 
-void BatchNormLayers::commit() {
-  at::NoGradGuard no_grad;
-  for (auto& owned : layers_) {
+void BatchNormStatistics::merge(double n, const at::Tensor& other_mean,
+                                const at::Tensor& other_m2) {
+  if (n == 0) {
+    return;
+  }
+  if (count == 0) {
+    count = n;
+    mean = other_mean;
+    m2 = other_m2;
+    return;
+  }
+  const double total = count + n;
+  at::Tensor delta = other_mean - mean;
+  mean = mean + delta * (n / total);
+  m2 = m2 + other_m2 + delta * delta * (count * n / total);
+  count = total;
+}
+
+std::vector<BatchNormStatistics> BatchNormLayers::statistics() const {
+  std::vector<BatchNormStatistics> out;
+  out.reserve(layers_.size());
+  for (const auto& owned : layers_) {
     Layer& layer = *owned;
     absl::MutexLock lock(&layer.mu);
-    if (layer.count == 0) {
+    if (layer.statistics.count == 0) {
+      const at::Tensor zeros = at::zeros(layer.options->num_features(),
+                                         at::TensorOptions(at::kDouble).device(
+                                             layer.running_mean->device()));
+      out.push_back(BatchNormStatistics{0, zeros, zeros.clone()});
+    } else {
+      out.push_back(layer.statistics);
+    }
+  }
+  return out;
+}
+
+void BatchNormLayers::commit(const std::vector<BatchNormStatistics>* statistics) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(statistics == nullptr || statistics->size() == layers_.size(),
+              "gpipe: batch norm statistics for ", statistics ? statistics->size() : 0,
+              " layers were given to a partition with ", layers_.size());
+  for (size_t k = 0; k < layers_.size(); ++k) {
+    Layer& layer = *layers_[k];
+    absl::MutexLock lock(&layer.mu);
+    const BatchNormStatistics own = std::move(layer.statistics);
+    layer.statistics = BatchNormStatistics{};
+    const BatchNormStatistics& s = statistics ? (*statistics)[k] : own;
+    if (s.count == 0) {
       continue;
     }
     at::Tensor real_mean, real_var, real_count;
@@ -229,12 +256,9 @@ void BatchNormLayers::commit() {
         momentum.has_value() ? *momentum : 1.0 / real_count.item<double>();
     // Unbiased variance, as BatchNorm uses for running_var (a count of 1 has none: BatchNorm
     // refuses such input in training).
-    at::Tensor var = layer.m2 / std::max(layer.count - 1.0, 1.0);
-    real_mean.mul_(1.0 - factor).add_(layer.mean.to(real_mean.options()), factor);
+    at::Tensor var = s.m2 / std::max(s.count - 1.0, 1.0);
+    real_mean.mul_(1.0 - factor).add_(s.mean.to(real_mean.options()), factor);
     real_var.mul_(1.0 - factor).add_(var.to(real_var.options()), factor);
-    layer.count = 0;
-    layer.mean.reset();
-    layer.m2.reset();
   }
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -47,6 +48,24 @@ namespace gpipe {
 // was destroyed in between. The redirection is counted per layer, so overlapping redirections
 // (a forward and another thread's backward) restore the real buffers only when the last ends.
 
+/// The deferred statistics of one BatchNorm layer over a mini-batch: the number of values seen
+/// per channel, and per channel their mean and sum of squared deviations (float64, on the layer's
+/// device). A layer that saw nothing has count 0 and zeros.
+struct BatchNormStatistics {
+  double count = 0;
+  at::Tensor mean;
+  at::Tensor m2;
+
+  /// Adds `n` more values whose per-channel mean and sum of squared deviations are `mean` and
+  /// `m2` (Chan et al.'s pairwise update; from nothing when count is 0).
+  void merge(double n, const at::Tensor& mean, const at::Tensor& m2);
+};
+
+/// Combines a mini-batch's deferred statistics, one entry per BatchNorm layer in partition order,
+/// with those of other processes before the running statistics are updated from them (see
+/// GPipeImpl::set_statistics_combiner).
+using StatisticsCombiner = std::function<void(std::vector<BatchNormStatistics>&)>;
+
 /// The BatchNorm1d/2d/3d layers with running statistics found in some modules, nested ones
 /// included (see the Notes). Shared by a GPipe and the autograd graphs of its forwards.
 ///
@@ -81,9 +100,14 @@ class BatchNormLayers {
   /// Clears the deferred statistics of every layer.
   void reset_statistics();
 
+  /// What each layer accumulated since reset_statistics(), in layer order.
+  std::vector<BatchNormStatistics> statistics() const;
+
   /// Updates the running statistics of every layer from what was accumulated since
-  /// reset_statistics() (see Note [Deferred batch norm without replacing modules]).
-  void commit();
+  /// reset_statistics() (see Note [Deferred batch norm without replacing modules]), or from
+  /// `statistics` (one entry per layer, as statistics() returned them, perhaps combined with other
+  /// processes') when given; then clears what was accumulated.
+  void commit(const std::vector<BatchNormStatistics>* statistics = nullptr);
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;

@@ -103,14 +103,23 @@ struct CheckpointFrame::State {
   std::shared_ptr<Timeline> timeline;
   int64_t microbatch = 0;
   int64_t partition = 0;
-  double now_us() const { return timeline ? timeline->now_us() : 0.0; }
-  void record_event(TimelineEvent::Kind kind, double start_us) const {
+  // When recorded work started: the host time and, on CUDA, a mark on the current stream
+  // (Note [Device times] in timeline.cc).
+  struct Started {
+    double us = 0;
+    std::shared_ptr<StreamMark> mark;
+  };
+  Started start() const {
+    return timeline ? Started{timeline->now_us(), timeline->mark(current_stream(device))}
+                    : Started{};
+  }
+  void record_event(TimelineEvent::Kind kind, const Started& started) const {
     if (timeline) {
       TimelineEvent event{kind, microbatch, partition};
       event.checkpointed = true;
-      event.start_us = start_us;
+      event.start_us = started.us;
       event.end_us = timeline->now_us();
-      timeline->add(event);
+      timeline->add(event, started.mark, timeline->mark(current_stream(device)));
     }
   }
 
@@ -223,7 +232,7 @@ void recompute(State& st) {
   }
   Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
   Batch out(std::vector<at::Tensor>{});
-  const double start_us = state->now_us();
+  const State::Started started = state->start();
   {
     ThreadStateGuard thread_state(*state->thread_state);
     at::AutoGradMode grad(true);
@@ -241,7 +250,7 @@ void recompute(State& st) {
                   "std::exception (e.g. with TORCH_CHECK) to have it reach the caller");
     }
   }
-  state->record_event(TimelineEvent::Kind::kRecompute, start_us);
+  state->record_event(TimelineEvent::Kind::kRecompute, started);
   state->outputs = std::move(out.values());
   state->leaves = std::move(leaves);
   state->recomputed = true;
@@ -297,9 +306,9 @@ struct CheckpointBackward : Node {
       }
     }
     if (!outputs.empty()) {
-      const double start_us = state->now_us();
+      const State::Started started = state->start();
       torch::autograd::backward(outputs, output_grads);
-      state->record_event(TimelineEvent::Kind::kBackward, start_us);
+      state->record_event(TimelineEvent::Kind::kBackward, started);
     }
     auto grad_of = [](const at::Tensor& leaf) {
       return leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor();

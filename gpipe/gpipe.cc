@@ -64,16 +64,6 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
   return devices;
 }
 
-// Which of a partition's parameters require grad, as a number (see Note [Autograd metadata of
-// checkpointed micro-batches] in checkpoint.h).
-uint64_t params_key(const torch::nn::Sequential& partition) {
-  uint64_t key = 1469598103934665603ull;
-  for (const at::Tensor& p : partition->parameters()) {
-    key = (key ^ (p.requires_grad() ? 2u : 1u)) * 1099511628211ull;
-  }
-  return key;
-}
-
 }  // namespace
 
 int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
@@ -121,7 +111,21 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
       }
     }
   }
-  workers_ = std::make_unique<WorkerPool>(devices_, options_.worker_per_partition());
+  if (options_.stage_local_backward()) {
+    for (size_t j = 0; j < devices_.size(); ++j) {
+      TORCH_CHECK(devices_[j].is_cpu(), "GPipe stage_local_backward is for CPU partitions, but "
+                  "partition ", j, " is on ", devices_[j], " (CUDA partitions already run their "
+                  "backward on the autograd engine's device threads)");
+    }
+    TORCH_CHECK(options_.worker_per_partition(), "GPipe stage_local_backward needs "
+                "worker_per_partition(true): each partition's backward runs on its own worker");
+    const std::vector<SkipKey> crossing = skip_layout_.crossing();
+    TORCH_CHECK(crossing.empty(), "GPipe stage_local_backward: the skip '",
+                crossing.empty() ? "" : crossing[0].str(), "' crosses partitions, whose "
+                "backward would then reach a partition from two threads; keep each skip within "
+                "a partition or turn stage_local_backward off");
+  }
+  workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
   if (options_.worker_per_partition() && options_.checkpoint() != Checkpoint::kNever) {
     for (size_t j = 1; j < devices_.size(); ++j) {
       if (devices_[j].is_cpu() && devices_[j - 1].is_cpu()) {
@@ -231,7 +235,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   if (spec.checkpoint_stop > 0) {
     spec.grad_records = grad_records_;
     for (const auto& partition : partitions_) {
-      spec.params_keys.push_back(params_key(partition));
+      spec.params_keys.push_back(requires_grad_key(partition));
     }
     // Captured before the deferred-batch-norm callback is added: the recomputation observes no
     // operator (Note [Deferred batch norm without replacing modules]).
@@ -242,7 +246,10 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.skip_layout = &skip_layout_;
   spec.run = next_run_id();
   if (options_.record_timeline()) {
-    spec.timeline = std::make_shared<Timeline>();
+    spec.timeline = std::make_shared<Timeline>(devices_);
+  }
+  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1) {
+    spec.stage_backward = std::make_shared<StageBackward>(workers_);
   }
 
   const bool deferred = options_.deferred_batch_norm() && is_training();
@@ -260,7 +267,25 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     }
     run_pipeline(spec, batches);
   }
-  if (deferred) {
+  if (deferred && statistics_combiner_) {
+    std::vector<BatchNormStatistics> statistics;
+    for (const auto& batch_norms : batch_norms_) {
+      for (BatchNormStatistics& s : batch_norms->statistics()) {
+        statistics.push_back(std::move(s));
+      }
+    }
+    const size_t layers = statistics.size();
+    statistics_combiner_(statistics);
+    TORCH_CHECK(statistics.size() == layers, "gpipe: the statistics combiner left ",
+                statistics.size(), " entries of batch norm statistics; it must keep one per "
+                "layer (", layers, ")");
+    auto next = statistics.begin();
+    for (const auto& batch_norms : batch_norms_) {
+      const std::vector<BatchNormStatistics> own(next, next + batch_norms->size());
+      next += batch_norms->size();
+      batch_norms->commit(&own);
+    }
+  } else if (deferred) {
     for (const auto& batch_norms : batch_norms_) {
       batch_norms->commit();
     }
@@ -269,6 +294,10 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   Batch result = gather(batches);
   out_atomic = result.atomic();
   out = std::move(result.values());
+}
+
+void GPipeImpl::set_statistics_combiner(StatisticsCombiner combine) {
+  statistics_combiner_ = std::move(combine);
 }
 
 void GPipeImpl::pretty_print(std::ostream& stream) const {

@@ -17,6 +17,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "absl/synchronization/mutex.h"
+#include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
@@ -24,7 +25,6 @@
 
 namespace gpipe {
 
-class BatchNormLayers;
 class WorkerPool;
 
 /// When micro-batches are checkpointed (their activations recomputed in backward instead of
@@ -70,8 +70,16 @@ struct GPipeOptions {
   /// draw random numbers from the CPU generator then draw them in an order that depends on thread
   /// timing.
   TORCH_ARG(bool, worker_per_partition) = false;
-  /// Whether each forward records its tasks and copies (see last_timeline()).
+  /// Whether each forward records its tasks and copies (see last_timeline()), with their device
+  /// times on CUDA devices; each CUDA device is then synchronised once at the start of the forward
+  /// to align its clock with the host's (Note [Device times] in timeline.cc).
   TORCH_ARG(bool, record_timeline) = false;
+  /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
+  /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every
+  /// partition on the CPU, worker_per_partition(true) and no skip crossing partitions. Gradients
+  /// are the same; torch::autograd::grad through the pipeline (rather than backward()) and
+  /// create_graph are not supported in this mode.
+  TORCH_ARG(bool, stage_local_backward) = false;
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -103,6 +111,8 @@ class GPipeImpl : public torch::nn::Module {
   /// the result has one element).
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& input);
 
+  /// The options it was made with.
+  const GPipeOptions& options() const { return options_; }
   /// Layers per partition.
   const std::vector<int64_t>& balance() const { return options_.balance(); }
   /// The device of each partition.
@@ -117,11 +127,13 @@ class GPipeImpl : public torch::nn::Module {
   size_t size() const;
   /// What the last forward did, when GPipeOptions::record_timeline is set (else empty), and the
   /// recomputations and checkpointed backward of its backward so far. Draw it with
-  /// gpipe::render_timeline, or write it out with write_chrome_trace / write_timeline_svg.
+  /// gpipe::render_timeline, or write it out with write_chrome_trace / write_timeline_svg. On
+  /// CUDA it waits until the devices have run the recorded work, to read its device times.
   std::vector<TimelineEvent> last_timeline() const;
 
   /// Writes last_timeline() as a Chrome trace (JSON; open it in https://ui.perfetto.dev or
-  /// chrome://tracing): one track per partition, named after its device. Call it after the
+  /// chrome://tracing): one track per partition, named after its device, and on CUDA a second
+  /// process with the same tracks in device time. Call it after the
   /// backward to see the recomputations too. Throws c10::Error when nothing was recorded or the
   /// file cannot be written.
   ///
@@ -143,6 +155,12 @@ class GPipeImpl : public torch::nn::Module {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
   void to(torch::Device device, bool non_blocking = false) override;
+  /// With deferred batch norm: `combine` sees each training forward's statistics (one entry per
+  /// BatchNorm layer, partitions in order) before the running statistics are updated from them,
+  /// and may change them, e.g. merge them with other replicas' (gpipe::distributed::DataParallel
+  /// does). Null: none (the default). Not thread-safe with a running forward.
+  void set_statistics_combiner(StatisticsCombiner combine);
+
   /// Converts every parameter and buffer to `dtype`, on its partition's device.
   void to(torch::Dtype dtype, bool non_blocking = false) override;
 
@@ -155,11 +173,12 @@ class GPipeImpl : public torch::nn::Module {
   std::vector<c10::Device> devices_;
   std::vector<torch::nn::Sequential> partitions_;
   torch::nn::ModuleList partition_list_;
-  std::unique_ptr<WorkerPool> workers_;
+  std::shared_ptr<WorkerPool> workers_;  // shared with stage-local backwards in flight
   // Per partition: its BatchNorm layers (shared with the autograd graphs of checkpointed
   // micro-batches, which may outlive this GPipe) and its GradRecord.
   std::vector<std::shared_ptr<BatchNormLayers>> batch_norms_;
   std::vector<std::shared_ptr<GradRecord>> grad_records_;
+  StatisticsCombiner statistics_combiner_;
   // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
   SkipLayout skip_layout_;

@@ -94,6 +94,14 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
   return partitions;
 }
 
+uint64_t requires_grad_key(const torch::nn::Sequential& partition) {
+  uint64_t key = 1469598103934665603ull;
+  for (const at::Tensor& p : partition->parameters()) {
+    key = (key ^ (p.requires_grad() ? 2u : 1u)) * 1099511628211ull;
+  }
+  return key;
+}
+
 Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) {
   torch::nn::AnyValue value = input.to_any();
   size_t index = 0;

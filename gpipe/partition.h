@@ -36,4 +36,8 @@ std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 /// layer returns something other than a tensor or a vector of tensors.
 Batch run_partition(const torch::nn::Sequential& partition, const Batch& input);
 
+/// Which of a partition's parameters require grad, as a number: the `params_key` of its
+/// Checkpointing (Note [Autograd metadata of checkpointed micro-batches] in checkpoint.h).
+uint64_t requires_grad_key(const torch::nn::Sequential& partition);
+
 }  // namespace gpipe

@@ -32,7 +32,8 @@ namespace gpipe {
 // micro-batch i is checkpointed at partition j, the phony becomes an extra next edge of its
 // CheckpointBackward instead of being joined into its lane: the fork then waits for the end of
 // that task's backward, as it would behind the join (a little earlier: before the gradient's copy
-// to partition j-1 is queued). Each checkpointed task so costs two autograd nodes fewer.
+// to partition j-1 is queued). Each checkpointed task so costs two autograd nodes fewer. With
+// stage-local backward (Note [Stage-local backward in one process]) there are no such edges.
 
 namespace {
 
@@ -67,20 +68,36 @@ class TickGuard {
   std::vector<std::unique_ptr<Slot>>& slots_;
 };
 
-// Adds `event`, which started at `start` and ends now, to the timeline if one is recorded.
-void record(const PipelineSpec& spec, TimelineEvent event, double start) {
+// When recorded work started: the host time and, for work on a CUDA stream, a mark on it (Note
+// [Device times] in timeline.cc).
+struct Started {
+  double us = 0;
+  std::shared_ptr<StreamMark> mark;
+};
+
+Started start(const PipelineSpec& spec, const c10::Stream& stream) {
+  return spec.timeline ? Started{spec.timeline->now_us(), spec.timeline->mark(stream)}
+                       : Started{};
+}
+
+// Adds `event`, which started at `started` and ends now (on `stream`), to the timeline if one is
+// recorded.
+void record(const PipelineSpec& spec, TimelineEvent event, const Started& started,
+            const c10::Stream& stream) {
   if (spec.timeline) {
-    event.start_us = start;
+    event.start_us = started.us;
     event.end_us = spec.timeline->now_us();
-    spec.timeline->add(event);
+    spec.timeline->add(event, started.mark,
+                       started.mark ? spec.timeline->mark(stream) : nullptr);
   }
 }
 
 // Runs one task on the current thread, on its partition's compute stream.
 void compute(const PipelineSpec& spec, Slot& slot) {
-  const double start = spec.timeline ? spec.timeline->now_us() : 0;
+  const c10::Stream& stream = spec.compute_streams[slot.partition];
+  const Started started = start(spec, stream);
   try {
-    c10::StreamGuard stream_guard(spec.compute_streams[slot.partition]);
+    c10::StreamGuard stream_guard(stream);
     slot.output = slot.checkpointing ? slot.checkpointing->checkpoint() : slot.stage(*slot.input);
   } catch (...) {
     slot.error = std::current_exception();
@@ -88,7 +105,7 @@ void compute(const PipelineSpec& spec, Slot& slot) {
   TimelineEvent event{TimelineEvent::Kind::kCompute, slot.microbatch,
                       static_cast<int64_t>(slot.partition)};
   event.checkpointed = slot.checkpointing != nullptr;
-  record(spec, event, start);
+  record(spec, event, started, stream);
 }
 
 void depend_lanes(Batch& before, Batch& after) {
@@ -142,7 +159,9 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     for (size_t k = 0; k < tick.size(); ++k) {
       const int64_t i = tick[k].microbatch;
       const int64_t j = tick[k].partition;
-      if (i > 0 && i < spec.checkpoint_stop) {
+      if (spec.stage_backward) {
+        // No edges between micro-batches: each partition's backward is an engine call of its own.
+      } else if (i > 0 && i < spec.checkpoint_stop) {
         const int64_t lane = batches[i - 1].lane();
         if (lane >= 0) {
           auto forked = fork(batches[i - 1][lane]);
@@ -153,18 +172,27 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         depend_lanes(batches[i - 1], batches[i]);
       }
       if (j > 0) {
-        const double start = spec.timeline ? spec.timeline->now_us() : 0;
         if (trackers[i] != nullptr) {
+          const Started skips_started{spec.timeline ? spec.timeline->now_us() : 0, nullptr};
           for (int64_t from : trackers[i]->fence(i, j, spec.compute_streams, copy_streams)) {
-            record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, start);
+            record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, skips_started,
+                   copy_streams[j][i]);
           }
         }
-        const double copy_start = spec.timeline ? spec.timeline->now_us() : 0;
+        // LibTorch runs a copy from a CUDA device on the source's current stream, else on the
+        // destination's.
+        const c10::Stream& copy_stream = has_streams(copy_streams[j - 1][i].device())
+                                             ? copy_streams[j - 1][i]
+                                             : copy_streams[j][i];
+        const Started copy_started = start(spec, copy_stream);
         batches[i].values() = copy(std::move(batches[i].values()), copy_streams[j - 1][i],
                                    copy_streams[j][i]);
         record(spec,
                {TimelineEvent::Kind::kCopy, i, j, j - 1, static_cast<int64_t>(batches[i].size())},
-               copy_start);
+               copy_started, copy_stream);
+        if (spec.stage_backward) {
+          spec.stage_backward->hand_off(batches[i], static_cast<size_t>(j - 1), i);
+        }
       }
     }
 
@@ -251,6 +279,13 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     }
     if (first_error) {
       std::rethrow_exception(first_error);
+    }
+  }
+  if (spec.stage_backward) {
+    // The last partition's backward too runs on its worker, not on the thread that calls
+    // backward(), which runs the first partition's (Note [Stage-local backward in one process]).
+    for (int64_t i = 0; i < m; ++i) {
+      spec.stage_backward->hand_off(batches[i], static_cast<size_t>(n - 1), i);
     }
   }
 }

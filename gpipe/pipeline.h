@@ -14,6 +14,7 @@
 #include "gpipe/microbatch.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/skip_layout.h"
+#include "gpipe/stage_backward.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"
 
@@ -45,6 +46,9 @@ struct PipelineSpec {
   uint64_t run = 0;
   /// Where to record what happened, also in backward; null to record nothing.
   std::shared_ptr<Timeline> timeline;
+  /// Stage-local backward (Note [Stage-local backward in one process]): cuts the graph in front of
+  /// each partition and adds no fork/join edges between micro-batches. Null: one graph.
+  std::shared_ptr<StageBackward> stage_backward;
 };
 
 /// Runs every micro-batch of `batches` (on the first device) through every partition, replacing

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -193,6 +194,68 @@ int64_t peak_memory_allocated(c10::Device device) {
   return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].peak;
 #else
   no_cuda(device);
+#endif
+}
+
+#ifdef GPIPE_WITH_CUDA
+// A CUDA event with timing enabled (the event pool's are made without: cheaper to record and
+// wait for). Made on the device of its stream and destroyed there.
+struct StreamMark {
+  explicit StreamMark(c10::DeviceIndex device) : device(device) {
+    const c10::cuda::CUDAGuard guard(device);
+    C10_CUDA_CHECK(cudaEventCreate(&event));
+  }
+  ~StreamMark() {
+    const c10::cuda::CUDAGuard guard(device);
+    (void)cudaEventDestroy(event);  // no throw from a destructor
+  }
+  StreamMark(const StreamMark&) = delete;
+  StreamMark& operator=(const StreamMark&) = delete;
+  c10::DeviceIndex device;
+  cudaEvent_t event = nullptr;
+};
+#else
+struct StreamMark {};
+#endif
+
+std::shared_ptr<StreamMark> mark_stream(const c10::Stream& stream) {
+  if (!has_streams(stream.device())) {
+    return nullptr;
+  }
+#ifdef GPIPE_WITH_CUDA
+  auto mark = std::make_shared<StreamMark>(stream.device_index());
+  const c10::cuda::CUDAGuard guard(mark->device);
+  C10_CUDA_CHECK(cudaEventRecord(mark->event, c10::cuda::CUDAStream(stream).stream()));
+  return mark;
+#else
+  no_cuda(stream.device());
+#endif
+}
+
+c10::Device mark_device(const StreamMark& mark) {
+#ifdef GPIPE_WITH_CUDA
+  return c10::Device(c10::kCUDA, mark.device);
+#else
+  (void)mark;
+  TORCH_CHECK(false, "gpipe: device marks exist only in a CUDA build");
+#endif
+}
+
+double elapsed_us(const StreamMark& from, const StreamMark& to) {
+#ifdef GPIPE_WITH_CUDA
+  TORCH_CHECK(from.device == to.device, "gpipe: elapsed time between marks on cuda:",
+              static_cast<int>(from.device), " and cuda:", static_cast<int>(to.device),
+              "; device times can only be compared on one device");
+  const c10::cuda::CUDAGuard guard(to.device);
+  C10_CUDA_CHECK(cudaEventSynchronize(from.event));
+  C10_CUDA_CHECK(cudaEventSynchronize(to.event));
+  float ms = 0;
+  C10_CUDA_CHECK(cudaEventElapsedTime(&ms, from.event, to.event));
+  return 1000.0 * static_cast<double>(ms);
+#else
+  (void)from;
+  (void)to;
+  TORCH_CHECK(false, "gpipe: device marks exist only in a CUDA build");
 #endif
 }
 

@@ -57,6 +57,20 @@ int64_t memory_allocated(c10::Device device);
 /// (or since its peak statistics were reset), or -1 where the allocator does not track them (CPU).
 int64_t peak_memory_allocated(c10::Device device);
 
+/// A point in a CUDA stream's work whose time on the device can be read once the device has
+/// reached it: a CUDA event with timing. Made by mark_stream; used by the timeline (timeline.h).
+struct StreamMark;
+
+/// Records a timing mark on `stream` now. Null on the CPU, where work runs when the host runs it.
+std::shared_ptr<StreamMark> mark_stream(const c10::Stream& stream);
+
+/// The device (with its index) on which `mark` was recorded.
+c10::Device mark_device(const StreamMark& mark);
+
+/// Microseconds of device time from mark `from` to mark `to`, both on one device; waits until the
+/// device has reached `to`. Throws c10::Error if the marks are on different devices.
+double elapsed_us(const StreamMark& from, const StreamMark& to);
+
 /// The state of the random generator that work on a device draws from: the CPU generator for the
 /// CPU, the device's own generator for a CUDA device. (Only that one: recomputations run on one
 /// thread per device at once, and saving and restoring the process-wide CPU generator from

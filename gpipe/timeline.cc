@@ -9,18 +9,74 @@
 
 namespace gpipe {
 
+// Note [Device times]
+// ~~~~~~~~~~~~~~~~~~~~
+// On CUDA the host only issues work: a task's host times say when its kernels were queued, not
+// when they ran. So on a CUDA device the timeline also records a timing event (StreamMark) on the
+// work's stream before and after it — the partition's compute stream for a task, the current
+// stream of the autograd engine's device thread for a recomputation and a checkpointed backward,
+// the source's copy stream for an activation copy (where LibTorch runs a copy from a CUDA device;
+// a copy from the CPU runs on the destination's copy stream). Device times of events on one
+// device can be compared with each other only, so each device gets an origin: at construction the
+// device is synchronised, an event is recorded on its current stream and waited for, and the host
+// time right after is taken as the device time of that event. A device time is then the origin's
+// host time plus the device's elapsed time from the origin, so host and device events share one
+// clock, up to the few microseconds a synchronisation takes to return. Marks are read when the
+// events are asked for (events() waits for them), never on the pipeline's threads. Skip copies
+// have host times only.
+
+Timeline::Timeline(const std::vector<c10::Device>& devices) : Timeline() {
+  for (const c10::Device& device : devices) {
+    if (!has_streams(device) || origin(device) != nullptr) {
+      continue;
+    }
+    synchronize(device);
+    std::shared_ptr<StreamMark> mark = mark_stream(current_stream(device));
+    (void)elapsed_us(*mark, *mark);  // waits until the device has reached it
+    const double host_us = now_us();
+    origins_.push_back(Origin{mark_device(*mark), std::move(mark), host_us});
+  }
+}
+
+const Timeline::Origin* Timeline::origin(const c10::Device& device) const {
+  for (const Origin& o : origins_) {
+    if (o.device == device) {
+      return &o;
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<StreamMark> Timeline::mark(const c10::Stream& stream) const {
+  return origin(stream.device()) != nullptr ? mark_stream(stream) : nullptr;
+}
+
 double Timeline::now_us() const {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_)
       .count();
 }
 
-void Timeline::add(TimelineEvent event) {
+void Timeline::add(TimelineEvent event, std::shared_ptr<StreamMark> device_start,
+                   std::shared_ptr<StreamMark> device_end) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (device_start != nullptr && device_end != nullptr) {
+    // Both marks are on one stream's device, which has an origin (mark() made them).
+    if (const Origin* o = origin(mark_device(*device_start))) {
+      pending_.push_back(Pending{events_.size(), o, std::move(device_start),
+                                 std::move(device_end)});
+    }
+  }
   events_.push_back(event);
 }
 
 std::vector<TimelineEvent> Timeline::events() const {
   std::lock_guard<std::mutex> lock(mu_);
+  for (const Pending& p : pending_) {
+    TimelineEvent& e = events_[p.event];
+    e.device_start_us = p.origin->host_us + elapsed_us(*p.origin->mark, *p.start);
+    e.device_end_us = p.origin->host_us + elapsed_us(*p.origin->mark, *p.end);
+  }
+  pending_.clear();
   return events_;
 }
 

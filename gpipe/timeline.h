@@ -8,6 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include "gpipe/stream.h"
+
 namespace gpipe {
 
 /// One thing the pipeline did during a forward.
@@ -31,24 +36,58 @@ struct TimelineEvent {
   int64_t from = -1;
   int64_t tensors = 0;
   bool checkpointed = false;
-  /// Microseconds since the forward started (host clock).
+  /// Microseconds since the forward started (host clock): when the host issued the work.
   double start_us = 0;
   double end_us = 0;
+  /// When the device ran it, on the same clock (Note [Device times]): set for work on CUDA
+  /// devices (tasks, recomputations, checkpointed backward, activation copies); -1 elsewhere.
+  double device_start_us = -1;
+  double device_end_us = -1;
+  bool has_device_times() const { return device_start_us >= 0; }
 };
 
 /// Collects the events of a forward and of its backward (recomputations); thread-safe.
 class Timeline {
  public:
+  /// A timeline of host times only.
   Timeline() : start_(std::chrono::steady_clock::now()) {}
+  /// A timeline that also measures device times on the CUDA ones among `devices`; each of those is
+  /// synchronised once here, to align its clock with the host's (Note [Device times]).
+  explicit Timeline(const std::vector<c10::Device>& devices);
+
   /// Microseconds since construction.
   double now_us() const;
-  void add(TimelineEvent event);
+  /// When the timeline started, in microseconds of the steady clock: the same clock in every
+  /// process of a host (CLOCK_MONOTONIC), so that timelines of processes can be drawn together.
+  double origin_us() const {
+    return std::chrono::duration<double, std::micro>(start_.time_since_epoch()).count();
+  }
+  /// A timing mark recorded on `stream` now, if its device's times are measured (else null).
+  std::shared_ptr<StreamMark> mark(const c10::Stream& stream) const;
+  /// Adds `event`; with marks, the event's device times are read from them by events().
+  void add(TimelineEvent event, std::shared_ptr<StreamMark> device_start = nullptr,
+           std::shared_ptr<StreamMark> device_end = nullptr);
+  /// The events so far; waits for the devices to reach the marks of those with device times.
   std::vector<TimelineEvent> events() const;
 
  private:
+  struct Origin {
+    c10::Device device;
+    std::shared_ptr<StreamMark> mark;
+    double host_us;  // the host time at which the device reached `mark`
+  };
+  struct Pending {
+    size_t event;
+    const Origin* origin;
+    std::shared_ptr<StreamMark> start, end;
+  };
+  const Origin* origin(const c10::Device& device) const;
+
   std::chrono::steady_clock::time_point start_;
+  std::vector<Origin> origins_;  // fixed after construction
   mutable std::mutex mu_;
-  std::vector<TimelineEvent> events_;
+  mutable std::vector<TimelineEvent> events_;
+  mutable std::vector<Pending> pending_;  // device times not read yet
 };
 
 /// Draws the compute events as the schedule they ran: one row per partition, one column per

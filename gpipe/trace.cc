@@ -107,27 +107,46 @@ std::string svg_open(double width, double height, const std::string& title) {
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events,
                               const std::vector<c10::Device>& devices) {
   std::vector<std::string> items;
-  items.push_back(
-      "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {\"name\": \"gpipe\"}}");
   const int64_t n = partition_count(events, devices);
-  for (int64_t j = 0; j < n; ++j) {
+  // Process 0: host times; process 1, when any event has them: device times (CUDA).
+  const bool device_times = std::any_of(events.begin(), events.end(), [](const TimelineEvent& e) {
+    return e.has_device_times();
+  });
+  for (int pid = 0; pid < (device_times ? 2 : 1); ++pid) {
     items.push_back(absl::StrFormat(
-        "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-        "\"args\": {\"name\": \"%s\"}}",
-        j, track_name(j, devices)));
+        "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": %d, \"args\": {\"name\": \"%s\"}}",
+        pid, pid == 0 ? "gpipe (host time)" : "gpipe (device time)"));
     items.push_back(absl::StrFormat(
-        "{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+        "{\"name\": \"process_sort_index\", \"ph\": \"M\", \"pid\": %d, "
         "\"args\": {\"sort_index\": %d}}",
-        j, j));
+        pid, pid));
+    for (int64_t j = 0; j < n; ++j) {
+      items.push_back(absl::StrFormat(
+          "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": %d, \"tid\": %d, "
+          "\"args\": {\"name\": \"%s\"}}",
+          pid, j, track_name(j, devices)));
+      items.push_back(absl::StrFormat(
+          "{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": %d, \"tid\": %d, "
+          "\"args\": {\"sort_index\": %d}}",
+          pid, j, j));
+    }
   }
-  for (const TimelineEvent& e : events) {
+  auto item = [&](const TimelineEvent& e, int pid, double start_us, double end_us) {
     items.push_back(absl::StrFormat(
-        "{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, "
+        "{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, "
         "\"ts\": %.3f, \"dur\": %.3f, \"args\": {\"microbatch\": %d, \"partition\": %d, "
         "\"from\": %d, \"tensors\": %d, \"checkpointed\": %s}}",
-        label(e), kind_name(e.kind), e.partition, e.start_us,
-        std::max(0.0, e.end_us - e.start_us), e.microbatch, e.partition, e.from, e.tensors,
+        label(e), kind_name(e.kind), pid, e.partition, start_us,
+        std::max(0.0, end_us - start_us), e.microbatch, e.partition, e.from, e.tensors,
         e.checkpointed ? "true" : "false"));
+  };
+  for (const TimelineEvent& e : events) {
+    item(e, 0, e.start_us, e.end_us);
+  }
+  for (const TimelineEvent& e : events) {
+    if (e.has_device_times()) {
+      item(e, 1, e.device_start_us, e.device_end_us);
+    }
   }
   return absl::StrCat("{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n  ",
                       absl::StrJoin(items, ",\n  "), "\n]}\n");
@@ -136,15 +155,24 @@ std::string chrome_trace_json(const std::vector<TimelineEvent>& events,
 std::string timeline_svg(const std::vector<TimelineEvent>& events,
                          const std::vector<c10::Device>& devices) {
   const int64_t n = partition_count(events, devices);
+  // Each event at its device times where they were measured (CUDA), else at its host times.
+  auto span = [](const TimelineEvent& e) {
+    return e.has_device_times() ? std::make_pair(e.device_start_us, e.device_end_us)
+                                : std::make_pair(e.start_us, e.end_us);
+  };
+  const bool device_times = std::any_of(events.begin(), events.end(), [](const TimelineEvent& e) {
+    return e.has_device_times();
+  });
   double end = 0;
   for (const TimelineEvent& e : events) {
-    end = std::max(end, e.end_us);
+    end = std::max(end, span(e).second);
   }
   end = std::max(end, 1.0);
   const double scale = kWidth / end;
   const double height = kTop + n * kRow + 50;
   std::string out = svg_open(kLeft + kWidth + 20, height,
-                             "gpipe: the schedule as it ran (host time; * = checkpointed)");
+                             device_times ? "gpipe: the schedule as it ran (device time)"
+                                          : "gpipe: the schedule as it ran (host time)");
   out += "<defs><pattern id=\"hatch\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
          "patternTransform=\"rotate(45)\"><line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" "
          "stroke=\"white\" stroke-width=\"2\" stroke-opacity=\"0.5\"/></pattern></defs>\n";
@@ -160,14 +188,15 @@ std::string timeline_svg(const std::vector<TimelineEvent>& events,
   for (const TimelineEvent& e : events) {
     const bool copy =
         e.kind == TimelineEvent::Kind::kCopy || e.kind == TimelineEvent::Kind::kSkipCopy;
-    const double x = kLeft + e.start_us * scale;
-    const double w = std::max(1.0, (e.end_us - e.start_us) * scale);
+    const auto [start_us, end_us] = span(e);
+    const double x = kLeft + start_us * scale;
+    const double w = std::max(1.0, (end_us - start_us) * scale);
     const double y = kTop + e.partition * kRow + (copy ? kRow - 8 : 2);
     const double h = copy ? 4 : kRow - 12;
     absl::StrAppendFormat(&out,
                           "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
                           "fill=\"%s\"><title>%s: %.1f-%.1f us</title></rect>\n",
-                          x, y, w, h, fill(e), xml_escape(label(e)), e.start_us, e.end_us);
+                          x, y, w, h, fill(e), xml_escape(label(e)), start_us, end_us);
     if (e.kind == TimelineEvent::Kind::kCompute && e.checkpointed) {
       absl::StrAppendFormat(&out,
                             "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "

@@ -15,15 +15,18 @@ namespace gpipe {
 
 /// The events as Chrome-trace JSON: a complete event ("ph": "X", host microseconds) per compute
 /// task, recomputation, checkpointed backward and copy, on one track (tid) per partition, named
-/// "partition j (device)" from `devices` (which may be empty). Each event's args hold its
-/// micro-batch, partition and kind.
+/// "partition j (device)" from `devices` (which may be empty), in process 0 ("gpipe (host
+/// time)"). Events with device times (CUDA) appear again at those times in process 1 ("gpipe
+/// (device time)"), on the same tracks. Each event's args hold its micro-batch, partition and
+/// kind.
 ///
 ///   std::ofstream("step.json") << gpipe::chrome_trace_json(model->last_timeline(),
 ///                                                          model->devices());
 std::string chrome_trace_json(const std::vector<TimelineEvent>& events,
                               const std::vector<c10::Device>& devices);
 
-/// An SVG picture of the events at their real times: one row per partition, a box per task
+/// An SVG picture of the events at their real times (device times where measured, else host
+/// times): one row per partition, a box per task
 /// (labelled with its micro-batch; checkpointed tasks hatched), recomputation and checkpointed
 /// backward, copies as thin bars, and a time axis.
 std::string timeline_svg(const std::vector<TimelineEvent>& events,

@@ -65,6 +65,20 @@ void Worker::loop() {
   }
 }
 
+std::shared_ptr<WorkerPool> WorkerPool::make_shared(const std::vector<c10::Device>& devices,
+                                                    bool worker_per_partition) {
+  return std::shared_ptr<WorkerPool>(
+      new WorkerPool(devices, worker_per_partition), [](WorkerPool* pool) {
+        for (const auto& worker : pool->workers_) {
+          if (worker->is_current()) {
+            std::thread([pool] { delete pool; }).detach();
+            return;
+          }
+        }
+        delete pool;
+      });
+}
+
 WorkerPool::WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_partition) {
   std::vector<c10::Device> keys;  // the device of each worker; keys[0] is the caller's
   for (size_t j = 0; j < devices.size(); ++j) {

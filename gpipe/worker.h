@@ -35,6 +35,8 @@ class Worker {
 
   /// The name given at construction (the device it serves).
   const std::string& name() const { return name_; }
+  /// Whether the calling thread is this worker's.
+  bool is_current() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
   void loop();
@@ -90,6 +92,12 @@ class WorkerPool {
 
   /// The number of threads started.
   size_t size() const { return workers_.size(); }
+
+  /// A pool shared by its owners (a GPipe, its stage-local backwards in flight) whose last owner
+  /// may let go of it on one of its own threads: it is then destroyed on a new thread, since a
+  /// worker cannot join itself.
+  static std::shared_ptr<WorkerPool> make_shared(const std::vector<c10::Device>& devices,
+                                                 bool worker_per_partition);
 
  private:
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -38,6 +38,8 @@ mirror=$(grep -hE '^[[:space:]]*(URIs:|deb[[:space:]])' /etc/apt/sources.list.d/
            /etc/apt/sources.list 2>/dev/null | grep -oE 'https?://[^ ]+/debian/?' | head -n 1)
 mirror=${mirror:-http://deb.debian.org/debian}
 
+# Gloo's headers (gpipe/distributed): libgloo-dev on CPU; the CUDA LibTorch depends on the CUDA
+# build of Gloo, whose headers (libgloo-cuda-dev) conflict with libgloo-dev.
 common="cmake ninja-build g++ libabsl-dev libcatch2-dev"
 cudnn_version="9.0.0.312~cuda12+gpipe1"
 
@@ -118,11 +120,11 @@ make_root() {  # make_root VARIANT
   local v=$1 root="$cache/trixie-$1" packages sources deb=""
   if [[ "$v" == cpu ]]; then
     # zlib and Fashion-MNIST: the example trainers and their data test.
-    packages="libtorch-dev zlib1g-dev dataset-fashion-mnist $common"
+    packages="libtorch-dev libgloo-dev zlib1g-dev dataset-fashion-mnist $common"
     sources="deb $mirror trixie main"
   else
     deb=$(cudnn_stand_in) || die "could not build the nvidia-cudnn stand-in: $deb"
-    packages="/tmp/$(basename "$deb") libtorch-cuda-dev nvidia-cuda-toolkit $common"
+    packages="/tmp/$(basename "$deb") libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit $common"
     sources="deb $mirror trixie main contrib non-free non-free-firmware"
   fi
   if [[ -f "$root/.gpipe-ready" && "$(cat "$root/.gpipe-ready")" == "$packages" ]]; then

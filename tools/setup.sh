@@ -2,7 +2,8 @@
 # Installs everything gpipe needs to build and test on a fresh Debian 12 machine, from Debian's
 # packages: a C++ compiler, Bazel 4 with Debian's Java rules, CMake and Ninja, LibTorch (CPU),
 # Abseil, Catch2 2, OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
-# times slower), zlib and Fashion-MNIST (the example trainers' data). Idempotent: installs only what
+# times slower), zlib and Fashion-MNIST (the example trainers' data), and the Gloo headers (c10d's CPU
+# process group, compiled into Debian's LibTorch; gpipe/distributed). Idempotent: installs only what
 # is missing.
 #
 #   sudo tools/setup.sh
@@ -31,6 +32,9 @@ PACKAGES=(
   libtorch-dev libabsl-dev catch2
   libopenblas0-pthread
   zlib1g-dev dataset-fashion-mnist
+  # gpipe/distributed: Gloo's headers (LibTorch has c10d and Gloo compiled in), and torchrun (in
+  # PyTorch's Python package) to launch the distributed trainers and benchmarks.
+  libgloo-dev python3-torch
 )
 
 missing=()

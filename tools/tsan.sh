@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# ThreadSanitizer on the tests that use threads (concurrency_test, gpipe_test): builds them with
+# ThreadSanitizer on the tests that use threads (concurrency_test, gpipe_test,
+# stage_backward_test): builds them with
 # CMake, -fsanitize=thread and warnings as errors, together with Abseil built from Debian's own
 # source package with the same flags, and runs them with the suppressions in tools/tsan.supp.
 # Abseil must be instrumented: absl::Mutex tells TSan about its locking only through annotations
 # compiled into Abseil, so with Debian's binary Abseil every access guarded by an absl::Mutex is
-# reported as a race.
+# reported as a race. (The distributed tests are not run here: c10d's Gloo backend, inside the
+# uninstrumented LibTorch, is reported throughout: reference counts and condition variables that
+# TSan cannot see ordered.)
 #
 #   tools/tsan.sh [BUILD_DIR]     (default build/tsan; Abseil's sources are kept in
 #                                  BUILD_DIR/absl-src and reused)
@@ -42,6 +45,6 @@ echo "=== gpipe's threaded tests with -fsanitize=thread"
 # One intra-op thread: OpenMP's own synchronisation inside LibTorch is invisible to TSan.
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="suppressions=$root/tools/tsan.supp exitcode=66 halt_on_error=0 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
-ONLY_TESTS="${ONLY_TESTS:-concurrency_test gpipe_test}" bash tools/cmake_test.sh "$build/gpipe" \
+ONLY_TESTS="${ONLY_TESTS:-concurrency_test gpipe_test stage_backward_test}" bash tools/cmake_test.sh "$build/gpipe" \
   -DGPIPE_ABSL_SOURCE_DIR="$(ls -d "$src"/abseil-*/ | head -n 1)" -DCMAKE_CXX_FLAGS="$flags" \
   -DCMAKE_CXX_FLAGS_RELEASE=-DNDEBUG -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread -DGPIPE_WERROR=ON

@@ -30,7 +30,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
+#include "examples/training/common.h"
 #include "examples/training/data.h"
+#include "examples/training/distributed_trainer.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
@@ -65,6 +67,10 @@ ABSL_FLAG(int64_t, threads, 0,
 ABSL_FLAG(int64_t, seed, 0, "random seed");
 ABSL_FLAG(std::string, trace, "", "write the last step's schedule here as a Chrome trace (JSON)");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+ABSL_FLAG(bool, distributed, false,
+          "one pipeline stage per process, started by torchrun (torchrun --no_python "
+          "--nproc_per_node=4 resnet --distributed --partitions=2: 2 stages x 2 replicas); "
+          "--partitions is the stages per pipeline (default: every process)");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
@@ -104,6 +110,25 @@ std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partiti
   return devices;
 }
 
+// The forward's bubble: per partition, the share of the forward's span it computed nothing,
+// averaged over the partitions.
+double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partitions) {
+  double start = 1e300, end = 0;
+  std::vector<double> busy(partitions, 0.0);
+  for (const TimelineEvent& e : events) {
+    if (e.kind != TimelineEvent::Kind::kCompute) continue;
+    start = std::min(start, e.start_us);
+    end = std::max(end, e.end_us);
+    busy[e.partition] += e.end_us - e.start_us;
+  }
+  if (end <= start) return 0;
+  double idle = 0;
+  for (double b : busy) idle += 1 - b / (end - start);
+  return idle / partitions;
+}
+
+}  // namespace
+
 Checkpoint parse_checkpoint(const std::string& name) {
   if (name == "always") return Checkpoint::kAlways;
   if (name == "never") return Checkpoint::kNever;
@@ -136,73 +161,22 @@ std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
   return balance;
 }
 
-std::string duration(double seconds) {
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  return absl::StrFormat("%d:%02d", s / 60, s % 60);
-}
-
-// A progress bar on one line (a terminal), or a line every tenth of the epoch (a log).
-class Progress {
- public:
-  Progress(int64_t epoch, int64_t total) : epoch_(epoch), total_(total), tty_(isatty(1)) {}
-  void update(int64_t done, double loss) {
-    const double elapsed = seconds();
-    const double rate = done / std::max(elapsed, 1e-9);
-    const double eta = (total_ - done) / std::max(rate, 1e-9);
-    const int64_t tenth = std::max<int64_t>(total_ / 10, 1);
-    if (!tty_ && done / tenth == last_tenth_ && done < total_) return;
-    last_tenth_ = done / tenth;
-    const int width = 30;
-    const int filled = static_cast<int>(width * done / std::max<int64_t>(total_, 1));
-    std::printf("%sepoch %lld [%s%s] %6lld/%lld  %7.1f samples/s  loss %.4f  ETA %s%s",
-                tty_ ? "\r" : "", static_cast<long long>(epoch_),
-                std::string(filled, '=').c_str(), std::string(width - filled, ' ').c_str(),
-                static_cast<long long>(done), static_cast<long long>(total_), rate, loss,
-                duration(eta).c_str(), tty_ ? "" : "\n");
-    std::fflush(stdout);
-  }
-  void finish() {
-    if (tty_) std::printf("\n");
-  }
-  double seconds() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
-
- private:
-  int64_t epoch_, total_;
-  bool tty_;
-  int64_t last_tenth_ = -1;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-};
-
-// The forward's bubble: per partition, the share of the forward's span it computed nothing,
-// averaged over the partitions.
-double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partitions) {
-  double start = 1e300, end = 0;
-  std::vector<double> busy(partitions, 0.0);
-  for (const TimelineEvent& e : events) {
-    if (e.kind != TimelineEvent::Kind::kCompute) continue;
-    start = std::min(start, e.start_us);
-    end = std::max(end, e.end_us);
-    busy[e.partition] += e.end_us - e.start_us;
-  }
-  if (end <= start) return 0;
-  double idle = 0;
-  for (double b : busy) idle += 1 - b / (end - start);
-  return idle / partitions;
-}
-
-}  // namespace
-
-int train(const TrainerModel& trainer) {
-  at::manual_seed(absl::GetFlag(FLAGS_seed));
+Data load_data_from_flags() {
   // Keep freed memory instead of returning it to the system above 128 KiB, which costs page
   // faults at every step (see benchmarks/pipeline_efficiency.cc).
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   std::string cache = absl::GetFlag(FLAGS_data_cache);
   if (cache.empty()) cache = (std::filesystem::temp_directory_path() / "gpipe-data").string();
-  Data data = load_data(absl::GetFlag(FLAGS_data), cache, absl::GetFlag(FLAGS_synthetic_samples));
+  return load_data(absl::GetFlag(FLAGS_data), cache, absl::GetFlag(FLAGS_synthetic_samples));
+}
+
+int train(const TrainerModel& trainer) {
+  if (absl::GetFlag(FLAGS_distributed)) {
+    return train_distributed(trainer);
+  }
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  Data data = load_data_from_flags();
   const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
   const int64_t chunks = absl::GetFlag(FLAGS_chunks);
   TORCH_CHECK(batch_size >= 1, "--batch_size must be positive, got ", batch_size);
@@ -316,10 +290,7 @@ int train(const TrainerModel& trainer) {
         }
         finite = checks.empty() || at::stack(checks).all().item<bool>();
       }
-      for (auto& group : optimizer.param_groups()) {
-        static_cast<torch::optim::AdamOptions&>(group.options())
-            .lr(lr * 0.5 * (1 + std::cos(M_PI * global_step / total_steps)));
-      }
+      set_cosine_lr(optimizer, lr, global_step, total_steps);
       if (finite) optimizer.step();
       ++step;
       ++global_step;

@@ -8,6 +8,9 @@
 #include <set>
 #include <sstream>
 
+#include <torch/cuda.h>
+
+#include "absl/strings/str_format.h"
 #include "gpipe/trace.h"
 #include "tests/gpipe/json.h"
 #include "tests/gpipe/test_util.h"
@@ -75,6 +78,7 @@ CATCH_TEST_CASE("a training step's Chrome trace holds every task in clock-cycle 
     }
     CATCH_REQUIRE(e["ph"].string == "X");
     CATCH_CHECK(e["dur"].number >= 0);
+    CATCH_CHECK(e["pid"].number == 0);  // host times only on the CPU
     events.push_back(TraceEvent{e["cat"].string,
                                 static_cast<int64_t>(e["args"]["microbatch"].number),
                                 static_cast<int64_t>(e["args"]["partition"].number),
@@ -171,6 +175,102 @@ CATCH_TEST_CASE("the schedule's pictures draw every event and every cell", "[tra
   CATCH_CHECK(count(ideal, "<rect x=") == 2 * 4 * 3);
   CATCH_CHECK(ideal.find("(n-1)/(m+n-1) = 33%") != std::string::npos);
   CATCH_CHECK_THROWS_WITH(schedule_svg(0, 2), gpipe_test::contains("got 0 and 2"));
+}
+
+CATCH_TEST_CASE("events with device times appear again at those times in a device-time process, "
+                "and the picture draws them there",
+                "[trace]") {
+  // Two tasks on partition 0, the second with device times later than its host times.
+  std::vector<TimelineEvent> events(2, TimelineEvent{TimelineEvent::Kind::kCompute, 0, 0});
+  events[0].start_us = 10;
+  events[0].end_us = 20;
+  events[1].microbatch = 1;
+  events[1].start_us = 20;
+  events[1].end_us = 25;
+  events[1].device_start_us = 120;
+  events[1].device_end_us = 170;
+  CATCH_CHECK_FALSE(events[0].has_device_times());
+  CATCH_CHECK(events[1].has_device_times());
+  const Json trace = Json::parse(chrome_trace_json(events, {c10::Device("cuda:0")}));
+  std::map<int64_t, std::string> processes;
+  std::set<std::pair<int64_t, int64_t>> tracks;  // (pid, tid) named
+  std::vector<std::string> spans;  // "pid micro-batch ts dur"
+  for (const Json& e : trace["traceEvents"].array) {
+    const int64_t pid = static_cast<int64_t>(e["pid"].number);
+    if (e["name"].string == "process_name") {
+      processes[pid] = e["args"]["name"].string;
+    } else if (e["name"].string == "thread_name") {
+      CATCH_CHECK(e["args"]["name"].string == "partition 0 (cuda:0)");
+      tracks.emplace(pid, static_cast<int64_t>(e["tid"].number));
+    } else if (e["ph"].string == "X") {
+      spans.push_back(absl::StrFormat("%d %d %g %g", pid,
+                                      static_cast<int64_t>(e["args"]["microbatch"].number),
+                                      e["ts"].number, e["dur"].number));
+    }
+  }
+  CATCH_CHECK(processes ==
+              std::map<int64_t, std::string>{{0, "gpipe (host time)"}, {1, "gpipe (device time)"}});
+  CATCH_CHECK(tracks == std::set<std::pair<int64_t, int64_t>>{{0, 0}, {1, 0}});
+  CATCH_CHECK(spans == std::vector<std::string>{"0 0 10 10", "0 1 20 5", "1 1 120 50"});
+  const std::string svg = timeline_svg(events, {});
+  CATCH_CHECK(svg.find("(device time)") != std::string::npos);
+  CATCH_CHECK(svg.find("<title>0: 10.0-20.0 us</title>") != std::string::npos);
+  CATCH_CHECK(svg.find("<title>1: 120.0-170.0 us</title>") != std::string::npos);
+}
+
+CATCH_TEST_CASE("on CUDA the trace has each task's device times, in clock-cycle order on the "
+                "device and never before the host issued it",
+                "[trace][cuda]") {
+  const int64_t chunks = 4;
+  const auto count = static_cast<int64_t>(torch::cuda::device_count());
+  const c10::Device first(at::kCUDA, 0);
+  const c10::Device second(at::kCUDA, static_cast<c10::DeviceIndex>(count > 1 ? 1 : 0));
+  GPipe model(linear_stack(2), GPipeOptions({2, 2})
+                                   .devices({first, second})
+                                   .chunks(chunks)
+                                   .checkpoint(Checkpoint::kExceptLast)
+                                   .record_timeline(true));
+  model->train();
+  model->forward(at::randn({8, 4}, first).requires_grad_(true)).sum().backward();
+  const std::vector<TimelineEvent> events = model->last_timeline();
+  // The device's clock reads 0.5 us steps (cudaEventElapsedTime); allow for that and rounding.
+  const double resolution = 2;
+  std::map<std::pair<int64_t, int64_t>, TimelineEvent> tasks, recomputes, backwards;
+  for (const TimelineEvent& e : events) {
+    if (e.kind == TimelineEvent::Kind::kSkipCopy) continue;
+    CATCH_CHECK(e.has_device_times());
+    CATCH_CHECK(e.device_end_us >= e.device_start_us);
+    CATCH_CHECK(e.device_start_us + resolution >= e.start_us);  // not before it was issued
+    const auto key = std::make_pair(e.microbatch, e.partition);
+    if (e.kind == TimelineEvent::Kind::kCompute) tasks[key] = e;
+    if (e.kind == TimelineEvent::Kind::kRecompute) recomputes[key] = e;
+    if (e.kind == TimelineEvent::Kind::kBackward) backwards[key] = e;
+  }
+  CATCH_REQUIRE(tasks.size() == static_cast<size_t>(2 * chunks));
+  CATCH_CHECK(recomputes.size() == static_cast<size_t>(2 * (chunks - 1)));
+  for (const auto& [key, t] : tasks) {
+    const auto [i, j] = key;
+    if (i > 0) {  // the partition's stream runs its micro-batches one after another
+      CATCH_CHECK(tasks.at({i - 1, j}).device_end_us <= t.device_start_us + resolution);
+    }
+    if (j > 0) {  // after the previous partition's task and the copy
+      CATCH_CHECK(tasks.at({i, j - 1}).device_end_us <= t.device_start_us + resolution);
+    }
+    if (recomputes.count(key) > 0) {
+      CATCH_CHECK(t.device_end_us <= recomputes.at(key).device_start_us + resolution);
+      CATCH_CHECK(recomputes.at(key).device_end_us <=
+                  backwards.at(key).device_start_us + resolution);
+    }
+  }
+  const std::string path = temp_path("gpipe_trace_cuda_test.json");
+  model->write_chrome_trace(path);
+  const Json trace = Json::parse(read_file(path));
+  std::remove(path.c_str());
+  int64_t device_events = 0;
+  for (const Json& e : trace["traceEvents"].array) {
+    device_events += e["ph"].string == "X" && e["pid"].number == 1 ? 1 : 0;
+  }
+  CATCH_CHECK(device_events == static_cast<int64_t>(events.size()));
 }
 
 CATCH_TEST_CASE("writing a trace says what is missing or which file cannot be written",

@@ -1,0 +1,219 @@
+// A pipeline across two processes on loopback: how close its training step comes to the ideal
+// speed-up n·m/(m+n−1) over the same two stages run one after the other in one process, and what
+// a task costs when it crosses processes. Run it under torchrun:
+//
+//   torchrun --no_python --nproc_per_node=2 --redirects=1 --tee=1
+//            bazel-bin/benchmarks/pipeline_stages --steps=10
+//
+// Speed: each rank owns one stage of an MLP (--layers blocks of Linear(--width, --width) + Tanh
+// per stage, float32, one intra-op thread per process), micro-batches of --rows rows, m = 1 … 32
+// micro-batches per step, no checkpointing. The serial baseline is the plain Sequential (both
+// stages) trained on the same micro-batches by rank 0 alone, one thread, while rank 1 waits.
+// Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
+// almost all overhead, against a GPipe in one process with two partitions (one worker each).
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/trace.h"
+#include "gpipe/worker.h"
+
+ABSL_FLAG(int, steps, 10, "timed steps per configuration (after 2 untimed ones)");
+ABSL_FLAG(int64_t, width, 512, "features of each Linear layer");
+ABSL_FLAG(int, layers, 4, "Linear + Tanh blocks per stage");
+ABSL_FLAG(int64_t, rows, 128, "rows per micro-batch");
+ABSL_FLAG(std::string, svg, "",
+          "also draw one step with 8 micro-batches across both processes as SVG to this file "
+          "(rank 0)");
+ABSL_FLAG(std::string, trace, "", "and write that step as Chrome-trace JSON to this file");
+ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
+
+namespace {
+
+namespace nn = torch::nn;
+using gpipe::distributed::PipelineStage;
+using gpipe::distributed::PipelineStageOptions;
+using gpipe::distributed::ProcessGroup;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+nn::Sequential mlp(int64_t width, int layers_per_stage) {
+  at::manual_seed(0);
+  nn::Sequential seq;
+  for (int k = 0; k < 2 * layers_per_stage; ++k) {
+    seq->push_back(nn::Linear(width, width));
+    seq->push_back(nn::Tanh());
+  }
+  return seq;
+}
+
+at::Tensor mse(const gpipe::Batch& out, const at::Tensor& y) {
+  return nn::functional::mse_loss(out.tensor(), y);
+}
+
+// Median milliseconds of `step` over the timed steps.
+template <typename F>
+double time_ms(F step) {
+  std::vector<double> ms;
+  for (int s = 0; s < absl::GetFlag(FLAGS_steps) + 2; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    const double t =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s >= 2) ms.push_back(t);
+  }
+  return median(ms);
+}
+
+// Both ranks: the two-process pipeline's step time.
+double pipeline_ms(const ProcessGroup& group, int64_t width, int layers, int64_t rows,
+                   int64_t m) {
+  const nn::Sequential seq = mlp(width, layers);
+  PipelineStage stage(seq, PipelineStageOptions({2 * layers, 2 * layers}).chunks(m)
+                               .checkpoint(gpipe::Checkpoint::kNever).loss(mse),
+                      group);
+  const at::Tensor x = at::randn({rows * m, width});
+  const at::Tensor y = at::randn({rows * m, width});
+  const double ms = time_ms([&] {
+    stage->zero_grad();
+    stage->is_first() ? stage->step(gpipe::Batch(x))
+                      : stage->step(gpipe::distributed::no_input(), y);
+  });
+  return ms;
+}
+
+// Rank 0 alone: the plain Sequential on the same micro-batches, one after the other.
+double serial_ms(int64_t width, int layers, int64_t rows, int64_t m) {
+  nn::Sequential seq = mlp(width, layers);
+  const at::Tensor x = at::randn({rows * m, width});
+  const at::Tensor y = at::randn({rows * m, width});
+  return time_ms([&] {
+    seq->zero_grad();
+    std::vector<at::Tensor> outs;
+    for (const at::Tensor& xi : x.chunk(m)) outs.push_back(seq->forward(xi));
+    nn::functional::mse_loss(at::cat(outs), y).backward();
+  });
+}
+
+// Rank 0 alone: a GPipe of the same two stages in one process, one worker per partition.
+double gpipe_ms(int64_t width, int layers, int64_t rows, int64_t m) {
+  gpipe::GPipe pipe(mlp(width, layers),
+                    gpipe::GPipeOptions({2 * layers, 2 * layers}).chunks(m)
+                        .checkpoint(gpipe::Checkpoint::kNever).devices({at::kCPU, at::kCPU})
+                        .worker_per_partition(true));
+  const at::Tensor x = at::randn({rows * m, width});
+  const at::Tensor y = at::randn({rows * m, width});
+  return time_ms([&] {
+    pipe->zero_grad();
+    nn::functional::mse_loss(pipe->forward(x), y).backward();
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  gpipe::set_intra_op_threads(1);
+  const ProcessGroup group =
+      gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
+  TORCH_CHECK(group->getSize() == 2, "pipeline_stages: run it with 2 processes "
+              "(torchrun --nproc_per_node=2), not ", group->getSize());
+  const bool rank0 = group->getRank() == 0;
+  const int64_t width = absl::GetFlag(FLAGS_width);
+  const int layers = absl::GetFlag(FLAGS_layers);
+  const int64_t rows = absl::GetFlag(FLAGS_rows);
+
+  std::vector<std::string> speed_json;
+  if (rank0) {
+    std::printf("two-process pipeline, training step: 2 stages of %d x Linear(%ld, %ld) + Tanh, "
+                "%ld rows per micro-batch, float32, 1 thread per process, median of %d steps\n",
+                layers, width, width, rows, absl::GetFlag(FLAGS_steps));
+    std::printf("%4s %12s %12s %9s %7s %9s\n", "m", "serial ms", "2 procs ms", "speed-up",
+                "ideal", "of ideal");
+  }
+  for (int64_t m : {1, 2, 4, 8, 16, 32}) {
+    const double piped = pipeline_ms(group, width, layers, rows, m);
+    double serial = 0;
+    if (rank0) serial = serial_ms(width, layers, rows, m);
+    group->barrier()->wait();
+    if (!rank0) continue;
+    const double speedup = serial / piped;
+    const double ideal = 2.0 * m / (m + 1);
+    std::printf("%4ld %12.2f %12.2f %8.2fx %6.2fx %8.0f%%\n", m, serial, piped, speedup, ideal,
+                100 * speedup / ideal);
+    speed_json.push_back(absl::StrFormat(
+        "{\"m\": %d, \"serial_ms\": %.3f, \"pipeline_ms\": %.3f, \"speedup\": %.3f, "
+        "\"ideal\": %.3f}", m, serial, piped, speedup, ideal));
+  }
+
+  // One step drawn: both stages' timelines on the host's clock.
+  if (!absl::GetFlag(FLAGS_svg).empty() || !absl::GetFlag(FLAGS_trace).empty()) {
+    const int64_t traced = 8;
+    PipelineStage stage(mlp(width, layers),
+                        PipelineStageOptions({2 * layers, 2 * layers}).chunks(traced)
+                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse).record_timeline(true),
+                        group);
+    const at::Tensor x = at::randn({rows * traced, width});
+    const at::Tensor y = at::randn({rows * traced, width});
+    for (int s = 0; s < 3; ++s) {  // the last of three steps
+      stage->zero_grad();
+      stage->is_first() ? stage->step(gpipe::Batch(x))
+                        : stage->step(gpipe::distributed::no_input(), y);
+    }
+    const auto events = stage->gather_timeline();
+    const std::vector<c10::Device> devices(2, c10::Device(c10::kCPU));
+    if (rank0 && !absl::GetFlag(FLAGS_svg).empty()) {
+      std::ofstream(absl::GetFlag(FLAGS_svg)) << gpipe::timeline_svg(events, devices);
+    }
+    if (rank0 && !absl::GetFlag(FLAGS_trace).empty()) {
+      std::ofstream(absl::GetFlag(FLAGS_trace)) << gpipe::chrome_trace_json(events, devices);
+    }
+  }
+
+  // Overhead per task: tiny layers, one-row micro-batches.
+  const int64_t m = 32;
+  const double piped = pipeline_ms(group, 16, 1, 1, m);
+  double local = 0;
+  if (rank0) local = gpipe_ms(16, 1, 1, m);
+  group->barrier()->wait();
+  if (!rank0) return 0;
+  const double tasks = 2.0 * m;  // (micro-batch, stage) pairs, each with a forward and a backward
+  std::printf("\noverhead: 2 stages of Linear(16, 16) + Tanh, %ld one-row micro-batches\n", m);
+  std::printf("%-34s %10s %14s\n", "pipeline", "step ms", "us per task");
+  std::printf("%-34s %10.3f %14.1f\n", "two processes (PipelineStage)", piped,
+              1000 * piped / tasks);
+  std::printf("%-34s %10.3f %14.1f\n", "one process (GPipe, 2 workers)", local,
+              1000 * local / tasks);
+  const std::string json = absl::StrCat(
+      "{\"speed\": [", absl::StrJoin(speed_json, ", "), "], ",
+      absl::StrFormat("\"overhead\": {\"m\": %d, \"two_processes_ms\": %.3f, "
+                      "\"one_process_ms\": %.3f}}", m, piped, local));
+  std::printf("%s\n", json.c_str());
+  if (!absl::GetFlag(FLAGS_json_out).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_json_out)) << json << "\n";
+  }
+  return 0;
+}

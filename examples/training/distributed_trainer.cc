@@ -1,0 +1,236 @@
+// The example trainers across processes; see distributed_trainer.h.
+#include "examples/training/distributed_trainer.h"
+
+#include <sys/resource.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <torch/data/dataloader.h>
+#include <torch/data/datasets/map.h>
+#include <torch/data/samplers/random.h>
+#include <torch/data/samplers/sequential.h>
+#include <torch/data/transforms/stack.h>
+#include <torch/optim/adam.h>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_join.h"
+#include "examples/training/common.h"
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/trace.h"
+#include "gpipe/worker.h"
+
+ABSL_DECLARE_FLAG(int64_t, partitions);
+ABSL_DECLARE_FLAG(std::string, balance);
+ABSL_DECLARE_FLAG(int64_t, chunks);
+ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(int64_t, epochs);
+ABSL_DECLARE_FLAG(int64_t, steps);
+ABSL_DECLARE_FLAG(int64_t, test_batches);
+ABSL_DECLARE_FLAG(int64_t, batch_size);
+ABSL_DECLARE_FLAG(double, lr);
+ABSL_DECLARE_FLAG(int64_t, threads);
+ABSL_DECLARE_FLAG(int64_t, seed);
+ABSL_DECLARE_FLAG(std::string, svg);
+ABSL_DECLARE_FLAG(std::string, trace);
+ABSL_DECLARE_FLAG(std::string, devices);
+ABSL_DECLARE_FLAG(bool, amp);
+
+namespace gpipe {
+namespace training {
+namespace {
+
+namespace dist = gpipe::distributed;
+
+int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::atoi(value) : fallback;
+}
+
+// Every process takes world rank 0's balance: stage 0 of each pipeline sends it along the
+// pipeline after replica 0's stages sent it to the other replicas.
+std::vector<int64_t> agree_on_balance(std::vector<int64_t> balance,
+                                      const dist::PipelineGroups& groups) {
+  std::vector<at::Tensor> t{at::tensor(balance, at::kLong)};
+  dist::check_collective(groups.replica_group, "the broadcast of the balance",
+                         [&] { groups.replica_group->broadcast(t)->wait(); });
+  dist::check_collective(groups.pipeline, "the broadcast of the balance",
+                         [&] { groups.pipeline->broadcast(t)->wait(); });
+  const at::Tensor b = t[0].contiguous();
+  return std::vector<int64_t>(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
+}
+
+}  // namespace
+
+int train_distributed(const TrainerModel& trainer) {
+  TORCH_CHECK(absl::GetFlag(FLAGS_devices).empty() || absl::GetFlag(FLAGS_devices) == "cpu",
+              "--distributed runs each stage on the CPU (Gloo); --devices=",
+              absl::GetFlag(FLAGS_devices), " is not supported with it yet");
+  TORCH_CHECK(!absl::GetFlag(FLAGS_amp), "--amp is not supported with --distributed yet");
+  const dist::GroupOptions options = dist::options_from_env();
+  const int stages = absl::GetFlag(FLAGS_partitions) > 0
+                         ? static_cast<int>(absl::GetFlag(FLAGS_partitions))
+                         : options.world_size();
+  const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
+  // The cores of this host divided among its processes.
+  const int local = std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1);
+  const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+  set_intra_op_threads(static_cast<int>(
+      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
+                                       : std::max<int64_t>(cores / local, 1)));
+
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  Data data = load_data_from_flags();
+  const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
+  const int64_t chunks = absl::GetFlag(FLAGS_chunks);
+  TORCH_CHECK(batch_size % groups.replicas == 0, "--batch_size ", batch_size, " does not split "
+              "evenly over the ", groups.replicas, " replicas; use a multiple of ",
+              groups.replicas);
+  torch::nn::Sequential model =
+      trainer.make(models::ModelInput{data.channels, data.size, data.classes});
+  const at::Tensor sample = data.train.images().slice(0, 0, batch_size / groups.replicas);
+  const std::vector<int64_t> balance = agree_on_balance(
+      choose_balance(absl::GetFlag(FLAGS_balance), stages, model, sample, chunks,
+                     c10::Device(c10::kCPU)),
+      groups);
+  const Checkpoint checkpoint = parse_checkpoint(absl::GetFlag(FLAGS_checkpoint));
+  auto cross_entropy = [](const Batch& out, const at::Tensor& target) {
+    return at::cross_entropy_loss(out.tensor().to(at::kFloat), target);
+  };
+  dist::PipelineStage stage(model,
+                            dist::PipelineStageOptions(balance).chunks(chunks)
+                                .checkpoint(checkpoint).loss(cross_entropy)
+                                .record_timeline(true),
+                            groups.pipeline, groups.replica_group);
+  // The last stage of replica 0 knows the loss and the accuracy: it reports.
+  const bool reporter = stage->is_last() && groups.replica == 0;
+  if (reporter) {
+    int64_t parameters = 0;
+    for (const auto& p : model->parameters()) parameters += p.numel();
+    std::printf("%s on %s: %lld layers, %.2fM parameters\n", trainer.name.c_str(),
+                data.name.c_str(), static_cast<long long>(model->size()), parameters / 1e6);
+    std::printf("distributed: %d processes = %d stages x %d replicas; balance {%s}; %lld "
+                "micro-batches of each replica's %lld images; checkpoint %s; %d intra-op "
+                "thread%s per process\n",
+                options.world_size(), stages, groups.replicas,
+                absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
+                static_cast<long long>(batch_size / groups.replicas),
+                absl::GetFlag(FLAGS_checkpoint).c_str(), at::get_num_threads(),
+                at::get_num_threads() == 1 ? "" : "s");
+    std::fflush(stdout);
+  }
+
+  torch::optim::Adam optimizer(stage->parameters(),
+                               torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
+  auto train_loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
+      data.train.map(torch::data::transforms::Stack<>()),
+      torch::data::DataLoaderOptions(batch_size).drop_last(true));
+  auto test_loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      data.test.map(torch::data::transforms::Stack<>()),
+      torch::data::DataLoaderOptions(batch_size).drop_last(true));
+  const auto shard = [&](const at::Tensor& t) { return t.chunk(groups.replicas)[groups.replica]; };
+  const auto run = [&](const at::Tensor& images, const at::Tensor& labels) {
+    return stage->step(stage->is_first() ? Batch(shard(images)) : dist::no_input(),
+                       stage->is_last() ? shard(labels) : at::Tensor());
+  };
+
+  const int64_t epochs = absl::GetFlag(FLAGS_epochs);
+  const int64_t steps_per_epoch = data.train.images().size(0) / batch_size;
+  const int64_t steps = absl::GetFlag(FLAGS_steps) > 0
+                            ? std::min(absl::GetFlag(FLAGS_steps), steps_per_epoch)
+                            : steps_per_epoch;
+  const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
+  const double lr = absl::GetFlag(FLAGS_lr);
+  int64_t global_step = 0;
+  double throughput = 0, accuracy = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t epoch = 1; epoch <= epochs; ++epoch) {
+    stage->train();
+    // The same order of samples in every process (the sampler draws from the global generator,
+    // which a stage's layers may also draw from): seeded alike just before each epoch.
+    at::manual_seed(absl::GetFlag(FLAGS_seed) + epoch);
+    Progress progress(epoch, steps * batch_size);
+    int64_t step = 0;
+    double loss_sum = 0;
+    for (auto& batch : *train_loader) {
+      if (step == steps) break;
+      optimizer.zero_grad();
+      const at::Tensor loss = run(batch.data, batch.target);
+      set_cosine_lr(optimizer, lr, global_step, total_steps);
+      optimizer.step();
+      ++step;
+      ++global_step;
+      if (reporter) {
+        loss_sum += loss.item<double>();
+        progress.update(step * batch_size, loss_sum / step);
+      }
+    }
+    if (reporter) progress.finish();
+    throughput = step * batch_size / progress.seconds();
+
+    // Test accuracy: forward only, every replica on its shard of the same batches.
+    stage->eval();
+    at::NoGradGuard no_grad;
+    int64_t correct = 0, seen = 0, batches = 0;
+    for (auto& batch : *test_loader) {
+      if (absl::GetFlag(FLAGS_test_batches) > 0 && batches == absl::GetFlag(FLAGS_test_batches)) {
+        break;
+      }
+      run(batch.data, batch.target);
+      if (stage->is_last()) {
+        correct += stage->output().tensor().argmax(1).eq(shard(batch.target)).sum().item<int64_t>();
+        seen += shard(batch.target).size(0);
+      }
+      ++batches;
+    }
+    accuracy = 100.0 * correct / std::max<int64_t>(seen, 1);
+    if (reporter) {
+      std::printf("epoch %lld: train loss %.4f, %.1f samples/s (%s, all replicas); test "
+                  "accuracy %.2f%% (replica 0: %lld images)\n",
+                  static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step, 1),
+                  throughput, duration(progress.seconds()).c_str(), accuracy,
+                  static_cast<long long>(seen));
+      std::fflush(stdout);
+    }
+  }
+
+  // The last training step across the pipeline, drawn by stage 0 of replica 0 (the eval
+  // forwards since then recorded their own timelines: one more training step, not counted).
+  if (!absl::GetFlag(FLAGS_svg).empty() || !absl::GetFlag(FLAGS_trace).empty()) {
+    stage->train();
+    auto batch = train_loader->begin();
+    optimizer.zero_grad();
+    run((*batch).data, (*batch).target);
+    const auto events = stage->gather_timeline();
+    const std::vector<c10::Device> devices(stages, c10::Device(c10::kCPU));
+    if (stage->is_first() && groups.replica == 0) {
+      if (!absl::GetFlag(FLAGS_svg).empty()) {
+        std::ofstream(absl::GetFlag(FLAGS_svg)) << timeline_svg(events, devices);
+        std::printf("picture of a step across the %d stages: %s\n", stages,
+                    absl::GetFlag(FLAGS_svg).c_str());
+      }
+      if (!absl::GetFlag(FLAGS_trace).empty()) {
+        std::ofstream(absl::GetFlag(FLAGS_trace)) << chrome_trace_json(events, devices);
+      }
+    }
+  }
+  if (reporter) {
+    struct rusage usage {};
+    getrusage(RUSAGE_SELF, &usage);
+    std::printf("summary: %d stages x %d replicas, balance {%s}; %.1f samples/s; test accuracy "
+                "%.2f%%; %s in all; peak memory of the last stage's process %.1f MiB\n",
+                stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(), throughput,
+                accuracy,
+                duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                             .count()).c_str(),
+                usage.ru_maxrss / 1024.0);
+  }
+  return 0;
+}
+
+}  // namespace training
+}  // namespace gpipe

@@ -1,0 +1,173 @@
+// Data-parallel replicas; see data_parallel.h and Note [Replicas and batch norm].
+#include "gpipe/distributed/data_parallel.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gpipe/distributed/configuration.h"
+#include "gpipe/distributed/replication.h"
+#include "gpipe/gpipe.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+// The first node of the outermost backward through the wrapper's output: starts the reduction.
+struct BeginReduction : torch::autograd::Node {
+  explicit BeginReduction(std::weak_ptr<GradientReducer> reducer) : reducer(std::move(reducer)) {}
+  std::string name() const override { return "gpipe::distributed::BeginReduction"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (auto r = reducer.lock()) {
+      r->begin_backward();
+    }
+    return std::move(grads);
+  }
+  std::weak_ptr<GradientReducer> reducer;
+};
+
+// Merges the replicas' deferred batch norm statistics (Note [Replicas and batch norm]).
+void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats) {
+  std::vector<at::Tensor> pieces;
+  for (const BatchNormStatistics& s : stats) {
+    pieces.push_back(at::tensor({s.count}, at::kDouble));
+    pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
+    pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
+  }
+  std::vector<at::Tensor> mine{at::cat(pieces)};
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int r = 0; r < group->getSize(); ++r) {
+    all[0].push_back(at::empty_like(mine[0]));
+  }
+  check_collective(group, "the all-gather of batch norm statistics",
+                   [&] { group->allgather(all, mine)->wait(); });
+  int64_t offset = 0;
+  for (BatchNormStatistics& s : stats) {
+    const int64_t channels = s.mean.numel();
+    BatchNormStatistics merged;  // in rank order, on the CPU
+    for (const at::Tensor& theirs : all[0]) {
+      merged.merge(theirs[offset].item<double>(), theirs.narrow(0, offset + 1, channels),
+                   theirs.narrow(0, offset + 1 + channels, channels));
+    }
+    offset += 1 + 2 * channels;
+    if (merged.count > 0) {
+      s.count = merged.count;
+      s.mean = merged.mean.to(s.mean.device()).view_as(s.mean);
+      s.m2 = merged.m2.to(s.m2.device()).view_as(s.m2);
+    }
+  }
+}
+
+}  // namespace
+
+DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
+                                   std::function<at::Tensor(const at::Tensor&)> forward,
+                                   ProcessGroup group, DataParallelOptions options)
+    : module_ptr_(std::move(module)),
+      forward_(std::move(forward)),
+      group_(std::move(group)),
+      options_(std::move(options)) {
+  TORCH_CHECK(module_ptr_ != nullptr, "gpipe::DataParallel: the module is null");
+  TORCH_CHECK(group_, "gpipe::DataParallel: the process group is null; make one with "
+              "gpipe::distributed::new_gloo_group");
+  TORCH_CHECK(options_.bucket_bytes() > 0, "gpipe::DataParallel: bucket_bytes must be positive, "
+              "got ", options_.bucket_bytes());
+  register_module("module", module_ptr_);
+  if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
+    TORCH_CHECK(!pipe->options().stage_local_backward(), "gpipe::DataParallel: a GPipe with "
+                "stage_local_backward is not supported yet (its partitions' backward runs on "
+                "their workers after the reduction has started); construct it with "
+                "stage_local_backward(false)");
+    if (pipe->options().deferred_batch_norm()) {
+      combined_statistics_ = true;
+      pipe->set_statistics_combiner(
+          [group = group_](std::vector<BatchNormStatistics>& stats) {
+            combine_statistics(group, stats);
+          });
+    }
+  }
+  check_same_configuration();
+  broadcast_state(/*parameters=*/true, /*buffers=*/true);
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& item : module_ptr_->named_parameters()) {
+    names.push_back(item.key());
+    params.push_back(item.value());
+  }
+  reducer_ = std::make_shared<GradientReducer>(std::move(params), std::move(names), group_,
+                                               options_.bucket_bytes());
+}
+
+DataParallelImpl::~DataParallelImpl() {
+  if (combined_statistics_) {
+    if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
+      pipe->set_statistics_combiner(nullptr);
+    }
+  }
+}
+
+void DataParallelImpl::check_same_configuration() {
+  // What must agree, as numbers; compared with rank 0's.
+  std::vector<std::pair<std::string, int64_t>> fields = module_fields(*module_ptr_);
+  fields.emplace_back("bucket_bytes", options_.bucket_bytes());
+  fields.emplace_back("broadcast_buffers", options_.broadcast_buffers() ? 1 : 0);
+  auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_);
+  fields.emplace_back("a GPipe", pipe ? 1 : 0);
+  fields.emplace_back("GPipe chunks", pipe ? pipe->chunks() : 0);
+  fields.emplace_back(
+      "GPipe balance (hash)",
+      pipe ? static_cast<int64_t>(fingerprint(absl::StrJoin(pipe->balance(), ","))) : 0);
+  fields.emplace_back("GPipe checkpoint mode", pipe ? static_cast<int64_t>(pipe->checkpoint()) : 0);
+  fields.emplace_back("GPipe deferred_batch_norm", combined_statistics_ ? 1 : 0);
+
+  check_same_fields(group_, fields, "gpipe::DataParallel", "replica",
+                    "Every process must wrap the same model with the same options");
+}
+
+void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {
+  std::vector<at::Tensor> tensors;
+  if (parameters) {
+    for (const at::Tensor& p : module_ptr_->parameters()) tensors.push_back(p);
+  }
+  if (buffers) {
+    for (const at::Tensor& b : module_ptr_->buffers()) tensors.push_back(b);
+  }
+  broadcast_from_rank0(group_, tensors, "rank 0's parameters and buffers");
+}
+
+at::Tensor DataParallelImpl::forward(const at::Tensor& input) {
+  if (is_training() && options_.broadcast_buffers() && !combined_statistics_) {
+    broadcast_state(/*parameters=*/false, /*buffers=*/true);
+  }
+  at::Tensor out = forward_(input);
+  if (!at::GradMode::is_enabled() || !out.requires_grad() || no_sync_ > 0 ||
+      group_->getSize() == 1) {
+    return out;
+  }
+  auto node = std::shared_ptr<BeginReduction>(new BeginReduction(reducer_),
+                                              torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(out));
+  at::Tensor result = out.detach();
+  torch::autograd::set_history(result, node);
+  return result;
+}
+
+DataParallelImpl::NoSync DataParallelImpl::no_sync() {
+  ++no_sync_;
+  return NoSync(this);
+}
+
+DataParallelImpl::NoSync::~NoSync() {
+  if (owner_ != nullptr) {
+    --owner_->no_sync_;
+  }
+}
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,115 @@
+// Data-parallel replicas: a module (a GPipe or any other) trained by several processes, each on its
+// shard of every mini-batch, with gradients averaged over them on c10d as backward runs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "gpipe/distributed/gradient_reducer.h"
+#include "gpipe/distributed/process_group.h"
+
+namespace gpipe {
+namespace distributed {
+
+// Note [Replicas and batch norm]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Replicas must keep the same running statistics, or they drift apart in eval. A GPipe with
+// deferred batch norm gathers each mini-batch's per-channel count, mean and sum of squared
+// deviations before updating them; DataParallel installs a statistics combiner that all-gathers
+// these from every replica and merges them (Chan's formula, in rank order, in float64), so every
+// replica updates its running statistics exactly as one process would on the whole mini-batch,
+// and all replicas identically. Any other module's buffers (a plain BatchNorm's, or a GPipe's
+// without deferred batch norm) are broadcast from rank 0 before each training forward, as
+// PyTorch's DistributedDataParallel does (broadcast_buffers): replicas then all use rank 0's.
+
+struct DataParallelOptions {
+  /// The size of a gradient bucket (Note [Buckets that start during backward]).
+  TORCH_ARG(int64_t, bucket_bytes) = int64_t{25} << 20;
+  /// Whether buffers are broadcast from rank 0 before each training forward (for modules whose
+  /// statistics are not combined; see Note [Replicas and batch norm]).
+  TORCH_ARG(bool, broadcast_buffers) = true;
+};
+
+/// A module replicated over the processes of `group`: rank 0's parameters and buffers are copied
+/// to every replica at construction, and after each backward through its output every parameter's
+/// gradient is the average of the replicas' (all-reduced in buckets that start during backward).
+/// Each process feeds its own shard of the mini-batch. The replicas' configurations are compared
+/// at construction (parameters, options, a GPipe's balance and chunks); a mismatch is refused.
+///
+///   auto group = gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
+///   gpipe::GPipe pipe(seq, gpipe::GPipeOptions({2, 2}).chunks(4));
+///   gpipe::distributed::DataParallel model(pipe, group);
+///   torch::optim::SGD sgd(model->parameters(), 0.1);
+///   loss_fn(model->forward(shard), target).backward();  // gradients averaged over the replicas
+///   sgd.step();
+class DataParallelImpl : public torch::nn::Module {
+ public:
+  /// Replicates `module` (a GPipe, a Sequential, any module holder whose forward takes a tensor).
+  template <typename ModuleType>
+  DataParallelImpl(torch::nn::ModuleHolder<ModuleType> module, ProcessGroup group,
+                   DataParallelOptions options = {})
+      : DataParallelImpl(module.ptr(),
+                         [m = module.ptr()](const at::Tensor& x) -> at::Tensor {
+                           return m->forward(x);
+                         },
+                         std::move(group), std::move(options)) {}
+  /// Replicates `module`, run by `forward`.
+  DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
+                   std::function<at::Tensor(const at::Tensor&)> forward, ProcessGroup group,
+                   DataParallelOptions options = {});
+  ~DataParallelImpl() override;
+
+  /// Runs the replica on this process's shard; a backward through the result averages the
+  /// gradients over the replicas (unless under no_sync()).
+  at::Tensor forward(const at::Tensor& input);
+
+  /// While the returned guard lives, backward only accumulates this replica's gradients
+  /// (gradient accumulation); the next backward outside it averages the accumulated gradients.
+  ///
+  ///   { auto local = model->no_sync(); loss(model->forward(a)).backward(); }
+  ///   loss(model->forward(b)).backward();  // averages the gradients of a and b
+  class NoSync {
+   public:
+    NoSync(NoSync&& other) noexcept : owner_(other.owner_) { other.owner_ = nullptr; }
+    ~NoSync();
+
+   private:
+    friend class DataParallelImpl;
+    explicit NoSync(DataParallelImpl* owner) : owner_(owner) {}
+    DataParallelImpl* owner_;
+  };
+  NoSync no_sync();
+
+  /// The wrapped module.
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_ptr_; }
+  const ProcessGroup& group() const { return group_; }
+  /// What the last averaging backward's reduction did.
+  ReductionStats last_reduction() const { return reducer_->last_stats(); }
+  /// The number of gradient buckets.
+  size_t bucket_count() const { return reducer_->bucket_count(); }
+
+ private:
+  void check_same_configuration();
+  void broadcast_state(bool parameters, bool buffers);
+
+  std::shared_ptr<torch::nn::Module> module_ptr_;
+  std::function<at::Tensor(const at::Tensor&)> forward_;
+  ProcessGroup group_;
+  DataParallelOptions options_;
+  bool combined_statistics_ = false;
+  int no_sync_ = 0;
+  std::shared_ptr<GradientReducer> reducer_;
+};
+
+/// A DataParallel: a module holder of DataParallelImpl.
+TORCH_MODULE(DataParallel);
+
+}  // namespace distributed
+}  // namespace gpipe

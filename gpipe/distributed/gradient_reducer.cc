@@ -1,0 +1,237 @@
+// The gradient reducer; see Note [Buckets that start during backward] in gradient_reducer.h.
+#include "gpipe/distributed/gradient_reducer.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace gpipe {
+namespace distributed {
+
+struct GradientReducer::State {
+  struct Bucket {
+    std::vector<size_t> params;
+    int64_t pending = 0;  // parameters whose gradient is not final yet
+    bool started = false;
+    at::Tensor flat;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  ProcessGroup group;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive for the hooks
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of;
+
+  std::mutex mu;
+  bool armed = false;    // a backward is running (begin_backward .. finish)
+  bool learned = false;  // the accumulation counts are known
+  std::vector<int64_t> expected, seen;
+  size_t next_bucket = 0;
+  std::string late;  // a parameter accumulated after its bucket started
+  ReductionStats stats;
+
+  void on_accumulated(size_t p) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!armed) {
+      return;  // outside a reducing backward (no_sync, or not through the wrapper's output)
+    }
+    ++seen[p];
+    if (!learned) {
+      return;
+    }
+    Bucket& bucket = buckets[bucket_of[p]];
+    if (bucket.started) {
+      if (late.empty()) {
+        late = absl::StrCat(names[p], " (accumulated ", seen[p], " times, ", expected[p],
+                            " in the first backward)");
+      }
+      return;
+    }
+    if (seen[p] == expected[p]) {
+      --bucket.pending;
+      start_ready(/*during_backward=*/true);
+    }
+  }
+
+  // Starts the buckets that are ready, in index order.
+  void start_ready(bool during_backward) {
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending <= 0) {
+      start(next_bucket++, during_backward);
+    }
+  }
+
+  void start(size_t b, bool during_backward) {
+    Bucket& bucket = buckets[b];
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(bucket.params.size());
+    for (size_t p : bucket.params) {
+      const at::Tensor& grad = params[p].grad();
+      TORCH_CHECK(!grad.defined() || !grad.is_sparse(), "gpipe::DataParallel: parameter ",
+                  names[p], " has a sparse gradient, which is not supported");
+      pieces.push_back(grad.defined() ? grad.detach().reshape(-1)
+                                      : at::zeros({params[p].numel()}, params[p].options()));
+    }
+    bucket.flat = at::cat(pieces).div_(group->getSize());
+    std::vector<at::Tensor> tensors{bucket.flat};
+    check_collective(group, "the all-reduce of a gradient bucket",
+                     [&] { bucket.work = group->allreduce(tensors); });
+    bucket.started = true;
+    stats.started_during_backward += during_backward ? 1 : 0;
+    stats.bytes += bucket.flat.numel() * bucket.flat.element_size();
+  }
+
+  void finish() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(mu);
+    struct Disarm {
+      State& s;
+      ~Disarm() { s.armed = false; }
+    } disarm{*this};
+    for (Bucket& bucket : buckets) {
+      bucket.pending = 0;
+    }
+    start_ready(/*during_backward=*/false);
+    at::NoGradGuard no_grad;
+    for (Bucket& bucket : buckets) {
+      wait(group, bucket.work, "the all-reduce of a gradient bucket");
+      bucket.work.reset();
+      int64_t offset = 0;
+      for (size_t p : bucket.params) {
+        at::Tensor average = bucket.flat.narrow(0, offset, params[p].numel()).view_as(params[p]);
+        offset += params[p].numel();
+        at::Tensor& grad = params[p].mutable_grad();
+        if (grad.defined()) {
+          grad.copy_(average);
+        } else {
+          grad = average.clone();
+        }
+      }
+      bucket.flat.reset();
+    }
+    if (!learned) {
+      expected = seen;
+      learned = true;
+    }
+    stats.exposed_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    TORCH_CHECK(late.empty(), "gpipe::DataParallel: parameter ", late, " got more gradient "
+                "after its bucket's all-reduce had started, so its average misses some; every "
+                "backward must accumulate each parameter as often as the first did (the same "
+                "chunks and checkpoint mode, the same parameters used)");
+  }
+};
+
+namespace {
+
+struct AccumulatedHook : torch::autograd::FunctionPostHook {
+  AccumulatedHook(std::weak_ptr<GradientReducer::State> state, size_t index)
+      : state(std::move(state)), index(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto s = state.lock()) {
+      s->on_accumulated(index);
+    }
+    return outputs;
+  }
+  std::weak_ptr<GradientReducer::State> state;
+  size_t index;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(std::vector<at::Tensor> parameters,
+                                 std::vector<std::string> names, ProcessGroup group,
+                                 int64_t bucket_bytes)
+    : state_(std::make_shared<State>()) {
+  TORCH_CHECK(bucket_bytes > 0, "gpipe::DataParallel: bucket_bytes must be positive, got ",
+              bucket_bytes);
+  State& s = *state_;
+  s.group = std::move(group);
+  for (size_t k = 0; k < parameters.size(); ++k) {
+    if (parameters[k].requires_grad()) {
+      s.params.push_back(parameters[k]);
+      s.names.push_back(names[k]);
+    }
+  }
+  // Buckets: reverse registration order, by (device, dtype), closed at bucket_bytes.
+  std::map<std::tuple<std::string, int>, size_t> open;  // (device, dtype) -> bucket
+  s.bucket_of.assign(s.params.size(), 0);
+  std::vector<int64_t> bytes;
+  for (size_t k = s.params.size(); k-- > 0;) {
+    const at::Tensor& p = s.params[k];
+    const auto key = std::make_tuple(p.device().str(), static_cast<int>(p.scalar_type()));
+    auto it = open.find(key);
+    if (it == open.end() || bytes[it->second] >= bucket_bytes) {
+      s.buckets.emplace_back();
+      bytes.push_back(0);
+      it = open.insert_or_assign(key, s.buckets.size() - 1).first;
+    }
+    s.buckets[it->second].params.push_back(k);
+    bytes[it->second] += p.numel() * p.element_size();
+    s.bucket_of[k] = it->second;
+  }
+  s.expected.assign(s.params.size(), 0);
+  s.seen.assign(s.params.size(), 0);
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    std::shared_ptr<torch::autograd::Node> accumulator =
+        torch::autograd::impl::grad_accumulator(s.params[k]);
+    accumulator->add_post_hook(std::make_unique<AccumulatedHook>(state_, k));
+    s.accumulators.push_back(std::move(accumulator));
+  }
+}
+
+GradientReducer::~GradientReducer() = default;
+
+void GradientReducer::begin_backward() {
+  std::shared_ptr<State> s = state_;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if (s->armed) {
+      return;  // already reducing this backward
+    }
+    s->armed = true;
+    s->late.clear();
+    s->next_bucket = 0;
+    s->stats = ReductionStats{};
+    s->stats.buckets = static_cast<int64_t>(s->buckets.size());
+    std::fill(s->seen.begin(), s->seen.end(), 0);
+    for (State::Bucket& bucket : s->buckets) {
+      bucket.started = false;
+      bucket.pending = 0;
+      for (size_t p : bucket.params) {
+        bucket.pending += s->learned && s->expected[p] > 0 ? 1 : 0;
+      }
+      if (!s->learned) {
+        bucket.pending = 1;  // started at the end of the first backward
+      }
+    }
+    if (s->learned) {
+      s->start_ready(/*during_backward=*/true);  // buckets whose parameters get no gradient
+    }
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback([s] { s->finish(); });
+}
+
+size_t GradientReducer::bucket_count() const { return state_->buckets.size(); }
+
+ReductionStats GradientReducer::last_stats() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->stats;
+}
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,168 @@
+// A stage of a pipeline that spans processes: this process's contiguous range of a Sequential's
+// layers, trained in GPipe's schedule with the stages before and after it in other processes,
+// activations and gradients passing between them on c10d.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include "absl/synchronization/mutex.h"
+#include "gpipe/checkpoint.h"
+#include "gpipe/distributed/process_group.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/microbatch.h"
+#include "gpipe/skip_layout.h"
+#include "gpipe/timeline.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+namespace distributed {
+
+// Note [Stage-local backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In one process, a GPipe's backward is one call of the autograd engine over every micro-batch
+// and partition, ordered by the edges the pipeline added (Note [Backward order]). Across processes
+// there is no shared graph: each stage keeps the graph of each micro-batch it ran, from the leaves
+// it received (or the input, on the first stage) to its outputs, and runs that graph's backward
+// itself, one engine call per micro-batch, as soon as the gradient of the micro-batch's outputs
+// arrives from the next stage (the last stage makes them from the loss). The gradients of the
+// received leaves then go to the previous stage. So stage s computes micro-batch i's backward
+// while stage s+1 computes micro-batch i-1's: stages overlap in backward as they do in forward,
+// and the order on each stage is GPipe's (the micro-batches in reverse), set by the order of the
+// calls rather than by edges. No micro-batch's graph reaches another's, so each engine call runs
+// exactly its micro-batch's nodes. Checkpointed micro-batches are recomputed inside their call.
+//
+// The last stage gathers the micro-batches' outputs into one batch, through leaves that stand
+// for them, and applies the loss function to the whole mini-batch, as a user of a GPipe does: the
+// loss, its reduction and its gradients are the plain model's. One backward through the loss
+// gives every micro-batch's output gradient; the micro-batches' own backwards follow.
+
+/// A loss function of the last stage: the mini-batch's output (gathered from the micro-batches)
+/// and the target, to a scalar.
+using LossFunction = std::function<at::Tensor(const Batch& output, const at::Tensor& target)>;
+
+/// The input of every stage but the first: none (their activations come from the stage before).
+inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
+
+/// Options of a pipeline stage. Every process of a pipeline must pass the same ones.
+struct PipelineStageOptions {
+  /// Layers per stage, one entry per process of the pipeline (rank order): stage s owns layers
+  /// sum(balance[0 .. s)) .. sum(balance[0 .. s]) of the Sequential.
+  /* implicit */ PipelineStageOptions(std::vector<int64_t> balance)
+      : balance_(std::move(balance)) {}
+  TORCH_ARG(std::vector<int64_t>, balance);
+  /// Micro-batches per mini-batch (fewer when the mini-batch has fewer samples).
+  TORCH_ARG(int64_t, chunks) = 1;
+  /// Which micro-batches are checkpointed: the same modes as a GPipe's.
+  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
+  /// Where this stage's layers run (tensors cross processes through the CPU with Gloo).
+  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// The last stage's loss function; required there, ignored elsewhere.
+  TORCH_ARG(LossFunction, loss) = nullptr;
+  /// Record what each step did (forward and backward of each micro-batch); see timeline().
+  TORCH_ARG(bool, record_timeline) = false;
+};
+
+/// This process's stage of a pipeline whose stages are the ranks of `group`, in rank order. Each
+/// process builds the same Sequential (same layers, same initial parameters) and keeps its own
+/// layers; step() runs one training step's forward and backward of the whole pipeline, in GPipe's
+/// schedule, with the other processes calling step() at the same time. Parameters (this stage's
+/// only) get their gradients as they would in the plain model; an optimizer over parameters()
+/// steps them.
+///
+///   auto group = gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
+///   gpipe::distributed::PipelineStage stage(
+///       model, gpipe::distributed::PipelineStageOptions({3, 2}).chunks(8).loss(loss_fn), group);
+///   torch::optim::SGD sgd(stage->parameters(), 0.1);
+///   at::Tensor loss = stage->is_first() ? stage->step(gpipe::Batch(input))
+///                                       : stage->step(gpipe::distributed::no_input(), target);
+///   sgd.step();
+///
+/// Skips (gpipe::stash / pop) must be stashed and popped within one stage. A BatchNorm in a stage
+/// normalises each micro-batch on its own and updates its running statistics once per
+/// micro-batch (the plain model's behaviour on micro-batches; GPipe's deferred batch norm is not
+/// implemented across processes). Configurations are
+/// compared across ranks at construction; a process that dies makes the others' step() throw
+/// within the group's timeout.
+class PipelineStageImpl : public torch::nn::Module {
+ public:
+  PipelineStageImpl(const torch::nn::Sequential& module, PipelineStageOptions options,
+                    ProcessGroup group);
+  /// A stage replicated over `replica_group` (the same stage of the other replicas of the
+  /// pipeline, each fed its own shard of the mini-batch): replica 0's parameters and buffers are
+  /// copied to the others at construction, and each step ends with the parameters' gradients
+  /// averaged over the replicas (one all-reduce per dtype, after this stage's backward).
+  ///
+  ///   auto groups = gpipe::distributed::new_pipeline_groups(options_from_env(), /*stages=*/2);
+  ///   gpipe::distributed::PipelineStage stage(model, options, groups.pipeline,
+  ///                                           groups.replica_group);
+  PipelineStageImpl(const torch::nn::Sequential& module, PipelineStageOptions options,
+                    ProcessGroup group, ProcessGroup replica_group);
+
+  /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
+  /// on the last, `target` is passed to the loss function. Other stages take neither: step()
+  /// (no_input() and an undefined tensor). Returns the loss on the last stage, an undefined tensor
+  /// elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
+  /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs. After a
+  /// step that threw (a peer died, a layer failed), the stage refuses further steps. Steps called
+  /// from several threads run one at a time.
+  at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {});
+
+  /// On the last stage, the last step's output of the whole mini-batch (gathered from the
+  /// micro-batches, without history): for accuracy, or for inference under torch::NoGradGuard,
+  /// where step() runs only the forward.
+  const Batch& output() const { return output_; }
+
+  /// This process's stage and the number of stages.
+  int64_t stage() const { return stage_; }
+  int64_t stages() const { return static_cast<int64_t>(options_.balance().size()); }
+  bool is_first() const { return stage_ == 0; }
+  bool is_last() const { return stage_ == stages() - 1; }
+
+  /// The layers this stage owns.
+  const torch::nn::Sequential& layers() const { return layers_; }
+  const PipelineStageOptions& options() const { return options_; }
+
+  /// What the last step did on this stage (with record_timeline): kCompute for each
+  /// micro-batch's forward, kBackward for its backward, partition = this stage.
+  std::shared_ptr<const Timeline> timeline() const { return timeline_; }
+
+  /// Every stage's timeline of the last step, on one clock (the processes must share a host):
+  /// the events of stage s have partition = s, times in microseconds since the earliest stage's
+  /// step began. A collective: every stage of the pipeline calls it (with record_timeline).
+  ///
+  ///   auto events = stage->gather_timeline();
+  ///   if (stage->is_first()) std::ofstream("steps.svg") << gpipe::timeline_svg(events);
+  std::vector<TimelineEvent> gather_timeline();
+
+ private:
+  void check_same_configuration(const torch::nn::Module& whole);
+
+  PipelineStageOptions options_;
+  ProcessGroup group_;
+  ProcessGroup replica_group_;  // null: not replicated
+  int64_t stage_ = 0;
+  torch::nn::Sequential layers_;
+  SkipLayout skip_layout_;
+  std::shared_ptr<GradRecord> grad_record_;
+  std::shared_ptr<Timeline> timeline_;
+  Batch output_{std::vector<at::Tensor>{}};
+  // Steps from two threads run one after the other: their transfers share tags.
+  absl::Mutex step_mu_;
+  bool failed_ = false;  // a step left by an exception: the pipeline's transfers are unmatched
+  std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (transfer.h)
+};
+
+TORCH_MODULE(PipelineStage);
+
+}  // namespace distributed
+}  // namespace gpipe

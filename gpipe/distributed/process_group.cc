@@ -1,0 +1,184 @@
+// The process group; see process_group.h.
+#include "gpipe/distributed/process_group.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+std::string env(const char* name, bool required) {
+  const char* value = std::getenv(name);
+  TORCH_CHECK(value != nullptr || !required, "gpipe::distributed: the environment variable ",
+              name, " is not set; start the program with torchrun (torchrun --no_python "
+              "--nproc_per_node=N program ...), which sets RANK, WORLD_SIZE, MASTER_ADDR and "
+              "MASTER_PORT, or set them yourself");
+  return value != nullptr ? value : "";
+}
+
+int env_int(const char* name, int low, int high) {
+  const std::string text = env(name, true);
+  int value = 0;
+  TORCH_CHECK(absl::SimpleAtoi(text, &value) && value >= low && value <= high,
+              "gpipe::distributed: ", name, "='", text, "' is not an integer from ", low, " to ",
+              high);
+  return value;
+}
+
+bool loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+}  // namespace
+
+GroupOptions options_from_env() {
+  GroupOptions options;
+  options.world_size(env_int("WORLD_SIZE", 1, 1 << 20));
+  options.rank(env_int("RANK", 0, options.world_size() - 1));
+  options.master_addr(env("MASTER_ADDR", true));
+  options.master_port(env_int("MASTER_PORT", 1, 65535));
+  options.launcher_store(env("TORCHELASTIC_USE_AGENT_STORE", false) == "True");
+  const std::string timeout = env("GPIPE_TIMEOUT_S", false);
+  if (!timeout.empty()) {
+    double seconds = 0;
+    TORCH_CHECK(absl::SimpleAtod(timeout, &seconds) && seconds > 0,
+                "gpipe::distributed: GPIPE_TIMEOUT_S='", timeout,
+                "' is not a positive number of seconds");
+    options.timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+  }
+  return options;
+}
+
+namespace {
+
+// Meets the others at options' TCPStore (rank 0 serves it unless the launcher does).
+c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
+  TORCH_CHECK(options.world_size() >= 1 && options.rank() >= 0 &&
+                  options.rank() < options.world_size(),
+              "gpipe::distributed: rank ", options.rank(), " is not in 0 .. world_size - 1 = ",
+              options.world_size() - 1);
+  TORCH_CHECK(options.master_port() >= 1 && options.master_port() <= 65535,
+              "gpipe::distributed: master_port ", options.master_port(),
+              " is not a TCP port (1 .. 65535)");
+  TORCH_CHECK(options.timeout().count() > 0, "gpipe::distributed: the timeout must be positive, "
+              "got ", options.timeout().count(), " ms");
+  const std::string where =
+      absl::StrFormat("%s:%d", options.master_addr(), options.master_port());
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(options.master_port());
+    store_options.isServer = options.rank() == 0 && !options.launcher_store();
+    store_options.numWorkers = static_cast<size_t>(options.world_size());
+    store_options.waitWorkers = !options.launcher_store();
+    store_options.timeout = options.timeout();
+#if TORCH_VERSION_MAJOR >= 2
+    store_options.useLibUV = false;  // Debian's LibTorch is built without libuv
+#endif
+    c10::intrusive_ptr<c10d::Store> store =
+        c10::make_intrusive<c10d::TCPStore>(options.master_addr(), store_options);
+    // torchrun's store outlives a restart of the processes: each attempt keeps its own keys.
+    const std::string attempt = env("TORCHELASTIC_RESTART_COUNT", false);
+    if (options.launcher_store() && !attempt.empty()) {
+      store = c10::make_intrusive<c10d::PrefixStore>("gpipe/attempt_" + attempt, store);
+    }
+    return store;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
+                " could not meet the others at ", where, " (TCPStore, timeout ",
+                options.timeout().count(), " ms): ", e.what(),
+                (options.rank() == 0 ? "; is the port already in use?"
+                                     : "; is rank 0 running, and MASTER_ADDR/MASTER_PORT right?"));
+  }
+}
+
+// The Gloo group of `size` processes that meet under `prefix` in `store`; this one is `rank`.
+ProcessGroup gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                        int rank, int size, const GroupOptions& options) {
+  try {
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+    const std::string ifname = env("GLOO_SOCKET_IFNAME", false);
+    if (!ifname.empty()) {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (loopback(options.master_addr())) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    c10::intrusive_ptr<c10d::Store> scoped = store;
+    if (!prefix.empty()) scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, gloo_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
+                " met the others at ", options.master_addr(), ":", options.master_port(),
+                " but could not connect to the others of its group ('", prefix,
+                "') with Gloo (timeout ", options.timeout().count(), " ms): ", e.what());
+  }
+}
+
+}  // namespace
+
+// Every group this process makes gets keys of its own in the store (the processes make their
+// groups in the same order, so the same number names the same group everywhere).
+std::string next_prefix() {
+  static std::atomic<int> groups{0};
+  return absl::StrCat("gpipe/", groups++);
+}
+
+ProcessGroup new_gloo_group(const GroupOptions& options) {
+  const auto store = connect_store(options);
+  return gloo_group(store, next_prefix(), options.rank(), options.world_size(), options);
+}
+
+PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
+  TORCH_CHECK(stages >= 1 && options.world_size() % stages == 0,
+              "gpipe::distributed: ", options.world_size(), " processes cannot form pipelines of ",
+              stages, " stages; the number of processes must be a multiple of the stages");
+  const auto store = connect_store(options);
+  const std::string prefix = next_prefix();
+  PipelineGroups groups;
+  groups.stages = stages;
+  groups.replicas = options.world_size() / stages;
+  groups.stage = options.rank() % stages;
+  groups.replica = options.rank() / stages;
+  groups.pipeline = gloo_group(store, absl::StrCat(prefix, "/pipeline/", groups.replica),
+                               groups.stage, stages, options);
+  groups.replica_group = gloo_group(store, absl::StrCat(prefix, "/replicas/", groups.stage),
+                                    groups.replica, groups.replicas, options);
+  return groups;
+}
+
+void check_collective(const ProcessGroup& group, const std::string& what,
+                      const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    if (e.msg().rfind("gpipe", 0) == 0) throw;  // already ours
+    TORCH_CHECK(false, "gpipe::distributed: ", what, " failed on rank ", group->getRank(), " of ",
+                group->getSize(), ": ", e.what_without_backtrace(),
+                " (another process may have died, stopped or timed out)");
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gpipe::distributed: ", what, " failed on rank ", group->getRank(), " of ",
+                group->getSize(), ": ", e.what(),
+                " (another process may have died, stopped or timed out)");
+  }
+}
+
+void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+          const std::string& what) {
+  check_collective(group, what, [&] { work->wait(); });
+}
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,88 @@
+// The process group: how a process joins the others of a distributed run, on c10d (a TCPStore to
+// meet, Gloo to communicate between CPUs), from torchrun's environment or from options.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include <torch/arg.h>
+#include <torch/version.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+namespace gpipe {
+namespace distributed {
+
+/// c10d's process group interface, whichever class carries it in this LibTorch: c10d::ProcessGroup
+/// in 1.x, c10d::Backend (the per-backend half of a ProcessGroup) in 2.x. Collectives and
+/// point-to-point operations are called on it directly.
+#if TORCH_VERSION_MAJOR >= 2
+using ProcessGroupBase = c10d::Backend;
+#else
+using ProcessGroupBase = c10d::ProcessGroup;
+#endif
+using ProcessGroup = c10::intrusive_ptr<ProcessGroupBase>;
+
+/// Where a process is in a distributed run and how to reach the others.
+///
+///   auto group = gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
+struct GroupOptions {
+  /// This process's rank, 0 .. world_size - 1.
+  TORCH_ARG(int, rank) = 0;
+  /// The number of processes.
+  TORCH_ARG(int, world_size) = 1;
+  /// The host of rank 0, where the TCPStore that the processes meet at listens.
+  TORCH_ARG(std::string, master_addr) = "127.0.0.1";
+  TORCH_ARG(int, master_port) = 29500;
+  /// Whether the launcher already serves the TCPStore at master_addr:master_port (torchrun does,
+  /// and says so with TORCHELASTIC_USE_AGENT_STORE=True): then rank 0 connects to it like the
+  /// others instead of serving one.
+  TORCH_ARG(bool, launcher_store) = false;
+  /// How long to wait for the others: to meet, and in every collective or transfer (a process
+  /// that died or hangs makes the others fail with a c10::Error after at most this long).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+};
+
+/// The options torchrun (and torch.distributed's other launchers) give a process in its
+/// environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE;
+/// GPIPE_TIMEOUT_S (seconds) if set.
+/// Throws c10::Error naming a variable that is missing or malformed.
+GroupOptions options_from_env();
+
+/// Joins the process group of `options` with c10d's Gloo backend: rank 0 serves a TCPStore at
+/// master_addr:master_port (unless the launcher does), every rank connects to it and then to every
+/// other rank (on loopback when master_addr is a loopback address; else on the interface named by
+/// GLOO_SOCKET_IFNAME, or the one this host's name resolves to). Blocks until all world_size
+/// processes have joined or the timeout passes (c10::Error).
+ProcessGroup new_gloo_group(const GroupOptions& options);
+
+/// The groups of this process in a pipeline of `stages` stages, replicated world_size / stages
+/// times (data parallelism): rank r is stage r % stages of replica r / stages, so each pipeline
+/// is `stages` consecutive ranks.
+///
+///   auto groups = gpipe::distributed::new_pipeline_groups(options_from_env(), 2);  // 4 processes
+///   // rank 3: stage 1 of replica 1; pipeline {2, 3}, replica group {1, 3}
+struct PipelineGroups {
+  ProcessGroup pipeline;       // this replica's stages, in stage order
+  ProcessGroup replica_group;  // this stage in every replica, in replica order
+  int stages = 1, replicas = 1;
+  int stage = 0, replica = 0;
+};
+
+/// Joins the run of `options` (one TCPStore, as new_gloo_group) and makes this process's
+/// pipeline and replica groups (Gloo). Throws c10::Error when world_size is not a multiple of
+/// `stages`.
+PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages);
+
+/// Runs `fn` and turns any exception from c10d or Gloo into a c10::Error that says `what` failed
+/// on this rank, why, and what usually causes it (a process that died or timed out).
+void check_collective(const ProcessGroup& group, const std::string& what,
+                      const std::function<void()>& fn);
+
+/// Waits for `work`, with check_collective's errors.
+void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+          const std::string& what);
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,61 @@
+// Keeping replicas equal; see replication.h.
+#include "gpipe/distributed/replication.h"
+
+#include <map>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros_like.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace gpipe {
+namespace distributed {
+
+void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
+                          const std::string& what) {
+  if (group->getSize() == 1) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) {
+    std::vector<at::Tensor> one{t.is_contiguous() ? t.detach() : t.detach().contiguous()};
+    check_collective(group, absl::StrCat("the broadcast of ", what),
+                     [&] { group->broadcast(one)->wait(); });
+    if (!one[0].is_same(t)) {
+      t.detach().copy_(one[0]);
+    }
+  }
+}
+
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params) {
+  if (group->getSize() == 1) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const at::Tensor& p : params) {
+    if (!p.requires_grad()) continue;
+    if (!p.grad().defined()) {
+      p.mutable_grad() = at::zeros_like(p);
+    }
+    by_dtype[p.scalar_type()].push_back(p);
+  }
+  for (auto& [dtype, ps] : by_dtype) {
+    std::vector<at::Tensor> pieces;
+    for (const at::Tensor& p : ps) pieces.push_back(p.grad().reshape(-1).to(at::kCPU));
+    std::vector<at::Tensor> flat{at::cat(pieces)};
+    check_collective(group, "the all-reduce of the replicas' gradients",
+                     [&] { group->allreduce(flat)->wait(); });
+    flat[0].div_(group->getSize());
+    int64_t offset = 0;
+    for (const at::Tensor& p : ps) {
+      const int64_t n = p.numel();
+      p.mutable_grad().copy_(flat[0].narrow(0, offset, n).view_as(p));
+      offset += n;
+    }
+  }
+}
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,26 @@
+// Keeping replicas equal: copying rank 0's tensors to every rank, and averaging gradients over
+// the ranks, for the replicas of a pipeline stage and of a DataParallel module.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "gpipe/distributed/process_group.h"
+
+namespace gpipe {
+namespace distributed {
+
+/// Copies rank 0's values of `tensors` into every rank's, in place (one broadcast per tensor).
+/// `what` names the tensors in errors ("rank 0's parameters and buffers").
+void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
+                          const std::string& what);
+
+/// Replaces the gradient of each parameter that requires grad by its average over the ranks of
+/// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU). A
+/// parameter without a gradient counts as zeros and gets the average.
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params);
+
+}  // namespace distributed
+}  // namespace gpipe

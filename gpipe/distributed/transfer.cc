@@ -1,0 +1,243 @@
+// Transfers between stages; see transfer.h.
+#include "gpipe/distributed/transfer.h"
+
+#include <pthread.h>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+constexpr int64_t kHeaderSize = 512;   // int64 values: 4 KiB
+constexpr int64_t kMaxTensors = 64;    // per batch: tags leave room for this many
+
+absl::Mutex& posting_mutex() {
+  static absl::Mutex mu(absl::kConstInit);
+  return mu;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> post_send(const ProcessGroup& group, at::Tensor tensor, int peer,
+                                         int tag) {
+  std::vector<at::Tensor> one{std::move(tensor)};
+  absl::MutexLock lock(&posting_mutex());
+  return group->send(one, peer, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> post_receive(const ProcessGroup& group, at::Tensor tensor,
+                                            int peer, int tag) {
+  std::vector<at::Tensor> one{std::move(tensor)};
+  absl::MutexLock lock(&posting_mutex());
+  return group->recv(one, peer, tag);
+}
+
+int transfer_tag(Message kind, int64_t microbatch, int64_t index) {
+  return static_cast<int>(static_cast<int64_t>(kind) + 4 * (index + kMaxTensors * microbatch));
+}
+
+void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch) {
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    check_collective(group_, what_, [&] {
+      works_.push_back(post_send(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
+    });
+    tensors_.push_back(std::move(tensors[t]));
+  }
+}
+
+void Transfer::receive(std::vector<at::Tensor> tensors, int peer, Message kind,
+                       int64_t microbatch) {
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    check_collective(group_, what_, [&] {
+      works_.push_back(post_receive(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
+    });
+    tensors_.push_back(std::move(tensors[t]));
+  }
+}
+
+void Transfer::set_posted(std::exception_ptr error) {
+  error_ = std::move(error);
+  posted_.Notify();
+}
+
+void Transfer::wait() {
+  posted_.WaitForNotification();
+  if (error_) std::rethrow_exception(error_);
+  for (auto& work : works_) {
+    distributed::wait(group_, work, what_);
+  }
+  works_.clear();
+}
+
+BatchHeader BatchHeader::of(const Batch& batch, int64_t microbatches, bool grad_enabled) {
+  BatchHeader header;
+  header.microbatches = microbatches;
+  header.atomic = batch.atomic();
+  header.grad_enabled = grad_enabled;
+  TORCH_CHECK(static_cast<int64_t>(batch.size()) <= kMaxTensors, "gpipe::distributed: a stage's "
+              "output has ", batch.size(), " tensors; at most ", kMaxTensors, " can go to the "
+              "next stage");
+  int64_t used = 4;
+  for (const at::Tensor& t : batch.values()) {
+    TORCH_CHECK(t.defined(), "gpipe::distributed: a stage's output holds an undefined tensor; "
+                "only defined tensors can go to the next stage");
+    Entry e;
+    e.dtype = t.scalar_type();
+    e.requires_grad = t.requires_grad();
+    e.sizes = t.sizes().vec();
+    used += 3 + t.dim();
+    header.entries.push_back(std::move(e));
+  }
+  TORCH_CHECK(used <= kHeaderSize, "gpipe::distributed: a stage's output has too many tensors or "
+              "dimensions to describe in one header (", used, " values, at most ", kHeaderSize,
+              ")");
+  return header;
+}
+
+at::Tensor BatchHeader::encode() const {
+  at::Tensor out = at::zeros({kHeaderSize}, at::kLong);
+  int64_t* p = out.data_ptr<int64_t>();
+  *p++ = microbatches;
+  *p++ = atomic ? 1 : 0;
+  *p++ = grad_enabled ? 1 : 0;
+  *p++ = static_cast<int64_t>(entries.size());
+  for (const Entry& e : entries) {
+    *p++ = static_cast<int64_t>(e.dtype);
+    *p++ = e.requires_grad ? 1 : 0;
+    *p++ = static_cast<int64_t>(e.sizes.size());
+    for (int64_t s : e.sizes) *p++ = s;
+  }
+  return out;
+}
+
+BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
+  const int64_t* p = encoded.data_ptr<int64_t>();
+  const int64_t* end = p + encoded.numel();
+  BatchHeader header;
+  header.microbatches = *p++;
+  header.atomic = *p++ != 0;
+  header.grad_enabled = *p++ != 0;
+  const int64_t count = *p++;
+  TORCH_CHECK(count >= 0 && count <= kMaxTensors && header.microbatches > 0,
+              "gpipe::distributed: a malformed activation header arrived (", count,
+              " tensors, ", header.microbatches, " micro-batches); do all ranks run the same "
+              "gpipe?");
+  for (int64_t k = 0; k < count; ++k) {
+    TORCH_CHECK(end - p >= 3, "gpipe::distributed: a malformed activation header arrived");
+    Entry e;
+    e.dtype = static_cast<at::ScalarType>(*p++);
+    e.requires_grad = *p++ != 0;
+    const int64_t dim = *p++;
+    TORCH_CHECK(dim >= 0 && end - p >= dim,
+                "gpipe::distributed: a malformed activation header arrived");
+    e.sizes.assign(p, p + dim);
+    p += dim;
+    header.entries.push_back(std::move(e));
+  }
+  return header;
+}
+
+int64_t BatchHeader::size() { return kHeaderSize; }
+
+std::vector<at::Tensor> BatchHeader::empty_tensors() const {
+  std::vector<at::Tensor> out;
+  for (const Entry& e : entries) {
+    out.push_back(at::empty(e.sizes, at::TensorOptions().dtype(e.dtype)));
+  }
+  return out;
+}
+
+ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer)
+    : group_(std::move(group)), peer_(peer), thread_([this] { run(); }) {}
+
+ActivationReceiver::~ActivationReceiver() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (in_flight_) in_flight_->abort();
+  }
+  thread_.join();
+}
+
+void ActivationReceiver::run() {
+  pthread_setname_np(pthread_self(), "gpipe receive");
+  const std::string what = "receiving activations from the previous stage";
+  // Posts one receive and waits for it; false when the receiver is stopping.
+  const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return false;
+    }
+    c10::intrusive_ptr<c10d::Work> work;
+    check_collective(group_, what, [&] {
+      work = post_receive(group_, std::move(tensor), peer_, transfer_tag(kind, i, t));
+    });
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        work->abort();
+        return false;
+      }
+      in_flight_ = work;
+    }
+    distributed::wait(group_, work, what);
+    absl::MutexLock lock(&mu_);
+    in_flight_.reset();
+    return !stopping_;
+  };
+  try {
+    int64_t m = 1;  // known from the first header
+    for (int64_t i = 0; i < m; ++i) {
+      at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
+      if (!receive(encoded, Message::kHeader, i, 0)) return;
+      Received r;
+      r.header = BatchHeader::decode(encoded);
+      m = r.header.microbatches;
+      r.tensors = r.header.empty_tensors();
+      for (size_t t = 0; t < r.tensors.size(); ++t) {
+        if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t))) return;
+      }
+      absl::MutexLock lock(&mu_);
+      ready_.push_back(std::move(r));
+    }
+  } catch (...) {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) error_ = std::current_exception();
+  }
+  absl::MutexLock lock(&mu_);
+  finished_ = true;
+}
+
+ActivationReceiver::Received ActivationReceiver::next() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](ActivationReceiver* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+        return !self->ready_.empty() || self->finished_;
+      },
+      this));
+  if (ready_.empty()) {
+    if (error_) std::rethrow_exception(error_);
+    TORCH_CHECK(false, "gpipe::distributed: the previous stage sent fewer micro-batches than "
+                "its header announced");
+  }
+  Received r = std::move(ready_.front());
+  ready_.pop_front();
+  return r;
+}
+
+std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    out.push_back(t.detach().to(at::kCPU).contiguous());
+  }
+  return out;
+}
+
+}  // namespace distributed
+}  // namespace gpipe

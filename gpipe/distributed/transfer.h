@@ -1,0 +1,148 @@
+// Transfers between the stages of a pipeline in different processes: a micro-batch's tensors (a
+// Batch, with a header saying what they are) forward, their gradients backward, on c10d's
+// point-to-point operations. Every send and receive is asynchronous; a Transfer is waited for
+// where its tensors are needed.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gpipe/distributed/process_group.h"
+#include "gpipe/microbatch.h"
+
+namespace gpipe {
+namespace distributed {
+
+/// What kind of message a tag belongs to; with the micro-batch, it makes the tag.
+enum class Message : int64_t { kHeader = 0, kActivation = 1, kGradient = 2 };
+
+/// The c10d tag of message `kind` for micro-batch `microbatch` and its tensor `index`.
+int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0);
+
+/// Sends and receives in flight, posted by one thread (the stage's courier, Note [Receiving
+/// ahead]) and waited for by another: wait() blocks until they were posted, then until they are
+/// done, and says which transfer failed.
+class Transfer {
+ public:
+  Transfer(ProcessGroup group, std::string what)
+      : group_(std::move(group)), what_(std::move(what)) {}
+
+  /// Sends `tensors` (CPU, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag per tensor).
+  void send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
+  /// Receives into `tensors` (CPU, contiguous, the sizes the sender sends) from `peer`.
+  void receive(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
+  /// Says that every send and receive of this transfer is posted, or that posting failed.
+  void set_posted(std::exception_ptr error = nullptr);
+
+  /// Waits until posted, then for every send and receive; the received tensors are then filled
+  /// in. Throws c10::Error naming the transfer when one failed.
+  void wait();
+
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+
+ private:
+  ProcessGroup group_;
+  std::string what_;
+  absl::Notification posted_;
+  std::exception_ptr error_;  // set before posted_ is notified
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<at::Tensor> tensors_;  // kept alive until waited for
+};
+
+/// The header of a micro-batch's activations: how many micro-batches the step has, whether the
+/// batch is a tuple, and each tensor's dtype, sizes and whether it requires grad.
+struct BatchHeader {
+  int64_t microbatches = 0;
+  bool atomic = true;
+  bool grad_enabled = true;  // whether the sender runs backward (it waits for gradients)
+  struct Entry {
+    at::ScalarType dtype = at::kFloat;
+    bool requires_grad = false;
+    std::vector<int64_t> sizes;
+  };
+  std::vector<Entry> entries;
+
+  /// The header of `batch`, part of a step of `microbatches`; throws c10::Error when it does not
+  /// fit in a header message (too many tensors or dimensions).
+  static BatchHeader of(const Batch& batch, int64_t microbatches, bool grad_enabled);
+  /// As an int64 tensor of the fixed header size, and back.
+  at::Tensor encode() const;
+  static BatchHeader decode(const at::Tensor& encoded);
+  /// The fixed header size, in int64.
+  static int64_t size();
+  /// Empty CPU tensors in the header's dtypes and sizes.
+  std::vector<at::Tensor> empty_tensors() const;
+};
+
+// Note [Receiving ahead]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Gloo moves a message only once its receive is posted: the receiver tells the sender that it
+// is ready, and the sender's Gloo thread writes the tensors. An activation's receive can be
+// posted only after its header (the sizes) has arrived. Done on the computing thread, each
+// micro-batch would cost that round trip in its turn, and on a machine whose cores are all busy
+// computing, every hop waits for a Gloo thread to be scheduled: about 4 ms a micro-batch on the
+// 2-core machine (docs/benchmarks.md). So a stage receives its activations on a thread of its
+// own, which asks for micro-batch i+1's header as soon as micro-batch i has arrived, while the
+// stage computes: the round trips overlap the compute and the stage finds its inputs waiting.
+// Gradients need no such thread: their sizes are known when the activations are sent, and
+// their receives are posted then. Posting itself can block too: Gloo's send and receive take the
+// connection's lock, which Gloo's own thread holds while it reads, and that thread may be waiting
+// for a core (the computing thread waited 1–6 ms in a send this way). So the stage posts its
+// sends and its gradients' receives from a second thread of its own, the courier, and the
+// computing thread only queues them and, when it needs a result, waits for it.
+
+/// Receives one step's activations from `peer` on a thread of its own (Note [Receiving ahead]):
+/// the header and tensors of micro-batch 0, 1, … until the step's last, each queued as it
+/// arrives.
+class ActivationReceiver {
+ public:
+  struct Received {
+    BatchHeader header;
+    std::vector<at::Tensor> tensors;  // CPU
+  };
+  ActivationReceiver(ProcessGroup group, int peer);
+  /// Stops receiving (aborting a receive in flight) and joins the thread.
+  ~ActivationReceiver();
+  ActivationReceiver(const ActivationReceiver&) = delete;
+  ActivationReceiver& operator=(const ActivationReceiver&) = delete;
+
+  /// The next micro-batch, once it is here; throws the receiving thread's c10::Error.
+  Received next();
+
+ private:
+  void run();
+
+  ProcessGroup group_;
+  int peer_;
+  absl::Mutex mu_;
+  std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
+  std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
+  c10::intrusive_ptr<c10d::Work> in_flight_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts once the rest is made
+};
+
+/// Posts a send or receive on `group`: one thread at a time in this process (c10d's Gloo group
+/// counts its operations without a lock), so that the courier and the activation receiver can
+/// both post.
+c10::intrusive_ptr<c10d::Work> post_send(const ProcessGroup& group, at::Tensor tensor, int peer,
+                                         int tag);
+c10::intrusive_ptr<c10d::Work> post_receive(const ProcessGroup& group, at::Tensor tensor,
+                                            int peer, int tag);
+
+/// The tensors of `batch` on the CPU and contiguous, for sending (copies only where needed).
+std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors);
+
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,74 @@
+// Stage-local backward for CPU partitions: each partition's backward of each micro-batch runs on
+// that partition's own worker thread, so that CPU partitions overlap in backward as they do in
+// forward.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "gpipe/microbatch.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+
+// Note [Stage-local backward in one process]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch's autograd engine runs every CPU node of a backward on the thread that called
+// backward(): the partitions of a CPU pipeline, which overlap in forward on their workers, run
+// their backward one after the other. With stage-local backward the graph is cut where a
+// micro-batch enters a partition, and where it leaves the last one: the tensors that cross get a
+// Handoff node with no next edges. The user's backward runs the loss and the gathering of the
+// micro-batches on the calling thread; when the gradient of micro-batch i reaches the Handoff
+// behind partition j, the node hands the gradients to partition j's worker, which runs autograd's
+// backward from partition j's outputs for micro-batch i — an engine call of its own, on that
+// thread — and so meets the Handoff in front of partition j, and so on. The first partition runs
+// on the calling thread (Note [Workers and the calling thread]); its backwards run there too, in
+// the callback below. Partition j's backward of micro-batch i then overlaps partition j+1's of
+// micro-batch i-1, as in GPipe's schedule. The order within a partition is the order in which
+// its gradients arrive (its worker's queue), so the pipeline adds no fork/join edges between
+// micro-batches in this mode (Note [Backward order]): an edge into another micro-batch's graph
+// would make one engine call run nodes that belong to another. The first Handoff the user's
+// backward meets queues an end-of-backward callback that waits for every handed-off backward
+// (running those of partitions that run on the calling thread itself) and rethrows the first
+// error, so backward() returns with every gradient final, as without the mode.
+//
+// Used only where it changes nothing but threads: every partition on the CPU, a worker per
+// partition, no skip crossing partitions (a skip's gradient would reach a partition's graph from
+// two engine calls), training with grad. create_graph (double backward) through a cut is refused
+// with an error; retain_graph keeps only the last partition's graph.
+
+/// The handed-off backwards of one forward (one per GPipe forward in this mode).
+class StageBackward : public std::enable_shared_from_this<StageBackward> {
+ public:
+  explicit StageBackward(std::shared_ptr<WorkerPool> workers) : workers_(std::move(workers)) {}
+
+  /// Puts a Handoff in front of `batch` (micro-batch `microbatch`, just computed by partition
+  /// `partition`) for the next partition: its tensors that require grad become outputs of the
+  /// node, whose backward hands their gradients to `partition`'s worker.
+  void hand_off(Batch& batch, size_t partition, int64_t microbatch);
+
+  // For the Handoff node.
+  void submit(size_t partition, std::function<void()> job);
+  void queue_callback_once();
+
+ private:
+  void finish();  // the end-of-backward callback
+
+  std::shared_ptr<WorkerPool> workers_;
+  absl::Mutex mu_;
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::function<void()>> inline_jobs_ ABSL_GUARDED_BY(mu_);
+  std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
+  bool callback_queued_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+/// Whether this thread is running a handed-off backward.
+bool in_stage_backward();
+
+}  // namespace gpipe

@@ -1,0 +1,311 @@
+// Data-parallel replicas on c10d: processes on loopback (Gloo, float64) each training on a shard
+// of every mini-batch reach the same parameters and batch norm statistics as one process on the
+// whole mini-batch, through GPipe or a plain module, with gradient accumulation; a replica that
+// dies or is configured differently makes the others fail with a clear error.
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torch/nn/functional/loss.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/randn.h>
+
+#include "gpipe/distributed/data_parallel.h"
+#include "gpipe/gpipe.h"
+#include "tests/catch.h"
+#include "tests/distributed/multiprocess.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+namespace nn = torch::nn;
+using gpipe_test::run_ranks;
+using gpipe_test::test_rank;
+
+constexpr int kWorld = 2;
+constexpr int kSteps = 4;
+constexpr int64_t kBatch = 8;
+
+std::string folder_for(const std::string& name) { return gpipe_test::folder_for("dp", name); }
+
+// The model every test trains, made with seed 100 + `seed_offset` (rank r uses r, so that
+// replicas start different and the broadcast from rank 0 matters).
+nn::Sequential make_model(bool batch_norm, int seed_offset) {
+  torch::manual_seed(100 + seed_offset);
+  nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 8));
+  if (batch_norm) seq->push_back(nn::BatchNorm1d(8));
+  seq->push_back(nn::Tanh());
+  seq->push_back(nn::Linear(8, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
+
+// Step k's whole mini-batch and targets (the same in every process).
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  at::Tensor x = at::randn({kBatch, 6}, gen, at::kDouble);
+  at::Tensor y = at::randn({kBatch, 3}, gen, at::kDouble);
+  return {x, y};
+}
+
+at::Tensor shard(const at::Tensor& t, int rank) { return t.chunk(kWorld)[rank]; }
+
+std::vector<at::Tensor> state_of(nn::Module& module) {
+  std::vector<at::Tensor> out = module.parameters();
+  for (const at::Tensor& b : module.buffers()) out.push_back(b);
+  return out;
+}
+
+using gpipe_test::flat;
+
+ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
+
+// Runs `test` in kWorld ranks and returns what each rank wrote to "state<r>.bin".
+std::vector<at::Tensor> replicas(const std::string& test, const std::string& key) {
+  const std::string folder = folder_for(key);
+  const auto results = run_ranks(test, kWorld, folder);
+  std::vector<at::Tensor> states;
+  for (int r = 0; r < kWorld; ++r) {
+    CATCH_INFO(gpipe_test::outputs(results));
+    CATCH_REQUIRE(results[r].exit_code == 0);
+    states.push_back(gpipe_test::read_doubles(folder + "/state" + std::to_string(r) + ".bin"));
+  }
+  std::filesystem::remove_all(folder);
+  return states;
+}
+
+void save_state(nn::Module& module) {
+  gpipe_test::write_doubles(gpipe_test::test_folder() + "/state" + std::to_string(test_rank()) +
+                                ".bin",
+                            state_of(module));
+}
+
+constexpr const char* kTransparency =
+    "replicas through GPipe on shards of each batch train to the parameters of the plain "
+    "model on the whole batch";
+
+CATCH_TEST_CASE(kTransparency, "[distributed]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    GPipe pipe(make_model(false, rank), GPipeOptions({2, 2, 1}).chunks(2).checkpoint(
+                                            Checkpoint::kExceptLast));
+    // Small buckets: several of them, so that some start during backward.
+    DataParallel model(pipe, join(), DataParallelOptions().bucket_bytes(256));
+    CATCH_CHECK(model->bucket_count() >= 3);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+      const ReductionStats stats = model->last_reduction();
+      CATCH_CHECK(stats.buckets == static_cast<int64_t>(model->bucket_count()));
+      // The first backward learns when gradients are final; later ones start buckets early.
+      if (step > 0) CATCH_CHECK(stats.started_during_backward >= 1);
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kTransparency, "transparency");
+  nn::Sequential plain = make_model(false, 0);
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+    sgd.step();
+  }
+  const at::Tensor expected = flat(state_of(*plain));
+  for (const at::Tensor& state : states) {
+    CATCH_REQUIRE(state.sizes() == expected.sizes());
+    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
+  }
+}
+
+constexpr const char* kBatchNorm =
+    "replicas with deferred batch norm keep the running statistics of one GPipe on the whole "
+    "batch";
+
+CATCH_TEST_CASE(kBatchNorm, "[distributed][batchnorm]") {
+  // Each replica runs 2 micro-batches of its 4 samples; the one GPipe runs the same 4 micro-batches
+  // of 2 samples, so every layer sees the same micro-batches.
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    GPipe pipe(make_model(true, rank),
+               GPipeOptions({2, 4}).chunks(2).checkpoint(Checkpoint::kNever).deferred_batch_norm(
+                   true));
+    DataParallel model(pipe, join());
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kBatchNorm, "batchnorm");
+  GPipe one(make_model(true, 0),
+            GPipeOptions({2, 4}).chunks(2 * kWorld).checkpoint(Checkpoint::kNever)
+                .deferred_batch_norm(true));
+  torch::optim::SGD sgd(one->parameters(), 0.1);
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(one->forward(x), y).backward();
+    sgd.step();
+  }
+  const at::Tensor expected = flat(state_of(*one));
+  for (const at::Tensor& state : states) {
+    CATCH_REQUIRE(state.sizes() == expected.sizes());
+    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
+  }
+  CATCH_CHECK(at::equal(states[0], states[1]));  // identical replicas, bit for bit
+}
+
+constexpr const char* kNoSync =
+    "no_sync accumulates a replica's own gradients and the next backward averages their sum";
+
+CATCH_TEST_CASE(kNoSync, "[distributed]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    DataParallel model(make_model(false, rank), join());
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    for (int step = 0; step + 1 < kSteps; step += 2) {
+      auto [a, ya] = batch(step);
+      auto [b, yb] = batch(step + 1);
+      sgd.zero_grad();
+      {
+        auto local = model->no_sync();
+        torch::nn::functional::mse_loss(model->forward(shard(a, rank)), shard(ya, rank))
+            .backward();
+      }
+      torch::nn::functional::mse_loss(model->forward(shard(b, rank)), shard(yb, rank)).backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kNoSync, "nosync");
+  nn::Sequential plain = make_model(false, 0);
+  torch::optim::SGD sgd(plain->parameters(), 0.1);
+  for (int step = 0; step + 1 < kSteps; step += 2) {
+    auto [a, ya] = batch(step);
+    auto [b, yb] = batch(step + 1);
+    sgd.zero_grad();
+    (torch::nn::functional::mse_loss(plain->forward(a), ya) +
+     torch::nn::functional::mse_loss(plain->forward(b), yb))
+        .backward();
+    sgd.step();
+  }
+  const at::Tensor expected = flat(state_of(*plain));
+  for (const at::Tensor& state : states) {
+    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
+  }
+}
+
+constexpr const char* kDeadReplica =
+    "a replica that dies mid-step makes the others fail with an error that says so";
+
+CATCH_TEST_CASE(kDeadReplica, "[distributed][errors]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    DataParallel model(GPipe(make_model(false, rank), GPipeOptions({3, 2}).chunks(2)), join());
+    auto [x, y] = batch(0);
+    at::Tensor loss = torch::nn::functional::mse_loss(model->forward(shard(x, rank)),
+                                                      shard(y, rank));
+    if (rank == 1) {
+      std::_Exit(3);  // dies before its backward
+    }
+    CATCH_CHECK_THROWS_WITH(loss.backward(),
+                            gpipe_test::contains("failed on rank 0 of 2") &&
+                                gpipe_test::contains("another process may have died"));
+    return;
+  }
+  const std::string folder = folder_for("dead");
+  const auto results = run_ranks(kDeadReplica, kWorld, folder, {{"GPIPE_TIMEOUT_S", "20"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[1].exit_code == 3);
+  CATCH_CHECK(results[0].exit_code == 0);  // it saw the error it expected, within the timeout
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kMismatch = "replicas configured differently are refused at construction";
+
+CATCH_TEST_CASE(kMismatch, "[distributed][errors]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    GPipe pipe(make_model(false, rank), GPipeOptions({3, 2}).chunks(rank == 0 ? 2 : 4));
+    CATCH_CHECK_THROWS_WITH(DataParallel(pipe, join()),
+                            gpipe_test::contains("rank 1's replica differs from rank 0's") &&
+                                gpipe_test::contains("GPipe chunks: 4 (rank 0: 2)"));
+    return;
+  }
+  const std::string folder = folder_for("mismatch");
+  const auto results = run_ranks(kMismatch, kWorld, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+CATCH_TEST_CASE("the process group's options come from torchrun's environment, and wrong ones "
+                "are named",
+                "[distributed][errors]") {
+  if (test_rank() >= 0) return;
+  const auto set = [](const char* name, const char* value) {
+    if (value) ::setenv(name, value, 1); else ::unsetenv(name);
+  };
+  set("RANK", "1");
+  set("WORLD_SIZE", "4");
+  set("MASTER_ADDR", "10.0.0.7");
+  set("MASTER_PORT", "29501");
+  set("GPIPE_TIMEOUT_S", "2.5");
+  const GroupOptions options = options_from_env();
+  CATCH_CHECK(options.rank() == 1);
+  CATCH_CHECK(options.world_size() == 4);
+  CATCH_CHECK(options.master_addr() == "10.0.0.7");
+  CATCH_CHECK(options.master_port() == 29501);
+  CATCH_CHECK(options.timeout() == std::chrono::milliseconds(2500));
+  CATCH_CHECK_FALSE(options.launcher_store());
+  set("TORCHELASTIC_USE_AGENT_STORE", "True");  // torchrun serves the store itself
+  CATCH_CHECK(options_from_env().launcher_store());
+  set("TORCHELASTIC_USE_AGENT_STORE", nullptr);
+  set("RANK", "4");
+  CATCH_CHECK_THROWS_WITH(options_from_env(), gpipe_test::contains("RANK='4' is not an integer "
+                                                                   "from 0 to 3"));
+  set("RANK", nullptr);
+  CATCH_CHECK_THROWS_WITH(options_from_env(), gpipe_test::contains("RANK is not set") &&
+                                                  gpipe_test::contains("torchrun"));
+  for (const char* name : {"WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPIPE_TIMEOUT_S"}) {
+    set(name, nullptr);
+  }
+  CATCH_CHECK_THROWS_WITH(new_gloo_group(GroupOptions().rank(2).world_size(2)),
+                          gpipe_test::contains("rank 2 is not in 0 .. world_size - 1 = 1"));
+}
+
+CATCH_TEST_CASE("one replica is the module itself", "[distributed]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  nn::Sequential plain = make_model(false, 0);
+  DataParallel model(GPipe(make_model(false, 0), GPipeOptions({3, 2}).chunks(2)), group);
+  auto [x, y] = batch(0);
+  torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+  torch::nn::functional::mse_loss(model->forward(x), y).backward();
+  const auto expected = plain->parameters();
+  const auto got = model->parameters();
+  CATCH_REQUIRE(got.size() == expected.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    CATCH_CHECK(at::allclose(got[k].grad(), expected[k].grad(), 0, 1e-12));
+  }
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe

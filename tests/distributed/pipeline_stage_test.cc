@@ -1,0 +1,394 @@
+// Pipeline stages in processes of their own on c10d: two processes on loopback (Gloo, float64),
+// each owning a range of a Sequential's layers, train with tuple batches, skips and every
+// checkpoint mode to the parameters and losses of the plain model; a stage that dies or is
+// configured differently makes the others fail with a clear error.
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tanh.h>
+
+#include <map>
+#include <tuple>
+
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/skippable.h"
+#include "tests/catch.h"
+#include "tests/distributed/multiprocess.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+namespace nn = torch::nn;
+using gpipe_test::flat;
+using gpipe_test::run_ranks;
+using gpipe_test::test_rank;
+
+constexpr int kSteps = 4;
+constexpr int64_t kBatch = 8;
+constexpr int64_t kChunks = 3;  // 3, 3 and 2 samples
+
+std::string folder_for(const std::string& name) { return gpipe_test::folder_for("stage", name); }
+
+// Stage 0's layers stash a skip and pop it, and hand a pair (activations, an integer tensor) to
+// stage 1, which uses both.
+struct StashImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    stash("skip", x);
+    return at::tanh(x);
+  }
+};
+TORCH_MODULE(Stash);
+
+struct PopPairImpl : nn::Module {
+  PopPairImpl() : linear(register_module("linear", nn::Linear(8, 8))) {}
+  std::vector<at::Tensor> forward(const at::Tensor& x) {
+    return {linear(x) + pop("skip"), (x > 0).sum(1)};
+  }
+  nn::Linear linear;
+};
+TORCH_MODULE(PopPair);
+
+struct PairLinearImpl : nn::Module {
+  PairLinearImpl() : linear(register_module("linear", nn::Linear(8, 8))) {}
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& xs) {
+    return {at::tanh(linear(xs[0])) * (1 + xs[1].unsqueeze(1).to(at::kDouble) / 8), xs[1]};
+  }
+  nn::Linear linear;
+};
+TORCH_MODULE(PairLinear);
+
+struct FirstImpl : nn::Module {
+  at::Tensor forward(const std::vector<at::Tensor>& xs) { return xs[0]; }
+};
+TORCH_MODULE(First);
+
+// The model every test trains: 6 layers, the same in every process (seed 7; other seeds for
+// replicas that must take replica 0's parameters).
+nn::Sequential make_model(int seed = 7) {
+  torch::manual_seed(seed);
+  nn::Sequential seq(nn::Linear(6, 8), skippable(Stash(), SkippableOptions().stash({"skip"})),
+                     skippable(PopPair(), SkippableOptions().pop({"skip"})), PairLinear(), First(),
+                     nn::Linear(8, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
+const std::vector<int64_t> kBalance{3, 3};
+
+at::Tensor mse(const Batch& output, const at::Tensor& target) {
+  return nn::functional::mse_loss(output.tensor(), target);
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  at::Tensor x = at::randn({kBatch, 6}, gen, at::kDouble);
+  at::Tensor y = at::randn({kBatch, 3}, gen, at::kDouble);
+  return {x, y};
+}
+
+ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
+
+Checkpoint mode_from_env() {
+  const char* mode = std::getenv("GPIPE_TEST_CHECKPOINT");
+  const std::string m = mode ? mode : "except_last";
+  return m == "always" ? Checkpoint::kAlways : m == "never" ? Checkpoint::kNever
+                                                           : Checkpoint::kExceptLast;
+}
+
+// One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
+// last stage, the losses.
+void train_stage(PipelineStageOptions options) {
+  PipelineStage stage(make_model(), options.loss(mse), join());
+  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    at::Tensor loss = stage->is_first() ? stage->step(Batch(x)) : stage->step(no_input(), y);
+    CATCH_CHECK(loss.defined() == stage->is_last());
+    if (loss.defined()) losses.push_back(loss.detach());
+    sgd.step();
+  }
+  // The last step's schedule across both processes, on the host's clock: each micro-batch's
+  // forward reaches stage 1 after stage 0 computed it, and its backward reaches stage 0 after
+  // stage 1's; each stage runs the forwards in order and the backwards in reverse.
+  const std::vector<TimelineEvent> events = stage->gather_timeline();
+  std::map<std::tuple<int, int64_t, int64_t>, std::pair<double, double>> at;  // kind, i, stage
+  for (const TimelineEvent& e : events) {
+    at[{e.kind == TimelineEvent::Kind::kCompute ? 0 : 1, e.microbatch, e.partition}] = {
+        e.start_us, e.end_us};
+  }
+  CATCH_CHECK(events.size() == 4 * static_cast<size_t>(kChunks));
+  for (int64_t i = 0; i < kChunks; ++i) {
+    CATCH_CHECK(at[{0, i, 1}].first >= at[{0, i, 0}].second);
+    CATCH_CHECK(at[{1, i, 0}].first >= at[{1, i, 1}].second);
+    for (int64_t stage_index : {0, 1}) {
+      if (i > 0) CATCH_CHECK(at[{0, i, stage_index}].first >= at[{0, i - 1, stage_index}].second);
+      if (i > 0) CATCH_CHECK(at[{1, i - 1, stage_index}].first >= at[{1, i, stage_index}].second);
+    }
+  }
+  const std::string folder = gpipe_test::test_folder();
+  const std::string r = std::to_string(test_rank());
+  gpipe_test::write_doubles(folder + "/state" + r + ".bin", stage->parameters());
+  if (stage->is_last()) gpipe_test::write_doubles(folder + "/loss.bin", losses);
+}
+
+// The plain model's parameters of each stage's layers and losses after the same steps.
+struct Oracle {
+  std::vector<at::Tensor> stage_states;
+  at::Tensor losses;
+};
+Oracle plain_training(const std::vector<int64_t>& balance = kBalance) {
+  nn::Sequential plain = make_model();
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    at::Tensor loss = nn::functional::mse_loss(plain->forward(x), y);
+    loss.backward();
+    losses.push_back(loss.detach());
+    sgd.step();
+  }
+  Oracle oracle;
+  int64_t first = 0;
+  for (int64_t b : balance) {
+    std::vector<at::Tensor> params;
+    for (int64_t k = first; k < first + b; ++k) {
+      for (const at::Tensor& p : plain[k]->parameters()) params.push_back(p);
+    }
+    oracle.stage_states.push_back(flat(params));
+    first += b;
+  }
+  oracle.losses = flat(losses);
+  return oracle;
+}
+
+constexpr const char* kTransparency =
+    "two processes with one stage each train a model with tuples and skips to the plain model's "
+    "parameters and losses";
+
+CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
+  CATCH_INFO("checkpoint " << mode);
+  const std::string folder = folder_for("transparency_" + mode);
+  const auto results = run_ranks(kTransparency, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
+  const Oracle oracle = plain_training();
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
+                                                      ".bin");
+    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
+    CATCH_CHECK(at::allclose(state, oracle.stage_states[r], 0, 1e-10));
+  }
+  const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
+  CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
+  CATCH_CHECK(at::allclose(losses, oracle.losses, 0, 1e-12));
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kReplicas =
+    "replicated pipelines on shards of each batch train to the plain model's parameters and "
+    "losses on the whole batch";
+
+CATCH_TEST_CASE(kReplicas, "[distributed][stage]") {
+  if (test_rank() >= 0) {
+    const int stages = std::atoi(std::getenv("GPIPE_TEST_STAGES"));
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), stages);
+    const std::vector<int64_t> balance = stages == 1 ? std::vector<int64_t>{6} : kBalance;
+    // Replicas start apart: replica 0's parameters must reach the others.
+    PipelineStage stage(make_model(7 + 100 * groups.replica),
+                        PipelineStageOptions(balance).chunks(2).loss(mse), groups.pipeline,
+                        groups.replica_group);
+    torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::vector<at::Tensor> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
+      const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
+      sgd.zero_grad();
+      at::Tensor loss =
+          stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+      if (loss.defined()) losses.push_back(loss.detach());
+      sgd.step();
+    }
+    const std::string folder = gpipe_test::test_folder();
+    gpipe_test::write_doubles(folder + "/state" + std::to_string(test_rank()) + ".bin",
+                              stage->parameters());
+    if (stage->is_last()) {
+      gpipe_test::write_doubles(folder + "/loss" + std::to_string(groups.replica) + ".bin",
+                                losses);
+    }
+    return;
+  }
+  const auto [stages, replicas] = GENERATE(std::make_pair(1, 2), std::make_pair(2, 2));
+  CATCH_INFO(stages << " stages x " << replicas << " replicas");
+  const int world = stages * replicas;
+  const std::string folder = folder_for("replicas_" + std::to_string(stages));
+  const auto results = run_ranks(kReplicas, world, folder,
+                                 {{"GPIPE_TEST_STAGES", std::to_string(stages)}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < world; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
+  const Oracle oracle = plain_training(stages == 1 ? std::vector<int64_t>{6} : kBalance);
+  for (int r = 0; r < world; ++r) {
+    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
+                                                      ".bin");
+    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r % stages].sizes());
+    CATCH_CHECK(at::allclose(state, oracle.stage_states[r % stages], 0, 1e-10));
+  }
+  // Equal shards: the mini-batch's mean loss is the mean of the replicas' losses.
+  at::Tensor mean = gpipe_test::read_doubles(folder + "/loss0.bin");
+  for (int q = 1; q < replicas; ++q) {
+    mean = mean + gpipe_test::read_doubles(folder + "/loss" + std::to_string(q) + ".bin");
+  }
+  mean = mean / replicas;
+  CATCH_REQUIRE(mean.sizes() == oracle.losses.sizes());
+  CATCH_CHECK(at::allclose(mean, oracle.losses, 0, 1e-12));
+  std::filesystem::remove_all(folder);
+}
+
+// Stage 1's layer that ends its process during the second micro-batch of the first step.
+struct DieImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    if (++calls == 2) std::_Exit(3);
+    return x;
+  }
+  int calls = 0;
+};
+TORCH_MODULE(Die);
+
+constexpr const char* kDeadStage =
+    "a stage that dies mid-step makes the other's step fail with an error that says so";
+
+CATCH_TEST_CASE(kDeadStage, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    torch::manual_seed(7);
+    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), Die(), nn::Linear(8, 3));
+    seq->to(at::kDouble);
+    PipelineStage stage(seq, PipelineStageOptions({2, 2}).chunks(4).loss(mse), join());
+    auto [x, y] = batch(0);
+    if (stage->is_first()) {
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("failed on rank 0 of 2") &&
+                                  gpipe_test::contains("another process may have died"));
+    } else {
+      stage->step(no_input(), y);
+    }
+    return;
+  }
+  const std::string folder = folder_for("dead");
+  const auto results = run_ranks(kDeadStage, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[1].exit_code == 3);
+  CATCH_CHECK(results[0].exit_code == 0);  // it saw the error it expected, within the timeout
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kGradModes =
+    "stages under different grad modes fail with an error naming both and refuse further steps";
+
+CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    auto [x, y] = batch(0);
+    if (stage->is_first()) {
+      // Its gradients never come: stage 1 stops at the first micro-batch and its process ends.
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)), gpipe_test::contains("failed on rank 0"));
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("an earlier step failed on this stage"));
+    } else {
+      at::NoGradGuard no_grad;
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+                              gpipe_test::contains("stage 0 runs with grad but stage 1 without "
+                                                   "it"));
+    }
+    return;
+  }
+  const std::string folder = folder_for("grad_modes");
+  const auto results = run_ranks(kGradModes, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kMismatch = "stages configured differently are refused at construction";
+
+CATCH_TEST_CASE(kMismatch, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const int64_t chunks = test_rank() == 0 ? 2 : 4;
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), PipelineStageOptions(kBalance).chunks(chunks).loss(mse),
+                      join()),
+        gpipe_test::contains("rank 1's stage differs from rank 0's: chunks: 4 (rank 0: 2)"));
+    return;
+  }
+  const std::string folder = folder_for("mismatch");
+  const auto results = run_ranks(kMismatch, 2, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages are refused "
+                "naming the value",
+                "[distributed][stage][errors]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({3, 3}), group),
+                          gpipe_test::contains("the balance has 2 stages ({3, 3}) but the process "
+                                               "group has 1 ranks"));
+  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({2, 4}), group),
+                          gpipe_test::contains("the skip 'skip' is stashed in one stage and "
+                                               "popped in another"));
+  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({6}).chunks(0), group),
+                          gpipe_test::contains("chunks must be at least 1, got 0"));
+  auto [x, y] = batch(0);
+  PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(2), group);
+  CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),
+                          gpipe_test::contains("needs a loss function"));
+  PipelineStage stage(make_model(),
+                      PipelineStageOptions({6}).chunks(kChunks).loss(mse).record_timeline(true),
+                      group);
+  CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+                          gpipe_test::contains("stage 0 needs the mini-batch as input"));
+  nn::Sequential plain = make_model();
+  at::Tensor expected = nn::functional::mse_loss(plain->forward(x), y);
+  expected.backward();
+  const at::Tensor loss = stage->step(Batch(x), y);
+  CATCH_CHECK(at::allclose(loss, expected, 0, 1e-12));
+  const auto got = stage->parameters();
+  const auto want = plain->parameters();
+  CATCH_REQUIRE(got.size() == want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    CATCH_CHECK(at::allclose(got[k].grad(), want[k].grad(), 0, 1e-12));
+  }
+  // The stage's own schedule: each micro-batch forward in order, then backward in reverse.
+  std::vector<std::pair<int, int64_t>> order;
+  for (const TimelineEvent& e : stage->timeline()->events()) {
+    order.emplace_back(e.kind == TimelineEvent::Kind::kCompute ? 0 : 1, e.microbatch);
+  }
+  const std::vector<std::pair<int, int64_t>> expected_order{{0, 0}, {0, 1}, {0, 2},
+                                                            {1, 2}, {1, 1}, {1, 0}};
+  CATCH_CHECK(order == expected_order);
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe

@@ -1,0 +1,203 @@
+// Stage-local backward for CPU partitions (GPipeOptions::stage_local_backward): the same
+// parameters as the plain model over several optimizer steps, each partition's backward on its
+// own worker thread, errors from a partition's backward raised by backward(), and the mode's
+// limits refused with clear errors.
+#include <set>
+#include <thread>
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/optim/sgd.h>
+
+#include "gpipe/skippable.h"
+#include "tests/gpipe/test_util.h"
+
+namespace gpipe {
+namespace {
+
+namespace nn = torch::nn;
+using testing::check_same_grads;
+using testing::max_diff;
+
+// Records the thread of each forward and backward through it, by partition.
+struct ThreadLog {
+  std::mutex mu;
+  std::vector<std::set<std::thread::id>> forward{3}, backward{3};
+};
+
+struct RecordThread : torch::autograd::Function<RecordThread> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t partition, ThreadLog* log, bool fail) {
+    ctx->saved_data["partition"] = partition;
+    ctx->saved_data["log"] = reinterpret_cast<int64_t>(log);
+    ctx->saved_data["fail"] = fail;
+    if (log != nullptr) {
+      std::lock_guard<std::mutex> lock(log->mu);
+      log->forward[partition].insert(std::this_thread::get_id());
+    }
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* log = reinterpret_cast<ThreadLog*>(ctx->saved_data["log"].toInt());
+    TORCH_CHECK(!ctx->saved_data["fail"].toBool(), "a layer's backward failed on purpose");
+    if (log != nullptr) {
+      std::lock_guard<std::mutex> lock(log->mu);
+      log->backward[ctx->saved_data["partition"].toInt()].insert(std::this_thread::get_id());
+    }
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ProbeImpl : nn::Module {
+  ProbeImpl(int64_t partition, ThreadLog* log, bool fail = false)
+      : partition(partition), log(log), fail(fail) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return RecordThread::apply(x, partition, log, fail && is_training());
+  }
+  int64_t partition;
+  ThreadLog* log;
+  bool fail;
+};
+TORCH_MODULE(Probe);
+
+// Three partitions of Linear + Tanh + Probe (float64, seed 3).
+nn::Sequential make_model(ThreadLog* log = nullptr, bool fail_first = false) {
+  torch::manual_seed(3);
+  nn::Sequential seq;
+  for (int64_t j = 0; j < 3; ++j) {
+    seq->push_back(nn::Linear(6, 6));
+    seq->push_back(nn::Tanh());
+    seq->push_back(Probe(j, log, fail_first && j == 0));
+  }
+  seq->to(at::kDouble);
+  return seq;
+}
+
+GPipeOptions options(Checkpoint checkpoint, bool stage_local = true) {
+  return GPipeOptions({3, 3, 3}).chunks(4).checkpoint(checkpoint).worker_per_partition(true)
+      .devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(stage_local);
+}
+
+CATCH_TEST_CASE("stage-local backward trains to the plain model's parameters and input gradients",
+                "[gpipe][stage_backward]") {
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast,
+                                   Checkpoint::kNever);
+  CATCH_INFO("checkpoint " << static_cast<int>(mode));
+  nn::Sequential plain = make_model();
+  GPipe pipe(make_model(), options(mode));
+  torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipe_sgd(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = at::randn({7, 6}, at::kDouble);  // 4 micro-batches of 2, 2, 2, 1
+    const at::Tensor y = at::randn({7, 6}, at::kDouble);
+    const at::Tensor x1 = x.clone().requires_grad_(true);
+    const at::Tensor x2 = x.clone().requires_grad_(true);
+    plain_sgd.zero_grad();
+    pipe_sgd.zero_grad();
+    at::mse_loss(plain->forward(x1), y).backward();
+    at::mse_loss(pipe->forward(x2), y).backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+    CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= 1e-12);
+    plain_sgd.step();
+    pipe_sgd.step();
+  }
+  const auto a = plain->parameters();
+  const auto b = pipe->parameters();
+  for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(max_diff(a[k], b[k]) <= 1e-12);
+}
+
+CATCH_TEST_CASE("with stage-local backward each partition runs its backward on its own worker",
+                "[gpipe][stage_backward]") {
+  const bool stage_local = GENERATE(true, false);
+  CATCH_INFO("stage_local_backward " << stage_local);
+  ThreadLog log;
+  GPipe pipe(make_model(&log), options(Checkpoint::kNever, stage_local));
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  pipe->forward(x).sum().backward();
+  const std::thread::id caller = std::this_thread::get_id();
+  // Partition 1 computes its forward on its worker; its backward runs there too with the mode,
+  // else on the thread that called backward().
+  CATCH_REQUIRE(log.forward[1].size() == 1);
+  CATCH_CHECK(*log.forward[1].begin() != caller);
+  CATCH_REQUIRE(log.backward[1].size() == 1);
+  if (stage_local) {
+    CATCH_CHECK(log.backward[1] == log.forward[1]);
+  } else {
+    CATCH_CHECK(*log.backward[1].begin() == caller);
+  }
+  // The last partition likewise; partition 0 runs on the calling thread, forward and backward.
+  CATCH_REQUIRE(log.backward[2].size() == 1);
+  if (stage_local) {
+    CATCH_CHECK(log.backward[2] == log.forward[2]);
+  } else {
+    CATCH_CHECK(*log.backward[2].begin() == caller);
+  }
+  CATCH_CHECK(log.backward[0] == std::set<std::thread::id>{caller});
+}
+
+CATCH_TEST_CASE("an error in a handed-off backward is raised by backward and the next step works",
+                "[gpipe][stage_backward][errors]") {
+  GPipe failing(make_model(nullptr, /*fail_first=*/true), options(Checkpoint::kExceptLast));
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  CATCH_CHECK_THROWS_WITH(failing->forward(x).sum().backward(),
+                          gpipe_test::contains("a layer's backward failed on purpose"));
+  // The same pipeline without the failing layer's failure: eval-mode forward, then training.
+  nn::Sequential plain = make_model();
+  GPipe pipe(make_model(), options(Checkpoint::kExceptLast));
+  for (int step = 0; step < 2; ++step) {
+    plain->zero_grad();
+    pipe->zero_grad();
+    plain->forward(x).sum().backward();
+    pipe->forward(x).sum().backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  }
+}
+
+CATCH_TEST_CASE("a stage-local GPipe destroyed between forward and backward still gives the "
+                "plain model's gradients",
+                "[gpipe][stage_backward]") {
+  nn::Sequential plain = make_model();
+  nn::Sequential seq = make_model();
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  at::Tensor out;
+  {
+    GPipe pipe(seq, options(Checkpoint::kExceptLast));
+    out = pipe->forward(x);
+  }  // the GPipe and its workers' owner are gone; the graph keeps what it needs
+  out.sum().backward();
+  plain->forward(x).sum().backward();
+  check_same_grads(plain->parameters(), seq->parameters(), 1e-12);
+}
+
+struct StashImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    stash("skip", x);
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+struct PopImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return x + pop("skip"); }
+};
+TORCH_MODULE(Pop);
+
+CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
+                "[gpipe][stage_backward][errors]") {
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(make_model(), options(Checkpoint::kNever).worker_per_partition(false)),
+      gpipe_test::contains("stage_local_backward needs worker_per_partition(true)"));
+  nn::Sequential skips(nn::Linear(4, 4), skippable(Stash(), SkippableOptions().stash({"skip"})),
+                       nn::Tanh(), skippable(Pop(), SkippableOptions().pop({"skip"})));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(skips, GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).worker_per_partition(true)
+                       .stage_local_backward(true)),
+      gpipe_test::contains("the skip 'skip' crosses partitions"));
+  GPipe pipe(make_model(), options(Checkpoint::kNever));
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  CATCH_CHECK_THROWS_WITH(
+      pipe->forward(x).sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true),
+      gpipe_test::contains("create_graph"));
+}
+
+}  // namespace
+}  // namespace gpipe
