@@ -6,7 +6,6 @@
 // hidden = 1 - exposed(buckets) / exposed(one bucket). Run it under torchrun:
 //
 //   torchrun --no_python --nproc_per_node=2 bazel-bin/benchmarks/data_parallel --steps=20
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
+#include "benchmarks/timing.h"
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/worker.h"
@@ -35,6 +35,8 @@ ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this fil
 
 namespace {
 
+using gpipe_benchmarks::median;
+
 namespace nn = torch::nn;
 using gpipe::distributed::DataParallel;
 using gpipe::distributed::DataParallelOptions;
@@ -43,11 +45,6 @@ struct Result {
   double step_ms = 0, exposed_ms = 0;
   double started_early = 0, buckets = 0, megabytes = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) {
   at::manual_seed(0);
@@ -70,8 +67,7 @@ Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) 
     sgd.zero_grad();
     torch::nn::functional::mse_loss(model->forward(x), y).backward();
     sgd.step();
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = gpipe_benchmarks::ms_since(t0);
     if (step < 3) continue;
     const auto stats = model->last_reduction();
     step_ms.push_back(ms);
@@ -88,8 +84,7 @@ Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) 
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  gpipe_benchmarks::keep_freed_memory();
   gpipe::set_intra_op_threads(1);
   const auto group =
       gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());

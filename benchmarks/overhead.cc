@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
 
 ABSL_FLAG(int, repeats, 30,
@@ -37,6 +38,8 @@ ABSL_FLAG(std::string, only, "",
           "checkpoint, e.g. --only=4x128:except_last,4x128:never (default: all)");
 
 namespace {
+
+using gpipe_benchmarks::median;
 
 namespace nn = torch::nn;
 constexpr int64_t kLayers = 8;
@@ -61,11 +64,6 @@ double time_us(const std::function<void()>& step) {
   step();
   const auto stop = std::chrono::steady_clock::now();
   return std::chrono::duration<double, std::micro>(stop - start).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // Times `a` and `b` alternately, so that both see the same machine noise. Returns the medians of

@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "balancing/partition.h"
+#include "benchmarks/timing.h"
 
 ABSL_FLAG(int, layers, 1000, "number of layers");
 ABSL_FLAG(int, partitions, 64, "number of partitions");
@@ -20,17 +21,8 @@ ABSL_FLAG(int, repeats, 20, "timed runs per case (the median is reported)");
 
 namespace {
 
-double median_ms(const std::function<void()>& fn, int repeats) {
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    times.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using gpipe_benchmarks::median_ms;
+
 
 }  // namespace
 

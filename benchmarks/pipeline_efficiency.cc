@@ -5,7 +5,6 @@
 // micro-batches. The speed-up is compared with the ideal clock-cycle speed-up n * m / (m + n - 1).
 //
 //   bazel run -c opt //benchmarks:pipeline_efficiency -- --partitions=2 --json_out=/tmp/pe.json
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/worker.h"
 
@@ -41,19 +41,7 @@ ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this fil
 
 namespace {
 
-double median_ms(const std::function<void()>& step, int repeats) {
-  step();  // warm-up
-  std::vector<double> times;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    step();
-    times.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using gpipe_benchmarks::median_ms;
 
 torch::nn::Sequential make_model(int64_t layers, int64_t width) {
   at::manual_seed(0);
@@ -74,11 +62,7 @@ int main(int argc, char** argv) {
   const int64_t width = absl::GetFlag(FLAGS_width);
   const int repeats = absl::GetFlag(FLAGS_repeats);
   gpipe::set_intra_op_threads(1);  // one thread for every task, wherever it runs
-  // glibc returns freed memory above 128 KiB to the system and takes it back with page faults at
-  // the next allocation: for the 1 MiB weight gradients here that made training steps 4 to 8
-  // times slower (and noisy), on one thread and in the pipeline alike. Keep it instead.
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  gpipe_benchmarks::keep_freed_memory();  // Note [Keeping freed memory]
   const std::vector<int64_t> balance(n, 2 * per);
 
   std::printf("Pipeline efficiency on the CPU: %lld partitions of %lld x (Linear(%lld, %lld) + "
@@ -121,7 +105,7 @@ int main(int argc, char** argv) {
             model->forward(x);
           };
         }
-        ms[workers ? 1 : 0] = median_ms(step, repeats);
+        ms[workers ? 1 : 0] = median_ms(step, repeats, /*warmup=*/true);
       }
       const double speedup = ms[0] / ms[1];
       const double ideal = static_cast<double>(n * m) / (m + n - 1);

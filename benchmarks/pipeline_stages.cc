@@ -11,7 +11,6 @@
 // stages) trained on the same micro-batches by rank 0 alone, one thread, while rank 1 waits.
 // Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
-#include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "benchmarks/timing.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/trace.h"
@@ -48,15 +48,12 @@ ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this fil
 
 namespace {
 
+using gpipe_benchmarks::median;
+
 namespace nn = torch::nn;
 using gpipe::distributed::PipelineStage;
 using gpipe::distributed::PipelineStageOptions;
 using gpipe::distributed::ProcessGroup;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 nn::Sequential mlp(int64_t width, int layers_per_stage) {
   at::manual_seed(0);
@@ -79,8 +76,7 @@ double time_ms(F step) {
   for (int s = 0; s < absl::GetFlag(FLAGS_steps) + 2; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
-    const double t =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double t = gpipe_benchmarks::ms_since(t0);
     if (s >= 2) ms.push_back(t);
   }
   return median(ms);
@@ -134,8 +130,7 @@ double gpipe_ms(int64_t width, int layers, int64_t rows, int64_t m) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  gpipe_benchmarks::keep_freed_memory();
   gpipe::set_intra_op_threads(1);
   const ProcessGroup group =
       gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());

@@ -9,7 +9,6 @@
 // child's peak resident memory (CPU: every partition shares it), less an idle child's.
 #pragma once
 
-#include <malloc.h>
 #include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -37,6 +36,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/stream.h"
 #include "gpipe/worker.h"
@@ -150,8 +150,7 @@ inline std::string device_list(const std::vector<c10::Device>& devices) {
 /// Keeps freed memory (glibc's return of it to the system costs page faults every step) and, on
 /// the CPU, divides the cores among the partitions.
 inline void prepare_process(const Experiment& e, bool cuda) {
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  gpipe_benchmarks::keep_freed_memory();  // Note [Keeping freed memory]
   if (!cuda) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     set_intra_op_threads(std::max<int>(1, cores / static_cast<int>(std::max<size_t>(

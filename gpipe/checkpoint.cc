@@ -103,23 +103,15 @@ struct CheckpointFrame::State {
   std::shared_ptr<Timeline> timeline;
   int64_t microbatch = 0;
   int64_t partition = 0;
-  // When recorded work started: the host time and, on CUDA, a mark on the current stream
-  // (Note [Device times] in timeline.cc).
-  struct Started {
-    double us = 0;
-    std::shared_ptr<StreamMark> mark;
-  };
-  Started start() const {
-    return timeline ? Started{timeline->now_us(), timeline->mark(current_stream(device))}
-                    : Started{};
+  // When recorded work started (Note [Device times] in timeline.cc).
+  Timeline::Started start() const {
+    return timeline ? timeline->start(current_stream(device)) : Timeline::Started{};
   }
-  void record_event(TimelineEvent::Kind kind, const Started& started) const {
+  void record_event(TimelineEvent::Kind kind, const Timeline::Started& started) const {
     if (timeline) {
       TimelineEvent event{kind, microbatch, partition};
       event.checkpointed = true;
-      event.start_us = started.us;
-      event.end_us = timeline->now_us();
-      timeline->add(event, started.mark, timeline->mark(current_stream(device)));
+      timeline->finish(event, started, current_stream(device));
     }
   }
 
@@ -232,7 +224,7 @@ void recompute(State& st) {
   }
   Batch leaf_batch = state->input.atomic() ? Batch(leaves[0]) : Batch(leaves);
   Batch out(std::vector<at::Tensor>{});
-  const State::Started started = state->start();
+  const Timeline::Started started = state->start();
   {
     ThreadStateGuard thread_state(*state->thread_state);
     at::AutoGradMode grad(true);
@@ -306,7 +298,7 @@ struct CheckpointBackward : Node {
       }
     }
     if (!outputs.empty()) {
-      const State::Started started = state->start();
+      const Timeline::Started started = state->start();
       torch::autograd::backward(outputs, output_grads);
       state->record_event(TimelineEvent::Kind::kBackward, started);
     }

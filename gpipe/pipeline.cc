@@ -70,32 +70,21 @@ class TickGuard {
 
 // When recorded work started: the host time and, for work on a CUDA stream, a mark on it (Note
 // [Device times] in timeline.cc).
-struct Started {
-  double us = 0;
-  std::shared_ptr<StreamMark> mark;
-};
-
-Started start(const PipelineSpec& spec, const c10::Stream& stream) {
-  return spec.timeline ? Started{spec.timeline->now_us(), spec.timeline->mark(stream)}
-                       : Started{};
+Timeline::Started start(const PipelineSpec& spec, const c10::Stream& stream) {
+  return spec.timeline ? spec.timeline->start(stream) : Timeline::Started{};
 }
 
 // Adds `event`, which started at `started` and ends now (on `stream`), to the timeline if one is
 // recorded.
-void record(const PipelineSpec& spec, TimelineEvent event, const Started& started,
-            const c10::Stream& stream) {
-  if (spec.timeline) {
-    event.start_us = started.us;
-    event.end_us = spec.timeline->now_us();
-    spec.timeline->add(event, started.mark,
-                       started.mark ? spec.timeline->mark(stream) : nullptr);
-  }
+void record(const PipelineSpec& spec, const TimelineEvent& event,
+            const Timeline::Started& started, const c10::Stream& stream) {
+  if (spec.timeline) spec.timeline->finish(event, started, stream);
 }
 
 // Runs one task on the current thread, on its partition's compute stream.
 void compute(const PipelineSpec& spec, Slot& slot) {
   const c10::Stream& stream = spec.compute_streams[slot.partition];
-  const Started started = start(spec, stream);
+  const Timeline::Started started = start(spec, stream);
   try {
     c10::StreamGuard stream_guard(stream);
     slot.output = slot.checkpointing ? slot.checkpointing->checkpoint() : slot.stage(*slot.input);
@@ -173,7 +162,8 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
       }
       if (j > 0) {
         if (trackers[i] != nullptr) {
-          const Started skips_started{spec.timeline ? spec.timeline->now_us() : 0, nullptr};
+          const Timeline::Started skips_started{spec.timeline ? spec.timeline->now_us() : 0,
+                                                nullptr};
           for (int64_t from : trackers[i]->fence(i, j, spec.compute_streams, copy_streams)) {
             record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, skips_started,
                    copy_streams[j][i]);
@@ -184,7 +174,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
         const c10::Stream& copy_stream = has_streams(copy_streams[j - 1][i].device())
                                              ? copy_streams[j - 1][i]
                                              : copy_streams[j][i];
-        const Started copy_started = start(spec, copy_stream);
+        const Timeline::Started copy_started = start(spec, copy_stream);
         batches[i].values() = copy(std::move(batches[i].values()), copy_streams[j - 1][i],
                                    copy_streams[j][i]);
         record(spec,

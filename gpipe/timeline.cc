@@ -56,6 +56,12 @@ double Timeline::now_us() const {
       .count();
 }
 
+void Timeline::finish(TimelineEvent event, const Started& started, const c10::Stream& stream) {
+  event.start_us = started.us;
+  event.end_us = now_us();
+  add(event, started.mark, started.mark ? mark(stream) : nullptr);
+}
+
 void Timeline::add(TimelineEvent event, std::shared_ptr<StreamMark> device_start,
                    std::shared_ptr<StreamMark> device_end) {
   std::lock_guard<std::mutex> lock(mu_);

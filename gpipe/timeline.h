@@ -67,6 +67,21 @@ class Timeline {
   /// Adds `event`; with marks, the event's device times are read from them by events().
   void add(TimelineEvent event, std::shared_ptr<StreamMark> device_start = nullptr,
            std::shared_ptr<StreamMark> device_end = nullptr);
+
+  /// When a piece of work started: the host time and, where the device's times are measured, a
+  /// mark on its stream.
+  struct Started {
+    double us = 0;
+    std::shared_ptr<StreamMark> mark;
+  };
+  /// Starts timing work on `stream`.
+  ///
+  ///   const gpipe::Timeline::Started started = timeline->start(stream);
+  ///   run();
+  ///   timeline->finish({gpipe::TimelineEvent::Kind::kCompute, i, j}, started, stream);
+  Started start(const c10::Stream& stream) const { return Started{now_us(), mark(stream)}; }
+  /// Adds `event`, which began at `started` and ends now on `stream`.
+  void finish(TimelineEvent event, const Started& started, const c10::Stream& stream);
   /// The events so far; waits for the devices to reach the marks of those with device times.
   std::vector<TimelineEvent> events() const;
 

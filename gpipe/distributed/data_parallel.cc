@@ -2,9 +2,7 @@
 #include "gpipe/distributed/data_parallel.h"
 
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -31,38 +29,6 @@ struct BeginReduction : torch::autograd::Node {
   }
   std::weak_ptr<GradientReducer> reducer;
 };
-
-// Merges the replicas' deferred batch norm statistics (Note [Replicas and batch norm]).
-void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats) {
-  std::vector<at::Tensor> pieces;
-  for (const BatchNormStatistics& s : stats) {
-    pieces.push_back(at::tensor({s.count}, at::kDouble));
-    pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
-    pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
-  }
-  std::vector<at::Tensor> mine{at::cat(pieces)};
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int r = 0; r < group->getSize(); ++r) {
-    all[0].push_back(at::empty_like(mine[0]));
-  }
-  check_collective(group, "the all-gather of batch norm statistics",
-                   [&] { group->allgather(all, mine)->wait(); });
-  int64_t offset = 0;
-  for (BatchNormStatistics& s : stats) {
-    const int64_t channels = s.mean.numel();
-    BatchNormStatistics merged;  // in rank order, on the CPU
-    for (const at::Tensor& theirs : all[0]) {
-      merged.merge(theirs[offset].item<double>(), theirs.narrow(0, offset + 1, channels),
-                   theirs.narrow(0, offset + 1 + channels, channels));
-    }
-    offset += 1 + 2 * channels;
-    if (merged.count > 0) {
-      s.count = merged.count;
-      s.mean = merged.mean.to(s.mean.device()).view_as(s.mean);
-      s.m2 = merged.m2.to(s.m2.device()).view_as(s.m2);
-    }
-  }
-}
 
 }  // namespace
 

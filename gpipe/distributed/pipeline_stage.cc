@@ -5,6 +5,7 @@
 #include <exception>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <utility>
 
 #include <ATen/core/grad_mode.h>
@@ -85,6 +86,7 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   layers_ = parts[stage_];
   register_module("layers", layers_);
   skip_layout_ = SkipLayout({layers_});
+  batch_norms_ = std::make_shared<BatchNormLayers>(layers_->modules(/*include_self=*/false));
   grad_record_ = std::make_shared<GradRecord>();
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
@@ -104,6 +106,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("chunks", options_.chunks());
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
+  fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
   check_same_fields(group_, fields, "gpipe::distributed::PipelineStage", "stage",
                     "Every process of a pipeline must build the same model with the same options");
@@ -136,6 +139,12 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   } fail_on_throw{failed_};
   const bool training = at::GradMode::is_enabled();
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
+  // Note [Pipeline stages and batch norm].
+  const bool deferred = options_.deferred_batch_norm() && is_training() &&
+                        batch_norms_->size() > 0;
+  if (replica_group_ && training && is_training() && !deferred && !layers_->buffers().empty()) {
+    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers");
+  }
 
   // Forward: every micro-batch, in order (Note [Stage-local backward]).
   std::vector<Batch> inputs;
@@ -170,18 +179,29 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   };
   const uint64_t run = next_run_id();
   int64_t stop = -1;  // micro-batches before it are checkpointed; known with m
-  // Adds micro-batch i's forward or backward, which started at start_us, to the timeline.
-  const auto record = [&](TimelineEvent::Kind kind, int64_t i, double start_us) {
+  // Times micro-batch i's forward or backward on the timeline, if one is recorded.
+  const c10::Stream stream = current_stream(options_.device());
+  const auto start = [&] { return timeline_ ? timeline_->start(stream) : Timeline::Started{}; };
+  const auto record = [&](TimelineEvent::Kind kind, int64_t i, const Timeline::Started& started) {
     if (timeline_) {
       TimelineEvent event{kind, i, stage_};
       event.checkpointed = i < stop;
-      event.start_us = start_us;
-      event.end_us = timeline_->now_us();
-      timeline_->add(event);
+      timeline_->finish(event, started, stream);
     }
   };
+  // Captured before the deferred statistics' callback is added: the recomputation observes no
+  // operator (Note [Deferred batch norm without replacing modules]).
   const auto recompute_state = std::make_shared<const ThreadState>();
   const uint64_t params_key = requires_grad_key(layers_);
+  // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
+  // during the forwards, and the callback gathers the statistics; committed after the forwards.
+  std::optional<BatchNormLayers::Redirect> deferred_redirect;
+  std::optional<DeferredStatisticsScope> deferred_statistics;
+  if (deferred) {
+    batch_norms_->reset_statistics();
+    deferred_redirect.emplace(batch_norms_->redirect());
+    deferred_statistics.emplace();
+  }
   for (int64_t i = 0; m == 0 || i < m; ++i) {
     if (!is_first()) {
       ActivationReceiver::Received r = receiver->next();
@@ -201,13 +221,18 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     if (stop < 0) {
       stop = training && is_training() ? checkpoint_stop(options_.checkpoint(), m) : 0;
     }
-    const double start_us = timeline_ ? timeline_->now_us() : 0;
+    const Timeline::Started started = start();
     TaskContext context;
     context.microbatch = MicroBatch{run, i};
     if (!skip_layout_.empty()) context.skips = std::make_shared<MicroBatchSkips>(&skip_layout_);
-    auto run_layers = [this, context](const Batch& b) {
+    auto run_layers = [layers = layers_, batch_norms = batch_norms_, context](const Batch& b) {
       TaskScope scope(context);
-      return run_partition(layers_, b);
+      if (batch_norms->size() > 0 && is_recomputing()) {
+        // Note [Recomputation leaves running statistics alone] in batchnorm.h.
+        BatchNormLayers::Redirect redirect = batch_norms->redirect();
+        return run_partition(layers, b);
+      }
+      return run_partition(layers, b);
     };
     Batch out{std::vector<at::Tensor>{}};
     if (i < stop) {
@@ -218,7 +243,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     } else {
       out = run_layers(inputs[i]);
     }
-    record(TimelineEvent::Kind::kCompute, i, start_us);
+    record(TimelineEvent::Kind::kCompute, i, started);
     if (!is_last()) {
       sends.push_back(post(
           std::make_shared<Transfer>(group_, "sending activations to the next stage"),
@@ -241,6 +266,17 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
           }));
     }
     outputs.push_back(std::move(out));
+  }
+  if (deferred) {
+    deferred_statistics.reset();
+    deferred_redirect.reset();
+    if (replica_group_) {
+      std::vector<BatchNormStatistics> statistics = batch_norms_->statistics();
+      combine_statistics(replica_group_, statistics);
+      batch_norms_->commit(&statistics);
+    } else {
+      batch_norms_->commit();
+    }
   }
 
   // The last stage: the loss of the whole mini-batch, and from it each micro-batch's output
@@ -278,7 +314,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
         output_grads[i].push_back(g.to(options_.device()));
       }
     }
-    const double start_us = timeline_ ? timeline_->now_us() : 0;
+    const Timeline::Started started = start();
     const std::vector<at::Tensor> roots = requiring_grad(outputs[i]);
     TORCH_CHECK(roots.size() == output_grads[i].size(), who, ": stage ", stage_, " got ",
                 output_grads[i].size(), " gradients for micro-batch ", i, " but has ",
@@ -287,7 +323,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       torch::autograd::backward(roots, output_grads[i]);
     }
     outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent
-    record(TimelineEvent::Kind::kBackward, i, start_us);
+    record(TimelineEvent::Kind::kBackward, i, started);
     if (!is_first()) {
       std::vector<at::Tensor> grads;
       for (const at::Tensor& leaf : requiring_grad(inputs[i])) {

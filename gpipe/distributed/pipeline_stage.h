@@ -16,6 +16,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "absl/synchronization/mutex.h"
+#include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/distributed/process_group.h"
 #include "gpipe/gpipe.h"
@@ -70,7 +71,23 @@ struct PipelineStageOptions {
   TORCH_ARG(LossFunction, loss) = nullptr;
   /// Record what each step did (forward and backward of each micro-batch); see timeline().
   TORCH_ARG(bool, record_timeline) = false;
+  /// Whether this stage's BatchNorm layers update their running statistics once per mini-batch,
+  /// as if they had seen it whole, instead of once per micro-batch (GPipeOptions'
+  /// deferred_batch_norm; Note [Pipeline stages and batch norm]).
+  TORCH_ARG(bool, deferred_batch_norm) = false;
 };
+
+// Note [Pipeline stages and batch norm]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A stage's BatchNorms behave as in a GPipe partition (Notes in batchnorm.h): each micro-batch is
+// normalised with its own statistics; the running statistics are updated once per micro-batch,
+// or with deferred_batch_norm once per mini-batch from the statistics of all its micro-batches;
+// the recomputation of a checkpointed micro-batch never updates them a second time. With
+// replicas, the running statistics stay equal across the replica group: deferred statistics are
+// merged over the replicas before the update (combine_statistics in replication.h), so every
+// replica updates as one process would on the whole mini-batch of all replicas; without deferred
+// batch norm, every replica takes replica 0's buffers at the start of each training step, as
+// DataParallel and PyTorch's DistributedDataParallel do.
 
 /// This process's stage of a pipeline whose stages are the ranks of `group`, in rank order. Each
 /// process builds the same Sequential (same layers, same initial parameters) and keeps its own
@@ -87,10 +104,8 @@ struct PipelineStageOptions {
 ///                                       : stage->step(gpipe::distributed::no_input(), target);
 ///   sgd.step();
 ///
-/// Skips (gpipe::stash / pop) must be stashed and popped within one stage. A BatchNorm in a stage
-/// normalises each micro-batch on its own and updates its running statistics once per
-/// micro-batch (the plain model's behaviour on micro-batches; GPipe's deferred batch norm is not
-/// implemented across processes). Configurations are
+/// Skips (gpipe::stash / pop) must be stashed and popped within one stage. BatchNorms: see Note
+/// [Pipeline stages and batch norm]. Configurations are
 /// compared across ranks at construction; a process that dies makes the others' step() throw
 /// within the group's timeout.
 class PipelineStageImpl : public torch::nn::Module {
@@ -100,7 +115,8 @@ class PipelineStageImpl : public torch::nn::Module {
   /// A stage replicated over `replica_group` (the same stage of the other replicas of the
   /// pipeline, each fed its own shard of the mini-batch): replica 0's parameters and buffers are
   /// copied to the others at construction, and each step ends with the parameters' gradients
-  /// averaged over the replicas (one all-reduce per dtype, after this stage's backward).
+  /// averaged over the replicas (one all-reduce per dtype, after this stage's backward). Running
+  /// statistics stay equal across replicas (Note [Pipeline stages and batch norm]).
   ///
   ///   auto groups = gpipe::distributed::new_pipeline_groups(options_from_env(), /*stages=*/2);
   ///   gpipe::distributed::PipelineStage stage(model, options, groups.pipeline,
@@ -153,6 +169,7 @@ class PipelineStageImpl : public torch::nn::Module {
   int64_t stage_ = 0;
   torch::nn::Sequential layers_;
   SkipLayout skip_layout_;
+  std::shared_ptr<BatchNormLayers> batch_norms_;  // shared with checkpointed micro-batches' graphs
   std::shared_ptr<GradRecord> grad_record_;
   std::shared_ptr<Timeline> timeline_;
   Batch output_{std::vector<at::Tensor>{}};

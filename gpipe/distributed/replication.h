@@ -1,5 +1,6 @@
-// Keeping replicas equal: copying rank 0's tensors to every rank, and averaging gradients over
-// the ranks, for the replicas of a pipeline stage and of a DataParallel module.
+// Keeping replicas equal: copying rank 0's tensors to every rank, averaging gradients and merging
+// deferred batch norm statistics over the ranks, for the replicas of a pipeline stage and of a
+// DataParallel module.
 #pragma once
 
 #include <string>
@@ -7,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "gpipe/batchnorm.h"
 #include "gpipe/distributed/process_group.h"
 
 namespace gpipe {
@@ -21,6 +23,12 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
 /// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU). A
 /// parameter without a gradient counts as zeros and gets the average.
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params);
+
+/// Merges every rank's deferred batch norm statistics (one entry per BatchNorm layer, the same
+/// layers in every rank) into `stats`, in place: per layer, the counts, means and sums of squared
+/// deviations of all ranks combined by Chan's formula, in rank order, in float64 (Note [Replicas
+/// and batch norm] in data_parallel.h). A layer no rank saw stays as it is.
+void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats);
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,11 +69,17 @@ struct RankResult {
 /// Runs the test case `test_name` of this binary in `world` processes (ranks 0 .. world - 1) and
 /// waits for them, killing any still running after `limit`. `extra_env` is added to each one's
 /// environment. Returns each rank's exit code and output; the folder the ranks wrote to is
-/// `folder` (made empty first).
+/// `folder` (made empty first). The test's name must have no comma: Catch2 reads a comma on its
+/// command line as a separator between test specs, and the ranks would run nothing.
 inline std::vector<RankResult> run_ranks(const std::string& test_name, int world,
                                          const std::string& folder,
                                          const std::map<std::string, std::string>& extra_env = {},
                                          std::chrono::seconds limit = std::chrono::seconds(180)) {
+  if (test_name.find(',') != std::string::npos) {
+    throw std::invalid_argument("run_ranks: the test name '" + test_name + "' has a comma, "
+                                "which Catch2 takes for a separator between test specs; name "
+                                "the test without one");
+  }
   std::filesystem::remove_all(folder);
   std::filesystem::create_directories(folder);
   const std::string port = std::to_string(free_port());
