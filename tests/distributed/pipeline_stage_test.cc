@@ -16,6 +16,7 @@
 #include <ATen/ops/tanh.h>
 
 #include <map>
+#include <thread>
 #include <tuple>
 
 #include "gpipe/distributed/pipeline_stage.h"
@@ -511,6 +512,57 @@ CATCH_TEST_CASE(kAutocast, "[distributed][stage][autocast]") {
   CATCH_CHECK(gap <= kAutocastBound);
   const at::Tensor initial = flat(make_float_model()->parameters());
   CATCH_CHECK((want - initial).abs().max().item<double>() >= 10 * kAutocastBound);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kThreads =
+    "steps called from two threads of each stage run one after the other and accumulate both "
+    "steps' gradients";
+
+CATCH_TEST_CASE(kThreads, "[distributed][stage][threads]") {
+  if (test_rank() >= 0) {
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks).loss(mse),
+                        join());
+    // A server's two request threads, each running a step on the same batch: whichever step of a
+    // stage runs first meets the other stage's first.
+    auto [x, y] = batch(0);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 2; ++t) {
+      threads.emplace_back([&, x = x, y = y] {
+        if (stage->is_first()) {
+          stage->step(Batch(x));
+        } else {
+          stage->step(no_input(), y);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : stage->parameters()) grads.push_back(p.grad());
+    gpipe_test::write_doubles(gpipe_test::test_folder() + "/grad" + std::to_string(test_rank()) +
+                                  ".bin",
+                              grads);
+    return;
+  }
+  const std::string folder = folder_for("threads");
+  const auto results = run_ranks(kThreads, 2, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
+  nn::Sequential plain = make_model();
+  auto [x, y] = batch(0);
+  for (int t = 0; t < 2; ++t) nn::functional::mse_loss(plain->forward(x), y).backward();
+  int64_t first = 0;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<at::Tensor> want;
+    for (int64_t k = first; k < first + kBalance[r]; ++k) {
+      for (const at::Tensor& p : plain[k]->parameters()) want.push_back(p.grad());
+    }
+    first += kBalance[r];
+    const at::Tensor got = gpipe_test::read_doubles(folder + "/grad" + std::to_string(r) + ".bin");
+    CATCH_REQUIRE(got.sizes() == flat(want).sizes());
+    CATCH_CHECK(at::allclose(got, flat(want), 0, 1e-12));
+  }
   std::filesystem::remove_all(folder);
 }
 
