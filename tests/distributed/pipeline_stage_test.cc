@@ -108,13 +108,16 @@ Checkpoint mode_from_env() {
 // One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
 // last stage, the losses.
 void train_stage(PipelineStageOptions options) {
-  PipelineStage stage(make_model(), options.loss(mse), join());
+  const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
+  const c10::Device device(device_name != nullptr ? device_name : "cpu");
+  PipelineStage stage(make_model(), options.loss(mse).device(device), join());
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    at::Tensor loss = stage->is_first() ? stage->step(Batch(x)) : stage->step(no_input(), y);
+    at::Tensor loss = stage->is_first() ? stage->step(Batch(x.to(device)))
+                                        : stage->step(no_input(), y.to(device));
     CATCH_CHECK(loss.defined() == stage->is_last());
     if (loss.defined()) losses.push_back(loss.detach());
     sgd.step();
@@ -201,6 +204,38 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
   CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
   CATCH_CHECK(at::allclose(losses, oracle.losses, 0, 1e-12));
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kCudaStages =
+    "two processes with one stage each on the GPU train to the plain model's parameters and "
+    "losses";
+
+CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  // Both processes on cuda:0 (one GPU is enough: Gloo carries the tensors through the CPU).
+  const std::string mode = GENERATE(as<std::string>(), "always", "never");
+  CATCH_INFO("checkpoint " << mode);
+  const std::string folder = folder_for("cuda_" + mode);
+  const auto results = run_ranks(
+      kCudaStages, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
+  const Oracle oracle = plain_training();
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
+                                                      ".bin");
+    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
+    CATCH_CHECK(at::allclose(state, oracle.stage_states[r], 0, 1e-10));
+  }
+  const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
+  CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
+  CATCH_CHECK(at::allclose(losses, oracle.losses, 0, 1e-10));
   std::filesystem::remove_all(folder);
 }
 
@@ -451,7 +486,9 @@ std::vector<at::Tensor> plain_autocast_training(int64_t chunks) {
     {
       Autocast autocast;
       std::vector<at::Tensor> outputs;
-      for (const at::Tensor& m : x.to(at::kFloat).chunk(chunks)) outputs.push_back(plain->forward(m));
+      for (const at::Tensor& m : x.to(at::kFloat).chunk(chunks)) {
+        outputs.push_back(plain->forward(m));
+      }
       loss = nn::functional::mse_loss(at::cat(outputs), y.to(at::kFloat));
     }
     loss.backward();
