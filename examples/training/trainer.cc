@@ -34,6 +34,8 @@
 #include "examples/training/data.h"
 #include "examples/training/distributed_trainer.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/partition.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/trace.h"
@@ -71,6 +73,9 @@ ABSL_FLAG(bool, distributed, false,
           "one pipeline stage per process, started by torchrun (torchrun --no_python "
           "--nproc_per_node=4 resnet --distributed --partitions=2: 2 stages x 2 replicas); "
           "--partitions is the stages per pipeline (default: every process)");
+ABSL_FLAG(bool, stage_local_backward, true,
+          "on CPU partitions, run each partition's backward on its own worker "
+          "(GPipeOptions::stage_local_backward), unless a skip crosses partitions");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
@@ -202,12 +207,18 @@ int train(const TrainerModel& trainer) {
   const std::vector<int64_t> balance =
       choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
                      devices.front());
+  // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
+  // partitions, each with a worker, and no skip from one partition to another.
+  const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu &&
+                           partitions > 1 &&
+                           SkipLayout(split_module(model, balance, devices)).crossing().empty();
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
                         .checkpoint(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
                         .deferred_batch_norm(true)
                         .worker_per_partition(on_cpu && partitions > 1)
+                        .stage_local_backward(stage_local)
                         .record_timeline(true));
   int64_t parameters = 0;
   for (const auto& p : pipe->parameters()) parameters += p.numel();
@@ -220,7 +231,7 @@ int train(const TrainerModel& trainer) {
               static_cast<long long>(data.size), static_cast<long long>(model->size()),
               parameters / 1e6);
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of a %lld-image batch, "
-              "checkpoint %s%s%s\n",
+              "checkpoint %s%s%s%s\n",
               absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
               absl::StrJoin(devices, ", ", [](std::string* s, const c10::Device& d) {
                 s->append(d.str());
@@ -231,6 +242,7 @@ int train(const TrainerModel& trainer) {
                                        at::get_num_threads(),
                                        at::get_num_threads() == 1 ? "" : "s").c_str()
                      : "",
+              stage_local ? ", stage-local backward" : "",
               absl::GetFlag(FLAGS_amp) ? (on_cpu ? ", autocast bfloat16" : ", autocast float16")
                                        : "");
 
