@@ -73,7 +73,7 @@ void StageBackward::hand_off(Batch& batch, size_t partition, int64_t /*microbatc
 }
 
 void StageBackward::submit(size_t partition, std::function<void()> job) {
-  auto run = [self = shared_from_this(), job = std::move(job)] {
+  auto run = [self = shared_from_this(), job = std::move(job)]() mutable {
     const bool outer = stage_job;
     stage_job = true;
     try {
@@ -82,6 +82,10 @@ void StageBackward::submit(size_t partition, std::function<void()> job) {
       absl::MutexLock lock(&self->mu_);
       if (!self->error_) self->error_ = std::current_exception();
     }
+    // The job's roots hold this partition's autograd graph: drop them here, before the job counts
+    // as done, so that backward() returns with no worker still holding (and later freeing, beside
+    // the caller's next step) any of the graph.
+    job = nullptr;
     stage_job = outer;
     absl::MutexLock lock(&self->mu_);
     --self->pending_;

@@ -40,6 +40,9 @@ run_test() {
   # failed test case.
   if ((rc != 0 && f == 0)); then
     echo "$t exited with $rc after its tests passed: counting one failed test case"
+    # Show the first sanitizer report and a count of them all, so that CI's log says what it was.
+    grep -a -m 1 -A 40 -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:" "$log"
+    grep -a "^SUMMARY: " "$log" | sort | uniq -c | head -n 10
     f=1
   fi
   passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
