@@ -5,7 +5,8 @@
 #
 #   tools/cmake_test.sh BUILD_DIR [cmake configure arguments...]
 #
-# Prints each binary's last lines and, as its last line, "N passed, N failed, N skipped", added up
+# Prints each binary's last lines and run time and, as its last line, "N passed, N failed,
+# N skipped", added up
 # from the binaries' "gpipe-test-summary:" lines (tests/main.cc); a binary that printed none (it
 # crashed or was killed) counts as one failed test case, a build that failed as one more. Exits
 # non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
@@ -27,8 +28,10 @@ run_test() {
   local args=()
   read -ra args <<< "${TEST_ARGS:-}"
   # A binary that hangs is killed after TEST_TIMEOUT seconds (default 1800) and counted failed.
+  local t0=$SECONDS
   (cd "$build" && timeout -k 30 "${TEST_TIMEOUT:-1800}" "./$t" "${args[@]}") > "$log" 2>&1 || rc=$?
   tail -n 3 "$log"
+  echo "$t: $((SECONDS - t0)) s"
   line=$(grep -a "gpipe-test-summary:" "$log" | tail -n 1)
   if [[ -z "$line" ]]; then
     echo "$t printed no test summary: counting one failed test case"
