@@ -38,6 +38,8 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/partition.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/stream.h"
 #include "gpipe/worker.h"
 
@@ -47,6 +49,9 @@ extern char** environ;
 ABSL_FLAG(std::string, size, "auto", "full (CUDA), reduced (CPU), or auto (full where CUDA is)");
 ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (default: all)");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+ABSL_FLAG(bool, stage_local_backward, true,
+          "CPU pipelines: each partition runs its own backward on its worker "
+          "(GPipeOptions::stage_local_backward), unless a skip crosses partitions");
 ABSL_FLAG(std::string, child, "",
           "memory benchmarks, internal: run this one experiment and report (\"idle\": nothing)");
 
@@ -88,6 +93,7 @@ struct Setup {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::vector<c10::Device> devices;
   bool segmentation;  // binary cross-entropy against a mask, else cross-entropy against classes
+  bool stage_local = false;  // GPipeOptions::stage_local_backward
   int64_t parameters = 0;
 
   Setup(const Experiment& e, bool cuda)
@@ -99,11 +105,14 @@ struct Setup {
       plain = model;
       plain->to(devices.front());
     } else {
+      stage_local = cpu_pipeline && absl::GetFlag(FLAGS_stage_local_backward) &&
+                    SkipLayout(split_module(model, e.balance, devices)).crossing().empty();
       pipe = GPipe(model, GPipeOptions(e.balance)
                               .devices(devices)
                               .chunks(e.chunks)
                               .checkpoint(e.checkpoint)
-                              .worker_per_partition(cpu_pipeline));
+                              .worker_per_partition(cpu_pipeline)
+                              .stage_local_backward(stage_local));
     }
     std::vector<at::Tensor> params = plain ? plain->parameters() : pipe->parameters();
     for (const at::Tensor& p : params) parameters += p.numel();
@@ -165,8 +174,8 @@ inline void run_speed(const std::string& title, const std::vector<Experiment>& e
   std::printf("%s, on %s; LibTorch %s; %lld samples per epoch, %d epochs, the first %d skipped\n\n",
               title.c_str(), cuda ? "CUDA" : "the CPU", TORCH_VERSION,
               static_cast<long long>(dataset_size), epochs, skip_epochs);
-  std::printf("%-12s %9s %6s %7s %-26s %14s %9s\n", "experiment", "partitions", "chunks", "batch",
-              "devices", "samples/s", "speed-up");
+  std::printf("%-12s %9s %6s %7s %-26s %-11s %14s %9s\n", "experiment", "partitions", "chunks",
+              "batch", "devices", "backward", "samples/s", "speed-up");
   std::vector<std::string> json;
   double first = 0;
   for (const Experiment& e : experiments) {
@@ -185,16 +194,20 @@ inline void run_speed(const std::string& title, const std::vector<Experiment>& e
     double mean = 0;
     for (double t : throughputs) mean += t / throughputs.size();
     if (first == 0) first = mean;
-    std::printf("%-12s %9zu %6lld %7lld %-26s %14.3f %8.3fx\n", e.name.c_str(),
+    const char* backward = setup.stage_local ? "stage-local" : "one thread";
+    if (cuda) backward = "engine";  // the autograd engine's device threads
+    std::printf("%-12s %9zu %6lld %7lld %-26s %-11s %14.3f %8.3fx\n", e.name.c_str(),
                 std::max<size_t>(e.balance.size(), 1), static_cast<long long>(e.chunks),
-                static_cast<long long>(e.batch), device_list(setup.devices).c_str(), mean,
-                mean / first);
+                static_cast<long long>(e.batch), device_list(setup.devices).c_str(), backward,
+                mean, mean / first);
     std::fflush(stdout);
     json.push_back(absl::StrFormat(
         "{\"experiment\": \"%s\", \"partitions\": %d, \"balance\": [%s], \"chunks\": %d, "
-        "\"batch\": %d, \"devices\": \"%s\", \"samples_per_second\": %.3f, \"speedup\": %.3f}",
+        "\"batch\": %d, \"devices\": \"%s\", \"stage_local_backward\": %s, "
+        "\"samples_per_second\": %.3f, \"speedup\": %.3f}",
         e.name, std::max<size_t>(e.balance.size(), 1), absl::StrJoin(e.balance, ", "), e.chunks,
-        e.batch, device_list(setup.devices), mean, mean / first));
+        e.batch, device_list(setup.devices), setup.stage_local ? "true" : "false", mean,
+        mean / first));
   }
   const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
   std::printf("\n%s", text.c_str());

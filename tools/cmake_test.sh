@@ -6,10 +6,9 @@
 #   tools/cmake_test.sh BUILD_DIR [cmake configure arguments...]
 #
 # Prints each binary's last lines and run time and, as its last line, "N passed, N failed,
-# N skipped", added up
-# from the binaries' "gpipe-test-summary:" lines (tests/main.cc); a binary that printed none (it
-# crashed or was killed) counts as one failed test case, a build that failed as one more. Exits
-# non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
+# N skipped", added up from the binaries' "gpipe-test-summary:" lines (tests/main.cc); a binary
+# that printed none (it crashed or was killed) counts as one failed test case, a build that failed
+# as one more. Exits non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
 #
 # Environment: JOBS (compile jobs, default 2), FIRST_TESTS (test binaries to build and run before
 # the others, e.g. "cuda_test"), ONLY_TESTS (build and run these test binaries and nothing else),
