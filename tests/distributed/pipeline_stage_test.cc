@@ -177,6 +177,22 @@ Oracle plain_training(const std::vector<int64_t>& balance = kBalance) {
   return oracle;
 }
 
+// What two stage processes wrote to `folder` (each stage's parameters after kSteps steps, rank 1's
+// losses) against the plain model's training (parameters to 1e-10); removes the folder.
+void check_two_stages(const std::string& folder, double loss_tolerance) {
+  const Oracle oracle = plain_training();
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
+                                                      ".bin");
+    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
+    CATCH_CHECK(at::allclose(state, oracle.stage_states[r], 0, 1e-10));
+  }
+  const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
+  CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
+  CATCH_CHECK(at::allclose(losses, oracle.losses, 0, loss_tolerance));
+  std::filesystem::remove_all(folder);
+}
+
 constexpr const char* kTransparency =
     "two processes with one stage each train a model with tuples and skips to the plain model's "
     "parameters and losses";
@@ -194,17 +210,7 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   CATCH_INFO(gpipe_test::outputs(results));
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
-  const Oracle oracle = plain_training();
-  for (int r = 0; r < 2; ++r) {
-    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
-                                                      ".bin");
-    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
-    CATCH_CHECK(at::allclose(state, oracle.stage_states[r], 0, 1e-10));
-  }
-  const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
-  CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
-  CATCH_CHECK(at::allclose(losses, oracle.losses, 0, 1e-12));
-  std::filesystem::remove_all(folder);
+  check_two_stages(folder, /*loss_tolerance=*/1e-12);
 }
 
 constexpr const char* kCudaStages =
@@ -226,17 +232,7 @@ CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
   CATCH_INFO(gpipe_test::outputs(results));
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
-  const Oracle oracle = plain_training();
-  for (int r = 0; r < 2; ++r) {
-    const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
-                                                      ".bin");
-    CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
-    CATCH_CHECK(at::allclose(state, oracle.stage_states[r], 0, 1e-10));
-  }
-  const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
-  CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
-  CATCH_CHECK(at::allclose(losses, oracle.losses, 0, 1e-10));
-  std::filesystem::remove_all(folder);
+  check_two_stages(folder, /*loss_tolerance=*/1e-10);
 }
 
 constexpr const char* kReplicas =
