@@ -96,6 +96,24 @@ std::pair<at::Tensor, at::Tensor> batch(int step) {
   return {x, y};
 }
 
+// Fine-tuning: which parameters a test freezes (GPIPE_TEST_FREEZE): "stage0" every layer of stage
+// 0 (no gradient crosses back), "layer0" only the first layer, "stage1" every layer of stage 1
+// (gradients still cross it to stage 0); anything else freezes nothing.
+void freeze(nn::Sequential seq, const std::string& which) {
+  int64_t first = 0, end = 0;
+  if (which == "stage0") end = kBalance[0];
+  if (which == "layer0") end = 1;
+  if (which == "stage1") first = kBalance[0], end = kBalance[0] + kBalance[1];
+  for (int64_t k = first; k < end; ++k) {
+    for (at::Tensor& p : seq[k]->parameters()) p.requires_grad_(false);
+  }
+}
+
+std::string freeze_from_env() {
+  const char* which = std::getenv("GPIPE_TEST_FREEZE");
+  return which ? which : "";
+}
+
 ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
 
 Checkpoint mode_from_env() {
@@ -105,27 +123,10 @@ Checkpoint mode_from_env() {
                                                            : Checkpoint::kExceptLast;
 }
 
-// One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
-// last stage, the losses.
-void train_stage(PipelineStageOptions options) {
-  const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
-  const c10::Device device(device_name != nullptr ? device_name : "cpu");
-  PipelineStage stage(make_model(), options.loss(mse).device(device), join());
-  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  std::vector<at::Tensor> losses;
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    sgd.zero_grad();
-    at::Tensor loss = stage->is_first() ? stage->step(Batch(x.to(device)))
-                                        : stage->step(no_input(), y.to(device));
-    CATCH_CHECK(loss.defined() == stage->is_last());
-    if (loss.defined()) losses.push_back(loss.detach());
-    sgd.step();
-  }
-  // The last step's schedule across both processes, on the host's clock: each micro-batch's
-  // forward reaches stage 1 after stage 0 computed it, and its backward reaches stage 0 after
-  // stage 1's; each stage runs the forwards in order and the backwards in reverse.
-  const std::vector<TimelineEvent> events = stage->gather_timeline();
+// The last step's schedule across both processes, on the host's clock: each micro-batch's forward
+// reaches stage 1 after stage 0 computed it, and its backward reaches stage 0 after stage 1's;
+// each stage runs the forwards in order and the backwards in reverse.
+void check_schedule(const std::vector<TimelineEvent>& events) {
   std::map<std::tuple<int, int64_t, int64_t>, std::pair<double, double>> at;  // kind, i, stage
   for (const TimelineEvent& e : events) {
     at[{e.kind == TimelineEvent::Kind::kCompute ? 0 : 1, e.microbatch, e.partition}] = {
@@ -140,6 +141,28 @@ void train_stage(PipelineStageOptions options) {
       if (i > 0) CATCH_CHECK(at[{1, i - 1, stage_index}].first >= at[{1, i, stage_index}].second);
     }
   }
+}
+
+// One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
+// last stage, the losses.
+void train_stage(PipelineStageOptions options) {
+  const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
+  const c10::Device device(device_name != nullptr ? device_name : "cpu");
+  nn::Sequential model = make_model();
+  freeze(model, freeze_from_env());
+  PipelineStage stage(model, options.loss(mse).device(device), join());
+  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    at::Tensor loss = stage->is_first() ? stage->step(Batch(x.to(device)))
+                                        : stage->step(no_input(), y.to(device));
+    CATCH_CHECK(loss.defined() == stage->is_last());
+    if (loss.defined()) losses.push_back(loss.detach());
+    sgd.step();
+  }
+  if (options.record_timeline()) check_schedule(stage->gather_timeline());
   const std::string folder = gpipe_test::test_folder();
   const std::string r = std::to_string(test_rank());
   gpipe_test::write_doubles(folder + "/state" + r + ".bin", stage->parameters());
@@ -151,8 +174,10 @@ struct Oracle {
   std::vector<at::Tensor> stage_states;
   at::Tensor losses;
 };
-Oracle plain_training(const std::vector<int64_t>& balance = kBalance) {
+Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
+                      const std::string& frozen = "") {
   nn::Sequential plain = make_model();
+  freeze(plain, frozen);
   torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
@@ -179,8 +204,9 @@ Oracle plain_training(const std::vector<int64_t>& balance = kBalance) {
 
 // What two stage processes wrote to `folder` (each stage's parameters after kSteps steps, rank 1's
 // losses) against the plain model's training (parameters to 1e-10); removes the folder.
-void check_two_stages(const std::string& folder, double loss_tolerance) {
-  const Oracle oracle = plain_training();
+void check_two_stages(const std::string& folder, double loss_tolerance,
+                      const std::string& frozen = "") {
+  const Oracle oracle = plain_training(kBalance, frozen);
   for (int r = 0; r < 2; ++r) {
     const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
                                                       ".bin");
@@ -211,6 +237,31 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
   check_two_stages(folder, /*loss_tolerance=*/1e-12);
+}
+
+constexpr const char* kFineTuning =
+    "fine-tuning with frozen layers in either stage trains to the plain model's parameters and "
+    "losses";
+
+CATCH_TEST_CASE(kFineTuning, "[distributed][stage]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()));
+    return;
+  }
+  // Frozen stage 0: nothing of stage 0 requires grad, so no gradient crosses back; frozen stage 1:
+  // its inputs' gradients still go to stage 0.
+  // (Checkpointing everywhere for a frozen stage 0: micro-batches whose graph needs no backward.)
+  const auto [frozen, mode] = GENERATE(table<std::string, std::string>(
+      {{"stage0", "always"}, {"layer0", "never"}, {"stage1", "always"}}));
+  CATCH_INFO("frozen " << frozen << ", checkpoint " << mode);
+  const std::string folder = folder_for("frozen_" + frozen + "_" + mode);
+  const auto results = run_ranks(kFineTuning, 2, folder,
+                                 {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_FREEZE", frozen}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
+  // The frozen parameters are compared too: they must not have moved.
+  check_two_stages(folder, /*loss_tolerance=*/1e-12, frozen);
 }
 
 constexpr const char* kCudaStages =
