@@ -19,7 +19,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "gpipe/distributed/configuration.h"
+#include "gpipe/distributed/local_link.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/partition.h"
@@ -71,7 +73,9 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   // Only this stage's layers move to its device; the others stay on the CPU.
   std::vector<c10::Device> devices(balance.size(), c10::Device(c10::kCPU));
   const int rank = group_->getRank();
-  if (rank < static_cast<int>(balance.size())) devices[rank] = options_.device();
+  const std::vector<c10::Device>& local_devices = options_.local_devices();
+  const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
+  if (rank < static_cast<int>(balance.size())) devices[rank] = first_device;
   const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
@@ -85,9 +89,47 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   stage_ = group_->getRank();
   layers_ = parts[stage_];
   register_module("layers", layers_);
-  skip_layout_ = SkipLayout({layers_});
-  batch_norms_ = std::make_shared<BatchNormLayers>(layers_->modules(/*include_self=*/false));
-  grad_record_ = std::make_shared<GradRecord>();
+
+  // This stage's partitions (Note [Partitions within a stage]).
+  std::vector<int64_t> local_balance = options_.local_balance();
+  TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
+              local_devices.size(), " devices but local_balance is empty; give this stage's "
+              "layers per partition, one entry per device");
+  if (local_balance.empty()) local_balance = {balance[stage_]};
+  const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
+  for (int64_t b : local_balance) {
+    TORCH_CHECK(b > 0, who, ": local_balance ", shown, " has a non-positive entry ", b,
+                "; every partition needs at least one layer");
+  }
+  const int64_t local_sum =
+      std::accumulate(local_balance.begin(), local_balance.end(), int64_t{0});
+  TORCH_CHECK(local_sum == balance[stage_], who, ": local_balance ", shown, " adds up to ",
+              local_sum, " layers, but stage ", stage_, " has ", balance[stage_],
+              " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
+  TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
+              ": local_devices has ", local_devices.size(), " devices but local_balance ", shown,
+              " has ", local_balance.size(), " partitions; give one device per partition");
+  std::vector<c10::Device> partition_devices =
+      local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
+                            : local_devices;
+  const std::vector<torch::nn::Sequential> local =
+      split_module(layers_, local_balance, partition_devices);
+  const std::vector<SkipKey> local_crossing = SkipLayout(local).crossing();
+  TORCH_CHECK(local_crossing.empty(), who, ": the skip '",
+              local_crossing.empty() ? "" : local_crossing[0].name, "' is stashed in one "
+              "partition of stage ", stage_, " and popped in another (local_balance ", shown,
+              "); skips cannot cross a stage's partitions. Choose a local_balance that keeps "
+              "each stash and its pop in one partition");
+  for (size_t j = 0; j < local.size(); ++j) {
+    Partition p;
+    p.layers = local[j];
+    p.device = partition_devices[j];
+    p.skip_layout = SkipLayout({p.layers});
+    p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
+    p.grad_record = std::make_shared<GradRecord>();
+    if (j > 0) p.worker = std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j));
+    partitions_.push_back(std::move(p));
+  }
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
   if (replica_group_) {
@@ -119,6 +161,23 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   }
 }
 
+// One step's state, shared by the partitions' threads.
+struct PipelineStageImpl::StepContext {
+  bool training = false;
+  at::Tensor target;
+  uint64_t run = 0;
+  std::vector<Batch> inputs;  // stage 0: the mini-batch's micro-batches
+  // The thread state checkpointed micro-batches are recomputed under (before the deferred
+  // statistics' callback: Note [Deferred batch norm without replacing modules]).
+  std::shared_ptr<const ThreadState> recompute_state;
+  std::unique_ptr<ActivationReceiver> receiver;  // every stage but the first
+  std::vector<std::unique_ptr<LocalLink>> links;  // links[j]: partitions j and j + 1
+  std::vector<std::vector<std::shared_ptr<Transfer>>> sends;  // each partition's
+  at::Tensor loss;
+  absl::Mutex mu;
+  std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first partition's to fail
+};
+
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
@@ -137,34 +196,120 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       if (std::uncaught_exceptions() > uncaught) failed = true;
     }
   } fail_on_throw{failed_};
-  const bool training = at::GradMode::is_enabled();
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
+  StepContext context;
+  context.training = at::GradMode::is_enabled();
+  context.target = target;
+  context.run = next_run_id();
   // Note [Pipeline stages and batch norm].
-  const bool deferred = options_.deferred_batch_norm() && is_training() &&
-                        batch_norms_->size() > 0;
-  if (replica_group_ && training && is_training() && !deferred && !layers_->buffers().empty()) {
+  bool any_batch_norm = false;
+  for (const Partition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
+  const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
+  if (replica_group_ && context.training && is_training() && !deferred &&
+      !layers_->buffers().empty()) {
     broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers");
   }
-
-  // Forward: every micro-batch, in order (Note [Stage-local backward]).
-  std::vector<Batch> inputs;
-  int64_t m = 0;
   if (is_first()) {
     check_input(input);
     for (const at::Tensor& t : input.values()) {
-      TORCH_CHECK(t.device() == options_.device(), who, ": the input is on ", t.device(),
-                  " but stage 0 runs on ", options_.device(), "; move it there first");
+      TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
+                  " but stage 0 runs on ", partitions_[0].device, "; move it there first");
     }
-    inputs = scatter(input, options_.chunks());
-    m = static_cast<int64_t>(inputs.size());
+    context.inputs = scatter(input, options_.chunks());
+  }
+  // Captured before the deferred statistics' callback is added: the recomputation observes no
+  // operator (Note [Deferred batch norm without replacing modules]).
+  context.recompute_state = std::make_shared<const ThreadState>();
+  // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
+  // during the forwards, and the callback gathers the statistics; committed after the step.
+  std::vector<BatchNormLayers::Redirect> deferred_redirects;
+  std::optional<DeferredStatisticsScope> deferred_statistics;
+  if (deferred) {
+    for (Partition& p : partitions_) {
+      p.batch_norms->reset_statistics();
+      deferred_redirects.push_back(p.batch_norms->redirect());
+    }
+    deferred_statistics.emplace();
   }
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
-  std::unique_ptr<ActivationReceiver> receiver =
-      is_first() ? nullptr : std::make_unique<ActivationReceiver>(group_, stage_ - 1);
-  std::vector<Batch> outputs;
+  if (!is_first()) context.receiver = std::make_unique<ActivationReceiver>(group_, stage_ - 1);
+  const size_t k = partitions_.size();
+  for (size_t j = 0; j + 1 < k; ++j) {
+    context.links.push_back(std::make_unique<LocalLink>(static_cast<int64_t>(j),
+                                                        partitions_[j].device,
+                                                        partitions_[j + 1].device));
+  }
+  context.sends.resize(k);
+
+  // Each partition on its own thread, the first on this one (Note [Partitions within a stage]);
+  // the others under this thread's state (grad mode, autocast, the statistics' callback).
+  const std::unique_ptr<ThreadState> worker_state =
+      k > 1 ? std::make_unique<ThreadState>() : nullptr;
+  const auto run = [&](size_t j) {
+    try {
+      run_stage_partition(j, context);
+    } catch (...) {
+      {
+        absl::MutexLock lock(&context.mu);
+        if (!context.error) context.error = std::current_exception();
+      }
+      const std::string why = absl::StrCat("partition ", j, " failed");
+      if (j > 0) context.links[j - 1]->fail(why);
+      if (j + 1 < k) context.links[j]->fail(why);
+    }
+  };
+  std::vector<absl::Notification> done(k);
+  for (size_t j = 1; j < k; ++j) {
+    partitions_[j].worker->submit([&, j] {
+      {
+        ThreadStateGuard guard(*worker_state);
+        run(j);
+      }
+      done[j].Notify();
+    });
+  }
+  run(0);
+  for (size_t j = 1; j < k; ++j) done[j].WaitForNotification();
+  std::exception_ptr error;
+  {
+    absl::MutexLock lock(&context.mu);
+    error = context.error;
+  }
+  if (error) std::rethrow_exception(error);
+  for (const auto& sends : context.sends) {
+    for (const auto& send : sends) send->wait();
+  }
+  if (deferred) {
+    deferred_statistics.reset();
+    deferred_redirects.clear();
+    std::vector<BatchNormStatistics> statistics;
+    for (const Partition& p : partitions_) {
+      for (BatchNormStatistics& s : p.batch_norms->statistics()) statistics.push_back(s);
+    }
+    if (replica_group_) combine_statistics(replica_group_, statistics);
+    size_t next = 0;
+    for (Partition& p : partitions_) {
+      std::vector<BatchNormStatistics> mine(statistics.begin() + next,
+                                            statistics.begin() + next + p.batch_norms->size());
+      next += p.batch_norms->size();
+      p.batch_norms->commit(&mine);
+    }
+  }
+  if (context.training && replica_group_) {
+    average_gradients(replica_group_, layers_->parameters());
+  }
+  return context.loss;
+}
+
+void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
+  const char* who = "gpipe::distributed::PipelineStage::step";
+  Partition& part = partitions_[j];
+  const bool first = j == 0;
+  const bool last = j + 1 == partitions_.size();
+  const bool training = context.training;
   // Posted by the courier thread (Note [Receiving ahead]).
-  std::vector<std::shared_ptr<Transfer>> sends;          // activations forward, gradients back
-  std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch
+  std::vector<std::shared_ptr<Transfer>>& sends = context.sends[j];
+  std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch, from the next stage
   const auto post = [this](std::shared_ptr<Transfer> transfer,
                            std::function<void(Transfer&)> operations) {
     courier_->submit([transfer, operations = std::move(operations)] {
@@ -177,34 +322,30 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     });
     return transfer;
   };
-  const uint64_t run = next_run_id();
+
+  // Forward: every micro-batch, in order (Note [Stage-local backward]).
+  std::vector<Batch> inputs;
+  int64_t m = 0;
+  if (first && is_first()) {
+    inputs = std::move(context.inputs);
+    m = static_cast<int64_t>(inputs.size());
+  }
+  std::vector<Batch> outputs;
   int64_t stop = -1;  // micro-batches before it are checkpointed; known with m
   // Times micro-batch i's forward or backward on the timeline, if one is recorded.
-  const c10::Stream stream = current_stream(options_.device());
+  const c10::Stream stream = current_stream(part.device);
   const auto start = [&] { return timeline_ ? timeline_->start(stream) : Timeline::Started{}; };
   const auto record = [&](TimelineEvent::Kind kind, int64_t i, const Timeline::Started& started) {
     if (timeline_) {
-      TimelineEvent event{kind, i, stage_};
+      TimelineEvent event{kind, i, static_cast<int64_t>(j)};
       event.checkpointed = i < stop;
       timeline_->finish(event, started, stream);
     }
   };
-  // Captured before the deferred statistics' callback is added: the recomputation observes no
-  // operator (Note [Deferred batch norm without replacing modules]).
-  const auto recompute_state = std::make_shared<const ThreadState>();
-  const uint64_t params_key = requires_grad_key(layers_);
-  // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
-  // during the forwards, and the callback gathers the statistics; committed after the forwards.
-  std::optional<BatchNormLayers::Redirect> deferred_redirect;
-  std::optional<DeferredStatisticsScope> deferred_statistics;
-  if (deferred) {
-    batch_norms_->reset_statistics();
-    deferred_redirect.emplace(batch_norms_->redirect());
-    deferred_statistics.emplace();
-  }
+  const uint64_t params_key = requires_grad_key(part.layers);
   for (int64_t i = 0; m == 0 || i < m; ++i) {
-    if (!is_first()) {
-      ActivationReceiver::Received r = receiver->next();
+    if (first && !is_first()) {
+      ActivationReceiver::Received r = context.receiver->next();
       m = r.header.microbatches;
       TORCH_CHECK(r.header.grad_enabled == training, who, ": stage ", stage_ - 1, " runs ",
                   r.header.grad_enabled ? "with" : "without", " grad but stage ", stage_, " ",
@@ -212,21 +353,26 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
                   "(torch::NoGradGuard for inference) on every stage");
       std::vector<at::Tensor> values;
       for (size_t t = 0; t < r.tensors.size(); ++t) {
-        at::Tensor v = r.tensors[t].to(options_.device());
+        at::Tensor v = r.tensors[t].to(part.device);
         if (r.header.entries[t].requires_grad) v.requires_grad_(true);
         values.push_back(std::move(v));
       }
       inputs.push_back(r.header.atomic ? Batch(values[0]) : Batch(std::move(values)));
+    } else if (!first) {
+      LocalLink::Activation a = context.links[j - 1]->next_activation();
+      m = a.microbatches;
+      inputs.push_back(std::move(a.batch));
     }
     if (stop < 0) {
       stop = training && is_training() ? checkpoint_stop(options_.checkpoint(), m) : 0;
     }
     const Timeline::Started started = start();
-    TaskContext context;
-    context.microbatch = MicroBatch{run, i};
-    if (!skip_layout_.empty()) context.skips = std::make_shared<MicroBatchSkips>(&skip_layout_);
-    auto run_layers = [layers = layers_, batch_norms = batch_norms_, context](const Batch& b) {
-      TaskScope scope(context);
+    TaskContext task;
+    task.microbatch = MicroBatch{context.run, i};
+    if (!part.skip_layout.empty()) task.skips = std::make_shared<MicroBatchSkips>(&part.skip_layout);
+    auto run_layers = [layers = part.layers, batch_norms = part.batch_norms,
+                       task](const Batch& b) {
+      TaskScope scope(task);
       if (batch_norms->size() > 0 && is_recomputing()) {
         // Note [Recomputation leaves running statistics alone] in batchnorm.h.
         BatchNormLayers::Redirect redirect = batch_norms->redirect();
@@ -236,15 +382,17 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     };
     Batch out{std::vector<at::Tensor>{}};
     if (i < stop) {
-      Checkpointing checkpointing(run_layers, inputs[i], options_.device(), recompute_state,
-                                  grad_record_, params_key);
+      Checkpointing checkpointing(run_layers, inputs[i], part.device, context.recompute_state,
+                                  part.grad_record, params_key);
       out = checkpointing.checkpoint();
       checkpointing.recompute(out);
     } else {
       out = run_layers(inputs[i]);
     }
     record(TimelineEvent::Kind::kCompute, i, started);
-    if (!is_last()) {
+    if (!last) {
+      context.links[j]->send_activation(m, out);
+    } else if (!is_last()) {
       sends.push_back(post(
           std::make_shared<Transfer>(group_, "sending activations to the next stage"),
           [header = BatchHeader::of(out, m, training).encode(), wire = to_wire(out.values()),
@@ -267,23 +415,11 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
     outputs.push_back(std::move(out));
   }
-  if (deferred) {
-    deferred_statistics.reset();
-    deferred_redirect.reset();
-    if (replica_group_) {
-      std::vector<BatchNormStatistics> statistics = batch_norms_->statistics();
-      combine_statistics(replica_group_, statistics);
-      batch_norms_->commit(&statistics);
-    } else {
-      batch_norms_->commit();
-    }
-  }
 
   // The last stage: the loss of the whole mini-batch, and from it each micro-batch's output
   // gradients, through leaves standing for the outputs.
-  at::Tensor loss;
   std::vector<std::vector<at::Tensor>> output_grads(m);
-  if (is_last()) {
+  if (last && is_last()) {
     std::vector<Batch> leaves;
     for (const Batch& out : outputs) {
       std::vector<at::Tensor> values;
@@ -293,7 +429,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       leaves.push_back(out.atomic() ? Batch(values[0]) : Batch(std::move(values)));
     }
     const Batch output = gather(leaves);
-    loss = options_.loss()(output, target);
+    at::Tensor loss = options_.loss()(output, context.target);
     output_ = output;
     for (at::Tensor& t : output_.values()) t = t.detach();
     if (training && loss.requires_grad()) {
@@ -304,14 +440,17 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
         output_grads[i].push_back(grad_or_zeros(leaf));
       }
     }
+    context.loss = loss;
   }
 
   // Backward: the micro-batches in reverse, each as soon as its output gradients are here.
   for (int64_t i = m - 1; i >= 0 && training; --i) {
-    if (!is_last()) {
+    if (!last) {
+      output_grads[i] = context.links[j]->gradients(i);
+    } else if (!is_last()) {
       grad_receives[i]->wait();
       for (const at::Tensor& g : grad_receives[i]->tensors()) {
-        output_grads[i].push_back(g.to(options_.device()));
+        output_grads[i].push_back(g.to(part.device));
       }
     }
     const Timeline::Started started = start();
@@ -324,11 +463,14 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
     outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent
     record(TimelineEvent::Kind::kBackward, i, started);
-    if (!is_first()) {
-      std::vector<at::Tensor> grads;
-      for (const at::Tensor& leaf : requiring_grad(inputs[i])) {
-        grads.push_back(grad_or_zeros(leaf));
-      }
+    if (first && is_first()) continue;
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& leaf : requiring_grad(inputs[i])) {
+      grads.push_back(grad_or_zeros(leaf));
+    }
+    if (!first) {
+      context.links[j - 1]->send_gradients(i, grads);
+    } else {
       sends.push_back(post(
           std::make_shared<Transfer>(group_, "sending gradients to the previous stage"),
           [wire = to_wire(grads), peer = stage_ - 1, i](Transfer& t) {
@@ -336,30 +478,25 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
           }));
     }
   }
-  for (const auto& send : sends) {
-    send->wait();
-  }
-  if (training && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters());
-  }
-  return loss;
 }
 
 std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
   TORCH_CHECK(timeline_, "gpipe::distributed::PipelineStage::gather_timeline: no timeline was "
               "recorded; set PipelineStageOptions::record_timeline and run a step first");
-  // Each event as 5 doubles: kind, micro-batch, checkpointed, start and end on the host's clock.
+  // Each stage's number of events and of partitions; then each event as 6 doubles: kind,
+  // micro-batch, checkpointed, start and end on the host's clock, partition within its stage.
   const std::vector<TimelineEvent> mine = timeline_->events();
   const double origin = timeline_->origin_us();
   const int size = group_->getSize();
-  std::vector<at::Tensor> count{at::tensor({static_cast<int64_t>(mine.size())}, at::kLong)};
+  std::vector<at::Tensor> count{at::tensor({static_cast<int64_t>(mine.size()), partitions()},
+                                           at::kLong)};
   std::vector<std::vector<at::Tensor>> counts(1);
   for (int r = 0; r < size; ++r) counts[0].push_back(at::empty_like(count[0]));
   check_collective(group_, "the gather of the stages' timelines",
                    [&] { group_->allgather(counts, count)->wait(); });
   int64_t most = 0;
-  for (const at::Tensor& c : counts[0]) most = std::max(most, c.item<int64_t>());
-  std::vector<at::Tensor> packed{at::zeros({std::max<int64_t>(most, 1), 5}, at::kDouble)};
+  for (const at::Tensor& c : counts[0]) most = std::max(most, c[0].item<int64_t>());
+  std::vector<at::Tensor> packed{at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble)};
   for (size_t k = 0; k < mine.size(); ++k) {
     const TimelineEvent& e = mine[k];
     at::Tensor row = packed[0][static_cast<int64_t>(k)];
@@ -368,6 +505,7 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
     row[2] = e.checkpointed ? 1.0 : 0.0;
     row[3] = origin + e.start_us;
     row[4] = origin + e.end_us;
+    row[5] = static_cast<double>(e.partition);
   }
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < size; ++r) all[0].push_back(at::empty_like(packed[0]));
@@ -375,18 +513,21 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
                    [&] { group_->allgather(all, packed)->wait(); });
   std::vector<TimelineEvent> events;
   double earliest = std::numeric_limits<double>::infinity();
+  int64_t first_partition = 0;  // of stage r, in the whole pipeline
   for (int r = 0; r < size; ++r) {
-    const int64_t n = counts[0][r].item<int64_t>();
+    const int64_t n = counts[0][r][0].item<int64_t>();
     const at::Tensor rows = all[0][r];
     for (int64_t k = 0; k < n; ++k) {
       TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
-                      static_cast<int64_t>(rows[k][1].item<double>()), r};
+                      static_cast<int64_t>(rows[k][1].item<double>()),
+                      first_partition + static_cast<int64_t>(rows[k][5].item<double>())};
       e.checkpointed = rows[k][2].item<double>() != 0;
       e.start_us = rows[k][3].item<double>();
       e.end_us = rows[k][4].item<double>();
       earliest = std::min(earliest, e.start_us);
       events.push_back(e);
     }
+    first_partition += counts[0][r][1].item<int64_t>();
   }
   for (TimelineEvent& e : events) {
     e.start_us -= earliest;

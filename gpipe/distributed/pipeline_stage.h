@@ -67,6 +67,17 @@ struct PipelineStageOptions {
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
   /// Where this stage's layers run (tensors cross processes through the CPU with Gloo).
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// This stage's own split of its layers into partitions, one entry per partition, adding up to
+  /// its entry of balance; empty: one partition. Each partition runs on a thread of its own and
+  /// on its entry of local_devices (Note [Partitions within a stage] in local_link.h). Unlike the
+  /// other options, it may differ between stages.
+  ///
+  ///   // Stage 1 of {3, 4}: layers 3-4 on cuda:0, layers 5-6 on cuda:1.
+  ///   PipelineStageOptions({3, 4}).local_balance({2, 2}).local_devices({"cuda:0", "cuda:1"})
+  TORCH_ARG(std::vector<int64_t>, local_balance);
+  /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
+  /// device(). May differ between stages.
+  TORCH_ARG(std::vector<c10::Device>, local_devices);
   /// The last stage's loss function; required there, ignored elsewhere.
   TORCH_ARG(LossFunction, loss) = nullptr;
   /// Record what each step did (forward and backward of each micro-batch); see timeline().
@@ -104,7 +115,7 @@ struct PipelineStageOptions {
 ///                                       : stage->step(gpipe::distributed::no_input(), target);
 ///   sgd.step();
 ///
-/// Skips (gpipe::stash / pop) must be stashed and popped within one stage. BatchNorms: see Note
+/// Skips (gpipe::stash / pop) must be stashed and popped within one partition of one stage. BatchNorms: see Note
 /// [Pipeline stages and batch norm]. Configurations are
 /// compared across ranks at construction; a process that dies makes the others' step() throw
 /// within the group's timeout.
@@ -146,31 +157,46 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// The layers this stage owns.
   const torch::nn::Sequential& layers() const { return layers_; }
+  /// The number of partitions of this stage (Note [Partitions within a stage]).
+  int64_t partitions() const { return static_cast<int64_t>(partitions_.size()); }
   const PipelineStageOptions& options() const { return options_; }
 
   /// What the last step did on this stage (with record_timeline): kCompute for each
-  /// micro-batch's forward, kBackward for its backward, partition = this stage.
+  /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
+  /// (0 when it has one).
   std::shared_ptr<const Timeline> timeline() const { return timeline_; }
 
   /// Every stage's timeline of the last step, on one clock (the processes must share a host):
-  /// the events of stage s have partition = s, times in microseconds since the earliest stage's
-  /// step began. A collective: every stage of the pipeline calls it (with record_timeline).
+  /// partitions numbered across the whole pipeline (stage s's first partition follows the
+  /// partitions of stages 0 .. s-1; with one partition per stage, partition = stage), times in
+  /// microseconds since the earliest stage's step began. A collective: every stage of the pipeline calls it (with record_timeline).
   ///
   ///   auto events = stage->gather_timeline();
   ///   if (stage->is_first()) std::ofstream("steps.svg") << gpipe::timeline_svg(events);
   std::vector<TimelineEvent> gather_timeline();
 
  private:
+  // One of this stage's partitions (Note [Partitions within a stage]).
+  struct Partition {
+    torch::nn::Sequential layers;
+    c10::Device device{c10::kCPU};
+    SkipLayout skip_layout;
+    std::shared_ptr<BatchNormLayers> batch_norms;  // shared with checkpointed micro-batches' graphs
+    std::shared_ptr<GradRecord> grad_record;
+    std::unique_ptr<Worker> worker;  // null for the first: it runs on the thread calling step()
+  };
+  struct StepContext;  // one step's state, shared by the partitions' threads
+
   void check_same_configuration(const torch::nn::Module& whole);
+  // Runs partition j's part of a step: its forwards, the loss on the last, its backwards.
+  void run_stage_partition(size_t j, StepContext& context);
 
   PipelineStageOptions options_;
   ProcessGroup group_;
   ProcessGroup replica_group_;  // null: not replicated
   int64_t stage_ = 0;
-  torch::nn::Sequential layers_;
-  SkipLayout skip_layout_;
-  std::shared_ptr<BatchNormLayers> batch_norms_;  // shared with checkpointed micro-batches' graphs
-  std::shared_ptr<GradRecord> grad_record_;
+  torch::nn::Sequential layers_;  // all of this stage's layers
+  std::vector<Partition> partitions_;
   std::shared_ptr<Timeline> timeline_;
   Batch output_{std::vector<at::Tensor>{}};
   // Steps from two threads run one after the other: their transfers share tags.

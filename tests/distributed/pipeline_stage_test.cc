@@ -16,6 +16,7 @@
 #include <ATen/ops/tanh.h>
 
 #include <map>
+#include <sstream>
 #include <thread>
 #include <tuple>
 
@@ -114,6 +115,20 @@ std::string freeze_from_env() {
   return which ? which : "";
 }
 
+// Each stage's own split into partitions (GPIPE_TEST_LOCAL: "1,2;2,1" gives stage 0 {1, 2} and
+// stage 1 {2, 1}); empty when unset: one partition per stage.
+std::vector<int64_t> local_balance_from_env(int64_t stage) {
+  const char* spec = std::getenv("GPIPE_TEST_LOCAL");
+  if (spec == nullptr) return {};
+  std::vector<std::string> stages;
+  std::stringstream all(spec);
+  for (std::string s; std::getline(all, s, ';');) stages.push_back(s);
+  std::vector<int64_t> out;
+  std::stringstream one(stages.at(static_cast<size_t>(stage)));
+  for (std::string b; std::getline(one, b, ',');) out.push_back(std::stoll(b));
+  return out;
+}
+
 ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
 
 Checkpoint mode_from_env() {
@@ -123,22 +138,24 @@ Checkpoint mode_from_env() {
                                                            : Checkpoint::kExceptLast;
 }
 
-// The last step's schedule across both processes, on the host's clock: each micro-batch's forward
-// reaches stage 1 after stage 0 computed it, and its backward reaches stage 0 after stage 1's;
-// each stage runs the forwards in order and the backwards in reverse.
-void check_schedule(const std::vector<TimelineEvent>& events) {
-  std::map<std::tuple<int, int64_t, int64_t>, std::pair<double, double>> at;  // kind, i, stage
+// The last step's schedule across the processes, on the host's clock, with `partitions`
+// partitions in all: each micro-batch's forward reaches partition j + 1 after partition j computed
+// it, and its backward reaches partition j after partition j + 1's; each partition runs the
+// forwards in order and the backwards in reverse.
+void check_schedule(const std::vector<TimelineEvent>& events, int64_t partitions = 2) {
+  std::map<std::tuple<int, int64_t, int64_t>, std::pair<double, double>> at;  // kind, i, j
   for (const TimelineEvent& e : events) {
     at[{e.kind == TimelineEvent::Kind::kCompute ? 0 : 1, e.microbatch, e.partition}] = {
         e.start_us, e.end_us};
   }
-  CATCH_CHECK(events.size() == 4 * static_cast<size_t>(kChunks));
+  CATCH_CHECK(events.size() == 2 * static_cast<size_t>(partitions * kChunks));
+  CATCH_CHECK(at.size() == events.size());
   for (int64_t i = 0; i < kChunks; ++i) {
-    CATCH_CHECK(at[{0, i, 1}].first >= at[{0, i, 0}].second);
-    CATCH_CHECK(at[{1, i, 0}].first >= at[{1, i, 1}].second);
-    for (int64_t stage_index : {0, 1}) {
-      if (i > 0) CATCH_CHECK(at[{0, i, stage_index}].first >= at[{0, i - 1, stage_index}].second);
-      if (i > 0) CATCH_CHECK(at[{1, i - 1, stage_index}].first >= at[{1, i, stage_index}].second);
+    for (int64_t j = 0; j < partitions; ++j) {
+      if (j > 0) CATCH_CHECK(at[{0, i, j}].first >= at[{0, i, j - 1}].second);
+      if (j > 0) CATCH_CHECK(at[{1, i, j - 1}].first >= at[{1, i, j}].second);
+      if (i > 0) CATCH_CHECK(at[{0, i, j}].first >= at[{0, i - 1, j}].second);
+      if (i > 0) CATCH_CHECK(at[{1, i - 1, j}].first >= at[{1, i, j}].second);
     }
   }
 }
@@ -150,7 +167,9 @@ void train_stage(PipelineStageOptions options) {
   const c10::Device device(device_name != nullptr ? device_name : "cpu");
   nn::Sequential model = make_model();
   freeze(model, freeze_from_env());
-  PipelineStage stage(model, options.loss(mse).device(device), join());
+  ProcessGroup group = join();
+  const std::vector<int64_t> local = local_balance_from_env(group->getRank());
+  PipelineStage stage(model, options.loss(mse).device(device).local_balance(local), group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
@@ -162,7 +181,10 @@ void train_stage(PipelineStageOptions options) {
     if (loss.defined()) losses.push_back(loss.detach());
     sgd.step();
   }
-  if (options.record_timeline()) check_schedule(stage->gather_timeline());
+  if (options.record_timeline()) {
+    const char* spec = std::getenv("GPIPE_TEST_LOCAL");
+    check_schedule(stage->gather_timeline(), spec != nullptr ? 4 : 2);  // two per stage, or one
+  }
   const std::string folder = gpipe_test::test_folder();
   const std::string r = std::to_string(test_rank());
   gpipe_test::write_doubles(folder + "/state" + r + ".bin", stage->parameters());
@@ -233,6 +255,30 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   CATCH_INFO("checkpoint " << mode);
   const std::string folder = folder_for("transparency_" + mode);
   const auto results = run_ranks(kTransparency, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
+  check_two_stages(folder, /*loss_tolerance=*/1e-12);
+}
+
+constexpr const char* kLocalPartitions =
+    "two processes with two partitions each on threads of their own train a model with tuples "
+    "and skips to the plain model's parameters and losses";
+
+CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  // Stage 0: Linear | Stash, PopPair (the skip within a partition). Stage 1: PairLinear | First,
+  // Linear (the pair with its integer tensor crosses between the partitions).
+  const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
+  CATCH_INFO("checkpoint " << mode);
+  const std::string folder = folder_for("local_" + mode);
+  const auto results = run_ranks(
+      kLocalPartitions, 2, folder,
+      {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", "1,2;1,2"}});
   CATCH_INFO(gpipe_test::outputs(results));
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
@@ -463,7 +509,8 @@ CATCH_TEST_CASE(kBatchNorm, "[distributed][stage][batchnorm]") {
         new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
     const PipelineStageOptions options =
         PipelineStageOptions(kBalance).chunks(kBnMicrobatches / replicas).loss(mse)
-            .checkpoint(Checkpoint::kExceptLast).deferred_batch_norm(bn == "deferred");
+            .checkpoint(Checkpoint::kExceptLast).deferred_batch_norm(bn == "deferred")
+            .local_balance(local_balance_from_env(groups.stage));
     PipelineStage stage = replicas == 1
         ? PipelineStage(make_bn_model(bn == "frozen"), options, groups.pipeline)
         : PipelineStage(make_bn_model(bn == "frozen"), options, groups.pipeline,
@@ -487,15 +534,20 @@ CATCH_TEST_CASE(kBatchNorm, "[distributed][stage][batchnorm]") {
     gpipe_test::write_doubles(folder + "/buffers" + r + ".bin", stage->buffers());
     return;
   }
-  const auto [bn, replicas] = GENERATE(std::make_pair("micro", 1), std::make_pair("deferred", 1),
-                                       std::make_pair("frozen", 1), std::make_pair("micro", 2),
-                                       std::make_pair("deferred", 2));
-  CATCH_INFO("batch norm " << bn << ", 2 stages x " << replicas << " replicas");
+  // With "local", each stage has two partitions: Linear, BatchNorm | Tanh and Linear |
+  // BatchNorm, Linear.
+  const auto [bn, replicas, local] = GENERATE(table<std::string, int, bool>(
+      {{"micro", 1, false}, {"deferred", 1, false}, {"frozen", 1, false}, {"micro", 2, false},
+       {"deferred", 2, false}, {"micro", 1, true}, {"deferred", 2, true}}));
+  CATCH_INFO("batch norm " << bn << ", 2 stages x " << replicas << " replicas"
+                           << (local ? ", 2 partitions per stage" : ""));
   const int world = 2 * replicas;
-  const std::string folder = folder_for(std::string("batchnorm_") + bn + std::to_string(replicas));
-  const auto results =
-      run_ranks(kBatchNorm, world, folder,
-                {{"GPIPE_TEST_BN", bn}, {"GPIPE_TEST_REPLICAS", std::to_string(replicas)}});
+  const std::string folder = folder_for("batchnorm_" + bn + std::to_string(replicas) +
+                                        (local ? "_local" : ""));
+  std::map<std::string, std::string> env{
+      {"GPIPE_TEST_BN", bn}, {"GPIPE_TEST_REPLICAS", std::to_string(replicas)}};
+  if (local) env.emplace("GPIPE_TEST_LOCAL", "2,1;1,2");
+  const auto results = run_ranks(kBatchNorm, world, folder, env);
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < world; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
   const auto oracle = plain_bn_training(bn, replicas);
@@ -550,12 +602,14 @@ constexpr const char* kAutocast =
 
 CATCH_TEST_CASE(kAutocast, "[distributed][stage][autocast]") {
   if (test_rank() >= 0) {
+    ProcessGroup group = join();
     PipelineStage stage(make_float_model(),
                         PipelineStageOptions({3, 2}).chunks(kChunks).checkpoint(mode_from_env())
                             .loss([](const Batch& out, const at::Tensor& target) {
                               return nn::functional::mse_loss(out.tensor(), target);
-                            }),
-                        join());
+                            })
+                            .local_balance(local_balance_from_env(group->getRank())),
+                        group);
     torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.05));
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = batch(step);
@@ -575,10 +629,14 @@ CATCH_TEST_CASE(kAutocast, "[distributed][stage][autocast]") {
                               stage->parameters());
     return;
   }
-  const std::string mode = GENERATE(as<std::string>(), "except_last", "never");
-  CATCH_INFO("checkpoint " << mode);
-  const std::string folder = folder_for("autocast_" + mode);
-  const auto results = run_ranks(kAutocast, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}});
+  // With "local", two partitions per stage: autocast reaches the partitions' own threads.
+  const auto [mode, local] = GENERATE(table<std::string, bool>(
+      {{"except_last", false}, {"never", false}, {"except_last", true}}));
+  CATCH_INFO("checkpoint " << mode << (local ? ", 2 partitions per stage" : ""));
+  const std::string folder = folder_for("autocast_" + mode + (local ? "_local" : ""));
+  std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode}};
+  if (local) env.emplace("GPIPE_TEST_LOCAL", "2,1;1,1");
+  const auto results = run_ranks(kAutocast, 2, folder, env);
   CATCH_INFO(gpipe_test::outputs(results));
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
@@ -776,6 +834,57 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   const std::vector<std::pair<int, int64_t>> expected_order{{0, 0}, {0, 1}, {0, 2},
                                                             {1, 2}, {1, 1}, {1, 0}};
   CATCH_CHECK(order == expected_order);
+}
+
+CATCH_TEST_CASE("a stage with three partitions in one process trains as the plain model over "
+                "several steps, and local balances that cannot work are refused naming the value",
+                "[distributed][stage][partitions][errors]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  const auto refused = [&](PipelineStageOptions options) {
+    PipelineStage(make_model(), options.loss(mse), group);
+  };
+  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({2, 1, 3})),
+                          gpipe_test::contains("the skip 'skip' is stashed in one partition of "
+                                               "stage 0 and popped in another (local_balance "
+                                               "{2, 1, 3})"));
+  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({1, 2})),
+                          gpipe_test::contains("local_balance {1, 2} adds up to 3 layers, but "
+                                               "stage 0 has 6"));
+  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({6, 0})),
+                          gpipe_test::contains("local_balance {6, 0} has a non-positive entry 0"));
+  CATCH_CHECK_THROWS_WITH(
+      refused(PipelineStageOptions({6}).local_balance({3, 3}).local_devices({at::kCPU})),
+      gpipe_test::contains("local_devices has 1 devices but local_balance {3, 3} has 2 "
+                           "partitions"));
+  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_devices({at::kCPU})),
+                          gpipe_test::contains("local_devices has 1 devices but local_balance is "
+                                               "empty"));
+
+  // Linear | Stash, PopPair | PairLinear, First, Linear: the skip within the second partition,
+  // the pair across the third's input. Four steps with momentum, every checkpoint mode.
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
+  PipelineStage stage(make_model(),
+                      PipelineStageOptions({6}).local_balance({1, 2, 3}).chunks(kChunks)
+                          .checkpoint(mode).loss(mse).record_timeline(true),
+                      group);
+  CATCH_CHECK(stage->partitions() == 3);
+  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    losses.push_back(stage->step(Batch(x), y).detach());
+    sgd.step();
+  }
+  const Oracle oracle = plain_training({6});
+  const at::Tensor state = flat(stage->parameters());
+  CATCH_REQUIRE(state.sizes() == oracle.stage_states[0].sizes());
+  CATCH_CHECK(at::allclose(state, oracle.stage_states[0], 0, 1e-10));
+  CATCH_CHECK(at::allclose(flat(losses), oracle.losses, 0, 1e-12));
+  check_schedule(stage->gather_timeline(), 3);
 }
 
 }  // namespace
