@@ -9,6 +9,8 @@
 // per stage, float32, one intra-op thread per process), micro-batches of --rows rows, m = 1 … 32
 // micro-batches per step, no checkpointing. The serial baseline is the plain Sequential (both
 // stages) trained on the same micro-batches by rank 0 alone, one thread, while rank 1 waits.
+// Beside it, rank 0 alone runs both stages as two partitions of one PipelineStage (a thread each,
+// stage-local backward: Note [Partitions within a stage]) on the same micro-batches.
 // Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
 
@@ -99,6 +101,22 @@ double pipeline_ms(const ProcessGroup& group, int64_t width, int layers, int64_t
   return ms;
 }
 
+// Rank 0 alone: both stages as two partitions of one PipelineStage in one process, each on a
+// thread of its own (Note [Partitions within a stage]), in a group of rank 0 alone.
+double partitions_ms(const ProcessGroup& alone, int64_t width, int layers, int64_t rows,
+                     int64_t m) {
+  PipelineStage stage(mlp(width, layers),
+                      PipelineStageOptions({4 * layers}).local_balance({2 * layers, 2 * layers})
+                          .chunks(m).checkpoint(gpipe::Checkpoint::kNever).loss(mse),
+                      alone);
+  const at::Tensor x = at::randn({rows * m, width});
+  const at::Tensor y = at::randn({rows * m, width});
+  return time_ms([&] {
+    stage->zero_grad();
+    stage->step(gpipe::Batch(x), y);
+  });
+}
+
 // Rank 0 alone: the plain Sequential on the same micro-batches, one after the other.
 double serial_ms(int64_t width, int layers, int64_t rows, int64_t m) {
   nn::Sequential seq = mlp(width, layers);
@@ -132,8 +150,8 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   gpipe_benchmarks::keep_freed_memory();
   gpipe::set_intra_op_threads(1);
-  const ProcessGroup group =
-      gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
+  const gpipe::distributed::GroupOptions options = gpipe::distributed::options_from_env();
+  const ProcessGroup group = gpipe::distributed::new_gloo_group(options);
   TORCH_CHECK(group->getSize() == 2, "pipeline_stages: run it with 2 processes "
               "(torchrun --nproc_per_node=2), not ", group->getSize());
   const bool rank0 = group->getRank() == 0;
@@ -141,27 +159,36 @@ int main(int argc, char** argv) {
   const int layers = absl::GetFlag(FLAGS_layers);
   const int64_t rows = absl::GetFlag(FLAGS_rows);
 
+  // Rank 0's group of its own, for the one-process stage of two partitions.
+  ProcessGroup alone;
+  if (rank0) {
+    alone = gpipe::distributed::new_gloo_group(
+        gpipe::distributed::GroupOptions().master_port(options.master_port() + 1));
+  }
   std::vector<std::string> speed_json;
   if (rank0) {
     std::printf("two-process pipeline, training step: 2 stages of %d x Linear(%ld, %ld) + Tanh, "
                 "%ld rows per micro-batch, float32, 1 thread per process, median of %d steps\n",
                 layers, width, width, rows, absl::GetFlag(FLAGS_steps));
-    std::printf("%4s %12s %12s %9s %7s %9s\n", "m", "serial ms", "2 procs ms", "speed-up",
-                "ideal", "of ideal");
+    std::printf("%4s %12s %12s %9s %7s %9s | %18s %9s %9s\n", "m", "serial ms", "2 procs ms",
+                "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }
   for (int64_t m : {1, 2, 4, 8, 16, 32}) {
     const double piped = pipeline_ms(group, width, layers, rows, m);
-    double serial = 0;
+    double serial = 0, parts = 0;
     if (rank0) serial = serial_ms(width, layers, rows, m);
+    if (rank0) parts = partitions_ms(alone, width, layers, rows, m);
     group->barrier()->wait();
     if (!rank0) continue;
     const double speedup = serial / piped;
     const double ideal = 2.0 * m / (m + 1);
-    std::printf("%4ld %12.2f %12.2f %8.2fx %6.2fx %8.0f%%\n", m, serial, piped, speedup, ideal,
-                100 * speedup / ideal);
+    std::printf("%4ld %12.2f %12.2f %8.2fx %6.2fx %8.0f%% | %18.2f %8.2fx %8.0f%%\n", m, serial,
+                piped, speedup, ideal, 100 * speedup / ideal, parts, serial / parts,
+                100 * serial / parts / ideal);
     speed_json.push_back(absl::StrFormat(
         "{\"m\": %d, \"serial_ms\": %.3f, \"pipeline_ms\": %.3f, \"speedup\": %.3f, "
-        "\"ideal\": %.3f}", m, serial, piped, speedup, ideal));
+        "\"ideal\": %.3f, \"one_process_partitions_ms\": %.3f}",
+        m, serial, piped, speedup, ideal, parts));
   }
 
   // One step drawn: both stages' timelines on the host's clock.
