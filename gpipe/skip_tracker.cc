@@ -149,6 +149,21 @@ at::Tensor MicroBatchSkips::pop(const SkipKey& key) {
   return tensor;
 }
 
+std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(int64_t partition) {
+  std::vector<Cut> cuts;
+  for (const auto& route : layout_->routes_into(partition)) {
+    SkipSlot& slot = *slots_.at(route.first);
+    TORCH_CHECK(slot.stashed, "gpipe: internal error: skip '", route.first.str(),
+                "' reached partition ", partition, " unstashed");
+    const at::Tensor& tensor = slot.tensor.get();
+    if (!tensor.defined() || !tensor.requires_grad()) continue;
+    Cut cut{route.second, tensor, tensor.detach().requires_grad_(true)};
+    slot.tensor.set(cut.leaf);
+    cuts.push_back(std::move(cut));
+  }
+  return cuts;
+}
+
 void MicroBatchSkips::clear() {
   for (auto& slot : slots_) {
     slot.second->tensor.reset();

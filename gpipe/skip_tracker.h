@@ -106,6 +106,18 @@ class MicroBatchSkips : public SkipTracker {
                              const std::vector<c10::Stream>& compute_streams,
                              const std::vector<std::vector<c10::Stream>>& copy_streams);
 
+  /// A skip cut from its stashing partition's graph by cut().
+  struct Cut {
+    int64_t from = 0;  // the stashing partition
+    at::Tensor tensor;  // as stashed (and moved by the fence), with its history
+    at::Tensor leaf;    // what the popping partition pops instead
+  };
+  /// Cuts every skip routed into `partition` (after its fence) that requires grad: the popping
+  /// partition then pops a detached leaf, so that its backward, run as an engine call of its own,
+  /// stops there and leaves the leaf's gradient for the stashing partition's backward (Note
+  /// [Partitions within a stage] in gpipe/distributed/local_link.h).
+  std::vector<Cut> cut(int64_t partition);
+
   /// Drops every tensor still held, after a forward failed: an unpopped skip of a checkpointed
   /// stash would otherwise keep its micro-batch's graph alive through a reference cycle.
   void clear();

@@ -32,6 +32,15 @@ namespace distributed {
 // forward, on CPU cores as on GPUs. The first partition runs on the thread that called step();
 // the others on workers of the stage.
 //
+// A skip stashed in partition a and popped in a later partition b of the same stage goes through
+// the skip tracker that the partitions share for each micro-batch (as a GPipe's do: Note [Skips
+// and checkpointing] in skip_tracker.h), which moves it to b's device; then it is cut the same
+// way (MicroBatchSkips::cut): b pops a detached leaf, and after b's backward of the micro-batch
+// the leaf's gradient waits for a, whose backward starts from its outputs and from the stashed
+// tensors together — one engine call, so that a checkpointed stash's recomputation gets both
+// gradients at once. a's backward of a micro-batch always follows b's (the gradients pass through
+// the partitions in between), so the skips' gradients are there when a needs them.
+//
 // A link fails when either side fails: the other side's next wait then throws, naming the
 // partition, instead of waiting for a micro-batch that never comes.
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <exception>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <utility>
@@ -114,17 +115,11 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                             : local_devices;
   const std::vector<torch::nn::Sequential> local =
       split_module(layers_, local_balance, partition_devices);
-  const std::vector<SkipKey> local_crossing = SkipLayout(local).crossing();
-  TORCH_CHECK(local_crossing.empty(), who, ": the skip '",
-              local_crossing.empty() ? "" : local_crossing[0].name, "' is stashed in one "
-              "partition of stage ", stage_, " and popped in another (local_balance ", shown,
-              "); skips cannot cross a stage's partitions. Choose a local_balance that keeps "
-              "each stash and its pop in one partition");
+  skip_layout_ = SkipLayout(local);
   for (size_t j = 0; j < local.size(); ++j) {
     Partition p;
     p.layers = local[j];
     p.device = partition_devices[j];
-    p.skip_layout = SkipLayout({p.layers});
     p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
     p.grad_record = std::make_shared<GradRecord>();
     if (j > 0) p.worker = std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j));
@@ -176,6 +171,19 @@ struct PipelineStageImpl::StepContext {
   at::Tensor loss;
   absl::Mutex mu;
   std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first partition's to fail
+  // Skips between this stage's partitions: each micro-batch's tracker, and for each stashing
+  // partition and micro-batch the popped tensors with the gradients the popping partitions caught
+  // (Note [Partitions within a stage]).
+  std::map<int64_t, std::shared_ptr<MicroBatchSkips>> skips ABSL_GUARDED_BY(mu);
+  std::vector<std::map<int64_t, std::vector<std::pair<at::Tensor, at::Tensor>>>> skip_grads
+      ABSL_GUARDED_BY(mu);
+
+  std::shared_ptr<MicroBatchSkips> skips_of(int64_t microbatch, const SkipLayout* layout) {
+    absl::MutexLock lock(&mu);
+    std::shared_ptr<MicroBatchSkips>& tracker = skips[microbatch];
+    if (!tracker) tracker = std::make_shared<MicroBatchSkips>(layout);
+    return tracker;
+  }
 };
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
@@ -240,6 +248,10 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
                                                         partitions_[j + 1].device));
   }
   context.sends.resize(k);
+  {
+    absl::MutexLock lock(&context.mu);
+    context.skip_grads.resize(k);
+  }
 
   // Each partition on its own thread, the first on this one (Note [Partitions within a stage]);
   // the others under this thread's state (grad mode, autocast, the statistics' callback).
@@ -274,6 +286,11 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   {
     absl::MutexLock lock(&context.mu);
     error = context.error;
+    if (error) {
+      // Unpopped skips of checkpointed stashes would keep their graphs alive (MicroBatchSkips::
+      // clear).
+      for (auto& entry : context.skips) entry.second->clear();
+    }
   }
   if (error) std::rethrow_exception(error);
   for (const auto& sends : context.sends) {
@@ -343,6 +360,8 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
     }
   };
   const uint64_t params_key = requires_grad_key(part.layers);
+  // Per micro-batch, the skips from earlier partitions cut at this one's input.
+  std::vector<std::vector<MicroBatchSkips::Cut>> cuts;
   for (int64_t i = 0; m == 0 || i < m; ++i) {
     if (first && !is_first()) {
       ActivationReceiver::Received r = context.receiver->next();
@@ -369,7 +388,22 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
     const Timeline::Started started = start();
     TaskContext task;
     task.microbatch = MicroBatch{context.run, i};
-    if (!part.skip_layout.empty()) task.skips = std::make_shared<MicroBatchSkips>(&part.skip_layout);
+    std::vector<MicroBatchSkips::Cut> cut;
+    if (!skip_layout_.empty()) {
+      std::shared_ptr<MicroBatchSkips> shared = context.skips_of(i, &skip_layout_);
+      if (!skip_layout_.routes_into(static_cast<int64_t>(j)).empty()) {
+        // The skips from earlier partitions move to this one's device (every stream is the
+        // device's current one: each partition computes and copies on its thread's streams).
+        std::vector<c10::Stream> streams;
+        for (const Partition& p : partitions_) streams.push_back(current_stream(p.device));
+        std::vector<std::vector<c10::Stream>> copy_streams;
+        for (const c10::Stream& s : streams) copy_streams.emplace_back(i + 1, s);
+        shared->fence(i, static_cast<int64_t>(j), streams, copy_streams);
+      }
+      if (training) cut = shared->cut(static_cast<int64_t>(j));
+      task.skips = std::move(shared);
+    }
+    cuts.push_back(std::move(cut));
     auto run_layers = [layers = part.layers, batch_norms = part.batch_norms,
                        task](const Batch& b) {
       TaskScope scope(task);
@@ -454,12 +488,36 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
       }
     }
     const Timeline::Started started = start();
-    const std::vector<at::Tensor> roots = requiring_grad(outputs[i]);
+    std::vector<at::Tensor> roots = requiring_grad(outputs[i]);
     TORCH_CHECK(roots.size() == output_grads[i].size(), who, ": stage ", stage_, " got ",
                 output_grads[i].size(), " gradients for micro-batch ", i, " but has ",
                 roots.size(), " outputs that require grad");
+    // The skips this partition stashed and later ones popped: more roots, with the gradients
+    // caught there (they are complete: those partitions ran this micro-batch's backward first).
+    {
+      absl::MutexLock lock(&context.mu);
+      auto it = context.skip_grads[j].find(i);
+      if (it != context.skip_grads[j].end()) {
+        for (auto& [tensor, grad] : it->second) {
+          roots.push_back(std::move(tensor));
+          output_grads[i].push_back(std::move(grad));
+        }
+        context.skip_grads[j].erase(it);
+      }
+    }
     if (!roots.empty()) {
       torch::autograd::backward(roots, output_grads[i]);
+    }
+    // The skips this partition popped from earlier ones: their gradients, for the stashing
+    // partitions (before this micro-batch's gradients go back, which they follow).
+    if (!cuts[i].empty()) {
+      absl::MutexLock lock(&context.mu);
+      for (MicroBatchSkips::Cut& cut : cuts[i]) {
+        if (cut.leaf.grad().defined()) {
+          context.skip_grads[cut.from][i].emplace_back(std::move(cut.tensor), cut.leaf.grad());
+        }
+      }
+      cuts[i].clear();
     }
     outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent
     record(TimelineEvent::Kind::kBackward, i, started);

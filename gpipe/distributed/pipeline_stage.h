@@ -115,7 +115,8 @@ struct PipelineStageOptions {
 ///                                       : stage->step(gpipe::distributed::no_input(), target);
 ///   sgd.step();
 ///
-/// Skips (gpipe::stash / pop) must be stashed and popped within one partition of one stage. BatchNorms: see Note
+/// Skips (gpipe::stash / pop) must be stashed and popped within one stage (in any of its
+/// partitions). BatchNorms: see Note
 /// [Pipeline stages and batch norm]. Configurations are
 /// compared across ranks at construction; a process that dies makes the others' step() throw
 /// within the group's timeout.
@@ -180,7 +181,6 @@ class PipelineStageImpl : public torch::nn::Module {
   struct Partition {
     torch::nn::Sequential layers;
     c10::Device device{c10::kCPU};
-    SkipLayout skip_layout;
     std::shared_ptr<BatchNormLayers> batch_norms;  // shared with checkpointed micro-batches' graphs
     std::shared_ptr<GradRecord> grad_record;
     std::unique_ptr<Worker> worker;  // null for the first: it runs on the thread calling step()
@@ -197,6 +197,7 @@ class PipelineStageImpl : public torch::nn::Module {
   int64_t stage_ = 0;
   torch::nn::Sequential layers_;  // all of this stage's layers
   std::vector<Partition> partitions_;
+  SkipLayout skip_layout_;  // over this stage's partitions
   std::shared_ptr<Timeline> timeline_;
   Batch output_{std::vector<at::Tensor>{}};
   // Steps from two threads run one after the other: their transfers share tags.

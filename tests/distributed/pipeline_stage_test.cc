@@ -263,7 +263,7 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
 
 constexpr const char* kLocalPartitions =
     "two processes with two partitions each on threads of their own train a model with tuples "
-    "and skips to the plain model's parameters and losses";
+    "and skips within or across partitions to the plain model's parameters and losses";
 
 CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
   if (test_rank() >= 0) {
@@ -271,14 +271,17 @@ CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
                     .record_timeline(true));
     return;
   }
-  // Stage 0: Linear | Stash, PopPair (the skip within a partition). Stage 1: PairLinear | First,
-  // Linear (the pair with its integer tensor crosses between the partitions).
+  // "1,2": stage 0 Linear | Stash, PopPair (the skip within a partition), stage 1 PairLinear |
+  // First, Linear (the pair with its integer tensor crosses between the partitions). "2,1":
+  // stage 0 Linear, Stash | PopPair (the skip crosses between the partitions), stage 1
+  // PairLinear, First | Linear.
+  const std::string local = GENERATE(as<std::string>(), "1,2", "2,1");
   const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
-  CATCH_INFO("checkpoint " << mode);
-  const std::string folder = folder_for("local_" + mode);
+  CATCH_INFO("local balance " << local << " in each stage, checkpoint " << mode);
+  const std::string folder = folder_for("local_" + local.substr(0, 1) + "_" + mode);
   const auto results = run_ranks(
       kLocalPartitions, 2, folder,
-      {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", "1,2;1,2"}});
+      {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", local + ";" + local}});
   CATCH_INFO(gpipe_test::outputs(results));
   CATCH_REQUIRE(results[0].exit_code == 0);
   CATCH_REQUIRE(results[1].exit_code == 0);
@@ -836,8 +839,9 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   CATCH_CHECK(order == expected_order);
 }
 
-CATCH_TEST_CASE("a stage with three partitions in one process trains as the plain model over "
-                "several steps, and local balances that cannot work are refused naming the value",
+CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip within or "
+                "across partitions as the plain model over several steps, and local balances "
+                "that cannot work are refused naming the value",
                 "[distributed][stage][partitions][errors]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
@@ -845,10 +849,6 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains as the plai
   const auto refused = [&](PipelineStageOptions options) {
     PipelineStage(make_model(), options.loss(mse), group);
   };
-  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({2, 1, 3})),
-                          gpipe_test::contains("the skip 'skip' is stashed in one partition of "
-                                               "stage 0 and popped in another (local_balance "
-                                               "{2, 1, 3})"));
   CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({1, 2})),
                           gpipe_test::contains("local_balance {1, 2} adds up to 3 layers, but "
                                                "stage 0 has 6"));
@@ -862,12 +862,16 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains as the plai
                           gpipe_test::contains("local_devices has 1 devices but local_balance is "
                                                "empty"));
 
-  // Linear | Stash, PopPair | PairLinear, First, Linear: the skip within the second partition,
-  // the pair across the third's input. Four steps with momentum, every checkpoint mode.
+  // {1, 2, 3}: Linear | Stash, PopPair | PairLinear, First, Linear, the skip within the second
+  // partition; {2, 1, 3}: the skip from the first partition to the second. The pair crosses into
+  // the third. Four steps with momentum, every checkpoint mode.
+  const std::vector<int64_t> local =
+      GENERATE(std::vector<int64_t>{1, 2, 3}, std::vector<int64_t>{2, 1, 3});
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
-  CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
+  CATCH_INFO("local balance {" << local[0] << ", " << local[1] << ", " << local[2]
+                               << "}, checkpoint mode " << static_cast<int>(mode));
   PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).local_balance({1, 2, 3}).chunks(kChunks)
+                      PipelineStageOptions({6}).local_balance(local).chunks(kChunks)
                           .checkpoint(mode).loss(mse).record_timeline(true),
                       group);
   CATCH_CHECK(stage->partitions() == 3);
@@ -885,6 +889,36 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains as the plai
   CATCH_CHECK(at::allclose(state, oracle.stage_states[0], 0, 1e-10));
   CATCH_CHECK(at::allclose(flat(losses), oracle.losses, 0, 1e-12));
   check_schedule(stage->gather_timeline(), 3);
+}
+
+CATCH_TEST_CASE("a stage with partitions on the GPU and the CPU trains with a skip across "
+                "devices as the plain model",
+                "[distributed][stage][partitions][cuda]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  // Linear, Stash on cuda:0 | PopPair on the CPU | the rest on cuda:0: the skip crosses devices.
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kNever);
+  CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
+  const c10::Device gpu("cuda:0");
+  PipelineStage stage(make_model(),
+                      PipelineStageOptions({6}).local_balance({2, 1, 3})
+                          .local_devices({gpu, c10::Device(c10::kCPU), gpu}).chunks(kChunks)
+                          .checkpoint(mode).loss(mse),
+                      group);
+  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    losses.push_back(stage->step(Batch(x.to(gpu)), y.to(gpu)).detach().cpu());
+    sgd.step();
+  }
+  const Oracle oracle = plain_training({6});
+  std::vector<at::Tensor> params;
+  for (const at::Tensor& p : stage->parameters()) params.push_back(p.cpu());
+  CATCH_CHECK(at::allclose(flat(params), oracle.stage_states[0], 0, 1e-10));
+  CATCH_CHECK(at::allclose(flat(losses), oracle.losses, 0, 1e-10));
 }
 
 }  // namespace
