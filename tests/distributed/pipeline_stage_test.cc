@@ -20,6 +20,7 @@
 #include <thread>
 #include <tuple>
 
+#include "gpipe/checkpoint.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
@@ -889,6 +890,47 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   CATCH_CHECK(at::allclose(state, oracle.stage_states[0], 0, 1e-10));
   CATCH_CHECK(at::allclose(flat(losses), oracle.losses, 0, 1e-12));
   check_schedule(stage->gather_timeline(), 3);
+}
+
+// A layer that throws on the given call (counting calls in forward, not recomputations).
+struct ThrowOnImpl : nn::Module {
+  explicit ThrowOnImpl(int at) : at(at) {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (!is_recomputing() && ++calls == at) TORCH_CHECK(false, "layer failed on call ", at);
+    return x;
+  }
+  int at;
+  int calls = 0;
+};
+TORCH_MODULE(ThrowOn);
+
+CATCH_TEST_CASE("a layer that fails in any partition of a stage makes step() throw its error "
+                "instead of hanging the other partitions",
+                "[distributed][stage][partitions][errors]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  // Linear | Tanh, ThrowOn | Linear: the failing layer in the middle partition, or the last.
+  const auto [where, call] = GENERATE(table<int, int>({{2, 1}, {2, 3}, {3, 2}}));
+  CATCH_INFO("failing layer " << where << ", on micro-batch " << call - 1);
+  torch::manual_seed(3);
+  nn::Sequential seq(nn::Linear(6, 8), nn::Tanh());
+  if (where == 2) {
+    seq->push_back(ThrowOn(call));
+    seq->push_back(nn::Linear(8, 3));
+  } else {
+    seq->push_back(nn::Linear(8, 3));
+    seq->push_back(ThrowOn(call));
+  }
+  seq->to(at::kDouble);
+  PipelineStage stage(seq,
+                      PipelineStageOptions({4}).local_balance({1, 2, 1}).chunks(kChunks).loss(mse),
+                      group);
+  auto [x, y] = batch(0);
+  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y),
+                          gpipe_test::contains("layer failed on call " + std::to_string(call)));
+  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y),
+                          gpipe_test::contains("an earlier step failed on this stage"));
 }
 
 CATCH_TEST_CASE("a stage with partitions on the GPU and the CPU trains with a skip across "
