@@ -51,7 +51,7 @@ ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (defaul
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
 ABSL_FLAG(bool, stage_local_backward, true,
           "CPU pipelines: each partition runs its own backward on its worker "
-          "(GPipeOptions::stage_local_backward), unless a skip crosses partitions");
+          "(GPipeOptions::stage_local_backward)");
 ABSL_FLAG(std::string, child, "",
           "memory benchmarks, internal: run this one experiment and report (\"idle\": nothing)");
 
@@ -105,8 +105,7 @@ struct Setup {
       plain = model;
       plain->to(devices.front());
     } else {
-      stage_local = cpu_pipeline && absl::GetFlag(FLAGS_stage_local_backward) &&
-                    SkipLayout(split_module(model, e.balance, devices)).crossing().empty();
+      stage_local = cpu_pipeline && absl::GetFlag(FLAGS_stage_local_backward);
       pipe = GPipe(model, GPipeOptions(e.balance)
                               .devices(devices)
                               .chunks(e.chunks)

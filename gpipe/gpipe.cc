@@ -119,11 +119,6 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     }
     TORCH_CHECK(options_.worker_per_partition(), "GPipe stage_local_backward needs "
                 "worker_per_partition(true): each partition's backward runs on its own worker");
-    const std::vector<SkipKey> crossing = skip_layout_.crossing();
-    TORCH_CHECK(crossing.empty(), "GPipe stage_local_backward: the skip '",
-                crossing.empty() ? "" : crossing[0].str(), "' crosses partitions, whose "
-                "backward would then reach a partition from two threads; keep each skip within "
-                "a partition or turn stage_local_backward off");
   }
   workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
   if (options_.worker_per_partition() && options_.checkpoint() != Checkpoint::kNever) {

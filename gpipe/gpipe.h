@@ -76,7 +76,7 @@ struct GPipeOptions {
   TORCH_ARG(bool, record_timeline) = false;
   /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
   /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every
-  /// partition on the CPU, worker_per_partition(true) and no skip crossing partitions. Gradients
+  /// partition on the CPU and worker_per_partition(true); skips may cross partitions. Gradients
   /// are the same; torch::autograd::grad through the pipeline (rather than backward()) and
   /// create_graph are not supported in this mode.
   TORCH_ARG(bool, stage_local_backward) = false;

@@ -168,6 +168,13 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
             record(spec, {TimelineEvent::Kind::kSkipCopy, i, j, from, 1}, skips_started,
                    copy_streams[j][i]);
           }
+          if (spec.stage_backward) {
+            // Partition j pops its skips behind Handoffs to their stashing partitions' backward
+            // (Note [Stage-local backward in one process]).
+            trackers[i]->cut(j, [&spec, i](int64_t from, const at::Tensor& tensor) {
+              return spec.stage_backward->hand_off_skip(tensor, static_cast<size_t>(from), i);
+            });
+          }
         }
         // LibTorch runs a copy from a CUDA device on the source's current stream, else on the
         // destination's.

@@ -149,7 +149,9 @@ at::Tensor MicroBatchSkips::pop(const SkipKey& key) {
   return tensor;
 }
 
-std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(int64_t partition) {
+std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(
+    int64_t partition,
+    const std::function<at::Tensor(int64_t from, const at::Tensor& tensor)>& replace) {
   std::vector<Cut> cuts;
   for (const auto& route : layout_->routes_into(partition)) {
     SkipSlot& slot = *slots_.at(route.first);
@@ -157,7 +159,8 @@ std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(int64_t partition) {
                 "' reached partition ", partition, " unstashed");
     const at::Tensor& tensor = slot.tensor.get();
     if (!tensor.defined() || !tensor.requires_grad()) continue;
-    Cut cut{route.second, tensor, tensor.detach().requires_grad_(true)};
+    Cut cut{route.second, tensor,
+            replace ? replace(route.second, tensor) : tensor.detach().requires_grad_(true)};
     slot.tensor.set(cut.leaf);
     cuts.push_back(std::move(cut));
   }

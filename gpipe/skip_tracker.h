@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -113,10 +114,13 @@ class MicroBatchSkips : public SkipTracker {
     at::Tensor leaf;    // what the popping partition pops instead
   };
   /// Cuts every skip routed into `partition` (after its fence) that requires grad: the popping
-  /// partition then pops a detached leaf, so that its backward, run as an engine call of its own,
-  /// stops there and leaves the leaf's gradient for the stashing partition's backward (Note
-  /// [Partitions within a stage] in gpipe/distributed/local_link.h).
-  std::vector<Cut> cut(int64_t partition);
+  /// partition then pops `replace(stashing partition, tensor)` — by default a detached leaf — so
+  /// that its backward, run as an engine call of its own, stops there and leaves the gradient for
+  /// the stashing partition's backward (Note [Partitions within a stage] in
+  /// gpipe/distributed/local_link.h; Note [Stage-local backward in one process]).
+  std::vector<Cut> cut(
+      int64_t partition,
+      const std::function<at::Tensor(int64_t from, const at::Tensor& tensor)>& replace = nullptr);
 
   /// Drops every tensor still held, after a forward failed: an unpopped skip of a checkpointed
   /// stash would otherwise keep its micro-batch's graph alive through a reference cycle.

@@ -18,11 +18,16 @@ using torch::autograd::variable_list;
 
 thread_local bool stage_job = false;
 
-// The cut in front of a partition: no next edges; its backward hands the gradients of its
-// outputs to the previous partition's worker, which runs that partition's backward from `roots`.
+// The cut in front of a partition (or of a skip's popping partition): no next edges; its backward
+// hands the gradients of its outputs to the earlier partition's backward of the micro-batch, which
+// runs from `roots` (with those of the other Handoffs leading to it) on that partition's worker.
 struct Handoff : Node {
-  Handoff(std::shared_ptr<StageBackward> owner, std::vector<at::Tensor> roots, size_t partition)
-      : owner(std::move(owner)), roots(std::move(roots)), partition(partition) {}
+  Handoff(std::shared_ptr<StageBackward> owner, std::vector<at::Tensor> roots, size_t partition,
+          int64_t microbatch)
+      : owner(std::move(owner)),
+        roots(std::move(roots)),
+        partition(partition),
+        microbatch(microbatch) {}
   std::string name() const override { return "gpipe::Handoff"; }
   variable_list apply(variable_list&& grads) override {
     // Inside backward, grad mode is on only with create_graph.
@@ -37,21 +42,20 @@ struct Handoff : Node {
     if (!in_stage_backward()) {
       owner->queue_callback_once();
     }
-    owner->submit(partition, [roots = roots, g = std::move(g)] {
-      torch::autograd::backward(roots, g);
-    });
+    owner->arrive(partition, microbatch, roots, std::move(g));
     return {};
   }
   std::shared_ptr<StageBackward> owner;
   std::vector<at::Tensor> roots;
   size_t partition;
+  int64_t microbatch;
 };
 
 }  // namespace
 
 bool in_stage_backward() { return stage_job; }
 
-void StageBackward::hand_off(Batch& batch, size_t partition, int64_t /*microbatch*/) {
+void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch) {
   std::vector<at::Tensor> roots;
   std::vector<size_t> where;
   for (size_t k = 0; k < batch.size(); ++k) {
@@ -63,13 +67,55 @@ void StageBackward::hand_off(Batch& batch, size_t partition, int64_t /*microbatc
   if (roots.empty()) {
     return;
   }
-  auto node = std::shared_ptr<Handoff>(new Handoff(shared_from_this(), roots, partition),
-                                       torch::autograd::deleteNode);
+  auto node = std::shared_ptr<Handoff>(
+      new Handoff(shared_from_this(), roots, partition, microbatch), torch::autograd::deleteNode);
+  {
+    absl::MutexLock lock(&mu_);
+    ++expected_[{partition, microbatch}];
+  }
   for (size_t k : where) {
     at::Tensor out = batch[k].detach();
     torch::autograd::set_history(out, node);
     batch[k] = std::move(out);
   }
+}
+
+at::Tensor StageBackward::hand_off_skip(const at::Tensor& tensor, size_t partition,
+                                        int64_t microbatch) {
+  auto node = std::shared_ptr<Handoff>(
+      new Handoff(shared_from_this(), {tensor}, partition, microbatch),
+      torch::autograd::deleteNode);
+  {
+    absl::MutexLock lock(&mu_);
+    ++expected_[{partition, microbatch}];
+  }
+  at::Tensor out = tensor.detach();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+void StageBackward::arrive(size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
+                           std::vector<at::Tensor> grads) {
+  Join ready;
+  {
+    absl::MutexLock lock(&mu_);
+    const Key key{partition, microbatch};
+    Join& join = joins_[key];
+    for (size_t k = 0; k < roots.size(); ++k) {
+      join.roots.push_back(std::move(roots[k]));
+      join.grads.push_back(std::move(grads[k]));
+    }
+    if (++join.arrived < expected_[key]) return;
+    ready = std::move(join);
+    joins_.erase(key);
+  }
+  start(partition, std::move(ready));
+}
+
+void StageBackward::start(size_t partition, Join join) {
+  submit(partition, [roots = std::move(join.roots), grads = std::move(join.grads)] {
+    torch::autograd::backward(roots, grads);
+  });
 }
 
 void StageBackward::submit(size_t partition, std::function<void()> job) {
@@ -116,6 +162,8 @@ void StageBackward::finish() {
   // waits for the workers' (each may hand off more).
   for (;;) {
     std::function<void()> job;
+    size_t partition = 0;
+    Join partial;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -123,11 +171,24 @@ void StageBackward::finish() {
             return s->pending_ == 0 || !s->inline_jobs_.empty();
           },
           this));
-      if (inline_jobs_.empty()) break;
-      job = std::move(inline_jobs_.front());
-      inline_jobs_.pop_front();
+      if (inline_jobs_.empty()) {
+        // Nothing runs or waits to: a backward still missing a Handoff will not get it (no
+        // gradient reaches that one); start the latest partition's with what has arrived.
+        if (joins_.empty() || error_) break;
+        auto latest = std::prev(joins_.end());  // ordered by partition
+        partition = latest->first.first;
+        partial = std::move(latest->second);
+        joins_.erase(latest);
+      } else {
+        job = std::move(inline_jobs_.front());
+        inline_jobs_.pop_front();
+      }
     }
-    job();
+    if (job) {
+      job();
+    } else {
+      start(partition, std::move(partial));
+    }
   }
   std::exception_ptr error;
   {
@@ -135,6 +196,7 @@ void StageBackward::finish() {
     error = error_;
     error_ = nullptr;
     callback_queued_ = false;
+    joins_.clear();  // after an error, backwards that will not run
   }
   if (error) std::rethrow_exception(error);
 }

@@ -7,7 +7,9 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -38,10 +40,17 @@ namespace gpipe {
 // (running those of partitions that run on the calling thread itself) and rethrows the first
 // error, so backward() returns with every gradient final, as without the mode.
 //
+// A skip from partition a to a later partition b is cut too (MicroBatchSkips::cut, at b's fence):
+// b pops the tensor detached, behind a Handoff of its own. Partition a's backward of micro-batch i
+// waits for every Handoff that leads to it — behind its outputs and behind each of its skips that
+// needs a gradient — and then starts from all of them in one engine call, as the single graph
+// would: a checkpointed stash's recomputation gets its outputs' and its skips' gradients at once.
+// A Handoff that no gradient reaches (a skip the loss does not depend on) is not waited for: when
+// nothing else is left, the end-of-backward callback starts what has arrived.
+//
 // Used only where it changes nothing but threads: every partition on the CPU, a worker per
-// partition, no skip crossing partitions (a skip's gradient would reach a partition's graph from
-// two engine calls), training with grad. create_graph (double backward) through a cut is refused
-// with an error; retain_graph keeps only the last partition's graph.
+// partition, training with grad. create_graph (double backward) through a cut is refused with an
+// error; retain_graph keeps only the last partition's graph.
 
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
@@ -52,12 +61,26 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   /// `partition`) for the next partition: its tensors that require grad become outputs of the
   /// node, whose backward hands their gradients to `partition`'s worker.
   void hand_off(Batch& batch, size_t partition, int64_t microbatch);
+  /// The same for a skip that `partition` stashed for micro-batch `microbatch`, at the fence of
+  /// its popping partition: returns what that partition pops instead of `tensor` (detached, behind
+  /// a Handoff whose gradient joins `partition`'s backward of the micro-batch).
+  at::Tensor hand_off_skip(const at::Tensor& tensor, size_t partition, int64_t microbatch);
 
-  // For the Handoff node.
-  void submit(size_t partition, std::function<void()> job);
+  // For the Handoff node: the gradients of `roots`, for `partition`'s backward of `microbatch`,
+  // which starts once every Handoff leading to it has arrived.
+  void arrive(size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
+              std::vector<at::Tensor> grads);
   void queue_callback_once();
 
  private:
+  using Key = std::pair<size_t, int64_t>;  // partition, micro-batch
+  // The roots and gradients that have arrived for one backward of a partition.
+  struct Join {
+    int64_t arrived = 0;
+    std::vector<at::Tensor> roots, grads;
+  };
+  void submit(size_t partition, std::function<void()> job);
+  void start(size_t partition, Join join);
   void finish();  // the end-of-backward callback
 
   std::shared_ptr<WorkerPool> workers_;
@@ -66,6 +89,8 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   std::deque<std::function<void()>> inline_jobs_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
   bool callback_queued_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<Key, int64_t> expected_ ABSL_GUARDED_BY(mu_);  // Handoffs leading to each backward
+  std::map<Key, Join> joins_ ABSL_GUARDED_BY(mu_);        // those that have arrived
 };
 
 /// Whether this thread is running a handed-off backward.

@@ -75,7 +75,7 @@ ABSL_FLAG(bool, distributed, false,
           "--partitions is the stages per pipeline (default: every process)");
 ABSL_FLAG(bool, stage_local_backward, true,
           "on CPU partitions, run each partition's backward on its own worker "
-          "(GPipeOptions::stage_local_backward), unless a skip crosses partitions");
+          "(GPipeOptions::stage_local_backward)");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
@@ -208,10 +208,8 @@ int train(const TrainerModel& trainer) {
       choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
                      devices.front());
   // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
-  // partitions, each with a worker, and no skip from one partition to another.
-  const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu &&
-                           partitions > 1 &&
-                           SkipLayout(split_module(model, balance, devices)).crossing().empty();
+  // partitions, each with a worker.
+  const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
