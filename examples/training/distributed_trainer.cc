@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -18,6 +19,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "examples/training/common.h"
 #include "gpipe/distributed/pipeline_stage.h"
@@ -39,6 +41,7 @@ ABSL_DECLARE_FLAG(std::string, svg);
 ABSL_DECLARE_FLAG(std::string, trace);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(bool, amp);
+ABSL_DECLARE_FLAG(int64_t, stage_partitions);
 
 namespace gpipe {
 namespace training {
@@ -75,13 +78,15 @@ int train_distributed(const TrainerModel& trainer) {
   const int stages = absl::GetFlag(FLAGS_partitions) > 0
                          ? static_cast<int>(absl::GetFlag(FLAGS_partitions))
                          : options.world_size();
+  const int64_t per_stage = absl::GetFlag(FLAGS_stage_partitions);
+  TORCH_CHECK(per_stage >= 1, "--stage_partitions must be at least 1, got ", per_stage);
   const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
-  // The cores of this host divided among its processes.
+  // The cores of this host divided among its processes' partitions.
   const int local = std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1);
   const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
   set_intra_op_threads(static_cast<int>(
       absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
-                                       : std::max<int64_t>(cores / local, 1)));
+                                       : std::max<int64_t>(cores / (local * per_stage), 1)));
 
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   Data data = load_data_from_flags();
@@ -93,10 +98,22 @@ int train_distributed(const TrainerModel& trainer) {
   torch::nn::Sequential model =
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size / groups.replicas);
-  const std::vector<int64_t> balance = agree_on_balance(
-      choose_balance(absl::GetFlag(FLAGS_balance), stages, model, sample, chunks,
+  // Layers per partition, stages x per_stage of them; each stage takes per_stage in a row.
+  const std::vector<int64_t> partition_balance = agree_on_balance(
+      choose_balance(absl::GetFlag(FLAGS_balance), stages * per_stage, model, sample, chunks,
                      c10::Device(c10::kCPU)),
       groups);
+  std::vector<int64_t> balance;  // per stage
+  for (int s = 0; s < stages; ++s) {
+    balance.push_back(std::accumulate(partition_balance.begin() + s * per_stage,
+                                      partition_balance.begin() + (s + 1) * per_stage,
+                                      int64_t{0}));
+  }
+  std::vector<int64_t> local_balance;
+  if (per_stage > 1) {
+    local_balance.assign(partition_balance.begin() + groups.stage * per_stage,
+                         partition_balance.begin() + (groups.stage + 1) * per_stage);
+  }
   const Checkpoint checkpoint = parse_checkpoint(absl::GetFlag(FLAGS_checkpoint));
   auto cross_entropy = [](const Batch& out, const at::Tensor& target) {
     return at::cross_entropy_loss(out.tensor().to(at::kFloat), target);
@@ -104,7 +121,7 @@ int train_distributed(const TrainerModel& trainer) {
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
                                 .checkpoint(checkpoint).loss(cross_entropy)
-                                .record_timeline(true),
+                                .local_balance(local_balance).record_timeline(true),
                             groups.pipeline, groups.replica_group);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
   const bool reporter = stage->is_last() && groups.replica == 0;
@@ -113,14 +130,19 @@ int train_distributed(const TrainerModel& trainer) {
     for (const auto& p : model->parameters()) parameters += p.numel();
     std::printf("%s on %s: %lld layers, %.2fM parameters\n", trainer.name.c_str(),
                 data.name.c_str(), static_cast<long long>(model->size()), parameters / 1e6);
-    std::printf("distributed: %d processes = %d stages x %d replicas; balance {%s}; %lld "
+    std::printf("distributed: %d processes = %d stages x %d replicas; balance {%s}%s; %lld "
                 "micro-batches of each replica's %lld images; checkpoint %s; %d intra-op "
-                "thread%s per process\n",
+                "thread%s per %s\n",
                 options.world_size(), stages, groups.replicas,
-                absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
+                absl::StrJoin(balance, ", ").c_str(),
+                per_stage > 1
+                    ? absl::StrCat(", ", per_stage, " partitions per stage {",
+                                   absl::StrJoin(partition_balance, ", "), "}").c_str()
+                    : "",
+                static_cast<long long>(chunks),
                 static_cast<long long>(batch_size / groups.replicas),
                 absl::GetFlag(FLAGS_checkpoint).c_str(), at::get_num_threads(),
-                at::get_num_threads() == 1 ? "" : "s");
+                at::get_num_threads() == 1 ? "" : "s", per_stage > 1 ? "partition" : "process");
     std::fflush(stdout);
   }
 
@@ -206,12 +228,12 @@ int train_distributed(const TrainerModel& trainer) {
     optimizer.zero_grad();
     run((*batch).data, (*batch).target);
     const auto events = stage->gather_timeline();
-    const std::vector<c10::Device> devices(stages, c10::Device(c10::kCPU));
+    const std::vector<c10::Device> devices(stages * per_stage, c10::Device(c10::kCPU));
     if (stage->is_first() && groups.replica == 0) {
       if (!absl::GetFlag(FLAGS_svg).empty()) {
         std::ofstream(absl::GetFlag(FLAGS_svg)) << timeline_svg(events, devices);
-        std::printf("picture of a step across the %d stages: %s\n", stages,
-                    absl::GetFlag(FLAGS_svg).c_str());
+        std::printf("picture of a step across the %d stages (%lld partitions): %s\n", stages,
+                    static_cast<long long>(stages * per_stage), absl::GetFlag(FLAGS_svg).c_str());
       }
       if (!absl::GetFlag(FLAGS_trace).empty()) {
         std::ofstream(absl::GetFlag(FLAGS_trace)) << chrome_trace_json(events, devices);

@@ -73,6 +73,10 @@ ABSL_FLAG(bool, distributed, false,
           "one pipeline stage per process, started by torchrun (torchrun --no_python "
           "--nproc_per_node=4 resnet --distributed --partitions=2: 2 stages x 2 replicas); "
           "--partitions is the stages per pipeline (default: every process)");
+ABSL_FLAG(int64_t, stage_partitions, 1,
+          "with --distributed: split each stage into this many partitions, each on a thread of "
+          "its own (PipelineStageOptions::local_balance); --balance then has stages x this "
+          "entries");
 ABSL_FLAG(bool, stage_local_backward, true,
           "on CPU partitions, run each partition's backward on its own worker "
           "(GPipeOptions::stage_local_backward)");
