@@ -243,7 +243,15 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   if (options_.record_timeline()) {
     spec.timeline = std::make_shared<Timeline>(devices_);
   }
-  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1) {
+  // Not for an input with a history (a layer before the GPipe): each partition's backward of
+  // each micro-batch would run into that graph once per micro-batch, and it can be run only once.
+  // Such a forward keeps the one graph (Note [Stage-local backward in one process]).
+  bool input_has_history = false;
+  for (const at::Tensor& t : input.values()) {
+    input_has_history |= t.defined() && t.grad_fn() != nullptr;
+  }
+  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 &&
+      !input_has_history) {
     spec.stage_backward = std::make_shared<StageBackward>(workers_);
   }
 

@@ -171,8 +171,9 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
           if (spec.stage_backward) {
             // Partition j pops its skips behind Handoffs to their stashing partitions' backward
             // (Note [Stage-local backward in one process]).
-            trackers[i]->cut(j, [&spec, i](int64_t from, const at::Tensor& tensor) {
-              return spec.stage_backward->hand_off_skip(tensor, static_cast<size_t>(from), i);
+            trackers[i]->cut(j, [&spec, i, j](int64_t from, const at::Tensor& tensor) {
+              return spec.stage_backward->hand_off_skip(tensor, static_cast<size_t>(from), i,
+                                                        static_cast<size_t>(j));
             });
           }
         }
@@ -282,7 +283,7 @@ void run_pipeline(const PipelineSpec& spec, std::vector<Batch>& batches) {
     // The last partition's backward too runs on its worker, not on the thread that calls
     // backward(), which runs the first partition's (Note [Stage-local backward in one process]).
     for (int64_t i = 0; i < m; ++i) {
-      spec.stage_backward->hand_off(batches[i], static_cast<size_t>(n - 1), i);
+      spec.stage_backward->hand_off(batches[i], static_cast<size_t>(n - 1), i, /*last=*/true);
     }
   }
 }

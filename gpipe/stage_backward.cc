@@ -23,11 +23,12 @@ thread_local bool stage_job = false;
 // runs from `roots` (with those of the other Handoffs leading to it) on that partition's worker.
 struct Handoff : Node {
   Handoff(std::shared_ptr<StageBackward> owner, std::vector<at::Tensor> roots, size_t partition,
-          int64_t microbatch)
+          int64_t microbatch, int64_t id)
       : owner(std::move(owner)),
         roots(std::move(roots)),
         partition(partition),
-        microbatch(microbatch) {}
+        microbatch(microbatch),
+        id(id) {}
   std::string name() const override { return "gpipe::Handoff"; }
   variable_list apply(variable_list&& grads) override {
     // Inside backward, grad mode is on only with create_graph.
@@ -42,20 +43,29 @@ struct Handoff : Node {
     if (!in_stage_backward()) {
       owner->queue_callback_once();
     }
-    owner->arrive(partition, microbatch, roots, std::move(g));
+    owner->arrive(id, partition, microbatch, roots, std::move(g));
     return {};
   }
   std::shared_ptr<StageBackward> owner;
   std::vector<at::Tensor> roots;
   size_t partition;
   int64_t microbatch;
+  int64_t id;
 };
 
 }  // namespace
 
 bool in_stage_backward() { return stage_job; }
 
-void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch) {
+int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {
+  absl::MutexLock lock(&mu_);
+  ++expected_[target];
+  const int64_t id = next_id_++;
+  if (reached_by != nullptr) in_graph_of_[*reached_by].emplace_back(id, target);
+  return id;
+}
+
+void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch, bool last) {
   std::vector<at::Tensor> roots;
   std::vector<size_t> where;
   for (size_t k = 0; k < batch.size(); ++k) {
@@ -67,12 +77,13 @@ void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch)
   if (roots.empty()) {
     return;
   }
+  // In front of partition + 1, whose backward of the micro-batch reaches it (the last one is
+  // reached by the caller's backward instead).
+  const Key next{partition + 1, microbatch};
+  const int64_t id = add_handoff({partition, microbatch}, last ? nullptr : &next);
   auto node = std::shared_ptr<Handoff>(
-      new Handoff(shared_from_this(), roots, partition, microbatch), torch::autograd::deleteNode);
-  {
-    absl::MutexLock lock(&mu_);
-    ++expected_[{partition, microbatch}];
-  }
+      new Handoff(shared_from_this(), roots, partition, microbatch, id),
+      torch::autograd::deleteNode);
   for (size_t k : where) {
     at::Tensor out = batch[k].detach();
     torch::autograd::set_history(out, node);
@@ -81,45 +92,62 @@ void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch)
 }
 
 at::Tensor StageBackward::hand_off_skip(const at::Tensor& tensor, size_t partition,
-                                        int64_t microbatch) {
+                                        int64_t microbatch, size_t popping) {
+  const Key popper{popping, microbatch};
+  const int64_t id = add_handoff({partition, microbatch}, &popper);
   auto node = std::shared_ptr<Handoff>(
-      new Handoff(shared_from_this(), {tensor}, partition, microbatch),
+      new Handoff(shared_from_this(), {tensor}, partition, microbatch, id),
       torch::autograd::deleteNode);
-  {
-    absl::MutexLock lock(&mu_);
-    ++expected_[{partition, microbatch}];
-  }
   at::Tensor out = tensor.detach();
   torch::autograd::set_history(out, node);
   return out;
 }
 
-void StageBackward::arrive(size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
-                           std::vector<at::Tensor> grads) {
+void StageBackward::arrive(int64_t id, size_t partition, int64_t microbatch,
+                           std::vector<at::Tensor> roots, std::vector<at::Tensor> grads) {
   Join ready;
+  const Key key{partition, microbatch};
   {
     absl::MutexLock lock(&mu_);
-    const Key key{partition, microbatch};
+    arrived_.insert(id);
     Join& join = joins_[key];
     for (size_t k = 0; k < roots.size(); ++k) {
       join.roots.push_back(std::move(roots[k]));
       join.grads.push_back(std::move(grads[k]));
     }
-    if (++join.arrived < expected_[key]) return;
+    if (++join.arrived + join.missed < expected_[key]) return;
     ready = std::move(join);
     joins_.erase(key);
   }
-  start(partition, std::move(ready));
+  start(key, std::move(ready));
 }
 
-void StageBackward::start(size_t partition, Join join) {
-  submit(partition, [roots = std::move(join.roots), grads = std::move(join.grads)] {
+std::vector<std::pair<StageBackward::Key, StageBackward::Join>> StageBackward::job_done(
+    const Key& key) {
+  std::vector<std::pair<Key, Join>> ready;
+  absl::MutexLock lock(&mu_);
+  auto handoffs = in_graph_of_.find(key);
+  if (handoffs == in_graph_of_.end()) return ready;
+  for (const auto& [id, target] : handoffs->second) {
+    if (arrived_.count(id) > 0) continue;
+    // Not reached by the only backward that could reach it: do not wait for it.
+    Join& join = joins_[target];
+    if (join.arrived + ++join.missed < expected_[target]) continue;
+    if (join.arrived > 0) ready.emplace_back(target, std::move(join));
+    joins_.erase(target);
+  }
+  return ready;
+}
+
+void StageBackward::start(const Key& key, Join join) {
+  submit(key, [roots = std::move(join.roots), grads = std::move(join.grads)] {
     torch::autograd::backward(roots, grads);
   });
 }
 
-void StageBackward::submit(size_t partition, std::function<void()> job) {
-  auto run = [self = shared_from_this(), job = std::move(job)]() mutable {
+void StageBackward::submit(const Key& key, std::function<void()> job) {
+  const size_t partition = key.first;
+  auto run = [self = shared_from_this(), job = std::move(job), key]() mutable {
     const bool outer = stage_job;
     stage_job = true;
     try {
@@ -133,6 +161,9 @@ void StageBackward::submit(size_t partition, std::function<void()> job) {
     // the caller's next step) any of the graph.
     job = nullptr;
     stage_job = outer;
+    // Backwards that waited for a Handoff this job passed by start before this one counts as
+    // done, so that the end-of-backward callback never sees nothing pending in between.
+    for (auto& [next, join] : self->job_done(key)) self->start(next, std::move(join));
     absl::MutexLock lock(&self->mu_);
     --self->pending_;
   };
@@ -163,6 +194,7 @@ void StageBackward::finish() {
   for (;;) {
     std::function<void()> job;
     size_t partition = 0;
+    int64_t partial_microbatch = 0;
     Join partial;
     {
       absl::MutexLock lock(&mu_);
@@ -174,9 +206,13 @@ void StageBackward::finish() {
       if (inline_jobs_.empty()) {
         // Nothing runs or waits to: a backward still missing a Handoff will not get it (no
         // gradient reaches that one); start the latest partition's with what has arrived.
+        while (!joins_.empty() && std::prev(joins_.end())->second.arrived == 0) {
+          joins_.erase(std::prev(joins_.end()));  // only missed Handoffs: no backward to run
+        }
         if (joins_.empty() || error_) break;
         auto latest = std::prev(joins_.end());  // ordered by partition
         partition = latest->first.first;
+        partial_microbatch = latest->first.second;
         partial = std::move(latest->second);
         joins_.erase(latest);
       } else {
@@ -187,7 +223,7 @@ void StageBackward::finish() {
     if (job) {
       job();
     } else {
-      start(partition, std::move(partial));
+      start({partition, partial_microbatch}, std::move(partial));
     }
   }
   std::exception_ptr error;
@@ -197,6 +233,7 @@ void StageBackward::finish() {
     error_ = nullptr;
     callback_queued_ = false;
     joins_.clear();  // after an error, backwards that will not run
+    arrived_.clear();  // a backward with retain_graph may reach the Handoffs again
   }
   if (error) std::rethrow_exception(error);
 }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -45,12 +46,17 @@ namespace gpipe {
 // waits for every Handoff that leads to it — behind its outputs and behind each of its skips that
 // needs a gradient — and then starts from all of them in one engine call, as the single graph
 // would: a checkpointed stash's recomputation gets its outputs' and its skips' gradients at once.
-// A Handoff that no gradient reaches (a skip the loss does not depend on) is not waited for: when
-// nothing else is left, the end-of-backward callback starts what has arrived.
+// A Handoff that no gradient reaches (a skip the loss does not depend on) is not waited for: a
+// Handoff in partition b's graph can be reached only by b's backward of its micro-batch, so when
+// that has run without reaching it, the join stops waiting for it; and when nothing else is left,
+// the end-of-backward callback starts what has arrived.
 //
 // Used only where it changes nothing but threads: every partition on the CPU, a worker per
-// partition, training with grad. create_graph (double backward) through a cut is refused with an
-// error; retain_graph keeps only the last partition's graph.
+// partition, training with grad, an input without history (a forward whose input comes from
+// layers before the GPipe keeps the one graph: the first partition's backward of each
+// micro-batch would otherwise run into those layers' graph, which runs only once). create_graph
+// (double backward) through a cut is refused with an error; retain_graph keeps only the last
+// partition's graph.
 
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
@@ -58,17 +64,19 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   explicit StageBackward(std::shared_ptr<WorkerPool> workers) : workers_(std::move(workers)) {}
 
   /// Puts a Handoff in front of `batch` (micro-batch `microbatch`, just computed by partition
-  /// `partition`) for the next partition: its tensors that require grad become outputs of the
-  /// node, whose backward hands their gradients to `partition`'s worker.
-  void hand_off(Batch& batch, size_t partition, int64_t microbatch);
+  /// `partition`) for the next partition, or, with `last`, for the caller's own backward: its
+  /// tensors that require grad become outputs of the node, whose backward hands their gradients
+  /// to `partition`'s worker.
+  void hand_off(Batch& batch, size_t partition, int64_t microbatch, bool last = false);
   /// The same for a skip that `partition` stashed for micro-batch `microbatch`, at the fence of
-  /// its popping partition: returns what that partition pops instead of `tensor` (detached, behind
-  /// a Handoff whose gradient joins `partition`'s backward of the micro-batch).
-  at::Tensor hand_off_skip(const at::Tensor& tensor, size_t partition, int64_t microbatch);
+  /// its popping partition `popping`: returns what that partition pops instead of `tensor`
+  /// (detached, behind a Handoff whose gradient joins `partition`'s backward of the micro-batch).
+  at::Tensor hand_off_skip(const at::Tensor& tensor, size_t partition, int64_t microbatch,
+                           size_t popping);
 
-  // For the Handoff node: the gradients of `roots`, for `partition`'s backward of `microbatch`,
-  // which starts once every Handoff leading to it has arrived.
-  void arrive(size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
+  // For the Handoff node `id`: the gradients of `roots`, for `partition`'s backward of
+  // `microbatch`, which starts once every Handoff leading to it has arrived or cannot.
+  void arrive(int64_t id, size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
               std::vector<at::Tensor> grads);
   void queue_callback_once();
 
@@ -77,10 +85,14 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   // The roots and gradients that have arrived for one backward of a partition.
   struct Join {
     int64_t arrived = 0;
+    int64_t missed = 0;  // Handoffs that this backward's jobs passed by
     std::vector<at::Tensor> roots, grads;
   };
-  void submit(size_t partition, std::function<void()> job);
-  void start(size_t partition, Join join);
+  int64_t add_handoff(const Key& target, const Key* reached_by);
+  // The joins that the end of job `key` completes (its Handoffs that did not arrive will not).
+  std::vector<std::pair<Key, Join>> job_done(const Key& key);
+  void submit(const Key& key, std::function<void()> job);
+  void start(const Key& key, Join join);
   void finish();  // the end-of-backward callback
 
   std::shared_ptr<WorkerPool> workers_;
@@ -91,6 +103,11 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   bool callback_queued_ ABSL_GUARDED_BY(mu_) = false;
   std::map<Key, int64_t> expected_ ABSL_GUARDED_BY(mu_);  // Handoffs leading to each backward
   std::map<Key, Join> joins_ ABSL_GUARDED_BY(mu_);        // those that have arrived
+  // The Handoffs in each job's graph (id, the backward each leads to), and those that arrived in
+  // this backward.
+  std::map<Key, std::vector<std::pair<int64_t, Key>>> in_graph_of_ ABSL_GUARDED_BY(mu_);
+  std::set<int64_t> arrived_ ABSL_GUARDED_BY(mu_);
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 /// Whether this thread is running a handed-off backward.

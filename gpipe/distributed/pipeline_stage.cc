@@ -116,6 +116,24 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   const std::vector<torch::nn::Sequential> local =
       split_module(layers_, local_balance, partition_devices);
   skip_layout_ = SkipLayout(local);
+  // Partitions run at the same time on threads of their own (as a GPipe's with
+  // worker_per_partition, and with the same caveats about random numbers).
+  for (size_t j = 0; j < partition_devices.size(); ++j) {
+    for (size_t k = 0; k < j; ++k) {
+      TORCH_CHECK(!partition_devices[j].is_cuda() || partition_devices[j] != partition_devices[k],
+                  who, ": partitions ", k, " and ", j, " of stage ", stage_, " would run on two "
+                  "threads that share ", partition_devices[j], " and its random generator, so a "
+                  "checkpointed micro-batch could recompute different random numbers; give each "
+                  "partition its own GPU (local_devices)");
+    }
+  }
+  if (partition_devices.size() > 1 && options_.checkpoint() != Checkpoint::kNever) {
+    TORCH_WARN_ONCE(who, ": the partitions of a stage run at the same time, so layers that draw "
+                    "random numbers from the CPU generator (dropout) draw them in an order that "
+                    "depends on thread timing, and a checkpointed micro-batch may recompute "
+                    "different numbers than its first forward drew. Use several partitions for "
+                    "deterministic layers, or with Checkpoint::kNever.");
+  }
   for (size_t j = 0; j < local.size(); ++j) {
     Partition p;
     p.layers = local[j];
@@ -225,6 +243,20 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
     context.inputs = scatter(input, options_.chunks());
   }
+  // The micro-batches leave the input's graph (a layer before the stage, or the input's own
+  // split): the first partition's backward of each micro-batch stops at a leaf, and the input's
+  // graph runs once, at the end of the step, with all the leaves' gradients.
+  std::vector<at::Tensor> input_roots, input_leaves;
+  if (context.training) {
+    for (Batch& b : context.inputs) {
+      for (at::Tensor& t : b.values()) {
+        if (!t.defined() || !t.requires_grad()) continue;
+        input_roots.push_back(t);
+        t = t.detach().requires_grad_(true);
+        input_leaves.push_back(t);
+      }
+    }
+  }
   // Captured before the deferred statistics' callback is added: the recomputation observes no
   // operator (Note [Deferred batch norm without replacing modules]).
   context.recompute_state = std::make_shared<const ThreadState>();
@@ -259,6 +291,8 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       k > 1 ? std::make_unique<ThreadState>() : nullptr;
   const auto run = [&](size_t j) {
     try {
+      std::optional<ThreadStateGuard> guard;
+      if (j > 0) guard.emplace(*worker_state);
       run_stage_partition(j, context);
     } catch (...) {
       {
@@ -271,17 +305,25 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
   };
   std::vector<absl::Notification> done(k);
-  for (size_t j = 1; j < k; ++j) {
-    partitions_[j].worker->submit([&, j] {
-      {
-        ThreadStateGuard guard(*worker_state);
+  size_t started = 1;  // partitions running (the first on this thread)
+  try {
+    for (size_t j = 1; j < k; ++j) {
+      partitions_[j].worker->submit([&, j] {
         run(j);
-      }
-      done[j].Notify();
-    });
+        done[j].Notify();
+      });
+      started = j + 1;
+    }
+  } catch (...) {
+    // A partition that could not start (out of memory): the started ones must not wait for it.
+    {
+      absl::MutexLock lock(&context.mu);
+      if (!context.error) context.error = std::current_exception();
+    }
+    for (const auto& link : context.links) link->fail("a partition could not start");
   }
-  run(0);
-  for (size_t j = 1; j < k; ++j) done[j].WaitForNotification();
+  if (started == k) run(0);
+  for (size_t j = 1; j < started; ++j) done[j].WaitForNotification();
   std::exception_ptr error;
   {
     absl::MutexLock lock(&context.mu);
@@ -296,6 +338,15 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   for (const auto& sends : context.sends) {
     for (const auto& send : sends) send->wait();
   }
+  // The input's own graph, once (see above).
+  std::vector<at::Tensor> roots, grads;
+  for (size_t k2 = 0; k2 < input_roots.size(); ++k2) {
+    if (input_leaves[k2].grad().defined()) {
+      roots.push_back(input_roots[k2]);
+      grads.push_back(input_leaves[k2].grad());
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, grads);
   if (deferred) {
     deferred_statistics.reset();
     deferred_redirects.clear();

@@ -170,7 +170,8 @@ class PipelineStageImpl : public torch::nn::Module {
   /// Every stage's timeline of the last step, on one clock (the processes must share a host):
   /// partitions numbered across the whole pipeline (stage s's first partition follows the
   /// partitions of stages 0 .. s-1; with one partition per stage, partition = stage), times in
-  /// microseconds since the earliest stage's step began. A collective: every stage of the pipeline calls it (with record_timeline).
+  /// microseconds since the earliest stage's step began. A collective: every stage of the
+  /// pipeline calls it (with record_timeline).
   ///
   ///   auto events = stage->gather_timeline();
   ///   if (stage->is_first()) std::ofstream("steps.svg") << gpipe::timeline_svg(events);

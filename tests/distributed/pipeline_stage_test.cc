@@ -15,6 +15,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tanh.h>
 
+#include <atomic>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -868,7 +869,8 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   // the third. Four steps with momentum, every checkpoint mode.
   const std::vector<int64_t> local =
       GENERATE(std::vector<int64_t>{1, 2, 3}, std::vector<int64_t>{2, 1, 3});
-  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
+  const Checkpoint mode =
+      GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   CATCH_INFO("local balance {" << local[0] << ", " << local[1] << ", " << local[2]
                                << "}, checkpoint mode " << static_cast<int>(mode));
   PipelineStage stage(make_model(),
@@ -892,60 +894,128 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   check_schedule(stage->gather_timeline(), 3);
 }
 
-// A layer that throws on the given call (counting calls in forward, not recomputations).
-struct ThrowOnImpl : nn::Module {
-  explicit ThrowOnImpl(int at) : at(at) {}
-  at::Tensor forward(const at::Tensor& x) {
-    if (!is_recomputing() && ++calls == at) TORCH_CHECK(false, "layer failed on call ", at);
-    return x;
-  }
-  int at;
-  int calls = 0;
-};
-TORCH_MODULE(ThrowOn);
+// The 6-layer model with a Tanh between the stash and the pop, so that a skip can jump over a
+// partition: Linear, Stash | Tanh | PopPair, PairLinear, First, Linear.
+nn::Sequential make_jump_model() {
+  torch::manual_seed(13);
+  nn::Sequential seq(nn::Linear(6, 8), skippable(Stash(), SkippableOptions().stash({"skip"})),
+                     nn::Tanh(), skippable(PopPair(), SkippableOptions().pop({"skip"})),
+                     PairLinear(), First(), nn::Linear(8, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
 
-CATCH_TEST_CASE("a layer that fails in any partition of a stage makes step() throw its error "
-                "instead of hanging the other partitions",
+CATCH_TEST_CASE("a stage of partitions in one process jumps a skip over a partition, gives "
+                "layers before it their gradients, and infers the plain model's output",
+                "[distributed][stage][partitions]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kNever);
+  CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
+  // A Linear before the stage (outside it), trained with it.
+  torch::manual_seed(17);
+  nn::Linear before(6, 6);
+  before->to(at::kDouble);
+  auto before_plain = std::dynamic_pointer_cast<nn::LinearImpl>(before->clone());
+  nn::Sequential plain = make_jump_model();
+  PipelineStage stage(make_jump_model(),
+                      PipelineStageOptions({7}).local_balance({2, 1, 4}).chunks(kChunks)
+                          .checkpoint(mode).loss(mse),
+                      group);
+  std::vector<at::Tensor> params = stage->parameters();
+  for (const at::Tensor& p : before->parameters()) params.push_back(p);
+  std::vector<at::Tensor> plain_params = plain->parameters();
+  for (const at::Tensor& p : before_plain->parameters()) plain_params.push_back(p);
+  torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD plain_sgd(plain_params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    plain_sgd.zero_grad();
+    const at::Tensor loss = stage->step(Batch(before(x)), y);
+    const at::Tensor plain_loss =
+        nn::functional::mse_loss(plain->forward(before_plain->forward(x)), y);
+    plain_loss.backward();
+    CATCH_CHECK(at::allclose(loss, plain_loss, 0, 1e-12));
+    sgd.step();
+    plain_sgd.step();
+  }
+  CATCH_CHECK(at::allclose(flat(params), flat(plain_params), 0, 1e-10));
+  // Inference: forward only, the output gathered on the stage.
+  auto [x, y] = batch(kSteps);
+  {
+    at::NoGradGuard no_grad;
+    stage->step(Batch(x), y);
+  }
+  CATCH_CHECK(at::allclose(stage->output().tensor(), plain->forward(x).detach(), 0, 1e-12));
+}
+
+// A layer that throws on its `call`-th forward (not counting recomputations) or, with `backward`,
+// in its `call`-th backward; with call 0 it passes its input on.
+struct FailOnImpl : nn::Module {
+  FailOnImpl(bool backward, int call) : backward(backward), call(call) {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (!backward && call > 0 && !is_recomputing() && ++calls == call) {
+      TORCH_CHECK(false, "layer failed in forward on call ", call);
+    }
+    at::Tensor y = x.clone();
+    if (backward && call > 0 && y.requires_grad()) {
+      y.register_hook([this](const at::Tensor& g) {
+        TORCH_CHECK(++backward_calls != call, "layer failed in backward on call ", call);
+        return g;
+      });
+    }
+    return y;
+  }
+  bool backward;
+  int call;
+  int calls = 0;
+  std::atomic<int> backward_calls{0};
+};
+TORCH_MODULE(FailOn);
+
+CATCH_TEST_CASE("a layer that fails in any partition of a stage in forward or backward makes "
+                "step() throw its error instead of hanging the other partitions",
                 "[distributed][stage][partitions][errors]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
       GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
-  // Linear | Tanh, ThrowOn | Linear: the failing layer in the middle partition, or the last.
-  const auto [where, call] = GENERATE(table<int, int>({{2, 1}, {2, 3}, {3, 2}}));
-  CATCH_INFO("failing layer " << where << ", on micro-batch " << call - 1);
+  // Linear, F | Tanh, F | Linear, F in three partitions; one F fails (checkpointed micro-batches:
+  // the backward failure comes in a recomputed forward's graph).
+  const auto [where, backward, call] = GENERATE(table<int, bool, int>(
+      {{0, false, 2}, {1, false, 1}, {2, false, 3}, {0, true, 1}, {1, true, 2}, {2, true, 1}}));
+  CATCH_INFO("partition " << where << (backward ? " backward" : " forward") << ", call " << call);
   torch::manual_seed(3);
-  nn::Sequential seq(nn::Linear(6, 8), nn::Tanh());
-  if (where == 2) {
-    seq->push_back(ThrowOn(call));
-    seq->push_back(nn::Linear(8, 3));
-  } else {
-    seq->push_back(nn::Linear(8, 3));
-    seq->push_back(ThrowOn(call));
-  }
+  const auto fail = [&, where = where, backward = backward, call = call](int partition) {
+    return FailOn(backward, partition == where ? call : 0);
+  };
+  nn::Sequential seq(nn::Linear(6, 8), fail(0), nn::Tanh(), fail(1), nn::Linear(8, 3), fail(2));
   seq->to(at::kDouble);
   PipelineStage stage(seq,
-                      PipelineStageOptions({4}).local_balance({1, 2, 1}).chunks(kChunks).loss(mse),
+                      PipelineStageOptions({6}).local_balance({2, 2, 2}).chunks(kChunks).loss(mse),
                       group);
   auto [x, y] = batch(0);
-  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y),
-                          gpipe_test::contains("layer failed on call " + std::to_string(call)));
+  const std::string what = std::string("layer failed in ") + (backward ? "backward" : "forward") +
+                           " on call " + std::to_string(call);
+  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y), gpipe_test::contains(what));
   CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y),
                           gpipe_test::contains("an earlier step failed on this stage"));
 }
 
-CATCH_TEST_CASE("a stage with partitions on the GPU and the CPU trains with a skip across "
-                "devices as the plain model",
+CATCH_TEST_CASE("a stage with a partition on the GPU and one on the CPU trains with a skip "
+                "across devices as the plain model",
                 "[distributed][stage][partitions][cuda]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
       GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
-  // Linear, Stash on cuda:0 | PopPair on the CPU | the rest on cuda:0: the skip crosses devices.
+  // Linear, Stash on cuda:0 | the rest on the CPU: the skip crosses devices.
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kNever);
   CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
   const c10::Device gpu("cuda:0");
   PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).local_balance({2, 1, 3})
-                          .local_devices({gpu, c10::Device(c10::kCPU), gpu}).chunks(kChunks)
+                      PipelineStageOptions({6}).local_balance({2, 4})
+                          .local_devices({gpu, c10::Device(c10::kCPU)}).chunks(kChunks)
                           .checkpoint(mode).loss(mse),
                       group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -953,7 +1023,7 @@ CATCH_TEST_CASE("a stage with partitions on the GPU and the CPU trains with a sk
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    losses.push_back(stage->step(Batch(x.to(gpu)), y.to(gpu)).detach().cpu());
+    losses.push_back(stage->step(Batch(x.to(gpu)), y).detach().cpu());
     sgd.step();
   }
   const Oracle oracle = plain_training({6});

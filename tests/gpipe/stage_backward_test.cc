@@ -2,11 +2,14 @@
 // parameters as the plain model over several optimizer steps, each partition's backward on its
 // own worker thread, errors from a partition's backward raised by backward(), and the mode's
 // limits refused with clear errors.
+#include <atomic>
 #include <set>
 #include <thread>
 
 #include <torch/optim/sgd.h>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gpipe/skippable.h"
 #include "tests/gpipe/test_util.h"
 
@@ -193,13 +196,14 @@ struct PopDropImpl : nn::Module {
 };
 TORCH_MODULE(PopDrop);
 
-// Three partitions: skip "a" from partition 0 over partition 1 into 2, "b" from 1 into 2, "c" from
-// 1 into 2, where it is dropped.
+// Three partitions of four layers: skip "a" from partition 0 over partition 1 into 2, "d" from 0
+// into 1, "b" from 1 into 2, "c" from 1 into 2, where it is dropped.
 nn::Sequential make_skip_model() {
   torch::manual_seed(5);
   nn::Sequential seq(
       nn::Linear(6, 6), skippable(StashAs("a"), SkippableOptions().stash({"a"})),
-      nn::Linear(6, 6),
+      skippable(StashAs("d"), SkippableOptions().stash({"d"})), nn::Linear(6, 6),
+      skippable(PopAdd("d"), SkippableOptions().pop({"d"})),
       skippable(StashAs("b"), SkippableOptions().stash({"b"})),
       skippable(StashAs("c"), SkippableOptions().stash({"c"})), nn::Linear(6, 6),
       skippable(PopAdd("a"), SkippableOptions().pop({"a"})),
@@ -217,7 +221,7 @@ CATCH_TEST_CASE("stage-local backward trains a model whose skips cross partition
   CATCH_INFO("checkpoint " << static_cast<int>(mode));
   nn::Sequential plain = make_skip_model();
   GPipe pipe(make_skip_model(),
-             GPipeOptions({3, 3, 4}).chunks(4).checkpoint(mode).worker_per_partition(true)
+             GPipeOptions({4, 4, 4}).chunks(4).checkpoint(mode).worker_per_partition(true)
                  .devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(true));
   torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD pipe_sgd(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -238,6 +242,89 @@ CATCH_TEST_CASE("stage-local backward trains a model whose skips cross partition
   const auto a = plain->parameters();
   const auto b = pipe->parameters();
   for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(max_diff(a[k], b[k]) <= 1e-12);
+}
+
+// Backward hooks that show whether partitions overlap: `Started` notes that a backward reached it;
+// `WaitOnLast` makes the last of `calls` backwards through it wait (at most 20 s) for that note.
+struct StartedImpl : nn::Module {
+  explicit StartedImpl(std::shared_ptr<absl::Notification> note) : note(std::move(note)) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = x.clone();
+    y.register_hook([note = note](const at::Tensor& g) {
+      if (!note->HasBeenNotified()) note->Notify();
+      return g;
+    });
+    return y;
+  }
+  std::shared_ptr<absl::Notification> note;
+};
+TORCH_MODULE(Started);
+struct WaitOnLastImpl : nn::Module {
+  WaitOnLastImpl(std::shared_ptr<absl::Notification> note, int calls,
+                 std::shared_ptr<std::atomic<bool>> saw)
+      : note(std::move(note)), calls(calls), saw(std::move(saw)) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = x.clone();
+    y.register_hook([this](const at::Tensor& g) {
+      if (++seen == calls) *saw = note->WaitForNotificationWithTimeout(absl::Seconds(20));
+      return g;
+    });
+    return y;
+  }
+  std::shared_ptr<absl::Notification> note;
+  int calls;
+  std::shared_ptr<std::atomic<bool>> saw;
+  std::atomic<int> seen{0};
+};
+TORCH_MODULE(WaitOnLast);
+
+CATCH_TEST_CASE("a skip that no gradient reaches does not hold its stashing partition's backward "
+                "until the others are done",
+                "[gpipe][stage_backward][skip]") {
+  // Linear | StashAs c, Linear, Started | PopDrop c, WaitOnLast, Linear: partition 1's backward of
+  // a micro-batch may start once partition 2's has passed by the Handoff of skip c without
+  // reaching it; partition 2's last backward waits for partition 1 to have started one.
+  auto note = std::make_shared<absl::Notification>();
+  auto saw = std::make_shared<std::atomic<bool>>(false);
+  torch::manual_seed(7);
+  nn::Sequential seq(nn::Linear(6, 6), skippable(StashAs("c"), SkippableOptions().stash({"c"})),
+                     nn::Linear(6, 6), Started(note),
+                     skippable(PopDrop("c"), SkippableOptions().pop({"c"})),
+                     WaitOnLast(note, 4, saw), nn::Linear(6, 6));
+  seq->to(at::kDouble);
+  GPipe pipe(seq, GPipeOptions({1, 3, 3}).chunks(4).checkpoint(Checkpoint::kNever)
+                      .worker_per_partition(true).devices({at::kCPU, at::kCPU, at::kCPU})
+                      .stage_local_backward(true));
+  pipe->forward(at::randn({8, 6}, at::kDouble)).pow(2).sum().backward();
+  CATCH_CHECK(saw->load());
+}
+
+CATCH_TEST_CASE("an input that comes from layers before a stage-local GPipe gets their "
+                "gradients as in the plain model",
+                "[gpipe][stage_backward]") {
+  // The input's graph runs once: such a forward keeps the one graph.
+  torch::manual_seed(9);
+  nn::Linear before(6, 6), before_plain(6, 6);
+  before->to(at::kDouble);
+  before_plain->to(at::kDouble);
+  {
+    at::NoGradGuard no_grad;
+    before_plain->weight.copy_(before->weight);
+    before_plain->bias.copy_(before->bias);
+  }
+  nn::Sequential plain = make_model();
+  GPipe pipe(make_model(), options(Checkpoint::kExceptLast));
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor x = at::randn({7, 6}, at::kDouble);
+    before->zero_grad();
+    before_plain->zero_grad();
+    pipe->zero_grad();
+    plain->zero_grad();
+    plain->forward(before_plain(x)).pow(2).sum().backward();
+    pipe->forward(before(x)).pow(2).sum().backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+    check_same_grads(before_plain->parameters(), before->parameters(), 1e-12);
+  }
 }
 
 CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
