@@ -226,10 +226,16 @@ Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
   return oracle;
 }
 
-// What two stage processes wrote to `folder` (each stage's parameters after kSteps steps, rank 1's
-// losses) against the plain model's training (parameters to 1e-10); removes the folder.
-void check_two_stages(const std::string& folder, double loss_tolerance,
+// Runs test `test` in two stage processes (train_stage with `env`) and checks what they wrote to
+// `folder` (each stage's parameters after kSteps steps, rank 1's losses) against the plain model's
+// training (parameters to 1e-10); removes the folder.
+void check_two_stages(const char* test, const std::string& folder,
+                      const std::map<std::string, std::string>& env, double loss_tolerance,
                       const std::string& frozen = "") {
+  const auto results = run_ranks(test, 2, folder, env);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_REQUIRE(results[0].exit_code == 0);
+  CATCH_REQUIRE(results[1].exit_code == 0);
   const Oracle oracle = plain_training(kBalance, frozen);
   for (int r = 0; r < 2; ++r) {
     const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
@@ -256,11 +262,8 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
   CATCH_INFO("checkpoint " << mode);
   const std::string folder = folder_for("transparency_" + mode);
-  const auto results = run_ranks(kTransparency, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_REQUIRE(results[0].exit_code == 0);
-  CATCH_REQUIRE(results[1].exit_code == 0);
-  check_two_stages(folder, /*loss_tolerance=*/1e-12);
+  check_two_stages(kTransparency, folder, {{"GPIPE_TEST_CHECKPOINT", mode}},
+                   /*loss_tolerance=*/1e-12);
 }
 
 constexpr const char* kLocalPartitions =
@@ -281,13 +284,9 @@ CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
   const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
   CATCH_INFO("local balance " << local << " in each stage, checkpoint " << mode);
   const std::string folder = folder_for("local_" + local.substr(0, 1) + "_" + mode);
-  const auto results = run_ranks(
-      kLocalPartitions, 2, folder,
-      {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", local + ";" + local}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_REQUIRE(results[0].exit_code == 0);
-  CATCH_REQUIRE(results[1].exit_code == 0);
-  check_two_stages(folder, /*loss_tolerance=*/1e-12);
+  check_two_stages(kLocalPartitions, folder,
+                   {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", local + ";" + local}},
+                   /*loss_tolerance=*/1e-12);
 }
 
 constexpr const char* kFineTuning =
@@ -306,13 +305,10 @@ CATCH_TEST_CASE(kFineTuning, "[distributed][stage]") {
       {{"stage0", "always"}, {"layer0", "never"}, {"stage1", "always"}}));
   CATCH_INFO("frozen " << frozen << ", checkpoint " << mode);
   const std::string folder = folder_for("frozen_" + frozen + "_" + mode);
-  const auto results = run_ranks(kFineTuning, 2, folder,
-                                 {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_FREEZE", frozen}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_REQUIRE(results[0].exit_code == 0);
-  CATCH_REQUIRE(results[1].exit_code == 0);
   // The frozen parameters are compared too: they must not have moved.
-  check_two_stages(folder, /*loss_tolerance=*/1e-12, frozen);
+  check_two_stages(kFineTuning, folder,
+                   {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_FREEZE", frozen}},
+                   /*loss_tolerance=*/1e-12, frozen);
 }
 
 constexpr const char* kCudaStages =
@@ -329,12 +325,9 @@ CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
   const std::string mode = GENERATE(as<std::string>(), "always", "never");
   CATCH_INFO("checkpoint " << mode);
   const std::string folder = folder_for("cuda_" + mode);
-  const auto results = run_ranks(
-      kCudaStages, 2, folder, {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_REQUIRE(results[0].exit_code == 0);
-  CATCH_REQUIRE(results[1].exit_code == 0);
-  check_two_stages(folder, /*loss_tolerance=*/1e-10);
+  check_two_stages(kCudaStages, folder,
+                   {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}},
+                   /*loss_tolerance=*/1e-10);
 }
 
 constexpr const char* kReplicas =
