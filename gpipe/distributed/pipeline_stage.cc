@@ -289,19 +289,23 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   // the others under this thread's state (grad mode, autocast, the statistics' callback).
   const std::unique_ptr<ThreadState> worker_state =
       k > 1 ? std::make_unique<ThreadState>() : nullptr;
+  // Keeps the first error of the step and fails the links of the partitions that caused it.
+  const auto fail = [&](std::exception_ptr error, size_t from, size_t to, const std::string& why) {
+    {
+      absl::MutexLock lock(&context.mu);
+      if (!context.error) context.error = std::move(error);
+    }
+    for (size_t l = from; l < to && l < context.links.size(); ++l) context.links[l]->fail(why);
+  };
   const auto run = [&](size_t j) {
     try {
       std::optional<ThreadStateGuard> guard;
       if (j > 0) guard.emplace(*worker_state);
       run_stage_partition(j, context);
     } catch (...) {
-      {
-        absl::MutexLock lock(&context.mu);
-        if (!context.error) context.error = std::current_exception();
-      }
-      const std::string why = absl::StrCat("partition ", j, " failed");
-      if (j > 0) context.links[j - 1]->fail(why);
-      if (j + 1 < k) context.links[j]->fail(why);
+      // Its links: j - 1 (to the partition before) and j (to the one after).
+      fail(std::current_exception(), j > 0 ? j - 1 : 0, j + 1,
+           absl::StrCat("partition ", j, " failed"));
     }
   };
   std::vector<absl::Notification> done(k);
@@ -316,11 +320,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
   } catch (...) {
     // A partition that could not start (out of memory): the started ones must not wait for it.
-    {
-      absl::MutexLock lock(&context.mu);
-      if (!context.error) context.error = std::current_exception();
-    }
-    for (const auto& link : context.links) link->fail("a partition could not start");
+    fail(std::current_exception(), 0, context.links.size(), "a partition could not start");
   }
   if (started == k) run(0);
   for (size_t j = 1; j < started; ++j) done[j].WaitForNotification();
