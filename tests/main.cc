@@ -1,5 +1,5 @@
 // The one test main of every gpipe test binary: Catch2's session, with [cuda] tests skipped when no
-// CUDA device is present, and a closing summary line that .ci/run adds up across binaries.
+// CUDA device is present ([gpus2] ones with fewer than two), and a closing summary line that .ci/run adds up across binaries.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 
@@ -62,9 +62,13 @@ int main(int argc, char** argv) {
   }
   // Without a CUDA device, a run that names no tests skips the [cuda] ones. A run that names
   // tests runs what it names (a [cuda] test named explicitly then fails for want of a device).
+  // Likewise, with fewer than two, the [gpus2] ones (each process of theirs takes a GPU of its
+  // own).
   auto& specs = session.configData().testsOrTags;
-  if (!torch::cuda::is_available() && specs.empty()) {
-    specs.push_back("~[cuda]");
+  const bool no_cuda = !torch::cuda::is_available();
+  if ((no_cuda || torch::cuda::device_count() < 2) && specs.empty()) {
+    const std::string skipped = no_cuda ? "cuda" : "gpus2";
+    specs.push_back("~[" + skipped + "]");
 #if GPIPE_CATCH2_VERSION == 3
     // A binary of [cuda] tests only then runs none, which is not a failure (Catch2 3 exits
     // with 2 when no test ran, unless told otherwise).
@@ -72,13 +76,15 @@ int main(int argc, char** argv) {
 #endif
     for (const std::vector<std::string>& tags : all_tags(session)) {
       for (const std::string& tag : tags) {
-        if (tag == "cuda") {
+        if (tag == skipped) {
           ++skipped_cuda_tests;
         }
       }
     }
     if (skipped_cuda_tests > 0) {
-      std::printf("No CUDA device: skipping %zu [cuda] test case(s).\n", skipped_cuda_tests);
+      std::printf("%s: skipping %zu [%s] test case(s).\n",
+                  no_cuda ? "No CUDA device" : "Fewer than two CUDA devices", skipped_cuda_tests,
+                  skipped.c_str());
     }
   }
   return session.run();

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds and tests gpipe against Debian 13's LibTorch 2.6, with GCC 14 and Catch2 3, inside
 # Debian 13 roots made with debootstrap: the CPU build (libtorch-dev, as C++20) and the CUDA build
-# (libtorch-cuda-dev with CUDA 12, C++ standard chosen by CMake; GPIPE_WITH_CUDA on, [cuda] tests
-# compiled, and skipped for want of a GPU). Warnings are errors in both. The CPU build is under
-# AddressSanitizer and UndefinedBehaviorSanitizer (-O1); the CUDA build, at -O3, builds the
-# libraries and the tests with CUDA paths only.
+# (libtorch-cuda-dev with CUDA 12 and NCCL, C++ standard chosen by CMake; GPIPE_WITH_CUDA and
+# GPIPE_WITH_NCCL on, [cuda] tests compiled, and skipped for want of a GPU). Warnings are errors
+# in both. The CPU build is under AddressSanitizer and UndefinedBehaviorSanitizer (-O1); the CUDA
+# build, at -O3, builds the libraries and the tests with CUDA paths only.
 #
 #   sudo tools/debian13.sh [--prepare] [cpu|cuda|all]        (default: all)
 #
@@ -126,7 +126,8 @@ make_root() {  # make_root VARIANT
     sources="deb $mirror trixie main"
   else
     deb=$(cudnn_stand_in) || die "could not build the nvidia-cudnn stand-in: $deb"
-    packages="/tmp/$(basename "$deb") libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit $common"
+    # libnccl-dev: NCCL's headers, for c10d's NCCL group (gpipe/distributed's "nccl" backend).
+    packages="/tmp/$(basename "$deb") libtorch-cuda-dev libgloo-cuda-dev libnccl-dev nvidia-cuda-toolkit $common"
     sources="deb $mirror trixie main contrib non-free non-free-firmware"
   fi
   if [[ -f "$root/.gpipe-ready" && "$(cat "$root/.gpipe-ready")" == "$packages" ]]; then

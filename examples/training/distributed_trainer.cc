@@ -42,6 +42,7 @@ ABSL_DECLARE_FLAG(std::string, trace);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(bool, amp);
 ABSL_DECLARE_FLAG(int64_t, stage_partitions);
+ABSL_DECLARE_FLAG(std::string, backend);
 
 namespace gpipe {
 namespace training {
@@ -57,24 +58,32 @@ int env_int(const char* name, int fallback) {
 // Every process takes world rank 0's balance: stage 0 of each pipeline sends it along the
 // pipeline after replica 0's stages sent it to the other replicas.
 std::vector<int64_t> agree_on_balance(std::vector<int64_t> balance,
-                                      const dist::PipelineGroups& groups) {
-  std::vector<at::Tensor> t{at::tensor(balance, at::kLong)};
+                                      const dist::PipelineGroups& groups, c10::Device device) {
+  std::vector<at::Tensor> t{
+      at::tensor(balance, at::kLong).to(dist::wire_device(groups.pipeline, device))};
   dist::check_collective(groups.replica_group, "the broadcast of the balance",
                          [&] { groups.replica_group->broadcast(t)->wait(); });
   dist::check_collective(groups.pipeline, "the broadcast of the balance",
                          [&] { groups.pipeline->broadcast(t)->wait(); });
-  const at::Tensor b = t[0].contiguous();
+  const at::Tensor b = t[0].to(at::kCPU).contiguous();
   return std::vector<int64_t>(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
 }
 
 }  // namespace
 
 int train_distributed(const TrainerModel& trainer) {
-  TORCH_CHECK(absl::GetFlag(FLAGS_devices).empty() || absl::GetFlag(FLAGS_devices) == "cpu",
-              "--distributed runs each stage on the CPU (Gloo); --devices=",
-              absl::GetFlag(FLAGS_devices), " is not supported with it yet");
+  const std::string devices = absl::GetFlag(FLAGS_devices);
+  TORCH_CHECK(devices.empty() || devices == "cpu" || devices == "cuda",
+              "--distributed runs each stage on the CPU (--devices=cpu) or on the GPU of its "
+              "process's LOCAL_RANK (--devices=cuda); --devices=", devices,
+              " is not supported with it");
   TORCH_CHECK(!absl::GetFlag(FLAGS_amp), "--amp is not supported with --distributed yet");
-  const dist::GroupOptions options = dist::options_from_env();
+  const dist::GroupOptions options =
+      dist::options_from_env().backend(absl::GetFlag(FLAGS_backend));
+  const c10::Device device = devices == "cuda"
+                                 ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                                               env_int("LOCAL_RANK", 0)))
+                                 : c10::Device(c10::kCPU);
   const int stages = absl::GetFlag(FLAGS_partitions) > 0
                          ? static_cast<int>(absl::GetFlag(FLAGS_partitions))
                          : options.world_size();
@@ -102,7 +111,7 @@ int train_distributed(const TrainerModel& trainer) {
   const std::vector<int64_t> partition_balance = agree_on_balance(
       choose_balance(absl::GetFlag(FLAGS_balance), stages * per_stage, model, sample, chunks,
                      c10::Device(c10::kCPU)),
-      groups);
+      groups, device);
   std::vector<int64_t> balance;  // per stage
   for (int s = 0; s < stages; ++s) {
     balance.push_back(std::accumulate(partition_balance.begin() + s * per_stage,
@@ -120,7 +129,7 @@ int train_distributed(const TrainerModel& trainer) {
   };
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
-                                .checkpoint(checkpoint).loss(cross_entropy)
+                                .checkpoint(checkpoint).loss(cross_entropy).device(device)
                                 .local_balance(local_balance).record_timeline(true),
                             groups.pipeline, groups.replica_group);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
@@ -154,7 +163,9 @@ int train_distributed(const TrainerModel& trainer) {
   auto test_loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
       data.test.map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions(batch_size).drop_last(true));
-  const auto shard = [&](const at::Tensor& t) { return t.chunk(groups.replicas)[groups.replica]; };
+  const auto shard = [&](const at::Tensor& t) {
+    return t.chunk(groups.replicas)[groups.replica].to(device);
+  };
   const auto run = [&](const at::Tensor& images, const at::Tensor& labels) {
     return stage->step(stage->is_first() ? Batch(shard(images)) : dist::no_input(),
                        stage->is_last() ? shard(labels) : at::Tensor());
@@ -228,15 +239,15 @@ int train_distributed(const TrainerModel& trainer) {
     optimizer.zero_grad();
     run((*batch).data, (*batch).target);
     const auto events = stage->gather_timeline();
-    const std::vector<c10::Device> devices(stages * per_stage, c10::Device(c10::kCPU));
+    const std::vector<c10::Device> partition_devices(stages * per_stage, device);
     if (stage->is_first() && groups.replica == 0) {
       if (!absl::GetFlag(FLAGS_svg).empty()) {
-        std::ofstream(absl::GetFlag(FLAGS_svg)) << timeline_svg(events, devices);
+        std::ofstream(absl::GetFlag(FLAGS_svg)) << timeline_svg(events, partition_devices);
         std::printf("picture of a step across the %d stages (%lld partitions): %s\n", stages,
                     static_cast<long long>(stages * per_stage), absl::GetFlag(FLAGS_svg).c_str());
       }
       if (!absl::GetFlag(FLAGS_trace).empty()) {
-        std::ofstream(absl::GetFlag(FLAGS_trace)) << chrome_trace_json(events, devices);
+        std::ofstream(absl::GetFlag(FLAGS_trace)) << chrome_trace_json(events, partition_devices);
       }
     }
   }

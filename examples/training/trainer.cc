@@ -49,7 +49,8 @@ ABSL_FLAG(std::string, data_cache, "",
 ABSL_FLAG(int64_t, synthetic_samples, 2048, "training images of --data=synthetic");
 ABSL_FLAG(std::string, devices, "",
           "cpu, or a list such as cuda:0,cuda:1 (one per partition; default: every GPU, else the "
-          "CPU with one worker thread per partition)");
+          "CPU with one worker thread per partition); with --distributed, cpu or cuda (each "
+          "process on the GPU of its LOCAL_RANK)");
 ABSL_FLAG(int64_t, partitions, 0,
           "pipeline partitions (default: the number of --devices, or 2 on the CPU)");
 ABSL_FLAG(std::string, balance, "auto",
@@ -73,6 +74,9 @@ ABSL_FLAG(bool, distributed, false,
           "one pipeline stage per process, started by torchrun (torchrun --no_python "
           "--nproc_per_node=4 resnet --distributed --partitions=2: 2 stages x 2 replicas); "
           "--partitions is the stages per pipeline (default: every process)");
+ABSL_FLAG(std::string, backend, "gloo",
+          "with --distributed: gloo (tensors cross processes through the CPU) or nccl (GPU to "
+          "GPU; with --devices=cuda)");
 ABSL_FLAG(int64_t, stage_partitions, 1,
           "with --distributed: split each stage into this many partitions, each on a thread of "
           "its own (PipelineStageOptions::local_balance); --balance then has stages x this "

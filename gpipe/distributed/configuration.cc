@@ -25,13 +25,15 @@ void check_same_fields(const ProcessGroup& group,
                        const std::string& advice) {
   std::vector<int64_t> values;
   for (const auto& f : fields) values.push_back(f.second);
-  std::vector<at::Tensor> mine{at::tensor(values, at::kLong)};
+  std::vector<at::Tensor> mine{
+      at::tensor(values, at::kLong).to(wire_device(group, c10::Device(c10::kCPU)))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) {
     all[0].push_back(at::empty_like(mine[0]));
   }
   check_collective(group, absl::StrCat("the comparison of the ", noun, "s' configurations"),
                    [&] { group->allgather(all, mine)->wait(); });
+  for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
   for (int r = 1; r < group->getSize(); ++r) {
     std::vector<std::string> differences;
     for (size_t k = 0; k < fields.size(); ++k) {

@@ -163,6 +163,11 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> parameters,
   s.group = std::move(group);
   for (size_t k = 0; k < parameters.size(); ++k) {
     if (parameters[k].requires_grad()) {
+      TORCH_CHECK(!carries_device_tensors(s.group) || parameters[k].is_cuda(),
+                  "gpipe::DataParallel: the parameter '", names[k], "' is on ",
+                  parameters[k].device(), ", but the group's backend (",
+                  s.group->getBackendName(), ") all-reduces only GPU tensors; move the module to "
+                  "its GPU first, or use a Gloo group");
       s.params.push_back(parameters[k]);
       s.names.push_back(names[k]);
     }

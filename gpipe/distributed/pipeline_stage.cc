@@ -28,6 +28,7 @@
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/skippable.h"
+#include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/worker.h"
 
@@ -143,6 +144,16 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     if (j > 0) p.worker = std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j));
     partitions_.push_back(std::move(p));
   }
+  // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
+  // GPU (NCCL).
+  c10::Device local_gpu = partitions_[0].device;
+  for (const Partition& p : partitions_) {
+    if (p.device.is_cuda()) {
+      local_gpu = p.device;
+      break;
+    }
+  }
+  wire_ = wire_device(group_, local_gpu);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
   if (replica_group_) {
@@ -272,7 +283,11 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     deferred_statistics.emplace();
   }
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
-  if (!is_first()) context.receiver = std::make_unique<ActivationReceiver>(group_, stage_ - 1);
+  if (!is_first()) {
+    context.receiver = std::make_unique<ActivationReceiver>(
+        group_, stage_ - 1, wire_,
+        wire_.is_cuda() ? c10::make_optional(current_stream(wire_)) : c10::nullopt);
+  }
   const size_t k = partitions_.size();
   for (size_t j = 0; j + 1 < k; ++j) {
     context.links.push_back(std::make_unique<LocalLink>(static_cast<int64_t>(j),
@@ -375,9 +390,14 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
   const bool first = j == 0;
   const bool last = j + 1 == partitions_.size();
   const bool training = context.training;
-  // Posted by the courier thread (Note [Receiving ahead]).
+  // Posted by the courier thread (Note [Receiving ahead]), in the order of Note [Point-to-point
+  // order], with tensors on the wire's device (the CPU for Gloo) and, on a GPU, after the work
+  // queued on its current stream.
   std::vector<std::shared_ptr<Transfer>>& sends = context.sends[j];
   std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch, from the next stage
+  const c10::Device wire = wire_;
+  const c10::optional<c10::Stream> wire_stream =
+      wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
   const auto post = [this](std::shared_ptr<Transfer> transfer,
                            std::function<void(Transfer&)> operations) {
     courier_->submit([transfer, operations = std::move(operations)] {
@@ -479,26 +499,33 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
       context.links[j]->send_activation(m, out);
     } else if (!is_last()) {
       sends.push_back(post(
-          std::make_shared<Transfer>(group_, "sending activations to the next stage"),
-          [header = BatchHeader::of(out, m, training).encode(), wire = to_wire(out.values()),
-           peer = stage_ + 1, i](Transfer& t) {
+          std::make_shared<Transfer>(group_, "sending activations to the next stage",
+                                     wire_stream),
+          [header = BatchHeader::of(out, m, training).encode().to(wire),
+           tensors = to_wire(out.values(), wire), peer = stage_ + 1, i](Transfer& t) {
             t.send({header}, peer, Message::kHeader, i);
-            t.send(wire, peer, Message::kActivation, i);
-          }));
-      // The gradients of this micro-batch's outputs come back from the next stage.
-      std::vector<at::Tensor> buffers;
-      if (training) {
-        for (const at::Tensor& t : requiring_grad(out)) {
-          buffers.push_back(at::empty(t.sizes(), t.options().device(at::kCPU)));
-        }
-      }
-      grad_receives.push_back(post(
-          std::make_shared<Transfer>(group_, "receiving gradients from the next stage"),
-          [buffers = std::move(buffers), peer = stage_ + 1, i](Transfer& t) {
-            t.receive(buffers, peer, Message::kGradient, i);
+            t.send(tensors, peer, Message::kActivation, i);
           }));
     }
     outputs.push_back(std::move(out));
+  }
+  // The gradients of the outputs come back from the next stage: their receives are posted after
+  // the last activations' send, in the order the next stage sends them (Note [Point-to-point
+  // order]).
+  if (last && !is_last() && training) {
+    grad_receives.resize(static_cast<size_t>(m));
+    for (int64_t i = m - 1; i >= 0; --i) {
+      std::vector<at::Tensor> buffers;
+      for (const at::Tensor& t : requiring_grad(outputs[i])) {
+        buffers.push_back(at::empty(t.sizes(), t.options().device(wire)));
+      }
+      grad_receives[i] = post(
+          std::make_shared<Transfer>(group_, "receiving gradients from the next stage",
+                                     wire_stream),
+          [buffers = std::move(buffers), peer = stage_ + 1, i](Transfer& t) {
+            t.receive(buffers, peer, Message::kGradient, i);
+          });
+    }
   }
 
   // The last stage: the loss of the whole mini-batch, and from it each micro-batch's output
@@ -581,9 +608,10 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
       context.links[j - 1]->send_gradients(i, grads);
     } else {
       sends.push_back(post(
-          std::make_shared<Transfer>(group_, "sending gradients to the previous stage"),
-          [wire = to_wire(grads), peer = stage_ - 1, i](Transfer& t) {
-            t.send(wire, peer, Message::kGradient, i);
+          std::make_shared<Transfer>(group_, "sending gradients to the previous stage",
+                                     wire_stream),
+          [tensors = to_wire(grads, wire), peer = stage_ - 1, i](Transfer& t) {
+            t.send(tensors, peer, Message::kGradient, i);
           }));
     }
   }
@@ -597,12 +625,14 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
   const std::vector<TimelineEvent> mine = timeline_->events();
   const double origin = timeline_->origin_us();
   const int size = group_->getSize();
-  std::vector<at::Tensor> count{at::tensor({static_cast<int64_t>(mine.size()), partitions()},
-                                           at::kLong)};
+  const c10::Device wire = wire_;
+  std::vector<at::Tensor> count{
+      at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong).to(wire)};
   std::vector<std::vector<at::Tensor>> counts(1);
   for (int r = 0; r < size; ++r) counts[0].push_back(at::empty_like(count[0]));
   check_collective(group_, "the gather of the stages' timelines",
                    [&] { group_->allgather(counts, count)->wait(); });
+  for (at::Tensor& c : counts[0]) c = c.to(at::kCPU);
   int64_t most = 0;
   for (const at::Tensor& c : counts[0]) most = std::max(most, c[0].item<int64_t>());
   std::vector<at::Tensor> packed{at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble)};
@@ -616,10 +646,12 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
     row[4] = origin + e.end_us;
     row[5] = static_cast<double>(e.partition);
   }
+  packed[0] = packed[0].to(wire);
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < size; ++r) all[0].push_back(at::empty_like(packed[0]));
   check_collective(group_, "the gather of the stages' timelines",
                    [&] { group_->allgather(all, packed)->wait(); });
+  for (at::Tensor& a : all[0]) a = a.to(at::kCPU);
   std::vector<TimelineEvent> events;
   double earliest = std::numeric_limits<double>::infinity();
   int64_t first_partition = 0;  // of stage r, in the whole pipeline

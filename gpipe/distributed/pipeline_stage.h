@@ -199,6 +199,7 @@ class PipelineStageImpl : public torch::nn::Module {
   torch::nn::Sequential layers_;  // all of this stage's layers
   std::vector<Partition> partitions_;
   SkipLayout skip_layout_;  // over this stage's partitions
+  c10::Device wire_{c10::kCPU};  // where transfers with other stages take their tensors
   std::shared_ptr<Timeline> timeline_;
   Batch output_{std::vector<at::Tensor>{}};
   // Steps from two threads run one after the other: their transfers share tags.

@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -13,6 +14,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+
+#ifdef GPIPE_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace gpipe {
 namespace distributed {
@@ -127,7 +132,66 @@ ProcessGroup gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std:
   }
 }
 
+// The NCCL group of `size` processes that meet under `prefix` in `store`; this one is `rank`.
+ProcessGroup nccl_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                        int rank, int size, const GroupOptions& options) {
+#ifdef GPIPE_WITH_NCCL
+  try {
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout();
+    c10::intrusive_ptr<c10d::Store> scoped = store;
+    if (!prefix.empty()) scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(scoped, rank, size, nccl_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
+                " met the others at ", options.master_addr(), ":", options.master_port(),
+                " but could not make its NCCL group ('", prefix, "'): ", e.what());
+  }
+#else
+  (void)store, (void)prefix, (void)rank, (void)size;
+  TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " asked for the NCCL backend, "
+              "but this gpipe was built without NCCL (it needs a CUDA LibTorch with c10d's NCCL "
+              "backend and NCCL's headers); use backend \"gloo\", which carries GPU tensors "
+              "through the CPU");
+#endif
+}
+
+// The group of options' backend.
+ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                           int rank, int size, const GroupOptions& options) {
+  return options.backend() == "nccl" ? nccl_group(store, prefix, rank, size, options)
+                                     : gloo_group(store, prefix, rank, size, options);
+}
+
+void check_backend(const GroupOptions& options) {
+  TORCH_CHECK(options.backend() == "gloo" || options.backend() == "nccl",
+              "gpipe::distributed: unknown backend '", options.backend(),
+              "'; gpipe's groups use \"gloo\" (CPUs, or GPUs through the CPU) or \"nccl\" (GPUs)");
+  TORCH_CHECK(options.backend() != "nccl" || built_with_nccl(), "gpipe::distributed: the NCCL "
+              "backend was asked for, but this gpipe was built without NCCL (it needs a CUDA "
+              "LibTorch with c10d's NCCL backend and NCCL's headers); use backend \"gloo\", which "
+              "carries GPU tensors through the CPU");
+}
+
 }  // namespace
+
+bool built_with_nccl() {
+#ifdef GPIPE_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool carries_device_tensors(const ProcessGroup& group) {
+  return group->getBackendName() == "nccl";
+}
+
+c10::Device wire_device(const ProcessGroup& group, c10::Device local) {
+  if (!carries_device_tensors(group)) return c10::Device(c10::kCPU);
+  if (local.is_cuda() && local.has_index()) return local;
+  return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
+}
 
 // Every group this process makes gets keys of its own in the store (the processes make their
 // groups in the same order, so the same number names the same group everywhere).
@@ -141,10 +205,17 @@ ProcessGroup new_gloo_group(const GroupOptions& options) {
   return gloo_group(store, next_prefix(), options.rank(), options.world_size(), options);
 }
 
+ProcessGroup new_process_group(const GroupOptions& options) {
+  check_backend(options);
+  const auto store = connect_store(options);
+  return backend_group(store, next_prefix(), options.rank(), options.world_size(), options);
+}
+
 PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
   TORCH_CHECK(stages >= 1 && options.world_size() % stages == 0,
               "gpipe::distributed: ", options.world_size(), " processes cannot form pipelines of ",
               stages, " stages; the number of processes must be a multiple of the stages");
+  check_backend(options);
   const auto store = connect_store(options);
   const std::string prefix = next_prefix();
   PipelineGroups groups;
@@ -152,9 +223,9 @@ PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
   groups.replicas = options.world_size() / stages;
   groups.stage = options.rank() % stages;
   groups.replica = options.rank() / stages;
-  groups.pipeline = gloo_group(store, absl::StrCat(prefix, "/pipeline/", groups.replica),
+  groups.pipeline = backend_group(store, absl::StrCat(prefix, "/pipeline/", groups.replica),
                                groups.stage, stages, options);
-  groups.replica_group = gloo_group(store, absl::StrCat(prefix, "/replicas/", groups.stage),
+  groups.replica_group = backend_group(store, absl::StrCat(prefix, "/replicas/", groups.stage),
                                     groups.replica, groups.replicas, options);
   return groups;
 }

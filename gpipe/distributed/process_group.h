@@ -1,5 +1,6 @@
 // The process group: how a process joins the others of a distributed run, on c10d (a TCPStore to
-// meet, Gloo to communicate between CPUs), from torchrun's environment or from options.
+// meet; Gloo to communicate between CPUs, or NCCL between GPUs), from torchrun's environment or
+// from options.
 #pragma once
 
 #include <chrono>
@@ -9,6 +10,7 @@
 
 #include <torch/arg.h>
 #include <torch/version.h>
+#include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 namespace gpipe {
@@ -42,13 +44,49 @@ struct GroupOptions {
   /// How long to wait for the others: to meet, and in every collective or transfer (a process
   /// that died or hangs makes the others fail with a c10::Error after at most this long).
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// The c10d backend of the groups made from these options: "gloo" (tensors cross between
+  /// processes through the CPU, wherever they live) or "nccl" (GPU tensors go from GPU to GPU;
+  /// every process must use a GPU of its own, and gpipe must be built with NCCL: built_with_nccl()).
+  /// Note [Point-to-point order].
+  TORCH_ARG(std::string, backend) = "gloo";
 };
+
+/// Whether this build of gpipe can make NCCL groups (a CUDA LibTorch with c10d's NCCL backend,
+/// and NCCL's headers, found when gpipe was built).
+bool built_with_nccl();
+
+// Note [Point-to-point order]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Gloo matches a send with the receive of the same tag, whatever order the two processes posted
+// them in. NCCL ignores tags: the operations between two ranks run in the order each posted them,
+// one after the other on one stream, and each may wait until the other side reaches its match. So
+// every pair of neighbouring stages posts its point-to-point operations in one order both sides
+// agree on, whatever the backend: the sender sends each micro-batch's header and activations, in
+// micro-batch order, and only after the last of them posts the receives of their gradients, in the
+// order the next stage sends them (GPipe's backward order, the micro-batches in reverse); the
+// receiver receives the activations in order and sends the gradients after its forwards. Posting a
+// gradient's receive right after its activations (as a tag-matched backend allows) would, on NCCL,
+// queue the next activations behind a gradient that needs them first: a deadlock. The tests hold
+// the stages to this order on Gloo through a group that matches by order, as NCCL does
+// (tests/distributed/in_order_group.h).
+
+/// Whether `group` carries GPU tensors between processes itself (NCCL) instead of through the CPU.
+bool carries_device_tensors(const ProcessGroup& group);
+
+/// The device on which a transfer or collective on `group` takes its tensors: for NCCL, `local`
+/// when it is a GPU, else the current GPU; the CPU for every other backend.
+c10::Device wire_device(const ProcessGroup& group, c10::Device local);
 
 /// The options torchrun (and torch.distributed's other launchers) give a process in its
 /// environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE;
 /// GPIPE_TIMEOUT_S (seconds) if set.
 /// Throws c10::Error naming a variable that is missing or malformed.
 GroupOptions options_from_env();
+
+/// Joins the process group of `options` with the backend it names (new_gloo_group for "gloo"; for
+/// "nccl", c10d's NCCL group over the same TCPStore). Throws c10::Error for any other backend, and
+/// for "nccl" in a build without NCCL.
+ProcessGroup new_process_group(const GroupOptions& options);
 
 /// Joins the process group of `options` with c10d's Gloo backend: rank 0 serves a TCPStore at
 /// master_addr:master_port (unless the launcher does), every rank connects to it and then to every
@@ -71,7 +109,7 @@ struct PipelineGroups {
 };
 
 /// Joins the run of `options` (one TCPStore, as new_gloo_group) and makes this process's
-/// pipeline and replica groups (Gloo). Throws c10::Error when world_size is not a multiple of
+/// pipeline and replica groups (with options' backend). Throws c10::Error when world_size is not a multiple of
 /// `stages`.
 PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages);
 

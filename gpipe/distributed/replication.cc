@@ -20,8 +20,12 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
     return;
   }
   at::NoGradGuard no_grad;
+  // (Gloo broadcasts CPU and GPU tensors where they are; NCCL only GPU ones.)
+  const bool device_wire = carries_device_tensors(group);
   for (const at::Tensor& t : tensors) {
-    std::vector<at::Tensor> one{t.is_contiguous() ? t.detach() : t.detach().contiguous()};
+    std::vector<at::Tensor> one{t.detach()
+                                    .to(device_wire ? wire_device(group, t.device()) : t.device())
+                                    .contiguous()};
     check_collective(group, absl::StrCat("the broadcast of ", what),
                      [&] { group->broadcast(one)->wait(); });
     if (!one[0].is_same(t)) {
@@ -45,7 +49,8 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   }
   for (auto& [dtype, ps] : by_dtype) {
     std::vector<at::Tensor> pieces;
-    for (const at::Tensor& p : ps) pieces.push_back(p.grad().reshape(-1).to(at::kCPU));
+    const c10::Device wire = wire_device(group, ps[0].device());
+    for (const at::Tensor& p : ps) pieces.push_back(p.grad().reshape(-1).to(wire));
     std::vector<at::Tensor> flat{at::cat(pieces)};
     check_collective(group, "the all-reduce of the replicas' gradients",
                      [&] { group->allreduce(flat)->wait(); });
@@ -66,13 +71,14 @@ void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatisti
     pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
     pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
   }
-  std::vector<at::Tensor> mine{at::cat(pieces)};
+  std::vector<at::Tensor> mine{at::cat(pieces).to(wire_device(group, c10::Device(c10::kCPU)))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) {
     all[0].push_back(at::empty_like(mine[0]));
   }
   check_collective(group, "the all-gather of batch norm statistics",
                    [&] { group->allgather(all, mine)->wait(); });
+  for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
   int64_t offset = 0;
   for (BatchNormStatistics& s : stats) {
     const int64_t channels = s.mean.numel();

@@ -5,6 +5,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
@@ -42,6 +43,7 @@ int transfer_tag(Message kind, int64_t microbatch, int64_t index) {
 }
 
 void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch) {
+  c10::OptionalStreamGuard guard(stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
       works_.push_back(post_send(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
@@ -52,6 +54,7 @@ void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int
 
 void Transfer::receive(std::vector<at::Tensor> tensors, int peer, Message kind,
                        int64_t microbatch) {
+  c10::OptionalStreamGuard guard(stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
       works_.push_back(post_receive(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
@@ -68,6 +71,7 @@ void Transfer::set_posted(std::exception_ptr error) {
 void Transfer::wait() {
   posted_.WaitForNotification();
   if (error_) std::rethrow_exception(error_);
+  c10::OptionalStreamGuard guard(stream_);
   for (auto& work : works_) {
     distributed::wait(group_, work, what_);
   }
@@ -144,16 +148,21 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
 
 int64_t BatchHeader::size() { return kHeaderSize; }
 
-std::vector<at::Tensor> BatchHeader::empty_tensors() const {
+std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {
   std::vector<at::Tensor> out;
   for (const Entry& e : entries) {
-    out.push_back(at::empty(e.sizes, at::TensorOptions().dtype(e.dtype)));
+    out.push_back(at::empty(e.sizes, at::TensorOptions().dtype(e.dtype).device(device)));
   }
   return out;
 }
 
-ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer)
-    : group_(std::move(group)), peer_(peer), thread_([this] { run(); }) {}
+ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device device,
+                                       c10::optional<c10::Stream> stream)
+    : group_(std::move(group)),
+      peer_(peer),
+      device_(device),
+      stream_(device.is_cuda() ? stream : c10::nullopt),
+      thread_([this] { run(); }) {}
 
 ActivationReceiver::~ActivationReceiver() {
   {
@@ -166,6 +175,9 @@ ActivationReceiver::~ActivationReceiver() {
 
 void ActivationReceiver::run() {
   pthread_setname_np(pthread_self(), "gpipe receive");
+  // On a GPU, the receives are posted and waited for on the stream of the partition that uses
+  // them (Transfer).
+  c10::OptionalStreamGuard guard(stream_);
   const std::string what = "receiving activations from the previous stage";
   // Posts one receive and waits for it; false when the receiver is stopping.
   const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t) {
@@ -193,12 +205,12 @@ void ActivationReceiver::run() {
   try {
     int64_t m = 1;  // known from the first header
     for (int64_t i = 0; i < m; ++i) {
-      at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
+      at::Tensor encoded = at::empty({BatchHeader::size()}, at::dtype(at::kLong).device(device_));
       if (!receive(encoded, Message::kHeader, i, 0)) return;
       Received r;
-      r.header = BatchHeader::decode(encoded);
+      r.header = BatchHeader::decode(encoded.to(at::kCPU));
       m = r.header.microbatches;
-      r.tensors = r.header.empty_tensors();
+      r.tensors = r.header.empty_tensors(device_);
       for (size_t t = 0; t < r.tensors.size(); ++t) {
         if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t))) return;
       }
@@ -230,11 +242,11 @@ ActivationReceiver::Received ActivationReceiver::next() {
   return r;
 }
 
-std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Device device) {
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
-    out.push_back(t.detach().to(at::kCPU).contiguous());
+    out.push_back(t.detach().to(device).contiguous());
   }
   return out;
 }

@@ -13,6 +13,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <c10/util/Optional.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -34,12 +36,16 @@ int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0);
 /// done, and says which transfer failed.
 class Transfer {
  public:
-  Transfer(ProcessGroup group, std::string what)
-      : group_(std::move(group)), what_(std::move(what)) {}
+  /// `stream`: the GPU stream that computed the tensors to send and will use those received, for
+  /// a group that carries GPU tensors (NCCL: its sends follow the work queued there when they are
+  /// posted, and waiting makes the waiting thread's stream wait for the receives); none for Gloo.
+  Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt)
+      : group_(std::move(group)), what_(std::move(what)), stream_(stream) {}
 
-  /// Sends `tensors` (CPU, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag per tensor).
+  /// Sends `tensors` (on wire_device, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag
+  /// per tensor).
   void send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
-  /// Receives into `tensors` (CPU, contiguous, the sizes the sender sends) from `peer`.
+  /// Receives into `tensors` (on wire_device, contiguous, the sizes the sender sends) from `peer`.
   void receive(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
   /// Says that every send and receive of this transfer is posted, or that posting failed.
   void set_posted(std::exception_ptr error = nullptr);
@@ -53,6 +59,7 @@ class Transfer {
  private:
   ProcessGroup group_;
   std::string what_;
+  c10::optional<c10::Stream> stream_;
   absl::Notification posted_;
   std::exception_ptr error_;  // set before posted_ is notified
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
@@ -80,8 +87,8 @@ struct BatchHeader {
   static BatchHeader decode(const at::Tensor& encoded);
   /// The fixed header size, in int64.
   static int64_t size();
-  /// Empty CPU tensors in the header's dtypes and sizes.
-  std::vector<at::Tensor> empty_tensors() const;
+  /// Empty tensors on `device` in the header's dtypes and sizes.
+  std::vector<at::Tensor> empty_tensors(c10::Device device) const;
 };
 
 // Note [Receiving ahead]
@@ -108,9 +115,11 @@ class ActivationReceiver {
  public:
   struct Received {
     BatchHeader header;
-    std::vector<at::Tensor> tensors;  // CPU
+    std::vector<at::Tensor> tensors;  // on the receiver's device
   };
-  ActivationReceiver(ProcessGroup group, int peer);
+  /// Receives on `device` (the wire's: wire_device); for a GPU, on `stream` (Transfer's).
+  ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
+                     c10::optional<c10::Stream> stream = c10::nullopt);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
   ~ActivationReceiver();
   ActivationReceiver(const ActivationReceiver&) = delete;
@@ -124,6 +133,8 @@ class ActivationReceiver {
 
   ProcessGroup group_;
   int peer_;
+  c10::Device device_;
+  c10::optional<c10::Stream> stream_;
   absl::Mutex mu_;
   std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
@@ -141,8 +152,9 @@ c10::intrusive_ptr<c10d::Work> post_send(const ProcessGroup& group, at::Tensor t
 c10::intrusive_ptr<c10d::Work> post_receive(const ProcessGroup& group, at::Tensor tensor,
                                             int peer, int tag);
 
-/// The tensors of `batch` on the CPU and contiguous, for sending (copies only where needed).
-std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors);
+/// `tensors` detached, on `device` (wire_device) and contiguous, for sending (copies only where
+/// needed).
+std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Device device);
 
 }  // namespace distributed
 }  // namespace gpipe

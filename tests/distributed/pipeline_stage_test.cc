@@ -26,6 +26,7 @@
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
 #include "tests/catch.h"
+#include "tests/distributed/in_order_group.h"
 #include "tests/distributed/multiprocess.h"
 
 namespace gpipe {
@@ -131,7 +132,19 @@ std::vector<int64_t> local_balance_from_env(int64_t stage) {
   return out;
 }
 
-ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
+// The pipeline's group: Gloo, or with GPIPE_TEST_IN_ORDER Gloo matching its point-to-point
+// operations in posting order as NCCL does (in_order_group.h).
+// With GPIPE_TEST_BACKEND=nccl, NCCL.
+ProcessGroup join() {
+  const char* backend = std::getenv("GPIPE_TEST_BACKEND");
+  if (backend != nullptr) {
+    return new_process_group(
+        options_from_env().timeout(std::chrono::seconds(60)).backend(backend));
+  }
+  ProcessGroup gloo = new_gloo_group(options_from_env().timeout(std::chrono::seconds(60)));
+  if (std::getenv("GPIPE_TEST_IN_ORDER") == nullptr) return gloo;
+  return c10::make_intrusive<gpipe_test::InOrderGroup>(gloo);
+}
 
 Checkpoint mode_from_env() {
   const char* mode = std::getenv("GPIPE_TEST_CHECKPOINT");
@@ -165,13 +178,19 @@ void check_schedule(const std::vector<TimelineEvent>& events, int64_t partitions
 // One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
 // last stage, the losses.
 void train_stage(PipelineStageOptions options) {
+  // "cuda:rank": each rank on the GPU of its number.
   const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
-  const c10::Device device(device_name != nullptr ? device_name : "cpu");
+  const std::string name = device_name != nullptr ? device_name : "cpu";
+  const c10::Device device(name == "cuda:rank" ? "cuda:" + std::to_string(test_rank()) : name);
   nn::Sequential model = make_model();
   freeze(model, freeze_from_env());
   ProcessGroup group = join();
   const std::vector<int64_t> local = local_balance_from_env(group->getRank());
-  PipelineStage stage(model, options.loss(mse).device(device).local_balance(local), group);
+  // Two partitions on a GPU stage: the second on the CPU (one GPU each).
+  std::vector<c10::Device> local_devices;
+  if (local.size() == 2 && device.is_cuda()) local_devices = {device, c10::Device(c10::kCPU)};
+  PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
+                                 .local_devices(local_devices), group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
@@ -289,6 +308,36 @@ CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
                    /*loss_tolerance=*/1e-12);
 }
 
+constexpr const char* kInOrder =
+    "two stages whose transfers are matched in posting order as NCCL matches them train to the "
+    "plain model's parameters and losses";
+
+CATCH_TEST_CASE(kInOrder, "[distributed][stage][order]") {
+  if (test_rank() >= 0) {
+    // (The schedule is checked where both stages run backward.)
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(freeze_from_env() != "stage0"));
+    return;
+  }
+  // Note [Point-to-point order]: the stages post in an order both agree on, so a group that
+  // ignores tags (NCCL) pairs each send with its receive and never waits on a gradient that
+  // needs activations queued behind it. With one partition per stage, and with two (the skip
+  // across stage 0's partitions, the tuple across stage 1's); frozen stage 1 (gradients still
+  // cross) and frozen stage 0 (none cross).
+  const auto [local, mode, frozen] = GENERATE(table<std::string, std::string, std::string>(
+      {{"", "never", ""}, {"", "always", ""}, {"2,1;2,1", "except_last", ""},
+       {"", "always", "stage1"}, {"", "always", "stage0"}}));
+  CATCH_INFO("local balance '" << local << "', checkpoint " << mode << ", frozen '" << frozen
+                               << "'");
+  std::map<std::string, std::string> env{{"GPIPE_TEST_IN_ORDER", "1"},
+                                         {"GPIPE_TEST_CHECKPOINT", mode},
+                                         {"GPIPE_TEST_FREEZE", frozen}};
+  if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  const std::string folder =
+      folder_for("in_order_" + mode + "_" + std::to_string(local.size()) + "_" + frozen);
+  check_two_stages(kInOrder, folder, env, /*loss_tolerance=*/1e-12, frozen);
+}
+
 constexpr const char* kFineTuning =
     "fine-tuning with frozen layers in either stage trains to the plain model's parameters and "
     "losses";
@@ -328,6 +377,31 @@ CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
   check_two_stages(kCudaStages, folder,
                    {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}},
                    /*loss_tolerance=*/1e-10);
+}
+
+constexpr const char* kNccl =
+    "two processes with one stage each on a GPU of their own train over NCCL to the plain "
+    "model's parameters and losses";
+
+CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  // The activations and gradients go from GPU to GPU, on NCCL's streams (Note [Point-to-point
+  // order]); with one partition per stage, and with two (both on the stage's GPU would share its
+  // generator: the second partition of each stage on the CPU).
+  CATCH_REQUIRE(built_with_nccl());
+  const auto [mode, local] = GENERATE(table<std::string, std::string>(
+      {{"always", ""}, {"never", ""}, {"except_last", "2,1;2,1"}}));
+  CATCH_INFO("checkpoint " << mode << ", local balance '" << local << "'");
+  std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
+                                         {"GPIPE_TEST_DEVICE", "cuda:rank"},
+                                         {"GPIPE_TEST_BACKEND", "nccl"}};
+  if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  const std::string folder = folder_for("nccl_" + mode);
+  check_two_stages(kNccl, folder, env, /*loss_tolerance=*/1e-10);
 }
 
 constexpr const char* kReplicas =
