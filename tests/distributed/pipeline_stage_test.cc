@@ -90,7 +90,8 @@ nn::Sequential make_model(int seed = 7) {
 const std::vector<int64_t> kBalance{3, 3};
 
 at::Tensor mse(const Batch& output, const at::Tensor& target) {
-  return nn::functional::mse_loss(output.tensor(), target);
+  // (The target on the output's device: a stage's last partition may be on another.)
+  return nn::functional::mse_loss(output.tensor(), target.to(output.tensor().device()));
 }
 
 std::pair<at::Tensor, at::Tensor> batch(int step) {
