@@ -77,6 +77,9 @@ int train_distributed(const TrainerModel& trainer) {
               "--distributed runs each stage on the CPU (--devices=cpu) or on the GPU of its "
               "process's LOCAL_RANK (--devices=cuda); --devices=", devices,
               " is not supported with it");
+  TORCH_CHECK(absl::GetFlag(FLAGS_backend) != "nccl" || devices == "cuda", "--backend=nccl "
+              "carries GPU tensors only; add --devices=cuda (each process on the GPU of its "
+              "LOCAL_RANK)");
   TORCH_CHECK(!absl::GetFlag(FLAGS_amp), "--amp is not supported with --distributed yet");
   const dist::GroupOptions options =
       dist::options_from_env().backend(absl::GetFlag(FLAGS_backend));

@@ -22,11 +22,11 @@ uint64_t fingerprint(const std::string& text) {
 void check_same_fields(const ProcessGroup& group,
                        const std::vector<std::pair<std::string, int64_t>>& fields,
                        const std::string& who, const std::string& noun,
-                       const std::string& advice) {
+                       const std::string& advice, c10::Device local) {
   std::vector<int64_t> values;
   for (const auto& f : fields) values.push_back(f.second);
   std::vector<at::Tensor> mine{
-      at::tensor(values, at::kLong).to(wire_device(group, c10::Device(c10::kCPU)))};
+      at::tensor(values, at::kLong).to(wire_device(group, local))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) {
     all[0].push_back(at::empty_like(mine[0]));

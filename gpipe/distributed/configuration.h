@@ -20,11 +20,11 @@ uint64_t fingerprint(const std::string& text);
 
 /// Compares `fields` (name, value) across the ranks of `group` (all-gathered). When a rank's
 /// differ from rank 0's, throws c10::Error on every rank: "<who>: rank 1's <noun> differs from
-/// rank 0's: chunks: 4 (rank 0: 2). <advice>".
+/// rank 0's: chunks: 4 (rank 0: 2). <advice>". `local`: this rank's device (wire_device).
 void check_same_fields(const ProcessGroup& group,
                        const std::vector<std::pair<std::string, int64_t>>& fields,
                        const std::string& who, const std::string& noun,
-                       const std::string& advice);
+                       const std::string& advice, c10::Device local = c10::Device(c10::kCPU));
 
 /// The fields that say which model `module` is, for check_same_fields: its parameters' and
 /// buffers' count, elements, and names, shapes and dtypes (hashed).

@@ -53,8 +53,8 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
     if (pipe->options().deferred_batch_norm()) {
       combined_statistics_ = true;
       pipe->set_statistics_combiner(
-          [group = group_](std::vector<BatchNormStatistics>& stats) {
-            combine_statistics(group, stats);
+          [group = group_, device = device()](std::vector<BatchNormStatistics>& stats) {
+            combine_statistics(group, stats, device);
           });
     }
   }
@@ -68,6 +68,18 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
   }
   reducer_ = std::make_shared<GradientReducer>(std::move(params), std::move(names), group_,
                                                options_.bucket_bytes());
+}
+
+c10::Device DataParallelImpl::device() const {
+  // The first GPU among the module's parameters and buffers, else the CPU: where a group that
+  // carries GPU tensors (NCCL) takes those on the CPU.
+  for (const at::Tensor& t : module_ptr_->parameters()) {
+    if (t.is_cuda()) return t.device();
+  }
+  for (const at::Tensor& t : module_ptr_->buffers()) {
+    if (t.is_cuda()) return t.device();
+  }
+  return c10::Device(c10::kCPU);
 }
 
 DataParallelImpl::~DataParallelImpl() {
@@ -93,7 +105,7 @@ void DataParallelImpl::check_same_configuration() {
   fields.emplace_back("GPipe deferred_batch_norm", combined_statistics_ ? 1 : 0);
 
   check_same_fields(group_, fields, "gpipe::DataParallel", "replica",
-                    "Every process must wrap the same model with the same options");
+                    "Every process must wrap the same model with the same options", device());
 }
 
 void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {
@@ -104,7 +116,7 @@ void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {
   if (buffers) {
     for (const at::Tensor& b : module_ptr_->buffers()) tensors.push_back(b);
   }
-  broadcast_from_rank0(group_, tensors, "rank 0's parameters and buffers");
+  broadcast_from_rank0(group_, tensors, "rank 0's parameters and buffers", device());
 }
 
 at::Tensor DataParallelImpl::forward(const at::Tensor& input) {

@@ -96,6 +96,8 @@ class DataParallelImpl : public torch::nn::Module {
   size_t bucket_count() const { return reducer_->bucket_count(); }
 
  private:
+  // This replica's device for collectives over NCCL (see data_parallel.cc).
+  c10::Device device() const;
   void check_same_configuration();
   void broadcast_state(bool parameters, bool buffers);
 

@@ -146,20 +146,20 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   }
   // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
   // GPU (NCCL).
-  c10::Device local_gpu = partitions_[0].device;
+  local_ = partitions_[0].device;
   for (const Partition& p : partitions_) {
     if (p.device.is_cuda()) {
-      local_gpu = p.device;
+      local_ = p.device;
       break;
     }
   }
-  wire_ = wire_device(group_, local_gpu);
+  wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
-    broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers");
+    broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers", local_);
   }
 }
 
@@ -175,13 +175,15 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
   check_same_fields(group_, fields, "gpipe::distributed::PipelineStage", "stage",
-                    "Every process of a pipeline must build the same model with the same options");
+                    "Every process of a pipeline must build the same model with the same options",
+                    wire_);
   if (replica_group_) {
     fields.emplace_back("which parameters require grad (hash)",
                         static_cast<int64_t>(requires_grad_key(layers_)));
     check_same_fields(replica_group_, fields, "gpipe::distributed::PipelineStage", "replica",
                       "Every replica of a pipeline must build the same model with the same "
-                      "options");
+                      "options",
+                      local_);
   }
 }
 
@@ -244,7 +246,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
   if (replica_group_ && context.training && is_training() && !deferred &&
       !layers_->buffers().empty()) {
-    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers");
+    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
   }
   if (is_first()) {
     check_input(input);
@@ -369,7 +371,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     for (const Partition& p : partitions_) {
       for (BatchNormStatistics& s : p.batch_norms->statistics()) statistics.push_back(s);
     }
-    if (replica_group_) combine_statistics(replica_group_, statistics);
+    if (replica_group_) combine_statistics(replica_group_, statistics, local_);
     size_t next = 0;
     for (Partition& p : partitions_) {
       std::vector<BatchNormStatistics> mine(statistics.begin() + next,
@@ -379,7 +381,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
   }
   if (context.training && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters());
+    average_gradients(replica_group_, layers_->parameters(), local_);
   }
   return context.loss;
 }
@@ -498,11 +500,14 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
     if (!last) {
       context.links[j]->send_activation(m, out);
     } else if (!is_last()) {
+      // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
+      at::Tensor header = BatchHeader::of(out, m, training).encode().to(wire);
+      std::vector<at::Tensor> tensors = to_wire(out.values(), wire);
       sends.push_back(post(
           std::make_shared<Transfer>(group_, "sending activations to the next stage",
                                      wire_stream),
-          [header = BatchHeader::of(out, m, training).encode().to(wire),
-           tensors = to_wire(out.values(), wire), peer = stage_ + 1, i](Transfer& t) {
+          [header = std::move(header), tensors = std::move(tensors), peer = stage_ + 1,
+           i](Transfer& t) {
             t.send({header}, peer, Message::kHeader, i);
             t.send(tensors, peer, Message::kActivation, i);
           }));
@@ -607,10 +612,11 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
     if (!first) {
       context.links[j - 1]->send_gradients(i, grads);
     } else {
+      std::vector<at::Tensor> tensors = to_wire(grads, wire);
       sends.push_back(post(
           std::make_shared<Transfer>(group_, "sending gradients to the previous stage",
                                      wire_stream),
-          [tensors = to_wire(grads, wire), peer = stage_ - 1, i](Transfer& t) {
+          [tensors = std::move(tensors), peer = stage_ - 1, i](Transfer& t) {
             t.send(tensors, peer, Message::kGradient, i);
           }));
     }

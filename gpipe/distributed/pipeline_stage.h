@@ -199,7 +199,10 @@ class PipelineStageImpl : public torch::nn::Module {
   torch::nn::Sequential layers_;  // all of this stage's layers
   std::vector<Partition> partitions_;
   SkipLayout skip_layout_;  // over this stage's partitions
-  c10::Device wire_{c10::kCPU};  // where transfers with other stages take their tensors
+  // This stage's first GPU (else its first partition's device), where groups that carry GPU
+  // tensors (NCCL) take them; wire_: where group_'s do (wire_device).
+  c10::Device local_{c10::kCPU};
+  c10::Device wire_{c10::kCPU};
   std::shared_ptr<Timeline> timeline_;
   Batch output_{std::vector<at::Tensor>{}};
   // Steps from two threads run one after the other: their transfers share tags.

@@ -189,7 +189,11 @@ bool carries_device_tensors(const ProcessGroup& group) {
 
 c10::Device wire_device(const ProcessGroup& group, c10::Device local) {
   if (!carries_device_tensors(group)) return c10::Device(c10::kCPU);
-  if (local.is_cuda() && local.has_index()) return local;
+  TORCH_CHECK(local.is_cuda(), "gpipe::distributed: rank ", group->getRank(), "'s ",
+              group->getBackendName(), " group carries only GPU tensors, but this process's "
+              "tensors for it are on ", local, "; put the module or stage on this process's GPU "
+              "(one per process), or use a Gloo group");
+  if (local.has_index()) return local;
   return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
 }
 

@@ -41,8 +41,9 @@ struct GroupOptions {
   /// and says so with TORCHELASTIC_USE_AGENT_STORE=True): then rank 0 connects to it like the
   /// others instead of serving one.
   TORCH_ARG(bool, launcher_store) = false;
-  /// How long to wait for the others: to meet, and in every collective or transfer (a process
-  /// that died or hangs makes the others fail with a c10::Error after at most this long).
+  /// How long to wait for the others: to meet, and in every collective or transfer (with Gloo, a
+  /// process that died or hangs makes the others fail with a c10::Error after at most this long;
+  /// with NCCL, c10d's watchdog acts after it: docs/distributed.md, "GPUs: Gloo or NCCL").
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// The c10d backend of the groups made from these options: "gloo" (tensors cross between
   /// processes through the CPU, wherever they live) or "nccl" (GPU tensors go from GPU to GPU;
@@ -74,7 +75,8 @@ bool built_with_nccl();
 bool carries_device_tensors(const ProcessGroup& group);
 
 /// The device on which a transfer or collective on `group` takes its tensors: for NCCL, `local`
-/// when it is a GPU, else the current GPU; the CPU for every other backend.
+/// (a GPU; with no index, the current one); the CPU for every other backend. Throws c10::Error
+/// when NCCL is given a `local` that is not a GPU.
 c10::Device wire_device(const ProcessGroup& group, c10::Device local);
 
 /// The options torchrun (and torch.distributed's other launchers) give a process in its

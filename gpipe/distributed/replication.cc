@@ -15,7 +15,7 @@ namespace gpipe {
 namespace distributed {
 
 void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
-                          const std::string& what) {
+                          const std::string& what, c10::Device local) {
   if (group->getSize() == 1) {
     return;
   }
@@ -23,9 +23,9 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
   // (Gloo broadcasts CPU and GPU tensors where they are; NCCL only GPU ones.)
   const bool device_wire = carries_device_tensors(group);
   for (const at::Tensor& t : tensors) {
-    std::vector<at::Tensor> one{t.detach()
-                                    .to(device_wire ? wire_device(group, t.device()) : t.device())
-                                    .contiguous()};
+    const c10::Device device =
+        !device_wire ? t.device() : wire_device(group, t.is_cuda() ? t.device() : local);
+    std::vector<at::Tensor> one{t.detach().to(device).contiguous()};
     check_collective(group, absl::StrCat("the broadcast of ", what),
                      [&] { group->broadcast(one)->wait(); });
     if (!one[0].is_same(t)) {
@@ -34,7 +34,8 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
   }
 }
 
-void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params) {
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
+                       c10::Device local) {
   if (group->getSize() == 1) {
     return;
   }
@@ -49,7 +50,7 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   }
   for (auto& [dtype, ps] : by_dtype) {
     std::vector<at::Tensor> pieces;
-    const c10::Device wire = wire_device(group, ps[0].device());
+    const c10::Device wire = wire_device(group, ps[0].is_cuda() ? ps[0].device() : local);
     for (const at::Tensor& p : ps) pieces.push_back(p.grad().reshape(-1).to(wire));
     std::vector<at::Tensor> flat{at::cat(pieces)};
     check_collective(group, "the all-reduce of the replicas' gradients",
@@ -64,14 +65,15 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   }
 }
 
-void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats) {
+void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
+                        c10::Device local) {
   std::vector<at::Tensor> pieces;
   for (const BatchNormStatistics& s : stats) {
     pieces.push_back(at::tensor({s.count}, at::kDouble));
     pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
     pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
   }
-  std::vector<at::Tensor> mine{at::cat(pieces).to(wire_device(group, c10::Device(c10::kCPU)))};
+  std::vector<at::Tensor> mine{at::cat(pieces).to(wire_device(group, local))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) {
     all[0].push_back(at::empty_like(mine[0]));

@@ -14,21 +14,26 @@
 namespace gpipe {
 namespace distributed {
 
+// `local` below: this rank's device, where a group that carries GPU tensors (NCCL) takes those
+// that are on the CPU (wire_device).
+
 /// Copies rank 0's values of `tensors` into every rank's, in place (one broadcast per tensor).
 /// `what` names the tensors in errors ("rank 0's parameters and buffers").
 void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
-                          const std::string& what);
+                          const std::string& what, c10::Device local = c10::Device(c10::kCPU));
 
 /// Replaces the gradient of each parameter that requires grad by its average over the ranks of
-/// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU). A
-/// parameter without a gradient counts as zeros and gets the average.
-void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params);
+/// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU, or on
+/// `local` for NCCL). A parameter without a gradient counts as zeros and gets the average.
+void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
+                       c10::Device local = c10::Device(c10::kCPU));
 
 /// Merges every rank's deferred batch norm statistics (one entry per BatchNorm layer, the same
 /// layers in every rank) into `stats`, in place: per layer, the counts, means and sums of squared
 /// deviations of all ranks combined by Chan's formula, in rank order, in float64 (Note [Replicas
 /// and batch norm] in data_parallel.h). A layer no rank saw stays as it is.
-void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats);
+void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
+                        c10::Device local = c10::Device(c10::kCPU));
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpipe/stream.h"
 
 namespace gpipe {
 namespace distributed {
@@ -16,6 +17,15 @@ namespace {
 
 constexpr int64_t kHeaderSize = 512;   // int64 values: 4 KiB
 constexpr int64_t kMaxTensors = 64;    // per batch: tags leave room for this many
+
+// Aborts `work` on the way out of a failed step; where the backend cannot (NCCL in LibTorch 1.x
+// throws), the work is left to the backend's timeout.
+void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->abort();
+  } catch (const std::exception&) {
+  }
+}
 
 absl::Mutex& posting_mutex() {
   static absl::Mutex mu(absl::kConstInit);
@@ -42,8 +52,16 @@ int transfer_tag(Message kind, int64_t microbatch, int64_t index) {
   return static_cast<int>(static_cast<int64_t>(kind) + 4 * (index + kMaxTensors * microbatch));
 }
 
+Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream)
+    : group_(std::move(group)), what_(std::move(what)), stream_(stream) {
+  if (stream_) {
+    post_stream_ = new_stream(stream_->device());
+    wait_stream(*post_stream_, *stream_);
+  }
+}
+
 void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch) {
-  c10::OptionalStreamGuard guard(stream_);
+  c10::OptionalStreamGuard guard(post_stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
       works_.push_back(post_send(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
@@ -54,7 +72,7 @@ void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int
 
 void Transfer::receive(std::vector<at::Tensor> tensors, int peer, Message kind,
                        int64_t microbatch) {
-  c10::OptionalStreamGuard guard(stream_);
+  c10::OptionalStreamGuard guard(post_stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
       works_.push_back(post_receive(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
@@ -168,16 +186,13 @@ ActivationReceiver::~ActivationReceiver() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    if (in_flight_) in_flight_->abort();
+    if (in_flight_) abort_quietly(in_flight_);
   }
   thread_.join();
 }
 
 void ActivationReceiver::run() {
   pthread_setname_np(pthread_self(), "gpipe receive");
-  // On a GPU, the receives are posted and waited for on the stream of the partition that uses
-  // them (Transfer).
-  c10::OptionalStreamGuard guard(stream_);
   const std::string what = "receiving activations from the previous stage";
   // Posts one receive and waits for it; false when the receiver is stopping.
   const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t) {
@@ -192,7 +207,7 @@ void ActivationReceiver::run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
-        work->abort();
+        abort_quietly(work);
         return false;
       }
       in_flight_ = work;
@@ -205,12 +220,17 @@ void ActivationReceiver::run() {
   try {
     int64_t m = 1;  // known from the first header
     for (int64_t i = 0; i < m; ++i) {
+      // On a GPU, each micro-batch on a stream of its own (see the constructor's doc).
+      const c10::optional<c10::Stream> stream =
+          device_.is_cuda() ? c10::make_optional(new_stream(device_)) : c10::nullopt;
+      c10::OptionalStreamGuard guard(stream);
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::dtype(at::kLong).device(device_));
       if (!receive(encoded, Message::kHeader, i, 0)) return;
       Received r;
       r.header = BatchHeader::decode(encoded.to(at::kCPU));
       m = r.header.microbatches;
       r.tensors = r.header.empty_tensors(device_);
+      r.stream = stream;
       for (size_t t = 0; t < r.tensors.size(); ++t) {
         if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t))) return;
       }
@@ -239,6 +259,10 @@ ActivationReceiver::Received ActivationReceiver::next() {
   }
   Received r = std::move(ready_.front());
   ready_.pop_front();
+  if (r.stream && stream_) {
+    wait_stream(*stream_, *r.stream);
+    for (const at::Tensor& t : r.tensors) record_stream(t, *stream_);
+  }
   return r;
 }
 

@@ -36,11 +36,13 @@ int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0);
 /// done, and says which transfer failed.
 class Transfer {
  public:
-  /// `stream`: the GPU stream that computed the tensors to send and will use those received, for
-  /// a group that carries GPU tensors (NCCL: its sends follow the work queued there when they are
-  /// posted, and waiting makes the waiting thread's stream wait for the receives); none for Gloo.
-  Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt)
-      : group_(std::move(group)), what_(std::move(what)), stream_(stream) {}
+  /// `stream`: for a group that carries GPU tensors (NCCL), the stream that computes with them;
+  /// none for Gloo. The transfer's operations are posted on a stream of their own that waits for
+  /// the work queued on `stream` before the Transfer was made (so make it once the tensors to send
+  /// are computed), and wait() makes `stream` wait for them. NCCL orders its work after the
+  /// posting stream's: posted on `stream` itself, a send would wait for whatever was computed
+  /// there by the time the courier posts it, and a receive would hold the computation back.
+  Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt);
 
   /// Sends `tensors` (on wire_device, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag
   /// per tensor).
@@ -60,6 +62,7 @@ class Transfer {
   ProcessGroup group_;
   std::string what_;
   c10::optional<c10::Stream> stream_;
+  c10::optional<c10::Stream> post_stream_;  // see the constructor
   absl::Notification posted_;
   std::exception_ptr error_;  // set before posted_ is notified
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
@@ -116,8 +119,10 @@ class ActivationReceiver {
   struct Received {
     BatchHeader header;
     std::vector<at::Tensor> tensors;  // on the receiver's device
+    c10::optional<c10::Stream> stream;  // on a GPU, the stream they were received on
   };
-  /// Receives on `device` (the wire's: wire_device); for a GPU, on `stream` (Transfer's).
+  /// Receives on `device` (the wire's: wire_device); on a GPU, each micro-batch on a stream of its
+  /// own, for which next() makes `stream` (the one that computes with them) wait.
   ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
                      c10::optional<c10::Stream> stream = c10::nullopt);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
@@ -125,7 +130,8 @@ class ActivationReceiver {
   ActivationReceiver(const ActivationReceiver&) = delete;
   ActivationReceiver& operator=(const ActivationReceiver&) = delete;
 
-  /// The next micro-batch, once it is here; throws the receiving thread's c10::Error.
+  /// The next micro-batch, once it is here (on a GPU: once it is posted, with the consuming
+  /// stream made to wait for it); throws the receiving thread's c10::Error.
   Received next();
 
  private:

@@ -12,6 +12,7 @@
 #include <deque>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <thread>
@@ -75,17 +76,24 @@ class InOrderGroup : public gpipe::distributed::ProcessGroupBase {
 
  private:
   // Completed by the pair's thread once the inner operation has run (or failed).
+  // Completed once: by the pair's thread, or earlier by abort() (then the pair breaks when its
+  // thread gets to it, as an aborted NCCL communicator does).
   class OrderedWork : public c10d::Work {
    public:
-    void complete(std::exception_ptr error = nullptr) { finish(std::move(error)); }
+    void complete(std::exception_ptr error = nullptr) {
+      std::call_once(once_, [&] { finish(std::move(error)); });
+    }
     void fail(const std::string& why) {
       try {
         TORCH_CHECK(false, "InOrderGroup: ", why);
       } catch (...) {
-        finish(std::current_exception());
+        complete(std::current_exception());
       }
     }
     void abort() override { fail("the operation was aborted"); }
+
+   private:
+    std::once_flag once_;
   };
   struct Operation {
     bool is_send = false;
@@ -153,8 +161,8 @@ class InOrderGroup : public gpipe::distributed::ProcessGroupBase {
       }
       absl::MutexLock lock(&mu_);
       pair.in_flight.reset();
-      if (error) pair.error = error;
       op.work->complete(error);
+      if (!op.work->isSuccess()) pair.error = op.work->exception();  // failed, or aborted
     }
   }
 
