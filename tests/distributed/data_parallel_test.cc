@@ -289,6 +289,27 @@ CATCH_TEST_CASE("the process group's options come from torchrun's environment, a
                           gpipe_test::contains("rank 2 is not in 0 .. world_size - 1 = 1"));
 }
 
+CATCH_TEST_CASE("a group's backend is gloo or nccl and gloo takes every tensor on the CPU",
+                "[distributed][errors]") {
+  if (test_rank() >= 0) return;
+  const auto options = [] {
+    return GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30));
+  };
+  CATCH_CHECK_THROWS_WITH(new_process_group(options().backend("mpi")),
+                          gpipe_test::contains("unknown backend 'mpi'"));
+  CATCH_CHECK_THROWS_WITH(new_pipeline_groups(options().backend("MPI"), 1),
+                          gpipe_test::contains("unknown backend 'MPI'"));
+  if (!built_with_nccl()) {
+    CATCH_CHECK_THROWS_WITH(new_process_group(options().backend("nccl")),
+                            gpipe_test::contains("this gpipe was built without NCCL"));
+  }
+  const ProcessGroup group = new_process_group(options());  // "gloo"
+  CATCH_CHECK(group->getBackendName() == "gloo");
+  CATCH_CHECK_FALSE(carries_device_tensors(group));
+  CATCH_CHECK(wire_device(group, c10::Device("cuda:1")) == c10::Device(c10::kCPU));
+  CATCH_CHECK(wire_device(group, c10::Device(c10::kCPU)) == c10::Device(c10::kCPU));
+}
+
 CATCH_TEST_CASE("one replica is the module itself", "[distributed]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
