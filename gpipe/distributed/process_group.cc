@@ -107,60 +107,53 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
   }
 }
 
-// The Gloo group of `size` processes that meet under `prefix` in `store`; this one is `rank`.
-ProcessGroup gloo_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                        int rank, int size, const GroupOptions& options) {
-  try {
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
-    const std::string ifname = env("GLOO_SOCKET_IFNAME", false);
-    if (!ifname.empty()) {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    } else if (loopback(options.master_addr())) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    } else {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    }
-    c10::intrusive_ptr<c10d::Store> scoped = store;
-    if (!prefix.empty()) scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, gloo_options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
-                " met the others at ", options.master_addr(), ":", options.master_port(),
-                " but could not connect to the others of its group ('", prefix,
-                "') with Gloo (timeout ", options.timeout().count(), " ms): ", e.what());
+// The Gloo group of `size` processes that meet in `store`; this one is `rank`.
+ProcessGroup gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                        const GroupOptions& options) {
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  const std::string ifname = env("GLOO_SOCKET_IFNAME", false);
+  if (!ifname.empty()) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (loopback(options.master_addr())) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
 }
 
-// The NCCL group of `size` processes that meet under `prefix` in `store`; this one is `rank`.
-ProcessGroup nccl_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                        int rank, int size, const GroupOptions& options) {
+// The NCCL group of `size` processes that meet in `store`; this one is `rank` (check_backend
+// refuses "nccl" first in a build without it).
+ProcessGroup nccl_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                        const GroupOptions& options) {
 #ifdef GPIPE_WITH_NCCL
-  try {
-    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-    nccl_options->timeout = options.timeout();
-    c10::intrusive_ptr<c10d::Store> scoped = store;
-    if (!prefix.empty()) scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(scoped, rank, size, nccl_options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
-                " met the others at ", options.master_addr(), ":", options.master_port(),
-                " but could not make its NCCL group ('", prefix, "'): ", e.what());
-  }
+  auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+  nccl_options->timeout = options.timeout();
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, nccl_options);
 #else
-  (void)store, (void)prefix, (void)rank, (void)size;
-  TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " asked for the NCCL backend, "
-              "but this gpipe was built without NCCL (it needs a CUDA LibTorch with c10d's NCCL "
-              "backend and NCCL's headers); use backend \"gloo\", which carries GPU tensors "
-              "through the CPU");
+  (void)store, (void)rank, (void)size, (void)options;
+  TORCH_CHECK(false, "gpipe was built without NCCL");
 #endif
 }
 
-// The group of options' backend.
-ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                           int rank, int size, const GroupOptions& options) {
-  return options.backend() == "nccl" ? nccl_group(store, prefix, rank, size, options)
-                                     : gloo_group(store, prefix, rank, size, options);
+// The group of options' backend, of `size` processes that meet under `prefix` in `store`; this
+// one is `rank`.
+ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store,
+                           const std::string& prefix, int rank, int size,
+                           const GroupOptions& options) {
+  c10::intrusive_ptr<c10d::Store> scoped = store;
+  if (!prefix.empty()) scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+  const bool nccl = options.backend() == "nccl";
+  try {
+    return nccl ? nccl_group(scoped, rank, size, options)
+                : gloo_group(scoped, rank, size, options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
+                " met the others at ", options.master_addr(), ":", options.master_port(),
+                " but could not connect to the others of its group ('", prefix, "') with ",
+                nccl ? "NCCL" : "Gloo", " (timeout ", options.timeout().count(), " ms): ",
+                e.what());
+  }
 }
 
 void check_backend(const GroupOptions& options) {
@@ -206,7 +199,8 @@ std::string next_prefix() {
 
 ProcessGroup new_gloo_group(const GroupOptions& options) {
   const auto store = connect_store(options);
-  return gloo_group(store, next_prefix(), options.rank(), options.world_size(), options);
+  return backend_group(store, next_prefix(), options.rank(), options.world_size(),
+                       GroupOptions(options).backend("gloo"));
 }
 
 ProcessGroup new_process_group(const GroupOptions& options) {
