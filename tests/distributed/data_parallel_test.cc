@@ -78,6 +78,24 @@ std::vector<at::Tensor> replicas(const std::string& test, const std::string& key
   return states;
 }
 
+// Checks each replica's `states` against the plain model after kSteps SGD steps on the whole
+// batches (1e-10).
+void check_plain_training(const std::vector<at::Tensor>& states) {
+  nn::Sequential plain = make_model(false, 0);
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+    sgd.step();
+  }
+  const at::Tensor expected = flat(state_of(*plain));
+  for (const at::Tensor& state : states) {
+    CATCH_REQUIRE(state.sizes() == expected.sizes());
+    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
+  }
+}
+
 void save_state(nn::Module& module) {
   gpipe_test::write_doubles(gpipe_test::test_folder() + "/state" + std::to_string(test_rank()) +
                                 ".bin",
@@ -110,20 +128,38 @@ CATCH_TEST_CASE(kTransparency, "[distributed]") {
     save_state(*model);
     return;
   }
-  const std::vector<at::Tensor> states = replicas(kTransparency, "transparency");
-  nn::Sequential plain = make_model(false, 0);
-  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    sgd.zero_grad();
-    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
-    sgd.step();
+  check_plain_training(replicas(kTransparency, "transparency"));
+}
+
+constexpr const char* kNccl =
+    "replicas on a GPU each train over NCCL to the parameters of the plain model on the whole "
+    "batch";
+
+CATCH_TEST_CASE(kNccl, "[distributed][cuda][gpus2]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const c10::Device gpu(c10::kCUDA, static_cast<c10::DeviceIndex>(rank));
+    GPipe pipe(make_model(false, rank), GPipeOptions({2, 2, 1}).chunks(2).devices({gpu, gpu, gpu})
+                                            .checkpoint(Checkpoint::kExceptLast));
+    // NCCL: the configuration check, the broadcast and the buckets' all-reduce on the GPU.
+    DataParallel model(pipe,
+                       new_process_group(
+                           options_from_env().timeout(std::chrono::seconds(60)).backend("nccl")),
+                       DataParallelOptions().bucket_bytes(256));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(shard(x, rank).to(gpu)),
+                                      shard(y, rank).to(gpu))
+          .backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
   }
-  const at::Tensor expected = flat(state_of(*plain));
-  for (const at::Tensor& state : states) {
-    CATCH_REQUIRE(state.sizes() == expected.sizes());
-    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
-  }
+  CATCH_REQUIRE(built_with_nccl());
+  check_plain_training(replicas(kNccl, "nccl"));
 }
 
 constexpr const char* kBatchNorm =
