@@ -393,8 +393,8 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
   const bool last = j + 1 == partitions_.size();
   const bool training = context.training;
   // Posted by the courier thread (Note [Receiving ahead]), in the order of Note [Point-to-point
-  // order], with tensors on the wire's device (the CPU for Gloo) and, on a GPU, after the work
-  // queued on its current stream.
+  // order], with tensors on the wire's device (the CPU for Gloo) and, on a GPU, each after the
+  // work queued on this thread's stream before its Transfer was made.
   std::vector<std::shared_ptr<Transfer>>& sends = context.sends[j];
   std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch, from the next stage
   const c10::Device wire = wire_;

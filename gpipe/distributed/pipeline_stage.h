@@ -65,7 +65,8 @@ struct PipelineStageOptions {
   TORCH_ARG(int64_t, chunks) = 1;
   /// Which micro-batches are checkpointed: the same modes as a GPipe's.
   TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
-  /// Where this stage's layers run (tensors cross processes through the CPU with Gloo).
+  /// Where this stage's layers run (tensors cross processes through the CPU with Gloo, from GPU to
+  /// GPU with NCCL: Note [Point-to-point order] in process_group.h).
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
   /// This stage's own split of its layers into partitions, one entry per partition, adding up to
   /// its entry of balance; empty: one partition. Each partition runs on a thread of its own and
