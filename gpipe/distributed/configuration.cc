@@ -1,7 +1,6 @@
 // Configurations compared across ranks; see configuration.h.
 #include "gpipe/distributed/configuration.h"
 
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 
@@ -25,20 +24,14 @@ void check_same_fields(const ProcessGroup& group,
                        const std::string& advice, c10::Device local) {
   std::vector<int64_t> values;
   for (const auto& f : fields) values.push_back(f.second);
-  std::vector<at::Tensor> mine{
-      at::tensor(values, at::kLong).to(wire_device(group, local))};
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int r = 0; r < group->getSize(); ++r) {
-    all[0].push_back(at::empty_like(mine[0]));
-  }
-  check_collective(group, absl::StrCat("the comparison of the ", noun, "s' configurations"),
-                   [&] { group->allgather(all, mine)->wait(); });
-  for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
+  const std::vector<at::Tensor> all =
+      all_gather(group, at::tensor(values, at::kLong), local,
+                 absl::StrCat("the comparison of the ", noun, "s' configurations"));
   for (int r = 1; r < group->getSize(); ++r) {
     std::vector<std::string> differences;
     for (size_t k = 0; k < fields.size(); ++k) {
-      const int64_t theirs = all[0][r][static_cast<int64_t>(k)].item<int64_t>();
-      const int64_t first = all[0][0][static_cast<int64_t>(k)].item<int64_t>();
+      const int64_t theirs = all[r][static_cast<int64_t>(k)].item<int64_t>();
+      const int64_t first = all[0][static_cast<int64_t>(k)].item<int64_t>();
       if (theirs != first) {
         differences.push_back(absl::StrCat(fields[k].first, ": ", theirs, " (rank 0: ", first,
                                            ")"));

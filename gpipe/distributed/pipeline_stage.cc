@@ -11,7 +11,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -44,6 +43,11 @@ std::vector<at::Tensor> requiring_grad(const Batch& batch) {
     if (t.requires_grad()) out.push_back(t);
   }
   return out;
+}
+
+// The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
+c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
+  return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
 }
 
 // The gradient a leaf collected, or zeros when its micro-batch's outputs did not depend on it.
@@ -286,9 +290,8 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   }
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
   if (!is_first()) {
-    context.receiver = std::make_unique<ActivationReceiver>(
-        group_, stage_ - 1, wire_,
-        wire_.is_cuda() ? c10::make_optional(current_stream(wire_)) : c10::nullopt);
+    context.receiver =
+        std::make_unique<ActivationReceiver>(group_, stage_ - 1, wire_, wire_stream_of(wire_));
   }
   const size_t k = partitions_.size();
   for (size_t j = 0; j + 1 < k; ++j) {
@@ -398,8 +401,7 @@ void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
   std::vector<std::shared_ptr<Transfer>>& sends = context.sends[j];
   std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch, from the next stage
   const c10::Device wire = wire_;
-  const c10::optional<c10::Stream> wire_stream =
-      wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
+  const c10::optional<c10::Stream> wire_stream = wire_stream_of(wire);
   const auto post = [this](std::shared_ptr<Transfer> transfer,
                            std::function<void(Transfer&)> operations) {
     courier_->submit([transfer, operations = std::move(operations)] {
@@ -631,20 +633,16 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
   const std::vector<TimelineEvent> mine = timeline_->events();
   const double origin = timeline_->origin_us();
   const int size = group_->getSize();
-  const c10::Device wire = wire_;
-  std::vector<at::Tensor> count{
-      at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong).to(wire)};
-  std::vector<std::vector<at::Tensor>> counts(1);
-  for (int r = 0; r < size; ++r) counts[0].push_back(at::empty_like(count[0]));
-  check_collective(group_, "the gather of the stages' timelines",
-                   [&] { group_->allgather(counts, count)->wait(); });
-  for (at::Tensor& c : counts[0]) c = c.to(at::kCPU);
+  const char* what = "the gather of the stages' timelines";
+  const std::vector<at::Tensor> counts = all_gather(
+      group_, at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong), local_,
+      what);
   int64_t most = 0;
-  for (const at::Tensor& c : counts[0]) most = std::max(most, c[0].item<int64_t>());
-  std::vector<at::Tensor> packed{at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble)};
+  for (const at::Tensor& c : counts) most = std::max(most, c[0].item<int64_t>());
+  at::Tensor packed = at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble);
   for (size_t k = 0; k < mine.size(); ++k) {
     const TimelineEvent& e = mine[k];
-    at::Tensor row = packed[0][static_cast<int64_t>(k)];
+    at::Tensor row = packed[static_cast<int64_t>(k)];
     row[0] = static_cast<double>(e.kind);
     row[1] = static_cast<double>(e.microbatch);
     row[2] = e.checkpointed ? 1.0 : 0.0;
@@ -652,18 +650,13 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
     row[4] = origin + e.end_us;
     row[5] = static_cast<double>(e.partition);
   }
-  packed[0] = packed[0].to(wire);
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int r = 0; r < size; ++r) all[0].push_back(at::empty_like(packed[0]));
-  check_collective(group_, "the gather of the stages' timelines",
-                   [&] { group_->allgather(all, packed)->wait(); });
-  for (at::Tensor& a : all[0]) a = a.to(at::kCPU);
+  const std::vector<at::Tensor> all = all_gather(group_, packed, local_, what);
   std::vector<TimelineEvent> events;
   double earliest = std::numeric_limits<double>::infinity();
   int64_t first_partition = 0;  // of stage r, in the whole pipeline
   for (int r = 0; r < size; ++r) {
-    const int64_t n = counts[0][r][0].item<int64_t>();
-    const at::Tensor rows = all[0][r];
+    const int64_t n = counts[r][0].item<int64_t>();
+    const at::Tensor rows = all[r];
     for (int64_t k = 0; k < n; ++k) {
       TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
                       static_cast<int64_t>(rows[k][1].item<double>()),
@@ -674,7 +667,7 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
       earliest = std::min(earliest, e.start_us);
       events.push_back(e);
     }
-    first_partition += counts[0][r][1].item<int64_t>();
+    first_partition += counts[r][1].item<int64_t>();
   }
   for (TimelineEvent& e : events) {
     e.start_us -= earliest;

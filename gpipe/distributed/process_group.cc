@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 
+#include <ATen/ops/empty_like.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -222,9 +223,9 @@ PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
   groups.stage = options.rank() % stages;
   groups.replica = options.rank() / stages;
   groups.pipeline = backend_group(store, absl::StrCat(prefix, "/pipeline/", groups.replica),
-                               groups.stage, stages, options);
+                                  groups.stage, stages, options);
   groups.replica_group = backend_group(store, absl::StrCat(prefix, "/replicas/", groups.stage),
-                                    groups.replica, groups.replicas, options);
+                                       groups.replica, groups.replicas, options);
   return groups;
 }
 
@@ -242,6 +243,16 @@ void check_collective(const ProcessGroup& group, const std::string& what,
                 group->getSize(), ": ", e.what(),
                 " (another process may have died, stopped or timed out)");
   }
+}
+
+std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
+                                   c10::Device local, const std::string& what) {
+  std::vector<at::Tensor> input{mine.to(wire_device(group, local))};
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int r = 0; r < group->getSize(); ++r) all[0].push_back(at::empty_like(input[0]));
+  check_collective(group, what, [&] { group->allgather(all, input)->wait(); });
+  for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
+  return all[0];
 }
 
 void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/version.h>
 #include <c10/core/Device.h>
@@ -119,6 +121,12 @@ PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages);
 /// on this rank, why, and what usually causes it (a process that died or timed out).
 void check_collective(const ProcessGroup& group, const std::string& what,
                       const std::function<void()>& fn);
+
+/// Every rank's `mine` (a CPU tensor of the same size and dtype on every rank), in rank order, on
+/// the CPU: one all-gather on wire_device(group, local), with check_collective's errors naming
+/// `what`.
+std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
+                                   c10::Device local, const std::string& what);
 
 /// Waits for `work`, with check_collective's errors.
 void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,

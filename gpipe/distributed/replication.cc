@@ -5,7 +5,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -73,19 +72,13 @@ void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatisti
     pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
     pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
   }
-  std::vector<at::Tensor> mine{at::cat(pieces).to(wire_device(group, local))};
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int r = 0; r < group->getSize(); ++r) {
-    all[0].push_back(at::empty_like(mine[0]));
-  }
-  check_collective(group, "the all-gather of batch norm statistics",
-                   [&] { group->allgather(all, mine)->wait(); });
-  for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
+  const std::vector<at::Tensor> all =
+      all_gather(group, at::cat(pieces), local, "the all-gather of batch norm statistics");
   int64_t offset = 0;
   for (BatchNormStatistics& s : stats) {
     const int64_t channels = s.mean.numel();
     BatchNormStatistics merged;  // in rank order, on the CPU
-    for (const at::Tensor& theirs : all[0]) {
+    for (const at::Tensor& theirs : all) {
       merged.merge(theirs[offset].item<double>(), theirs.narrow(0, offset + 1, channels),
                    theirs.narrow(0, offset + 1 + channels, channels));
     }
