@@ -1,6 +1,7 @@
 // Tests of the clock-cycle schedule (gpipe/schedule.h).
 #include "tests/catch.h"
 
+#include <ostream>
 #include <set>
 
 #include <c10/util/Exception.h>
@@ -8,6 +9,14 @@
 #include "gpipe/schedule.h"
 
 namespace gpipe {
+
+// How a failed comparison prints a task: "(micro-batch, partition)". (Also what a stream-printing
+// vector needs when another header, such as glog's stl_logging.h that LibTorch 1.13 brings in with
+// the CMake build's precompiled headers, makes vectors of tasks printable with operator<<.)
+std::ostream& operator<<(std::ostream& out, const Task2D& task) {
+  return out << "(" << task.microbatch << ", " << task.partition << ")";
+}
+
 namespace {
 
 using Ticks = std::vector<std::vector<Task2D>>;
