@@ -150,8 +150,13 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
   auto run = [self = shared_from_this(), job = std::move(job), key]() mutable {
     const bool outer = stage_job;
     stage_job = true;
+    bool cancelled;
+    {
+      absl::MutexLock lock(&self->mu_);
+      cancelled = self->cancelled_;
+    }
     try {
-      job();
+      if (!cancelled) job();
     } catch (...) {
       absl::MutexLock lock(&self->mu_);
       if (!self->error_) self->error_ = std::current_exception();
@@ -169,6 +174,7 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
   };
   {
     absl::MutexLock lock(&mu_);
+    if (cancelled_) return;  // the backward failed: job (and the graph it holds) is dropped
     ++pending_;
     if (workers_->runs_inline(partition)) {
       inline_jobs_.push_back(std::move(run));
@@ -178,14 +184,52 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
   workers_->for_partition(partition).submit(std::move(run));
 }
 
+// Destroyed with the engine's task of the user's backward, and with it on the calling thread when
+// that backward fails (Note [A failed backward]); shared by the callback's copies.
+struct StageBackward::EndOfBackward {
+  explicit EndOfBackward(std::shared_ptr<StageBackward> owner) : owner(std::move(owner)) {}
+  ~EndOfBackward() {
+    if (!ran) owner->cancel();
+  }
+  std::shared_ptr<StageBackward> owner;
+  bool ran = false;
+};
+
 void StageBackward::queue_callback_once() {
   {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return;
     callback_queued_ = true;
   }
-  torch::autograd::Engine::get_default_engine().queue_callback(
-      [self = shared_from_this()] { self->finish(); });
+  auto end = std::make_shared<EndOfBackward>(shared_from_this());
+  torch::autograd::Engine::get_default_engine().queue_callback([end] {
+    end->ran = true;  // finish() ends the backward, also when it raises a partition's error
+    end->owner->finish();
+  });
+}
+
+void StageBackward::cancel() {
+  // What is dropped is destroyed after the lock is released: it holds graphs, whose Handoffs
+  // hold this object (kept alive meanwhile by the caller's guard).
+  std::deque<std::function<void()>> dropped_jobs;
+  std::map<Key, Join> dropped_joins, late_joins;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    dropped_jobs.swap(inline_jobs_);
+    pending_ -= static_cast<int64_t>(dropped_jobs.size());
+    dropped_joins.swap(joins_);
+    // The workers' backwards that are running finish (any they hand off is dropped, by submit());
+    // those still queued run nothing.
+    mu_.Await(absl::Condition(
+        +[](StageBackward* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->pending_ == 0; },
+        this));
+    late_joins.swap(joins_);  // what those backwards handed off meanwhile
+    arrived_.clear();
+    error_ = nullptr;  // the user's backward raises its own error
+    callback_queued_ = false;
+    cancelled_ = false;
+  }
 }
 
 void StageBackward::finish() {

@@ -57,6 +57,19 @@ namespace gpipe {
 // micro-batch would otherwise run into those layers' graph, which runs only once). create_graph
 // (double backward) through a cut is refused with an error; retain_graph keeps only the last
 // partition's graph.
+//
+// Note [A failed backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// When the user's backward fails after it has handed gradients off (a hook or node of its own
+// graph throws once the Handoffs behind the last partition have run), the engine raises the
+// error without running the end-of-backward callback. Left alone, the handed-off backwards would
+// go on on the workers beside the user's next steps (adding to gradients the user is zeroing),
+// and the backwards waiting for the calling thread, and the partial joins, would hold their
+// graphs — which hold the Handoffs, which hold this object — forever. The callback therefore
+// carries a guard that the engine destroys with the failed backward, on the calling thread before
+// the error reaches the user: if the callback did not run, it cancels (cancel()): queued and
+// partial backwards are dropped, none starts any more, and it waits for those running on workers.
+// So when backward() throws, no partition's backward runs or holds a graph any more.
 
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
@@ -91,9 +104,11 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   int64_t add_handoff(const Key& target, const Key* reached_by);
   // The joins that the end of job `key` completes (its Handoffs that did not arrive will not).
   std::vector<std::pair<Key, Join>> job_done(const Key& key);
+  struct EndOfBackward;  // the callback's guard (Note [A failed backward])
   void submit(const Key& key, std::function<void()> job);
   void start(const Key& key, Join join);
   void finish();  // the end-of-backward callback
+  void cancel();  // the end of a backward that failed before its callback ran
 
   std::shared_ptr<WorkerPool> workers_;
   absl::Mutex mu_;
@@ -101,6 +116,7 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   std::deque<std::function<void()>> inline_jobs_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
   bool callback_queued_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;  // while cancel() waits: start nothing
   std::map<Key, int64_t> expected_ ABSL_GUARDED_BY(mu_);  // Handoffs leading to each backward
   std::map<Key, Join> joins_ ABSL_GUARDED_BY(mu_);        // those that have arrived
   // The Handoffs in each job's graph (id, the backward each leads to), and those that arrived in

@@ -3,6 +3,8 @@
 // own worker thread, errors from a partition's backward raised by backward(), and the mode's
 // limits refused with clear errors.
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -158,6 +160,85 @@ CATCH_TEST_CASE("an error in a handed-off backward is raised by backward and the
     pipe->forward(x).sum().backward();
     check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
   }
+}
+
+// The graphs a forward built: one token per forward through a Tokens layer, held by a hook on its
+// output, lives as long as that part of the graph does.
+struct TokenLog {
+  std::mutex mu;
+  std::vector<std::weak_ptr<int>> tokens;
+  int64_t live() {
+    std::lock_guard<std::mutex> lock(mu);
+    int64_t n = 0;
+    for (const auto& token : tokens) n += token.expired() ? 0 : 1;
+    return n;
+  }
+};
+struct TokensImpl : nn::Module {
+  explicit TokensImpl(TokenLog* log) : log(log) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = x.clone();
+    if (y.requires_grad()) {
+      auto token = std::make_shared<int>(0);
+      {
+        std::lock_guard<std::mutex> lock(log->mu);
+        log->tokens.push_back(token);
+      }
+      y.register_hook([token](const at::Tensor& grad) { return grad; });
+    }
+    return y;
+  }
+  TokenLog* log;
+};
+TORCH_MODULE(Tokens);
+
+// make_model()'s parameters, with a Tokens layer closing each partition instead of the Probe.
+nn::Sequential make_token_model(TokenLog* log) {
+  torch::manual_seed(3);
+  nn::Sequential seq;
+  for (int64_t j = 0; j < 3; ++j) {
+    seq->push_back(nn::Linear(6, 6));
+    seq->push_back(nn::Tanh());
+    seq->push_back(Tokens(log));
+  }
+  seq->to(at::kDouble);
+  return seq;
+}
+
+CATCH_TEST_CASE("a backward that fails after handing gradients off leaves no partition's backward "
+                "running or holding its graph and the next steps train as the plain model",
+                "[gpipe][stage_backward][errors]") {
+  TokenLog log;
+  nn::Sequential plain = make_model();
+  GPipe pipe(make_token_model(&log), options(Checkpoint::kNever));
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  {
+    // A branch of the user's graph made before the pipeline's forward: the engine runs its
+    // backward after the Handoffs behind the last partition (later nodes first), so its hook
+    // throws once the partitions' backwards have been handed off.
+    const at::Tensor w = at::randn({6}, at::kDouble).requires_grad_(true);
+    at::Tensor z = w * 2;
+    z.register_hook([](const at::Tensor& grad) {
+      TORCH_CHECK(false, "the user's backward failed on purpose");
+      return grad;
+    });
+    const at::Tensor out = pipe->forward(x);
+    CATCH_REQUIRE(log.live() == 12);  // 3 partitions x 4 micro-batches
+    CATCH_CHECK_THROWS_WITH((out.sum() + z.sum()).backward(),
+                            gpipe_test::contains("the user's backward failed on purpose"));
+  }
+  // With the user's tensors gone nothing holds a graph: no backward was left queued or running,
+  // none waits for the calling thread, and no partial gradient join keeps its partition's graph.
+  CATCH_CHECK(log.live() == 0);
+  // The failed step's partial gradients are zeroed; then the pipeline trains as the plain model.
+  for (int step = 0; step < 2; ++step) {
+    plain->zero_grad();
+    pipe->zero_grad();
+    plain->forward(x).sum().backward();
+    pipe->forward(x).sum().backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  }
+  CATCH_CHECK(log.live() == 0);
 }
 
 CATCH_TEST_CASE("a stage-local GPipe destroyed between forward and backward still gives the "
