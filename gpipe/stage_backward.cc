@@ -168,20 +168,36 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     stage_job = outer;
     // Backwards that waited for a Handoff this job passed by start before this one counts as
     // done, so that the end-of-backward callback never sees nothing pending in between.
-    for (auto& [next, join] : self->job_done(key)) self->start(next, std::move(join));
+    for (auto& [next, join] : self->job_done(key)) self->start_or_record(next, std::move(join));
     absl::MutexLock lock(&self->mu_);
     --self->pending_;
   };
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return;  // the backward failed: job (and the graph it holds) is dropped
-    ++pending_;
     if (workers_->runs_inline(partition)) {
       inline_jobs_.push_back(std::move(run));
+      ++pending_;
       return;
     }
+    ++pending_;
   }
-  workers_->for_partition(partition).submit(std::move(run));
+  try {
+    workers_->for_partition(partition).submit(std::move(run));
+  } catch (...) {  // not queued (out of memory): it will not count itself done
+    absl::MutexLock lock(&mu_);
+    --pending_;
+    throw;
+  }
+}
+
+void StageBackward::start_or_record(const Key& key, Join join) {
+  try {
+    start(key, std::move(join));
+  } catch (...) {
+    absl::MutexLock lock(&mu_);
+    if (!error_) error_ = std::current_exception();
+  }
 }
 
 // Destroyed with the engine's task of the user's backward, and with it on the calling thread when
@@ -267,7 +283,7 @@ void StageBackward::finish() {
     if (job) {
       job();
     } else {
-      start({partition, partial_microbatch}, std::move(partial));
+      start_or_record({partition, partial_microbatch}, std::move(partial));
     }
   }
   std::exception_ptr error;

@@ -69,7 +69,11 @@ namespace gpipe {
 // carries a guard that the engine destroys with the failed backward, on the calling thread before
 // the error reaches the user: if the callback did not run, it cancels (cancel()): queued and
 // partial backwards are dropped, none starts any more, and it waits for those running on workers.
-// So when backward() throws, no partition's backward runs or holds a graph any more.
+// So when backward() throws, no partition's backward runs or holds a graph any more. (This holds
+// where the engine destroys the task on the calling thread, as it does for a CPU graph. Where the
+// user's graph has CUDA nodes, a device thread may destroy it: the cancel then ends just after the
+// error is raised. Nodes of the failed backward that the engine had queued but not run stay in
+// the calling thread's ready queue until its next backward, as for any graph.)
 
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
@@ -107,6 +111,7 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   struct EndOfBackward;  // the callback's guard (Note [A failed backward])
   void submit(const Key& key, std::function<void()> job);
   void start(const Key& key, Join join);
+  void start_or_record(const Key& key, Join join);  // an error that start() raises goes to error_
   void finish();  // the end-of-backward callback
   void cancel();  // the end of a backward that failed before its callback ran
 

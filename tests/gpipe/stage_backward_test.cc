@@ -5,6 +5,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <thread>
 
@@ -13,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gpipe/skippable.h"
+#include "gpipe/worker.h"
 #include "tests/gpipe/test_util.h"
 
 namespace gpipe {
@@ -239,6 +241,42 @@ CATCH_TEST_CASE("a backward that fails after handing gradients off leaves no par
     check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
   }
   CATCH_CHECK(log.live() == 0);
+}
+
+CATCH_TEST_CASE("a backward whose hand-off to a worker fails raises the error without hanging and "
+                "leaves no graph behind",
+                "[gpipe][stage_backward][errors]") {
+  // The k-th hand-off of the backward (to partition 2's worker from the calling thread, or to
+  // partition 1's from partition 2's) cannot be queued (out of memory).
+  const int fail_at = GENERATE(0, 1, 2, 5);
+  CATCH_CAPTURE(fail_at);
+  TokenLog log;
+  nn::Sequential plain = make_model();
+  GPipe pipe(make_token_model(&log), options(Checkpoint::kNever));
+  const at::Tensor x = at::randn({8, 6}, at::kDouble);
+  bool threw = false;
+  testing::within(120, [&] {
+    at::Tensor loss = pipe->forward(x).sum();
+    std::atomic<int> calls{0};
+    internal::set_submit_hook([&] {
+      if (calls++ == fail_at) throw std::bad_alloc();
+    });
+    try {
+      loss.backward();
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    internal::set_submit_hook(nullptr);
+  });
+  CATCH_CHECK(threw);
+  CATCH_CHECK(log.live() == 0);
+  for (int step = 0; step < 2; ++step) {
+    plain->zero_grad();
+    pipe->zero_grad();
+    plain->forward(x).sum().backward();
+    pipe->forward(x).sum().backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  }
 }
 
 CATCH_TEST_CASE("a stage-local GPipe destroyed between forward and backward still gives the "
