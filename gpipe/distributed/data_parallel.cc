@@ -46,10 +46,6 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
               "got ", options_.bucket_bytes());
   register_module("module", module_ptr_);
   if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
-    TORCH_CHECK(!pipe->options().stage_local_backward(), "gpipe::DataParallel: a GPipe with "
-                "stage_local_backward is not supported yet (its partitions' backward runs on "
-                "their workers after the reduction has started); construct it with "
-                "stage_local_backward(false)");
     if (pipe->options().deferred_batch_norm()) {
       combined_statistics_ = true;
       pipe->set_statistics_combiner(

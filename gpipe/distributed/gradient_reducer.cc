@@ -93,6 +93,19 @@ struct GradientReducer::State {
     stats.bytes += bucket.flat.numel() * bucket.flat.element_size();
   }
 
+  // A backward that failed before finish(): the next one starts afresh. The all-reduces started
+  // go on in the background (they hold their tensors); every rank that failed alike started the
+  // same ones, so its next collectives still match, and a rank whose backward went on waits for
+  // buckets this one never starts and fails with the group's timeout.
+  void abandon() {
+    std::lock_guard<std::mutex> lock(mu);
+    armed = false;
+    for (Bucket& bucket : buckets) {
+      bucket.work.reset();
+      bucket.flat.reset();
+    }
+  }
+
   void finish() {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mu);
@@ -228,7 +241,26 @@ void GradientReducer::begin_backward() {
       s->start_ready(/*during_backward=*/true);  // buckets whose parameters get no gradient
     }
   }
-  torch::autograd::Engine::get_default_engine().queue_callback([s] { s->finish(); });
+  // Note [The reduction's end]: finish() runs after every other end-of-backward callback queued
+  // during the backward (the first callback queues it again), so that a stage-local GPipe's,
+  // which waits for its partitions' backwards on their workers, has run: their gradients are
+  // final (and have started their buckets). A guard shared by the callbacks disarms the reducer
+  // when the backward fails before finish() ran.
+  struct Disarm {
+    std::shared_ptr<State> s;
+    bool ran = false;
+    ~Disarm() {
+      if (!ran) s->abandon();
+    }
+  };
+  auto guard = std::make_shared<Disarm>();
+  guard->s = s;
+  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
+      guard->ran = true;
+      guard->s->finish();
+    });
+  });
 }
 
 size_t GradientReducer::bucket_count() const { return state_->buckets.size(); }

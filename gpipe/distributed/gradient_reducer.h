@@ -30,6 +30,8 @@ namespace distributed {
 // all-reduce is waited for, and the averages are written into the gradients. A parameter
 // accumulated more often than counted after its bucket started is an error, not a silent wrong
 // gradient. With no gradient on this rank, a parameter counts as zeros (and gets the average).
+// The callback runs after every other end-of-backward callback (Note [The reduction's end] in
+// gradient_reducer.cc), and a backward that fails before it leaves the reducer ready for the next.
 
 /// What the last backward's reduction did.
 struct ReductionStats {

@@ -102,33 +102,84 @@ void save_state(nn::Module& module) {
                             state_of(module));
 }
 
+// Rank `rank`'s replica of `pipe`: kSteps SGD steps on its shards, with buckets of 256 bytes (so
+// that several start during backward), and the state saved. With `failed_backward`, step 1 first
+// runs a backward that fails on every rank (the user's own hook, after the pipeline's backward);
+// the step then goes on from zeroed gradients.
+void train_replica(GPipe pipe, int rank, bool failed_backward = false) {
+  DataParallel model(pipe, join(), DataParallelOptions().bucket_bytes(256));
+  CATCH_CHECK(model->bucket_count() >= 3);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    if (failed_backward && step == 1) {
+      const at::Tensor w = at::randn({3}, at::kDouble).requires_grad_(true);
+      at::Tensor z = w * 2;  // made before the forward: its backward runs after the pipeline's
+      z.register_hook([](const at::Tensor& grad) {
+        TORCH_CHECK(false, "the user's backward failed on purpose");
+        return grad;
+      });
+      at::Tensor loss =
+          torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank));
+      CATCH_CHECK_THROWS_WITH((loss + z.sum()).backward(),
+                              gpipe_test::contains("the user's backward failed on purpose"));
+    }
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+    const ReductionStats stats = model->last_reduction();
+    CATCH_CHECK(stats.buckets == static_cast<int64_t>(model->bucket_count()));
+    // The first backward learns when gradients are final; later ones start buckets early.
+    if (step > 0) CATCH_CHECK(stats.started_during_backward >= 1);
+    sgd.step();
+  }
+  save_state(*model);
+}
+
+GPipeOptions pipe_options() {
+  return GPipeOptions({2, 2, 1}).chunks(2).checkpoint(Checkpoint::kExceptLast);
+}
+
 constexpr const char* kTransparency =
     "replicas through GPipe on shards of each batch train to the parameters of the plain "
     "model on the whole batch";
 
 CATCH_TEST_CASE(kTransparency, "[distributed]") {
   if (test_rank() >= 0) {
-    const int rank = test_rank();
-    GPipe pipe(make_model(false, rank), GPipeOptions({2, 2, 1}).chunks(2).checkpoint(
-                                            Checkpoint::kExceptLast));
-    // Small buckets: several of them, so that some start during backward.
-    DataParallel model(pipe, join(), DataParallelOptions().bucket_bytes(256));
-    CATCH_CHECK(model->bucket_count() >= 3);
-    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = batch(step);
-      sgd.zero_grad();
-      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
-      const ReductionStats stats = model->last_reduction();
-      CATCH_CHECK(stats.buckets == static_cast<int64_t>(model->bucket_count()));
-      // The first backward learns when gradients are final; later ones start buckets early.
-      if (step > 0) CATCH_CHECK(stats.started_during_backward >= 1);
-      sgd.step();
-    }
-    save_state(*model);
+    train_replica(GPipe(make_model(false, test_rank()), pipe_options()), test_rank());
     return;
   }
   check_plain_training(replicas(kTransparency, "transparency"));
+}
+
+constexpr const char* kStageLocal =
+    "replicas of a GPipe whose CPU partitions run their own backward train to the parameters of "
+    "the plain model on the whole batch";
+
+CATCH_TEST_CASE(kStageLocal, "[distributed][stage_backward]") {
+  if (test_rank() >= 0) {
+    // Each partition's backward on its worker (Note [Stage-local backward in one process]): the
+    // gradients become final there, and the reduction ends after them (Note [The reduction's
+    // end]).
+    train_replica(GPipe(make_model(false, test_rank()),
+                        pipe_options().devices({at::kCPU, at::kCPU, at::kCPU})
+                            .worker_per_partition(true).stage_local_backward(true)),
+                  test_rank());
+    return;
+  }
+  check_plain_training(replicas(kStageLocal, "stage_local"));
+}
+
+constexpr const char* kFailedBackward =
+    "a backward that fails on every replica leaves the reduction ready and the replicas then "
+    "train to the parameters of the plain model";
+
+CATCH_TEST_CASE(kFailedBackward, "[distributed][errors]") {
+  if (test_rank() >= 0) {
+    train_replica(GPipe(make_model(false, test_rank()), pipe_options()), test_rank(),
+                  /*failed_backward=*/true);
+    return;
+  }
+  check_plain_training(replicas(kFailedBackward, "failed_backward"));
 }
 
 constexpr const char* kNccl =

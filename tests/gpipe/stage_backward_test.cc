@@ -107,6 +107,18 @@ void train_against_plain(nn::Sequential plain, GPipe pipe) {
   for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(max_diff(a[k], b[k]) <= 1e-12);
 }
 
+// After a failed step: two more steps, each from zeroed gradients, give the plain model's
+// gradients (1e-12).
+void check_next_steps(nn::Sequential plain, GPipe pipe, const at::Tensor& x) {
+  for (int step = 0; step < 2; ++step) {
+    plain->zero_grad();
+    pipe->zero_grad();
+    plain->forward(x).sum().backward();
+    pipe->forward(x).sum().backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  }
+}
+
 CATCH_TEST_CASE("stage-local backward trains to the plain model's parameters and input gradients",
                 "[gpipe][stage_backward]") {
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast,
@@ -155,13 +167,7 @@ CATCH_TEST_CASE("an error in a handed-off backward is raised by backward and the
   // The same pipeline without the failing layer's failure: eval-mode forward, then training.
   nn::Sequential plain = make_model();
   GPipe pipe(make_model(), options(Checkpoint::kExceptLast));
-  for (int step = 0; step < 2; ++step) {
-    plain->zero_grad();
-    pipe->zero_grad();
-    plain->forward(x).sum().backward();
-    pipe->forward(x).sum().backward();
-    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
-  }
+  check_next_steps(plain, pipe, x);
 }
 
 // The graphs a forward built: one token per forward through a Tokens layer, held by a hook on its
@@ -233,13 +239,7 @@ CATCH_TEST_CASE("a backward that fails after handing gradients off leaves no par
   // none waits for the calling thread, and no partial gradient join keeps its partition's graph.
   CATCH_CHECK(log.live() == 0);
   // The failed step's partial gradients are zeroed; then the pipeline trains as the plain model.
-  for (int step = 0; step < 2; ++step) {
-    plain->zero_grad();
-    pipe->zero_grad();
-    plain->forward(x).sum().backward();
-    pipe->forward(x).sum().backward();
-    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
-  }
+  check_next_steps(plain, pipe, x);
   CATCH_CHECK(log.live() == 0);
 }
 
@@ -270,13 +270,7 @@ CATCH_TEST_CASE("a backward whose hand-off to a worker fails raises the error wi
   });
   CATCH_CHECK(threw);
   CATCH_CHECK(log.live() == 0);
-  for (int step = 0; step < 2; ++step) {
-    plain->zero_grad();
-    pipe->zero_grad();
-    plain->forward(x).sum().backward();
-    pipe->forward(x).sum().backward();
-    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
-  }
+  check_next_steps(plain, pipe, x);
 }
 
 CATCH_TEST_CASE("a stage-local GPipe destroyed between forward and backward still gives the "
