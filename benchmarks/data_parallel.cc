@@ -6,6 +6,9 @@
 // hidden = 1 - exposed(buckets) / exposed(one bucket). Run it under torchrun:
 //
 //   torchrun --no_python --nproc_per_node=2 bazel-bin/benchmarks/data_parallel --steps=20
+//
+// --stage_local_backward: each partition's backward on its worker, where its gradients become
+// final and start their buckets.
 
 #include <algorithm>
 #include <chrono>
@@ -32,6 +35,8 @@ ABSL_FLAG(int, steps, 20, "timed steps per configuration (after 3 untimed ones)"
 ABSL_FLAG(int, batch, 64, "the mini-batch, split evenly over the ranks");
 ABSL_FLAG(int64_t, bucket_kib, 1024, "bucket size of the bucketed configuration, in KiB");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
+ABSL_FLAG(bool, stage_local_backward, false,
+          "each partition runs its own backward on its worker (GPipeOptions::stage_local_backward)");
 
 namespace {
 
@@ -54,7 +59,8 @@ Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) 
     seq->push_back(nn::Tanh());
   }
   gpipe::GPipe pipe(seq, gpipe::GPipeOptions({8, 8}).chunks(4).checkpoint(gpipe::Checkpoint::kNever)
-                             .devices({at::kCPU, at::kCPU}).worker_per_partition(true));
+                             .devices({at::kCPU, at::kCPU}).worker_per_partition(true)
+                             .stage_local_backward(absl::GetFlag(FLAGS_stage_local_backward)));
   DataParallel model(pipe, group, DataParallelOptions().bucket_bytes(bucket_bytes));
   torch::optim::SGD sgd(model->parameters(), 0.01);
   const int64_t shard = absl::GetFlag(FLAGS_batch) / group->getSize();
@@ -93,8 +99,9 @@ int main(int argc, char** argv) {
   if (group->getRank() != 0) return 0;
   const double hidden = 1.0 - bucketed.exposed_ms / single.exposed_ms;
   std::printf("data-parallel replicas: %d processes, %.1f MiB of gradients per step, median of "
-              "%d steps\n",
-              group->getSize(), bucketed.megabytes, absl::GetFlag(FLAGS_steps));
+              "%d steps%s\n",
+              group->getSize(), bucketed.megabytes, absl::GetFlag(FLAGS_steps),
+              absl::GetFlag(FLAGS_stage_local_backward) ? ", stage-local backward" : "");
   std::printf("%-28s %8s %8s %14s %12s\n", "configuration", "buckets", "early", "exposed ms",
               "step ms");
   std::printf("%-28s %8.0f %8.0f %14.2f %12.2f\n",
