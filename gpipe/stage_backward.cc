@@ -6,9 +6,10 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+
+#include "gpipe/end_of_backward.h"
 
 namespace gpipe {
 namespace {
@@ -200,47 +201,32 @@ void StageBackward::start_or_record(const Key& key, Join join) {
   }
 }
 
-// Destroyed with the engine's task of the user's backward, and with it on the calling thread when
-// that backward fails (Note [A failed backward]); shared by the callback's copies.
-struct StageBackward::EndOfBackward {
-  explicit EndOfBackward(std::shared_ptr<StageBackward> owner) : owner(std::move(owner)) {}
-  ~EndOfBackward() {
-    if (!ran) owner->cancel();
-  }
-  std::shared_ptr<StageBackward> owner;
-  bool ran = false;
-};
-
 void StageBackward::queue_callback_once() {
   {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return;
     callback_queued_ = true;
   }
-  auto end = std::make_shared<EndOfBackward>(shared_from_this());
-  torch::autograd::Engine::get_default_engine().queue_callback([end] {
-    end->ran = true;  // finish() ends the backward, also when it raises a partition's error
-    end->owner->finish();
-  });
+  auto self = shared_from_this();
+  queue_end_of_backward([self] { self->finish(); }, [self] { self->cancel(); });
 }
 
 void StageBackward::cancel() {
   // What is dropped is destroyed after the lock is released: it holds graphs, whose Handoffs
-  // hold this object (kept alive meanwhile by the caller's guard).
+  // hold this object (kept alive meanwhile by the dropped callback).
   std::deque<std::function<void()>> dropped_jobs;
-  std::map<Key, Join> dropped_joins, late_joins;
+  std::map<Key, Join> dropped_joins;
   {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
     dropped_jobs.swap(inline_jobs_);
     pending_ -= static_cast<int64_t>(dropped_jobs.size());
-    dropped_joins.swap(joins_);
     // The workers' backwards that are running finish (any they hand off is dropped, by submit());
     // those still queued run nothing.
     mu_.Await(absl::Condition(
         +[](StageBackward* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->pending_ == 0; },
         this));
-    late_joins.swap(joins_);  // what those backwards handed off meanwhile
+    dropped_joins.swap(joins_);  // partial joins, with what those backwards handed off meanwhile
     arrived_.clear();
     error_ = nullptr;  // the user's backward raises its own error
     callback_queued_ = false;

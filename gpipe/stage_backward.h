@@ -65,15 +65,14 @@ namespace gpipe {
 // error without running the end-of-backward callback. Left alone, the handed-off backwards would
 // go on on the workers beside the user's next steps (adding to gradients the user is zeroing),
 // and the backwards waiting for the calling thread, and the partial joins, would hold their
-// graphs — which hold the Handoffs, which hold this object — forever. The callback therefore
-// carries a guard that the engine destroys with the failed backward, on the calling thread before
-// the error reaches the user: if the callback did not run, it cancels (cancel()): queued and
-// partial backwards are dropped, none starts any more, and it waits for those running on workers.
-// So when backward() throws, no partition's backward runs or holds a graph any more. (This holds
-// where the engine destroys the task on the calling thread, as it does for a CPU graph. Where the
-// user's graph has CUDA nodes, a device thread may destroy it: the cancel then ends just after the
-// error is raised. Nodes of the failed backward that the engine had queued but not run stay in
-// the calling thread's ready queue until its next backward, as for any graph.)
+// graphs — which hold the Handoffs, which hold this object — forever. So the callback is queued
+// with queue_end_of_backward, and when the engine drops it, cancel() runs in its place (Note [A
+// callback the failed backward drops] in end_of_backward.h: for a CPU graph, on the calling
+// thread before the error reaches the user): queued and partial backwards are dropped, none
+// starts any more, and it waits for those running on workers. So when backward() throws, no
+// partition's backward runs or holds a graph any more. (Nodes of the failed backward that the
+// engine had queued but not run stay in the calling thread's ready queue until its next
+// backward, as for any graph.)
 
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
@@ -108,7 +107,6 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   int64_t add_handoff(const Key& target, const Key* reached_by);
   // The joins that the end of job `key` completes (its Handoffs that did not arrive will not).
   std::vector<std::pair<Key, Join>> job_done(const Key& key);
-  struct EndOfBackward;  // the callback's guard (Note [A failed backward])
   void submit(const Key& key, std::function<void()> job);
   void start(const Key& key, Join join);
   void start_or_record(const Key& key, Join join);  // an error that start() raises goes to error_

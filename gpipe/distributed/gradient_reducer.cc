@@ -9,12 +9,12 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpipe/end_of_backward.h"
 
 namespace gpipe {
 namespace distributed {
@@ -244,23 +244,12 @@ void GradientReducer::begin_backward() {
   // Note [The reduction's end]: finish() runs after every other end-of-backward callback queued
   // during the backward (the first callback queues it again), so that a stage-local GPipe's,
   // which waits for its partitions' backwards on their workers, has run: their gradients are
-  // final (and have started their buckets). A guard shared by the callbacks disarms the reducer
-  // when the backward fails before finish() ran.
-  struct Disarm {
-    std::shared_ptr<State> s;
-    bool ran = false;
-    ~Disarm() {
-      if (!ran) s->abandon();
-    }
-  };
-  auto guard = std::make_shared<Disarm>();
-  guard->s = s;
-  torch::autograd::Engine::get_default_engine().queue_callback([guard] {
-    torch::autograd::Engine::get_default_engine().queue_callback([guard] {
-      guard->ran = true;
-      guard->s->finish();
-    });
-  });
+  // final (and have started their buckets). When the backward fails before finish() ran, the
+  // engine drops the callback and abandon() disarms the reducer (Note [A callback the failed
+  // backward drops] in gpipe/end_of_backward.h).
+  queue_end_of_backward(
+      [s] { queue_end_of_backward([s] { s->finish(); }, [s] { s->abandon(); }); },
+      [s] { s->abandon(); });
 }
 
 size_t GradientReducer::bucket_count() const { return state_->buckets.size(); }
