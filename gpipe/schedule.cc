@@ -1,7 +1,8 @@
-// The clock-cycle schedule; see Note [Clock-cycle schedule] in schedule.h.
+// Schedules as data: the clock-cycle ticks and the generators of Note [Schedules as data].
 #include "gpipe/schedule.h"
 
 #include <algorithm>
+#include <ostream>
 
 #include <c10/util/Exception.h>
 
@@ -43,6 +44,215 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
     out += "\n";
   }
   return out;
+}
+
+namespace {
+
+const char* type_name(ActionType type) {
+  switch (type) {
+    case ActionType::kForward: return "F";
+    case ActionType::kBackward: return "B";
+    case ActionType::kBackwardInput: return "I";
+    case ActionType::kBackwardWeight: return "W";
+    case ActionType::kSendForward: return "SEND_F";
+    case ActionType::kRecvForward: return "RECV_F";
+    case ActionType::kSendBackward: return "SEND_B";
+    case ActionType::kRecvBackward: return "RECV_B";
+  }
+  return "?";
+}
+
+void check_counts(const char* what, int64_t partitions, int64_t microbatches) {
+  TORCH_CHECK(partitions >= 1, what, ": the number of partitions must be at least 1, got ",
+              partitions);
+  TORCH_CHECK(microbatches >= 1, what, ": the number of micro-batches must be at least 1, got ",
+              microbatches);
+}
+
+// A schedule of `n` ranks holding one stage each, rank r stage r.
+Schedule one_stage_per_rank(std::string name, int64_t n, int64_t m) {
+  Schedule schedule;
+  schedule.name = std::move(name);
+  schedule.stages = n;
+  schedule.microbatches = m;
+  schedule.ranks.resize(n);
+  for (int64_t s = 0; s < n; ++s) schedule.stage_ranks.push_back(s);
+  return schedule;
+}
+
+Action forward(int64_t s, int64_t i) { return {ActionType::kForward, s, i}; }
+
+}  // namespace
+
+std::string to_string(const Action& action) {
+  return absl::StrCat(action.stage, type_name(action.type), action.microbatch);
+}
+
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  return out << to_string(action);
+}
+
+bool is_communication(ActionType type) {
+  return type == ActionType::kSendForward || type == ActionType::kRecvForward ||
+         type == ActionType::kSendBackward || type == ActionType::kRecvBackward;
+}
+
+int64_t Schedule::virtual_stages() const {
+  return ranks.empty() ? 0 : (stages + num_ranks() - 1) / num_ranks();
+}
+
+std::vector<int64_t> Schedule::stages_of(int64_t rank) const {
+  std::vector<int64_t> held;
+  for (int64_t s = 0; s < static_cast<int64_t>(stage_ranks.size()); ++s) {
+    if (stage_ranks[s] == rank) held.push_back(s);
+  }
+  return held;
+}
+
+Schedule gpipe_schedule(int64_t partitions, int64_t microbatches) {
+  check_counts("gpipe_schedule", partitions, microbatches);
+  Schedule schedule = one_stage_per_rank("gpipe", partitions, microbatches);
+  for (int64_t s = 0; s < partitions; ++s) {
+    auto& actions = schedule.ranks[s];
+    for (int64_t i = 0; i < microbatches; ++i) actions.push_back(forward(s, i));
+    for (int64_t i = microbatches - 1; i >= 0; --i) {
+      actions.push_back({ActionType::kBackward, s, i});
+    }
+  }
+  return schedule;
+}
+
+Schedule one_f_one_b_schedule(int64_t partitions, int64_t microbatches) {
+  check_counts("one_f_one_b_schedule", partitions, microbatches);
+  const int64_t n = partitions;
+  const int64_t m = microbatches;
+  Schedule schedule = one_stage_per_rank("1f1b", n, m);
+  for (int64_t s = 0; s < n; ++s) {
+    auto& actions = schedule.ranks[s];
+    const int64_t warmup = std::min(n - s - 1, m);
+    int64_t f = 0;
+    int64_t b = 0;
+    while (f < warmup) actions.push_back(forward(s, f++));
+    while (f < m) {
+      actions.push_back(forward(s, f++));
+      actions.push_back({ActionType::kBackward, s, b++});
+    }
+    while (b < m) actions.push_back({ActionType::kBackward, s, b++});
+  }
+  return schedule;
+}
+
+Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages) {
+  check_counts("interleaved_schedule", partitions, microbatches);
+  TORCH_CHECK(virtual_stages >= 1,
+              "interleaved_schedule: the number of virtual stages (model chunks per rank) must be "
+              "at least 1, got ", virtual_stages);
+  const int64_t n = partitions;
+  const int64_t m = microbatches;
+  const int64_t v = virtual_stages;
+  if (v == 1) {
+    Schedule schedule = one_f_one_b_schedule(n, m);
+    schedule.name = "interleaved";
+    return schedule;
+  }
+  TORCH_CHECK(m % n == 0, "interleaved_schedule: the number of micro-batches (", m,
+              ") must be a multiple of the number of partitions (", n,
+              ") with more than one virtual stage, e.g. ", (m / n + 1) * n);
+  Schedule schedule;
+  schedule.name = "interleaved";
+  schedule.stages = n * v;
+  schedule.microbatches = m;
+  schedule.ranks.resize(n);
+  for (int64_t s = 0; s < n * v; ++s) schedule.stage_ranks.push_back(s % n);
+  // Megatron-LM's order: the k-th forward of a rank runs chunk (k / n) % v on micro-batch
+  // (k / (n v)) n + k % n, so each group of n micro-batches goes through every chunk before the
+  // next group starts; the k-th backward runs the chunks in reverse.
+  const int64_t total = v * m;
+  auto microbatch = [&](int64_t k) { return (k / (n * v)) * n + k % n; };
+  auto chunk = [&](int64_t k) { return (k / n) % v; };
+  for (int64_t r = 0; r < n; ++r) {
+    auto& actions = schedule.ranks[r];
+    const int64_t warmup = std::min((n - r - 1) * 2 + (v - 1) * n, total);
+    int64_t f = 0;
+    int64_t b = 0;
+    auto next_forward = [&] {
+      actions.push_back(forward(chunk(f) * n + r, microbatch(f)));
+      ++f;
+    };
+    auto next_backward = [&] {
+      actions.push_back({ActionType::kBackward, (v - 1 - chunk(b)) * n + r, microbatch(b)});
+      ++b;
+    };
+    while (f < warmup) next_forward();
+    while (f < total) {
+      next_forward();
+      next_backward();
+    }
+    while (b < total) next_backward();
+  }
+  return schedule;
+}
+
+Schedule zero_bubble_schedule(int64_t partitions, int64_t microbatches) {
+  check_counts("zero_bubble_schedule", partitions, microbatches);
+  const int64_t n = partitions;
+  const int64_t m = microbatches;
+  Schedule schedule = one_stage_per_rank("zb", n, m);
+  for (int64_t s = 0; s < n; ++s) {
+    auto& actions = schedule.ranks[s];
+    const int64_t warmup = std::min(n - s - 1, m);
+    int64_t f = 0;
+    int64_t b = 0;
+    int64_t w = 0;
+    // After each I, a W when more than s are waiting: stage s keeps up to n - s micro-batches
+    // in flight as in 1F1B plus s whose W waits, n in all (the first stage's 1F1B peak).
+    auto backward = [&] {
+      actions.push_back({ActionType::kBackwardInput, s, b++});
+      if (b - w > s) actions.push_back({ActionType::kBackwardWeight, s, w++});
+    };
+    while (f < warmup) actions.push_back(forward(s, f++));
+    while (f < m) {
+      actions.push_back(forward(s, f++));
+      backward();
+    }
+    while (b < m) backward();
+    while (w < m) actions.push_back({ActionType::kBackwardWeight, s, w++});
+  }
+  return schedule;
+}
+
+ScheduleKind schedule_kind(const std::string& name) {
+  if (name == "gpipe") return ScheduleKind::kGPipe;
+  if (name == "1f1b") return ScheduleKind::k1F1B;
+  if (name == "interleaved") return ScheduleKind::kInterleaved;
+  if (name == "zb") return ScheduleKind::kZeroBubble;
+  TORCH_CHECK(false, "unknown schedule '", name,
+              "': expected gpipe, 1f1b, interleaved or zb");
+}
+
+std::string schedule_kind_name(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kGPipe: return "gpipe";
+    case ScheduleKind::k1F1B: return "1f1b";
+    case ScheduleKind::kInterleaved: return "interleaved";
+    case ScheduleKind::kZeroBubble: return "zb";
+  }
+  return "?";
+}
+
+Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
+                       int64_t virtual_stages) {
+  TORCH_CHECK(virtual_stages == 1 || kind == ScheduleKind::kInterleaved,
+              "make_schedule: ", virtual_stages, " virtual stages given for the ",
+              schedule_kind_name(kind), " schedule; only interleaved takes more than 1");
+  switch (kind) {
+    case ScheduleKind::kGPipe: return gpipe_schedule(partitions, microbatches);
+    case ScheduleKind::k1F1B: return one_f_one_b_schedule(partitions, microbatches);
+    case ScheduleKind::kInterleaved:
+      return interleaved_schedule(partitions, microbatches, virtual_stages);
+    case ScheduleKind::kZeroBubble: return zero_bubble_schedule(partitions, microbatches);
+  }
+  TORCH_CHECK(false, "make_schedule: unknown schedule kind");
 }
 
 }  // namespace gpipe

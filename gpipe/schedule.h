@@ -1,7 +1,10 @@
-// The clock-cycle schedule: which (micro-batch, partition) tasks run together at each clock tick.
+// Pipeline schedules as data: the clock-cycle ticks the engine runs today, and, for each worker
+// (a device's thread or a process), the ordered actions of GPipe, 1F1B, interleaved 1F1B and
+// zero-bubble schedules.
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,5 +48,121 @@ std::vector<std::vector<Task2D>> clock_cycles(int64_t microbatches, int64_t part
 
 /// Renders a schedule as text, one line per tick, e.g. "0: (0,0)\n1: (1,0) (0,1)\n".
 std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule);
+
+// Note [Schedules as data]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A Schedule says, for each worker ("rank": a device's thread in one process, or a process), the
+// actions it runs, in order. The model is cut into S stages (with interleaving, S = v * n chunks
+// over n ranks: "virtual stages"); each stage lives on one rank (Schedule::stage_ranks). Actions
+// are those of torch.distributed.pipelining, written "<stage><type><micro-batch>"
+// (schedule_text.h):
+//
+//   F       forward of micro-batch i on stage s
+//   B       its whole backward (input and weight gradients)
+//   I, W    the backward split in two (zero bubble): I computes the gradient of the stage's input,
+//           which stage s - 1 waits for; W the gradients of the stage's weights, which nothing
+//           waits for until the optimizer step, so W can fill a bubble
+//   SEND_F  stage s sends its output of i to stage s + 1 (another rank)
+//   RECV_F  stage s receives its input of i from stage s - 1 (another rank)
+//   SEND_B  stage s sends the gradient of its input of i to stage s - 1
+//   RECV_B  stage s receives the gradient of its output of i from stage s + 1
+//
+// A micro-batch's activations are held on stage s from its F until its B (or its W): "in flight".
+// The generators below give compute actions only; with_communication (schedule_check.h) adds the
+// sends and receives in an order both sides of every pair of ranks agree on (Note [Point-to-point
+// order] in distributed/process_group.h), and check_schedule refuses a schedule that cannot run.
+//
+//   GPipe        every F, then the B in reverse (the clock-cycle order). In flight on stage s:
+//                m. Bubble (n-1)/(m+n-1).
+//   1F1B         min(n-s-1, m) forwards, then one F and one B in turn, then the remaining B;
+//                backwards in micro-batch order. In flight: min(n-s, m). Bubble as GPipe.
+//   interleaved  Megatron-LM's order over v stages per rank (m a multiple of n): rank r holds
+//                stages r, r+n, ...; in flight on rank r: min((n-r-1)*2 + (v-1)*n + 1, v*m)
+//                stage-micro-batches, each 1/v of a rank's layers. Bubble GPipe's divided by v.
+//   ZB-H1        1F1B with B split into I and W; stage s delays up to s W so that the next I goes
+//                first. In flight: at most n. Bubble (n-1)(F+I-W) in time, 1F1B's (n-1)(F+I+W).
+
+/// What an action does (Note [Schedules as data]).
+enum class ActionType : uint8_t {
+  kForward,         // F
+  kBackward,        // B
+  kBackwardInput,   // I
+  kBackwardWeight,  // W
+  kSendForward,     // SEND_F
+  kRecvForward,     // RECV_F
+  kSendBackward,    // SEND_B
+  kRecvBackward,    // RECV_B
+};
+
+/// One action of a schedule: `type` of micro-batch `microbatch` on stage `stage`.
+struct Action {
+  ActionType type = ActionType::kForward;
+  int64_t stage = 0;
+  int64_t microbatch = 0;
+  bool operator==(const Action& other) const {
+    return type == other.type && stage == other.stage && microbatch == other.microbatch;
+  }
+  bool operator!=(const Action& other) const { return !(*this == other); }
+};
+
+/// The action as torch.distributed.pipelining writes it: "0F3", "2SEND_B1".
+std::string to_string(const Action& action);
+
+/// Prints to_string(action).
+std::ostream& operator<<(std::ostream& out, const Action& action);
+
+/// Whether `type` is a send or a receive.
+bool is_communication(ActionType type);
+
+/// What each rank runs, in order (Note [Schedules as data]).
+struct Schedule {
+  /// Short name: "gpipe", "1f1b", "interleaved", "zb", or "custom" (parsed from text).
+  std::string name;
+  /// S: the number of stages (model chunks), in model order.
+  int64_t stages = 0;
+  /// m: the number of micro-batches.
+  int64_t microbatches = 0;
+  /// stage_ranks[s]: the rank that holds stage s.
+  std::vector<int64_t> stage_ranks;
+  /// ranks[r]: the actions of rank r, in the order it runs them.
+  std::vector<std::vector<Action>> ranks;
+
+  int64_t num_ranks() const { return static_cast<int64_t>(ranks.size()); }
+  /// v: stages per rank (1 unless interleaved).
+  int64_t virtual_stages() const;
+  /// The stages rank r holds, ascending.
+  std::vector<int64_t> stages_of(int64_t rank) const;
+};
+
+/// GPipe's fill-drain over `partitions` ranks: every stage runs F0 .. F(m-1), then B(m-1) .. B0,
+/// the order of the clock-cycle schedule.
+///
+///   auto schedule = gpipe::gpipe_schedule(/*partitions=*/4, /*microbatches=*/8);
+Schedule gpipe_schedule(int64_t partitions, int64_t microbatches);
+
+/// 1F1B (PipeDream-Flush, the default of Megatron-LM and DeepSpeed): the same bubble as GPipe,
+/// with at most n - s micro-batches in flight on stage s.
+Schedule one_f_one_b_schedule(int64_t partitions, int64_t microbatches);
+
+/// Interleaved 1F1B (Megatron-LM) with `virtual_stages` chunks per rank: rank r holds stages
+/// r, r + n, ..., the model cut into v * n stages. The bubble is GPipe's divided by v; m must be a
+/// multiple of n (Megatron's rule). With v = 1 it is one_f_one_b_schedule.
+Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages);
+
+/// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split into I
+/// and W, stage s delaying up to s W; bubble (n - 1)(T_F + T_I - T_W), peak in flight n.
+Schedule zero_bubble_schedule(int64_t partitions, int64_t microbatches);
+
+/// The schedules gpipe generates.
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved, kZeroBubble };
+
+/// `kind` by its name: "gpipe", "1f1b", "interleaved", "zb". Throws c10::Error naming the
+/// unknown name and the known ones.
+ScheduleKind schedule_kind(const std::string& name);
+std::string schedule_kind_name(ScheduleKind kind);
+
+/// The schedule of `kind` (`virtual_stages` only for kInterleaved; 1 elsewhere).
+Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
+                       int64_t virtual_stages = 1);
 
 }  // namespace gpipe

@@ -286,6 +286,61 @@ std::string schedule_svg(int64_t microbatches, int64_t partitions, int64_t check
   return out;
 }
 
+std::string schedule_svg(const Schedule& schedule, const ActionCosts& costs) {
+  const ScheduleSimulation sim = simulate_schedule(schedule, costs);
+  const int64_t n = schedule.num_ranks();
+  const int64_t v = schedule.virtual_stages();
+  const double scale = kWidth / std::max(sim.makespan, 1e-9);
+  const double height = kTop + n * kRow + 40;
+  std::string out = svg_open(
+      kLeft + kWidth + 20, height,
+      absl::StrFormat("%s schedule: %d ranks, %d micro-batches%s; simulated bubble %.0f%%, "
+                      "peak in flight %s",
+                      schedule.name, n, schedule.microbatches,
+                      v > 1 ? absl::StrFormat(", %d stages per rank", v) : std::string(),
+                      100 * sim.bubble, absl::StrJoin(sim.peak_in_flight, "/")));
+  for (int64_t r = 0; r < n; ++r) {
+    const double y = kTop + r * kRow;
+    absl::StrAppendFormat(&out, "<text x=\"8\" y=\"%.1f\">rank %d</text>\n", y + kRow / 2 + 4,
+                          r);
+    for (const SimulatedAction& done : sim.actions[r]) {
+      const Action& a = done.action;
+      const char* colour = a.type == ActionType::kForward         ? "#2f6fb5"
+                           : a.type == ActionType::kBackward      ? "#5aa469"
+                           : a.type == ActionType::kBackwardInput ? "#2a9d8f"
+                                                                  : "#8e6bbf";
+      const double x = kLeft + done.start * scale;
+      const double w = std::max(1.0, (done.end - done.start) * scale);
+      // With several stages per rank, later stages are drawn lighter.
+      const double opacity = v > 1 ? 1.0 - 0.45 * static_cast<double>(a.stage / n) / (v - 1) : 1.0;
+      absl::StrAppendFormat(&out,
+                            "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
+                            "fill=\"%s\" fill-opacity=\"%.2f\" stroke=\"white\">"
+                            "<title>%s: %g-%g</title></rect>\n",
+                            x, y + 2, w, kRow - 12, colour, opacity, to_string(a), done.start,
+                            done.end);
+      if (w > 12) {
+        absl::StrAppendFormat(&out,
+                              "<text x=\"%.2f\" y=\"%.1f\" fill=\"white\" "
+                              "text-anchor=\"middle\">%s</text>\n",
+                              x + w / 2, y + kRow / 2 + 1,
+                              v > 1 && w > 24 ? absl::StrCat(a.microbatch, "/", a.stage)
+                                              : absl::StrCat(a.microbatch));
+      }
+    }
+  }
+  absl::StrAppendFormat(&out,
+                        "<text x=\"%.1f\" y=\"%.1f\">blue: forward, green: backward, teal: "
+                        "input gradient (I), purple: weight gradient (W)%s; costs F %g, I %g, "
+                        "W %g, transfer %g</text>\n",
+                        kLeft, kTop + n * kRow + 14,
+                        v > 1 ? "; labels micro-batch/stage, later stages lighter" : "",
+                        costs.forward, costs.backward_input, costs.backward_weight,
+                        costs.transfer);
+  out += "</svg>\n";
+  return out;
+}
+
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
   TORCH_CHECK(file.good(), "gpipe: cannot open '", path, "' for writing: ", std::strerror(errno));

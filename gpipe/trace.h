@@ -9,6 +9,8 @@
 
 #include <c10/core/Device.h>
 
+#include "gpipe/schedule.h"
+#include "gpipe/schedule_check.h"
 #include "gpipe/timeline.h"
 
 namespace gpipe {
@@ -36,6 +38,14 @@ std::string timeline_svg(const std::vector<TimelineEvent>& events,
 /// forward (tick k runs the tasks (i, j) with i + j = k) then the backward in reverse, with the
 /// micro-batches below `checkpoint_stop` checkpointed (recomputed before their backward).
 std::string schedule_svg(int64_t microbatches, int64_t partitions, int64_t checkpoint_stop = 0);
+
+/// An SVG picture of any schedule (schedule.h) as simulate_schedule runs it with `costs`: one row
+/// per rank, a box per action at its simulated time, labelled with its micro-batch (and, with
+/// several stages per rank, its stage); F blue, B green, I teal, W purple; the title gives the
+/// simulated bubble and each rank's peak of micro-batches in flight.
+///
+///   gpipe::write_file("1f1b.svg", gpipe::schedule_svg(gpipe::one_f_one_b_schedule(4, 8)));
+std::string schedule_svg(const Schedule& schedule, const ActionCosts& costs = {});
 
 /// Writes `text` to `path`; throws c10::Error naming the path when it cannot.
 void write_file(const std::string& path, const std::string& text);

@@ -25,4 +25,11 @@ inline auto contains(const std::string& text) {
 #endif
 }
 
+/// Floating-point comparison within a relative margin: gpipe_test::Approx(1.5).
+#if GPIPE_CATCH2_VERSION == 3
+using Catch::Approx;
+#else
+using Catch::Detail::Approx;
+#endif
+
 }  // namespace gpipe_test

@@ -1,4 +1,5 @@
-// Tests of the clock-cycle schedule (gpipe/schedule.h).
+// Tests of the schedules (gpipe/schedule.h): the clock-cycle ticks and the generators, each against
+// its definition (orders, micro-batches in flight, bubble) simulated by gpipe/schedule_check.h.
 #include "tests/catch.h"
 
 #include <ostream>
@@ -7,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include "gpipe/schedule.h"
+#include "gpipe/schedule_check.h"
+#include "gpipe/schedule_text.h"
 
 namespace gpipe {
 
@@ -80,6 +83,171 @@ CATCH_TEST_CASE("every task runs exactly once, at tick i + j, in partition order
 
 CATCH_TEST_CASE("schedule_to_string draws one line per tick", "[schedule]") {
   CATCH_CHECK(schedule_to_string(clock_cycles(2, 2)) == "0: (0,0)\n1: (1,0) (0,1)\n2: (1,1)\n");
+}
+
+// --- Generated schedules -------------------------------------------------------------------------
+
+// The actions of one rank, as text.
+std::string rank_text(const Schedule& schedule, int64_t rank) {
+  Schedule one;
+  one.ranks = {schedule.ranks.at(rank)};
+  std::string text = schedule_text(one);
+  return text.substr(0, text.size() - 1);
+}
+
+CATCH_TEST_CASE("gpipe_schedule runs every forward, then the backwards in reverse", "[schedule]") {
+  const Schedule s = gpipe_schedule(2, 3);
+  CATCH_CHECK(s.name == "gpipe");
+  CATCH_CHECK(s.stage_ranks == std::vector<int64_t>{0, 1});
+  CATCH_CHECK(rank_text(s, 0) == "0F0 0F1 0F2 0B2 0B1 0B0");
+  CATCH_CHECK(rank_text(s, 1) == "1F0 1F1 1F2 1B2 1B1 1B0");
+}
+
+CATCH_TEST_CASE("one_f_one_b_schedule warms up with n - s - 1 forwards, then alternates",
+                "[schedule]") {
+  const Schedule s = one_f_one_b_schedule(3, 4);
+  CATCH_CHECK(rank_text(s, 0) == "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3");
+  CATCH_CHECK(rank_text(s, 1) == "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3");
+  CATCH_CHECK(rank_text(s, 2) == "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3");
+  // Fewer micro-batches than stages: the warm-up is cut to m.
+  CATCH_CHECK(rank_text(one_f_one_b_schedule(3, 1), 0) == "0F0 0B0");
+}
+
+CATCH_TEST_CASE("interleaved_schedule follows Megatron-LM's order over the chunks", "[schedule]") {
+  // n = 2, v = 2, m = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3. Rank 0 warms up
+  // with (n - 1) * 2 + (v - 1) * n = 4 forwards: micro-batches 0 and 1 through chunk 0, then
+  // through chunk 1; rank 1 with 2.
+  const Schedule s = interleaved_schedule(2, 2, 2);
+  CATCH_CHECK(s.stages == 4);
+  CATCH_CHECK(s.virtual_stages() == 2);
+  CATCH_CHECK(s.stage_ranks == std::vector<int64_t>{0, 1, 0, 1});
+  CATCH_CHECK(s.stages_of(1) == std::vector<int64_t>{1, 3});
+  CATCH_CHECK(rank_text(s, 0) == "0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1");
+  CATCH_CHECK(rank_text(s, 1) == "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1");
+  CATCH_CHECK_THROWS_WITH(interleaved_schedule(4, 6, 2),
+                          gpipe_test::contains("micro-batches (6) must be a multiple of the "
+                                               "number of partitions (4) with more than one "
+                                               "virtual stage, e.g. 8"));
+  CATCH_CHECK(schedule_text(interleaved_schedule(3, 5, 1)) ==
+              schedule_text(one_f_one_b_schedule(3, 5)));
+}
+
+CATCH_TEST_CASE("zero_bubble_schedule splits backwards and lets stage s delay s weight gradients",
+                "[schedule]") {
+  const Schedule s = zero_bubble_schedule(3, 4);
+  CATCH_CHECK(rank_text(s, 0) == "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3");
+  CATCH_CHECK(rank_text(s, 1) == "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3");
+  CATCH_CHECK(rank_text(s, 2) == "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3");
+}
+
+CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedule]") {
+  CATCH_CHECK_THROWS_WITH(gpipe_schedule(0, 4),
+                          gpipe_test::contains("partitions must be at least 1, got 0"));
+  CATCH_CHECK_THROWS_WITH(one_f_one_b_schedule(2, -1),
+                          gpipe_test::contains("micro-batches must be at least 1, got -1"));
+  CATCH_CHECK_THROWS_WITH(interleaved_schedule(2, 4, 0),
+                          gpipe_test::contains("virtual stages (model chunks per rank) must be "
+                                               "at least 1, got 0"));
+  CATCH_CHECK_THROWS_WITH(schedule_kind("pipedream"),
+                          gpipe_test::contains("unknown schedule 'pipedream': expected gpipe, "
+                                               "1f1b, interleaved or zb"));
+  CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::k1F1B, 2, 4, 2),
+                          gpipe_test::contains("only interleaved takes more than 1"));
+  for (const char* name : {"gpipe", "1f1b", "interleaved", "zb"}) {
+    CATCH_CHECK(schedule_kind_name(schedule_kind(name)) == name);
+    CATCH_CHECK(make_schedule(schedule_kind(name), 2, 4).name == name);
+  }
+}
+
+// Sweeps: every generated schedule is valid (with and without its transfers) and has the bubble
+// and the micro-batches in flight of its definition (schedules.md), with F = I = W = 1 (B = 2).
+
+CATCH_TEST_CASE("GPipe and 1F1B: bubble (n-1)/(m+n-1); in flight m and min(n-s, m)",
+                "[schedule]") {
+  const int64_t n = GENERATE(1, 2, 3, 4, 5);
+  const int64_t m = GENERATE(1, 2, 3, 4, 7, 8, 16);
+  CATCH_CAPTURE(n, m);
+  const double bubble = static_cast<double>(n - 1) / (m + n - 1);
+  const ScheduleSimulation gpipe = simulate_schedule(gpipe_schedule(n, m));
+  const ScheduleSimulation f1b1 = simulate_schedule(one_f_one_b_schedule(n, m));
+  CATCH_CHECK(gpipe.bubble == gpipe_test::Approx(bubble).margin(1e-12));
+  CATCH_CHECK(f1b1.bubble == gpipe_test::Approx(bubble).margin(1e-12));
+  CATCH_CHECK(gpipe.makespan == gpipe_test::Approx(3.0 * (m + n - 1)));
+  CATCH_CHECK(f1b1.makespan == gpipe_test::Approx(gpipe.makespan));
+  for (int64_t s = 0; s < n; ++s) {
+    CATCH_CHECK(gpipe.peak_in_flight[s] == m);
+    CATCH_CHECK(f1b1.peak_in_flight[s] == std::min(n - s, m));
+  }
+}
+
+CATCH_TEST_CASE("interleaved 1F1B divides the bubble by v", "[schedule]") {
+  const int64_t n = GENERATE(2, 3, 4);
+  const int64_t v = GENERATE(2, 3);
+  const int64_t groups = GENERATE(1, 2, 4);
+  const int64_t m = n * groups;
+  CATCH_CAPTURE(n, v, m);
+  const Schedule s = interleaved_schedule(n, m, v);
+  // Each chunk costs 1/v of a stage.
+  ActionCosts chunk;
+  chunk.forward = chunk.backward_input = chunk.backward_weight = 1.0 / v;
+  const ScheduleSimulation sim = simulate_schedule(s, chunk);
+  CATCH_CHECK(sim.makespan == gpipe_test::Approx(3.0 * m + 3.0 * (n - 1) / v));
+  CATCH_CHECK(sim.bubble == gpipe_test::Approx(static_cast<double>(n - 1) / (v * m + n - 1)));
+  for (int64_t r = 0; r < n; ++r) {
+    CATCH_CHECK(sim.peak_in_flight[r] == std::min((n - r - 1) * 2 + (v - 1) * n + 1, v * m));
+  }
+}
+
+CATCH_TEST_CASE("ZB-H1: bubble (n-1)(F+I-W), a third of 1F1B's, peak in flight at most n",
+                "[schedule]") {
+  const int64_t n = GENERATE(2, 3, 4, 5);
+  const int64_t m = GENERATE(5, 8, 16);
+  CATCH_CAPTURE(n, m);
+  const ScheduleSimulation zb = simulate_schedule(zero_bubble_schedule(n, m));
+  const ScheduleSimulation f1b1 = simulate_schedule(one_f_one_b_schedule(n, m));
+  CATCH_CHECK(zb.makespan == gpipe_test::Approx(3.0 * m + (n - 1) * (1.0 + 1.0 - 1.0)));
+  CATCH_CHECK(f1b1.makespan - 3.0 * m == gpipe_test::Approx(3 * (zb.makespan - 3.0 * m)));
+  CATCH_CHECK(zb.bubble < f1b1.bubble);
+  for (int64_t s = 0; s < n; ++s) {
+    CATCH_CHECK(zb.peak_in_flight[s] <= n);
+    CATCH_CHECK(zb.peak_in_flight[s] >= f1b1.peak_in_flight[s]);
+  }
+  CATCH_CHECK(zb.peak_in_flight[0] == n);
+  // Uneven costs: W longer than F + I leaves no bubble to fill beyond what W can.
+  ActionCosts costs;
+  costs.backward_weight = 0.5;
+  const ScheduleSimulation cheap_w = simulate_schedule(zero_bubble_schedule(n, m), costs);
+  CATCH_CHECK(cheap_w.makespan == gpipe_test::Approx(2.5 * m + (n - 1) * (1.0 + 1.0 - 0.5)));
+}
+
+CATCH_TEST_CASE("every generated schedule checks, with its transfers too, at the same cost",
+                "[schedule]") {
+  const auto kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+                             ScheduleKind::kZeroBubble);
+  const int64_t n = GENERATE(1, 2, 3, 4);
+  const int64_t m = GENERATE(1, 2, 4, 5, 8);
+  const int64_t v = kind == ScheduleKind::kInterleaved && m % n == 0 ? GENERATE(1, 2, 3) : 1;
+  CATCH_CAPTURE(schedule_kind_name(kind), n, m, v);
+  const Schedule s = make_schedule(kind, n, m, v);
+  CATCH_REQUIRE_NOTHROW(check_schedule(s));
+  CATCH_CHECK_FALSE(has_communication(s));
+  const Schedule wired = with_communication(s);
+  CATCH_CHECK(has_communication(wired) == (n > 1));
+  // Every action of the schedule is kept, in the same order on each rank.
+  for (int64_t r = 0; r < n; ++r) {
+    std::vector<Action> compute;
+    for (const Action& a : wired.ranks[r]) {
+      if (!is_communication(a.type)) compute.push_back(a);
+    }
+    CATCH_CHECK(compute == s.ranks[r]);
+  }
+  // The transfers add no waiting.
+  CATCH_CHECK(simulate_schedule(wired).makespan ==
+              gpipe_test::Approx(simulate_schedule(s).makespan));
+  ActionCosts slow_wire;
+  slow_wire.transfer = 0.25;
+  CATCH_CHECK(simulate_schedule(wired, slow_wire).makespan >= simulate_schedule(s).makespan);
+  CATCH_CHECK(with_communication(wired).ranks == wired.ranks);
 }
 
 }  // namespace
