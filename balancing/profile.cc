@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "gpipe/device.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
@@ -111,6 +112,7 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
                 "zero_grad with set_to_none, or profile before training)");
   }
   const c10::Device device = options.device();
+  check_device_available(device, "profile_layers: the profiling device");
   const size_t n = module->size();
 
   // Deep copies of the layers on the device, in training mode.
@@ -121,9 +123,13 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
     try {
       layers.push_back(original.clone(device));
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "profile_layers: cannot copy ", describe_layer(module, k),
+      // LibTorch's Module::clone says so when a module does not implement it.
+      const bool no_clone = e.msg().find("clone() has not been implemented") != std::string::npos;
+      TORCH_CHECK(!no_clone, "profile_layers: cannot copy ", describe_layer(module, k),
                   ": it must implement clone() (derive from torch::nn::Cloneable); ",
                   e.what_without_backtrace());
+      TORCH_CHECK(false, "profile_layers: cannot copy ", describe_layer(module, k), " to ", device,
+                  ": ", e.what_without_backtrace());
     }
     layers.back().ptr()->train();
   }

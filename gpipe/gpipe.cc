@@ -7,8 +7,10 @@
 #include <c10/util/irange.h>
 #include <torch/cuda.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/batchnorm.h"
+#include "gpipe/device.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
 #include "gpipe/pipeline.h"
@@ -57,8 +59,12 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
       devices.assign(partitions, c10::Device(c10::kCPU));
     }
   } else {
-    for (const c10::Device& d : given) {
-      devices.push_back(normalize(d));
+    for (size_t j = 0; j < given.size(); ++j) {
+      // Devices past the partitions are not used (GPipe takes the first ones).
+      if (j < partitions) {
+        check_device_available(given[j], absl::StrCat("GPipe: partition ", j));
+      }
+      devices.push_back(j < partitions ? normalize(given[j]) : given[j]);
     }
   }
   return devices;
@@ -121,14 +127,29 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
                 "worker_per_partition(true): each partition's backward runs on its own worker");
   }
   workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
-  if (options_.worker_per_partition() && options_.checkpoint() != Checkpoint::kNever) {
-    for (size_t j = 1; j < devices_.size(); ++j) {
-      if (devices_[j].is_cpu() && devices_[j - 1].is_cpu()) {
-        TORCH_WARN_ONCE(
-            "GPipe: worker_per_partition runs CPU partitions at the same time, so layers that draw "
-            "random numbers from the CPU generator (dropout) draw them in an order that depends on "
-            "thread timing, and a checkpointed micro-batch may recompute different numbers than "
-            "its first forward drew. Use it for deterministic layers, or with Checkpoint::kNever.");
+  // Note [Random numbers in concurrent CPU partitions]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Every CPU partition draws from the one CPU generator. When CPU partitions run at the same
+  // time (worker_per_partition here, the partitions of a PipelineStage), the order of their draws
+  // depends on thread timing, so a checkpointed micro-batch's recomputation may not see the
+  // numbers its forward drew (checkpoint.h restores the generator's state, but another thread may
+  // draw in between). That matters only where a checkpointed CPU partition holds a layer that draws
+  // random numbers (random_layer: dropout, RReLU) and another CPU partition runs beside it: only
+  // then is a warning printed, naming the layer. GPU partitions each have their own generator.
+  const bool checkpointed = options_.checkpoint() == Checkpoint::kAlways ||
+                            (options_.checkpoint() == Checkpoint::kExceptLast &&
+                             options_.chunks() > 1);
+  const int64_t cpu_partitions = std::count_if(devices_.begin(), devices_.end(),
+                                               [](const c10::Device& d) { return d.is_cpu(); });
+  if (options_.worker_per_partition() && checkpointed && cpu_partitions > 1) {
+    for (size_t j = 0; j < devices_.size(); ++j) {
+      const std::string layer = devices_[j].is_cpu() ? random_layer(partitions_[j]) : "";
+      if (!layer.empty()) {
+        TORCH_WARN("GPipe: partition ", j, " holds ", layer, ", which draws random numbers, and "
+                   "worker_per_partition runs the CPU partitions at the same time: they draw from "
+                   "the one CPU generator in an order that depends on thread timing, so a "
+                   "checkpointed micro-batch may recompute different numbers than its forward "
+                   "drew. Use Checkpoint::kNever, or turn worker_per_partition off.");
         break;
       }
     }

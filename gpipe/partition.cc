@@ -30,6 +30,16 @@ std::string describe_in_partition(const torch::nn::Sequential& partition, size_t
 
 }  // namespace
 
+std::string random_layer(const torch::nn::Sequential& partition) {
+  for (const auto& item : partition->named_modules("", /*include_self=*/false)) {
+    const std::string type = item.value()->name();
+    if (type.find("Dropout") != std::string::npos || type.find("RReLU") != std::string::npos) {
+      return absl::StrCat("'", item.key(), "' (", type, ")");
+    }
+  }
+  return "";
+}
+
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {
   const auto children = module->named_children();
   return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),

@@ -32,6 +32,12 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
 /// "layer 3 ('conv', torch::nn::Conv2dImpl)": layer `index` of `module`, for error messages.
 std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 
+/// The first module in `partition` (at any depth) that draws random numbers in training, as
+/// "'<path>' (<type>)", e.g. "'2' (torch::nn::DropoutImpl)"; empty when there is none. Recognised
+/// by type name: every dropout (a name containing "Dropout") and RReLU. A custom layer that draws
+/// random numbers under another name is not seen.
+std::string random_layer(const torch::nn::Sequential& partition);
+
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors.
 Batch run_partition(const torch::nn::Sequential& partition, const Batch& input);

@@ -16,6 +16,8 @@ namespace gpipe {
 namespace {
 
 constexpr int64_t kTypes = 8;
+// The most (stage, micro-batch) pairs a schedule may have (its tables hold kTypes entries each).
+constexpr int64_t kMaxSize = 1 << 22;
 
 // The other side of a transfer: SEND_F(s, i) <-> RECV_F(s + 1, i),
 // SEND_B(s, i) <-> RECV_B(s - 1, i).
@@ -108,12 +110,20 @@ std::string where(const Plan& plan, const Action& a) {
                       plan.position_of(a), " ('", to_string(a), "')");
 }
 
-// The shape of the schedule, and where every action is (each once).
-void place_actions(const Schedule& s, Plan& plan) {
+// The schedule's sizes, checked before anything is sized by them.
+void check_sizes(const Schedule& s) {
   const std::string name = absl::StrCat("schedule '", s.name, "'");
   TORCH_CHECK(s.stages >= 1 && s.microbatches >= 1, name,
               ": needs at least 1 stage and 1 micro-batch, got ", s.stages, " and ",
               s.microbatches);
+  TORCH_CHECK(s.stages <= kMaxSize / s.microbatches, name, ": ", s.stages, " stages x ",
+              s.microbatches, " micro-batches is more than ", kMaxSize,
+              " (stage, micro-batch) pairs");
+}
+
+// The shape of the schedule, and where every action is (each once).
+void place_actions(const Schedule& s, Plan& plan) {
+  const std::string name = absl::StrCat("schedule '", s.name, "'");
   TORCH_CHECK(!s.ranks.empty(), name, ": has no ranks");
   TORCH_CHECK(static_cast<int64_t>(s.stage_ranks.size()) == s.stages, name, ": ", s.stages,
               " stages but stage_ranks has ", s.stage_ranks.size(), " entries");
@@ -130,6 +140,8 @@ void place_actions(const Schedule& s, Plan& plan) {
       const Action& a = s.ranks[r][p];
       const std::string at =
           absl::StrCat(name, ": rank ", r, ", action ", p, " ('", to_string(a), "')");
+      TORCH_CHECK(static_cast<int64_t>(a.type) < kTypes, at, ": unknown action type ",
+                  static_cast<int>(a.type));
       TORCH_CHECK(a.stage >= 0 && a.stage < s.stages, at, ": the stages are 0 to ", s.stages - 1);
       TORCH_CHECK(a.microbatch >= 0 && a.microbatch < s.microbatches, at,
                   ": the micro-batches are 0 to ", s.microbatches - 1);
@@ -331,6 +343,7 @@ ScheduleSimulation run(const Plan& plan, const ActionCosts& costs) {
 }
 
 ScheduleSimulation check(const Schedule& schedule, const ActionCosts& costs) {
+  check_sizes(schedule);
   Plan plan(schedule);
   place_actions(schedule, plan);
   check_complete(schedule, plan);

@@ -22,6 +22,9 @@ constexpr const char* kForm =
     "expected <stage><type><micro-batch> with type F, B, I, W, SEND_F, RECV_F, SEND_B or RECV_B, "
     "e.g. 0F3";
 
+// Stages and micro-batches are below this (Note [Checking a schedule] limits their product).
+constexpr int64_t kMaxIndex = 1 << 20;
+
 bool parse_action(absl::string_view token, Action& action) {
   size_t digits = 0;
   while (digits < token.size() && std::isdigit(static_cast<unsigned char>(token[digits]))) ++digits;
@@ -66,6 +69,9 @@ Schedule parse_schedule(const std::string& text) {
       Action a;
       TORCH_CHECK(parse_action(token, a), "parse_schedule: line ", line_number, " (rank ", rank,
                   "): '", token, "' is not an action: ", kForm);
+      TORCH_CHECK(a.stage < kMaxIndex && a.microbatch < kMaxIndex, "parse_schedule: line ",
+                  line_number, " (rank ", rank, "): '", token, "' has a stage or micro-batch over ",
+                  kMaxIndex - 1);
       if (a.stage >= static_cast<int64_t>(schedule.stage_ranks.size())) {
         schedule.stage_ranks.resize(a.stage + 1, -1);
         stage_lines.resize(a.stage + 1, -1);

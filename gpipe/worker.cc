@@ -82,7 +82,8 @@ std::shared_ptr<WorkerPool> WorkerPool::make_shared(const std::vector<c10::Devic
 WorkerPool::WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_partition) {
   std::vector<c10::Device> keys;  // the device of each worker; keys[0] is the caller's
   for (size_t j = 0; j < devices.size(); ++j) {
-    const c10::Device& device = devices[j];
+    // One CPU, however it is written ("cpu", "cpu:0"): partitions on it share a worker.
+    const c10::Device device = devices[j].is_cpu() ? c10::Device(c10::kCPU) : devices[j];
     size_t index = 0;
     if (worker_per_partition) {
       index = j;

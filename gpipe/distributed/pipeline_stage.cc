@@ -24,6 +24,7 @@
 #include "gpipe/distributed/local_link.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/distributed/transfer.h"
+#include "gpipe/device.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/skippable.h"
@@ -80,6 +81,12 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   std::vector<c10::Device> devices(balance.size(), c10::Device(c10::kCPU));
   const int rank = group_->getRank();
   const std::vector<c10::Device>& local_devices = options_.local_devices();
+  if (local_devices.empty()) {
+    check_device_available(options_.device(), absl::StrCat(who, ": the stage's device"));
+  }
+  for (size_t j = 0; j < local_devices.size(); ++j) {
+    check_device_available(local_devices[j], absl::StrCat(who, ": local partition ", j));
+  }
   const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
   if (rank < static_cast<int>(balance.size())) devices[rank] = first_device;
   const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
@@ -132,12 +139,22 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                   "partition its own GPU (local_devices)");
     }
   }
-  if (partition_devices.size() > 1 && options_.checkpoint() != Checkpoint::kNever) {
-    TORCH_WARN_ONCE(who, ": the partitions of a stage run at the same time, so layers that draw "
-                    "random numbers from the CPU generator (dropout) draw them in an order that "
-                    "depends on thread timing, and a checkpointed micro-batch may recompute "
-                    "different numbers than its first forward drew. Use several partitions for "
-                    "deterministic layers, or with Checkpoint::kNever.");
+  // Warned where it applies (Note [Random numbers in concurrent CPU partitions] in gpipe.cc).
+  const bool checkpointed = options_.checkpoint() == Checkpoint::kAlways ||
+                            (options_.checkpoint() == Checkpoint::kExceptLast &&
+                             options_.chunks() > 1);
+  const auto cpu_partitions = std::count_if(partition_devices.begin(), partition_devices.end(),
+                                            [](const c10::Device& d) { return d.is_cpu(); });
+  for (size_t j = 0; j < local.size() && checkpointed && cpu_partitions > 1; ++j) {
+    const std::string layer = partition_devices[j].is_cpu() ? random_layer(local[j]) : "";
+    if (!layer.empty()) {
+      TORCH_WARN(who, ": local partition ", j, " of stage ", stage_, " holds ", layer, ", which "
+                 "draws random numbers, and the CPU partitions of a stage run at the same time: "
+                 "they draw from the one CPU generator in an order that depends on thread timing, "
+                 "so a checkpointed micro-batch may recompute different numbers than its forward "
+                 "drew. Use Checkpoint::kNever, or one partition per stage.");
+      break;
+    }
   }
   for (size_t j = 0; j < local.size(); ++j) {
     Partition p;

@@ -158,6 +158,27 @@ CATCH_TEST_CASE("a layer that cannot be copied is named", "[balancing][errors]")
                               gpipe_test::contains("torch::nn::Cloneable"));
 }
 
+CATCH_TEST_CASE("balancers refuse a device this machine does not have, without the clone() hint",
+                "[balancing][errors]") {
+  const auto [gpu, reason] = unavailable_cuda();
+  const nn::Sequential model(nn::Linear(8, 8), nn::Linear(8, 8));
+  for (int by_time = 0; by_time < 2; ++by_time) {
+    try {
+      if (by_time) {
+        balance_by_time(2, model, at::randn({4, 8}), BalanceByTimeOptions().device(gpu));
+      } else {
+        balance_by_size(2, model, at::randn({4, 8}), BalanceBySizeOptions().device(gpu));
+      }
+      CATCH_FAIL("no error for " << gpu);
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      CATCH_CHECK_THAT(message, gpipe_test::contains("profile_layers: the profiling device is on " +
+                                                     gpu.str() + ", " + reason));
+      CATCH_CHECK(message.find("clone()") == std::string::npos);
+    }
+  }
+}
+
 CATCH_TEST_CASE("balancers work on CUDA", "[balancing][cuda]") {
   const c10::Device gpu(at::kCUDA, 0);
   const auto by_time = balance_by_time(

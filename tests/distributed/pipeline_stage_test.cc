@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "gpipe/checkpoint.h"
+#include "gpipe/device.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
@@ -879,6 +880,16 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
                                                "popped in another"));
   CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({6}).chunks(0), group),
                           gpipe_test::contains("chunks must be at least 1, got 0"));
+  // A device this machine does not have (cuda:<number of GPUs>) is refused before it is used.
+  const c10::Device gpu(c10::kCUDA, static_cast<c10::DeviceIndex>(cuda_device_count()));
+  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({6}).device(gpu), group),
+                          gpipe_test::contains("PipelineStage: the stage's device is on " +
+                                               gpu.str() + ", but "));
+  CATCH_CHECK_THROWS_WITH(
+      PipelineStage(make_model(),
+                    PipelineStageOptions({6}).local_balance({3, 3}).local_devices({at::kCPU, gpu}),
+                    group),
+      gpipe_test::contains("PipelineStage: local partition 1 is on " + gpu.str() + ", but "));
   auto [x, y] = batch(0);
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(2), group);
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),

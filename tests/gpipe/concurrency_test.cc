@@ -21,6 +21,22 @@ nn::Sequential conv_model() {
                         nn::Flatten(), nn::Linear(4 * 5 * 5, 3));
 }
 
+CATCH_TEST_CASE("WorkerPool gives one CPU one worker however it is written", "[concurrency]") {
+  const c10::Device cpu("cpu");
+  const c10::Device cpu0("cpu:0");
+  // Partitions on the calling thread's device run inline: no thread for "cpu:0" after "cpu".
+  WorkerPool shared({cpu, cpu0, cpu}, /*worker_per_partition=*/false);
+  CATCH_CHECK(shared.size() == 0);
+  CATCH_CHECK(shared.runs_inline(1));
+  WorkerPool shared0({cpu0, cpu}, /*worker_per_partition=*/false);
+  CATCH_CHECK(shared0.size() == 0);
+  // A worker per partition: partitions 1 and 2 get one each, whatever their spelling.
+  WorkerPool own({cpu, cpu0, cpu}, /*worker_per_partition=*/true);
+  CATCH_CHECK(own.size() == 2);
+  CATCH_CHECK(own.runs_inline(0));
+  CATCH_CHECK(&own.for_partition(1) != &own.for_partition(2));
+}
+
 CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the plain model's "
                 "results",
                 "[concurrency]") {

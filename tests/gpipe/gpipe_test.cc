@@ -72,6 +72,60 @@ CATCH_TEST_CASE("GPipe ignores devices beyond the number of partitions", "[gpipe
   CATCH_CHECK(model->devices().size() == 1);
 }
 
+CATCH_TEST_CASE("GPipe refuses a device this machine does not have before using it, naming it",
+                "[gpipe][api][errors]") {
+  const auto [gpu, reason] = unavailable_cuda();
+  CATCH_CAPTURE(gpu, reason);
+  CATCH_CHECK_THROWS_WITH(GPipe(build(mlp, 1), GPipeOptions({3, 2}).devices({at::kCPU, gpu})),
+                          gpipe_test::contains("GPipe: partition 1 is on " + gpu.str() + ", " +
+                                               reason));
+  // Only the devices of partitions are checked.
+  GPipe model(build(mlp, 1), GPipeOptions({5}).devices({at::kCPU, gpu}));
+  CATCH_CHECK(model->devices().size() == 1);
+}
+
+// The warnings LibTorch's TORCH_WARN sends while it is alive.
+struct CaptureWarnings : c10::WarningHandler {
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  std::vector<std::string> messages;
+};
+
+CATCH_TEST_CASE("GPipe warns of random numbers in concurrent CPU partitions only where a "
+                "checkpointed partition draws them",
+                "[gpipe][api]") {
+  auto with_dropout = [] {
+    return nn::Sequential(nn::Linear(4, 6), nn::ReLU(), nn::Dropout(0.5), nn::Linear(6, 2));
+  };
+  auto without = [] {
+    return nn::Sequential(nn::Linear(4, 6), nn::ReLU(), nn::Tanh(), nn::Linear(6, 2));
+  };
+  auto warnings = [](nn::Sequential model, GPipeOptions options) {
+    CaptureWarnings capture;
+    c10::WarningHandlerGuard guard(&capture);
+    GPipe pipe(std::move(model), std::move(options));
+    return capture.messages;
+  };
+  const GPipeOptions threads = cpu({2, 2}).chunks(2).worker_per_partition(true);
+  const auto warned = warnings(with_dropout(), threads);
+  CATCH_REQUIRE(warned.size() == 1);
+  CATCH_CHECK_THAT(warned[0], gpipe_test::contains("GPipe: partition 1 holds '2' "
+                                                   "(torch::nn::DropoutImpl), which draws random "
+                                                   "numbers"));
+  // Nothing random, nothing checkpointed, or no partitions running at the same time: no warning.
+  CATCH_CHECK(warnings(without(), threads).empty());
+  CATCH_CHECK(
+      warnings(with_dropout(), GPipeOptions(threads).checkpoint(Checkpoint::kNever)).empty());
+  CATCH_CHECK(warnings(with_dropout(), GPipeOptions(threads).chunks(1)).empty());
+  CATCH_CHECK(warnings(with_dropout(), GPipeOptions(threads).worker_per_partition(false)).empty());
+  CATCH_CHECK(warnings(with_dropout(), cpu({4}).chunks(2).worker_per_partition(true)).empty());
+}
+
 CATCH_TEST_CASE("GPipe names parameters by partition and layer", "[gpipe][api]") {
   GPipe model(build(mlp, 1), cpu({2, 3}));
   auto params = model->named_parameters();

@@ -59,6 +59,8 @@ CATCH_TEST_CASE("parse_schedule names the line and the token it cannot read", "[
   CATCH_CHECK_THROWS_WITH(parse_schedule("0F0 0B0\n2F0 2B0\n"),
                           contains("no rank names stage 1, but stage 2 is named"));
   CATCH_CHECK_THROWS_WITH(parse_schedule("# nothing\n"), contains("the text has no actions"));
+  CATCH_CHECK_THROWS_WITH(parse_schedule("0F9223372036854775807\n"),
+                          contains("has a stage or micro-batch over 1048575"));
 }
 
 CATCH_TEST_CASE("check_schedule refuses actions that run twice or never", "[schedule]") {
@@ -154,6 +156,17 @@ CATCH_TEST_CASE("check_schedule refuses a schedule whose shape is wrong", "[sche
   s.stage_ranks = {0, 2};
   CATCH_CHECK_THROWS_WITH(check_schedule(s),
                           contains("stage 1 is on rank 2, but the ranks are 0 to 1"));
+  s = gpipe_schedule(2, 2);
+  s.microbatches = -1;
+  CATCH_CHECK_THROWS_WITH(check_schedule(s), contains("needs at least 1 stage and 1 micro-batch, "
+                                                      "got 2 and -1"));
+  s.microbatches = int64_t{1} << 40;
+  CATCH_CHECK_THROWS_WITH(check_schedule(s), contains("is more than 4194304 (stage, micro-batch) "
+                                                      "pairs"));
+  s = gpipe_schedule(2, 2);
+  s.ranks[0][0].type = static_cast<ActionType>(9);
+  CATCH_CHECK_THROWS_WITH(check_schedule(s), contains("rank 0, action 0 ('0?0'): unknown action "
+                                                      "type 9"));
   CATCH_CHECK_THROWS_WITH(simulate_schedule(gpipe_schedule(2, 2), ActionCosts{0, 1, 1, 0}),
                           contains("action costs must be positive"));
 }

@@ -33,12 +33,25 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/pooling.h>
 
+#include "gpipe/device.h"
 #include "gpipe/gpipe.h"
 
 namespace gpipe {
 namespace testing {
 
 /// The largest absolute difference between two tensors (both must be defined and alike).
+/// A CUDA device this process does not have (cuda:<number of GPUs>), and why, as
+/// check_device_available says it: the facts come from LibTorch's device registry.
+inline std::pair<c10::Device, std::string> unavailable_cuda() {
+  const int64_t count = cuda_device_count();
+  const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(count));
+  if (!c10::impl::hasDeviceGuardImpl(c10::kCUDA)) {
+    return {device, "but this LibTorch was built without CUDA (CPU only)"};
+  }
+  if (count == 0) return {device, "but no CUDA device is visible to this process"};
+  return {device, "but this machine has " + std::to_string(count) + " CUDA device"};
+}
+
 inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
   CATCH_REQUIRE(a.defined());
   CATCH_REQUIRE(b.defined());
