@@ -107,7 +107,11 @@ CATCH_TEST_CASE("GPipe warns of random numbers in concurrent CPU partitions only
   };
   auto warnings = [](nn::Sequential model, GPipeOptions options) {
     CaptureWarnings capture;
-    c10::WarningHandlerGuard guard(&capture);
+#if TORCH_VERSION_MAJOR >= 2
+    c10::WarningUtils::WarningHandlerGuard guard(&capture);
+#else
+    c10::Warning::WarningHandlerGuard guard(&capture);
+#endif
     GPipe pipe(std::move(model), std::move(options));
     return capture.messages;
   };
