@@ -20,7 +20,7 @@ void check_device_available(const c10::Device& device, const std::string& who) {
     TORCH_CHECK(c10::impl::hasDeviceGuardImpl(c10::kCUDA), who, " is on ", device,
                 ", but this LibTorch was built without CUDA (CPU only); use the CPU, or build gpipe "
                 "against a CUDA LibTorch (docs/building.md)");
-    const int64_t count = c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount();
+    const int64_t count = cuda_device_count();
     TORCH_CHECK(count > 0, who, " is on ", device, ", but no CUDA device is visible to this "
                 "process (no GPU or no driver, or CUDA_VISIBLE_DEVICES hides them); use the CPU");
     TORCH_CHECK(!device.has_index() || device.index() < count, who, " is on ", device,

@@ -35,11 +35,10 @@ const char* checkpoint_name(Checkpoint mode) {
   return "?";
 }
 
-// `cuda` means the current CUDA device, as everywhere in LibTorch; the CPU has no index.
+// `cuda` means the current CUDA device, as everywhere in LibTorch; the CPU has no index. The
+// device is available (check_device_available).
 c10::Device normalize(const c10::Device& device) {
   if (device.is_cuda() && !device.has_index()) {
-    TORCH_CHECK(torch::cuda::is_available(), "GPipe was given device ", device,
-                ", but CUDA is not available");
     return c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
   }
   if (device.is_cpu()) {
@@ -127,31 +126,16 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
                 "worker_per_partition(true): each partition's backward runs on its own worker");
   }
   workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
-  // Note [Random numbers in concurrent CPU partitions]
-  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-  // Every CPU partition draws from the one CPU generator. When CPU partitions run at the same
-  // time (worker_per_partition here, the partitions of a PipelineStage), the order of their draws
-  // depends on thread timing, so a checkpointed micro-batch's recomputation may not see the
-  // numbers its forward drew (checkpoint.h restores the generator's state, but another thread may
-  // draw in between). That matters only where a checkpointed CPU partition holds a layer that draws
-  // random numbers (random_layer: dropout, RReLU) and another CPU partition runs beside it: only
-  // then is a warning printed, naming the layer. GPU partitions each have their own generator.
-  const bool checkpointed = options_.checkpoint() == Checkpoint::kAlways ||
-                            (options_.checkpoint() == Checkpoint::kExceptLast &&
-                             options_.chunks() > 1);
-  const int64_t cpu_partitions = std::count_if(devices_.begin(), devices_.end(),
-                                               [](const c10::Device& d) { return d.is_cpu(); });
-  if (options_.worker_per_partition() && checkpointed && cpu_partitions > 1) {
-    for (size_t j = 0; j < devices_.size(); ++j) {
-      const std::string layer = devices_[j].is_cpu() ? random_layer(partitions_[j]) : "";
-      if (!layer.empty()) {
-        TORCH_WARN("GPipe: partition ", j, " holds ", layer, ", which draws random numbers, and "
-                   "worker_per_partition runs the CPU partitions at the same time: they draw from "
-                   "the one CPU generator in an order that depends on thread timing, so a "
-                   "checkpointed micro-batch may recompute different numbers than its forward "
-                   "drew. Use Checkpoint::kNever, or turn worker_per_partition off.");
-        break;
-      }
+  // Warned only where it applies (Note [Random numbers in concurrent CPU partitions]).
+  if (options_.worker_per_partition() &&
+      checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0) {
+    const auto [j, layer] = concurrent_random_layer(partitions_, devices_);
+    if (j >= 0) {
+      TORCH_WARN("GPipe: partition ", j, " holds ", layer, ", which draws random numbers, and "
+                 "worker_per_partition runs the CPU partitions at the same time: they draw from "
+                 "the one CPU generator in an order that depends on thread timing, so a "
+                 "checkpointed micro-batch may recompute different numbers than its forward "
+                 "drew. Use Checkpoint::kNever, or turn worker_per_partition off.");
     }
   }
   // Every stream a forward needs exists before the first forward (Note [Copy streams]): forwards

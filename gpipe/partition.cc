@@ -1,6 +1,7 @@
 // Partitions; see partition.h.
 #include "gpipe/partition.h"
 
+#include <algorithm>
 #include <numeric>
 #include <unordered_map>
 
@@ -30,14 +31,20 @@ std::string describe_in_partition(const torch::nn::Sequential& partition, size_t
 
 }  // namespace
 
-std::string random_layer(const torch::nn::Sequential& partition) {
-  for (const auto& item : partition->named_modules("", /*include_self=*/false)) {
-    const std::string type = item.value()->name();
-    if (type.find("Dropout") != std::string::npos || type.find("RReLU") != std::string::npos) {
-      return absl::StrCat("'", item.key(), "' (", type, ")");
+std::pair<int64_t, std::string> concurrent_random_layer(
+    const std::vector<torch::nn::Sequential>& partitions, const std::vector<c10::Device>& devices) {
+  const auto cpu_partitions =
+      std::count_if(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cpu(); });
+  for (size_t j = 0; j < partitions.size() && cpu_partitions > 1; ++j) {
+    if (!devices[j].is_cpu()) continue;
+    for (const auto& item : partitions[j]->named_modules("", /*include_self=*/false)) {
+      const std::string type = item.value()->name();
+      if (type.find("Dropout") != std::string::npos || type.find("RReLU") != std::string::npos) {
+        return {static_cast<int64_t>(j), absl::StrCat("'", item.key(), "' (", type, ")")};
+      }
     }
   }
-  return "";
+  return {-1, ""};
 }
 
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -32,11 +33,24 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
 /// "layer 3 ('conv', torch::nn::Conv2dImpl)": layer `index` of `module`, for error messages.
 std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 
-/// The first module in `partition` (at any depth) that draws random numbers in training, as
-/// "'<path>' (<type>)", e.g. "'2' (torch::nn::DropoutImpl)"; empty when there is none. Recognised
-/// by type name: every dropout (a name containing "Dropout") and RReLU. A custom layer that draws
-/// random numbers under another name is not seen.
-std::string random_layer(const torch::nn::Sequential& partition);
+// Note [Random numbers in concurrent CPU partitions]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every CPU partition draws from the one CPU generator. When CPU partitions run at the same time
+// (a GPipe's worker_per_partition, the partitions of a PipelineStage), the order of their draws
+// depends on thread timing, so a checkpointed micro-batch's recomputation may not see the numbers
+// its forward drew (checkpoint.h restores the generator's state, but another thread may draw in
+// between). That matters only where a checkpointed CPU partition holds a layer that draws random
+// numbers (dropout, RReLU) and another CPU partition runs beside it: only then do GPipe and
+// PipelineStage warn, naming the layer. GPU partitions each have their own generator.
+
+/// Where Note [Random numbers in concurrent CPU partitions] applies to `partitions` on `devices`,
+/// all running at the same time and checkpointed: the first CPU partition, beside another CPU
+/// partition, holding a module (at any depth) that draws random numbers in training, with that
+/// module as "'<path>' (<type>)", e.g. {1, "'2' (torch::nn::DropoutImpl)"}; {-1, ""} when there
+/// is none. Recognised by type name: every dropout (a name containing "Dropout") and RReLU; a
+/// custom layer that draws random numbers under another name is not seen.
+std::pair<int64_t, std::string> concurrent_random_layer(
+    const std::vector<torch::nn::Sequential>& partitions, const std::vector<c10::Device>& devices);
 
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors.

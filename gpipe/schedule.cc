@@ -2,6 +2,7 @@
 #include "gpipe/schedule.h"
 
 #include <algorithm>
+#include <functional>
 #include <ostream>
 
 #include <c10/util/Exception.h>
@@ -82,6 +83,22 @@ Schedule one_stage_per_rank(std::string name, int64_t n, int64_t m) {
 
 Action forward(int64_t s, int64_t i) { return {ActionType::kForward, s, i}; }
 
+// The 1F1B shape of one rank's order: `warmup` forwards, then a forward and a backward in turn
+// until `total` forwards ran, then the remaining backwards. `next_forward(k)` and
+// `next_backward(k)` add the k-th of each.
+void warm_up_then_alternate(int64_t warmup, int64_t total,
+                            const std::function<void(int64_t)>& next_forward,
+                            const std::function<void(int64_t)>& next_backward) {
+  int64_t f = 0;
+  int64_t b = 0;
+  while (f < warmup) next_forward(f++);
+  while (f < total) {
+    next_forward(f++);
+    next_backward(b++);
+  }
+  while (b < total) next_backward(b++);
+}
+
 }  // namespace
 
 std::string to_string(const Action& action) {
@@ -129,15 +146,9 @@ Schedule one_f_one_b_schedule(int64_t partitions, int64_t microbatches) {
   Schedule schedule = one_stage_per_rank("1f1b", n, m);
   for (int64_t s = 0; s < n; ++s) {
     auto& actions = schedule.ranks[s];
-    const int64_t warmup = std::min(n - s - 1, m);
-    int64_t f = 0;
-    int64_t b = 0;
-    while (f < warmup) actions.push_back(forward(s, f++));
-    while (f < m) {
-      actions.push_back(forward(s, f++));
-      actions.push_back({ActionType::kBackward, s, b++});
-    }
-    while (b < m) actions.push_back({ActionType::kBackward, s, b++});
+    warm_up_then_alternate(
+        std::min(n - s - 1, m), m, [&](int64_t i) { actions.push_back(forward(s, i)); },
+        [&](int64_t i) { actions.push_back({ActionType::kBackward, s, i}); });
   }
   return schedule;
 }
@@ -172,23 +183,12 @@ Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t 
   auto chunk = [&](int64_t k) { return (k / n) % v; };
   for (int64_t r = 0; r < n; ++r) {
     auto& actions = schedule.ranks[r];
-    const int64_t warmup = std::min((n - r - 1) * 2 + (v - 1) * n, total);
-    int64_t f = 0;
-    int64_t b = 0;
-    auto next_forward = [&] {
-      actions.push_back(forward(chunk(f) * n + r, microbatch(f)));
-      ++f;
-    };
-    auto next_backward = [&] {
-      actions.push_back({ActionType::kBackward, (v - 1 - chunk(b)) * n + r, microbatch(b)});
-      ++b;
-    };
-    while (f < warmup) next_forward();
-    while (f < total) {
-      next_forward();
-      next_backward();
-    }
-    while (b < total) next_backward();
+    warm_up_then_alternate(
+        std::min((n - r - 1) * 2 + (v - 1) * n, total),
+        total, [&](int64_t k) { actions.push_back(forward(chunk(k) * n + r, microbatch(k))); },
+        [&](int64_t k) {
+          actions.push_back({ActionType::kBackward, (v - 1 - chunk(k)) * n + r, microbatch(k)});
+        });
   }
   return schedule;
 }
@@ -200,22 +200,16 @@ Schedule zero_bubble_schedule(int64_t partitions, int64_t microbatches) {
   Schedule schedule = one_stage_per_rank("zb", n, m);
   for (int64_t s = 0; s < n; ++s) {
     auto& actions = schedule.ranks[s];
-    const int64_t warmup = std::min(n - s - 1, m);
-    int64_t f = 0;
-    int64_t b = 0;
     int64_t w = 0;
-    // After each I, a W when more than s are waiting: stage s keeps up to n - s micro-batches
-    // in flight as in 1F1B plus s whose W waits, n in all (the first stage's 1F1B peak).
-    auto backward = [&] {
-      actions.push_back({ActionType::kBackwardInput, s, b++});
-      if (b - w > s) actions.push_back({ActionType::kBackwardWeight, s, w++});
-    };
-    while (f < warmup) actions.push_back(forward(s, f++));
-    while (f < m) {
-      actions.push_back(forward(s, f++));
-      backward();
-    }
-    while (b < m) backward();
+    // After I of micro-batch i, a W when more than s are waiting: stage s keeps up to n - s
+    // micro-batches in flight as in 1F1B plus s whose W waits, n in all (the first stage's 1F1B
+    // peak).
+    warm_up_then_alternate(
+        std::min(n - s - 1, m), m, [&](int64_t i) { actions.push_back(forward(s, i)); },
+        [&](int64_t i) {
+          actions.push_back({ActionType::kBackwardInput, s, i});
+          if (i + 1 - w > s) actions.push_back({ActionType::kBackwardWeight, s, w++});
+        });
     while (w < m) actions.push_back({ActionType::kBackwardWeight, s, w++});
   }
   return schedule;

@@ -31,10 +31,22 @@ Action counterpart(const Action& a) {
   }
 }
 
+// The schedule's sizes, checked before anything is sized by them.
+void check_sizes(const Schedule& s) {
+  const std::string name = absl::StrCat("schedule '", s.name, "'");
+  TORCH_CHECK(s.stages >= 1 && s.microbatches >= 1, name,
+              ": needs at least 1 stage and 1 micro-batch, got ", s.stages, " and ",
+              s.microbatches);
+  TORCH_CHECK(s.stages <= kMaxSize / s.microbatches, name, ": ", s.stages, " stages x ",
+              s.microbatches, " micro-batches is more than ", kMaxSize,
+              " (stage, micro-batch) pairs");
+}
+
 // Where each action of a schedule is, and what each needs.
 class Plan {
  public:
   explicit Plan(const Schedule& schedule) : s_(schedule), comm_(has_communication(schedule)) {
+    check_sizes(schedule);
     const size_t size = static_cast<size_t>(s_.stages * kTypes * s_.microbatches);
     rank_.assign(size, -1);
     position_.assign(size, -1);
@@ -59,6 +71,20 @@ class Plan {
   Action input_gradient(int64_t s, int64_t i) const {
     const Action split{ActionType::kBackwardInput, s, i};
     return has(split) ? split : Action{ActionType::kBackward, s, i};
+  }
+
+  // The send that follows compute action `a` where its tensor crosses to another rank: F's
+  // output to the next stage, B's (or I's) input gradient to the previous one.
+  std::optional<Action> send_after(const Action& a) const {
+    const int64_t s = a.stage;
+    if (a.type == ActionType::kForward && s + 1 < s_.stages && crosses(s, s + 1)) {
+      return Action{ActionType::kSendForward, s, a.microbatch};
+    }
+    if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) && s > 0 &&
+        crosses(s, s - 1)) {
+      return Action{ActionType::kSendBackward, s, a.microbatch};
+    }
+    return std::nullopt;
   }
 
   // What `a` needs: on its own rank (`local`, which must come before it), and, for a compute
@@ -108,17 +134,6 @@ class Plan {
 std::string where(const Plan& plan, const Action& a) {
   return absl::StrCat("schedule '", plan.schedule().name, "': rank ", plan.rank_of(a), ", action ",
                       plan.position_of(a), " ('", to_string(a), "')");
-}
-
-// The schedule's sizes, checked before anything is sized by them.
-void check_sizes(const Schedule& s) {
-  const std::string name = absl::StrCat("schedule '", s.name, "'");
-  TORCH_CHECK(s.stages >= 1 && s.microbatches >= 1, name,
-              ": needs at least 1 stage and 1 micro-batch, got ", s.stages, " and ",
-              s.microbatches);
-  TORCH_CHECK(s.stages <= kMaxSize / s.microbatches, name, ": ", s.stages, " stages x ",
-              s.microbatches, " micro-batches is more than ", kMaxSize,
-              " (stage, micro-batch) pairs");
 }
 
 // The shape of the schedule, and where every action is (each once).
@@ -342,13 +357,17 @@ ScheduleSimulation run(const Plan& plan, const ActionCosts& costs) {
   return sim;
 }
 
-ScheduleSimulation check(const Schedule& schedule, const ActionCosts& costs) {
-  check_sizes(schedule);
-  Plan plan(schedule);
+// Every check of Note [Checking a schedule] but the deadlock (run's).
+void validate(const Schedule& schedule, Plan& plan) {
   place_actions(schedule, plan);
   check_complete(schedule, plan);
   check_order(schedule, plan);
   if (plan.comm()) check_pairs(schedule);
+}
+
+ScheduleSimulation check(const Schedule& schedule, const ActionCosts& costs) {
+  Plan plan(schedule);
+  validate(schedule, plan);
   return run(plan, costs);
 }
 
@@ -375,10 +394,10 @@ ScheduleSimulation simulate_schedule(const Schedule& schedule, const ActionCosts
 }
 
 Schedule with_communication(const Schedule& schedule) {
-  const ScheduleSimulation sim = check(schedule, ActionCosts{});
-  if (has_communication(schedule)) return schedule;
   Plan plan(schedule);
-  place_actions(schedule, plan);
+  validate(schedule, plan);
+  const ScheduleSimulation sim = run(plan, ActionCosts{});
+  if (plan.comm()) return schedule;
   // The transfers, each keyed by when its send runs in the simulated run.
   struct Transfer {
     std::tuple<double, int64_t, int64_t> when;  // (end of its producer, rank, position)
@@ -388,18 +407,11 @@ Schedule with_communication(const Schedule& schedule) {
   const auto& ranks = schedule.stage_ranks;
   for (int64_t r = 0; r < schedule.num_ranks(); ++r) {
     for (const SimulatedAction& done : sim.actions[r]) {
-      const Action& a = done.action;
-      std::optional<Action> send;
-      if (a.type == ActionType::kForward && a.stage + 1 < schedule.stages &&
-          plan.crosses(a.stage, a.stage + 1)) {
-        send = Action{ActionType::kSendForward, a.stage, a.microbatch};
-      } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
-                 a.stage > 0 && plan.crosses(a.stage, a.stage - 1)) {
-        send = Action{ActionType::kSendBackward, a.stage, a.microbatch};
-      }
+      const std::optional<Action> send = plan.send_after(done.action);
       if (!send) continue;
       const int64_t peer = ranks[counterpart(*send).stage];
-      pairs[std::minmax(r, peer)].push_back({{done.end, r, plan.position_of(a)}, *send});
+      pairs[std::minmax(r, peer)].push_back(
+          {{done.end, r, plan.position_of(done.action)}, *send});
     }
   }
   for (auto& [key, transfers] : pairs) {
@@ -440,12 +452,8 @@ Schedule with_communication(const Schedule& schedule) {
         post_until(ranks[remote->stage], receive);
       }
       actions.push_back(a);
-      if (a.type == ActionType::kForward && a.stage + 1 < schedule.stages &&
-          plan.crosses(a.stage, a.stage + 1)) {
-        post_until(ranks[a.stage + 1], {ActionType::kSendForward, a.stage, a.microbatch});
-      } else if ((a.type == ActionType::kBackward || a.type == ActionType::kBackwardInput) &&
-                 a.stage > 0 && plan.crosses(a.stage, a.stage - 1)) {
-        post_until(ranks[a.stage - 1], {ActionType::kSendBackward, a.stage, a.microbatch});
+      if (const std::optional<Action> send = plan.send_after(a)) {
+        post_until(ranks[counterpart(*send).stage], *send);
       }
     }
   }

@@ -139,21 +139,15 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                   "partition its own GPU (local_devices)");
     }
   }
-  // Warned where it applies (Note [Random numbers in concurrent CPU partitions] in gpipe.cc).
-  const bool checkpointed = options_.checkpoint() == Checkpoint::kAlways ||
-                            (options_.checkpoint() == Checkpoint::kExceptLast &&
-                             options_.chunks() > 1);
-  const auto cpu_partitions = std::count_if(partition_devices.begin(), partition_devices.end(),
-                                            [](const c10::Device& d) { return d.is_cpu(); });
-  for (size_t j = 0; j < local.size() && checkpointed && cpu_partitions > 1; ++j) {
-    const std::string layer = partition_devices[j].is_cpu() ? random_layer(local[j]) : "";
-    if (!layer.empty()) {
+  // Warned only where it applies (Note [Random numbers in concurrent CPU partitions]).
+  if (checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0) {
+    const auto [j, layer] = concurrent_random_layer(local, partition_devices);
+    if (j >= 0) {
       TORCH_WARN(who, ": local partition ", j, " of stage ", stage_, " holds ", layer, ", which "
                  "draws random numbers, and the CPU partitions of a stage run at the same time: "
                  "they draw from the one CPU generator in an order that depends on thread timing, "
                  "so a checkpointed micro-batch may recompute different numbers than its forward "
                  "drew. Use Checkpoint::kNever, or one partition per stage.");
-      break;
     }
   }
   for (size_t j = 0; j < local.size(); ++j) {

@@ -52,6 +52,28 @@ inline std::pair<c10::Device, std::string> unavailable_cuda() {
   return {device, "but this machine has " + std::to_string(count) + " CUDA device"};
 }
 
+/// Catches the warnings LibTorch's TORCH_WARN sends while it is alive (instead of printing them).
+class CaptureWarnings : public c10::WarningHandler {
+ public:
+  CaptureWarnings() : previous_(get_handler()) { set_handler(this); }
+  ~CaptureWarnings() override { set_handler(previous_); }
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  static c10::WarningHandler* get_handler() { return c10::WarningUtils::get_warning_handler(); }
+  static void set_handler(c10::WarningHandler* h) { c10::WarningUtils::set_warning_handler(h); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+  static c10::WarningHandler* get_handler() { return c10::Warning::get_warning_handler(); }
+  static void set_handler(c10::WarningHandler* h) { c10::Warning::set_warning_handler(h); }
+#endif
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
 inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
   CATCH_REQUIRE(a.defined());
   CATCH_REQUIRE(b.defined());
