@@ -29,6 +29,7 @@
 #include "tests/catch.h"
 #include "tests/distributed/in_order_group.h"
 #include "tests/distributed/multiprocess.h"
+#include "tests/gpipe/test_util.h"
 
 namespace gpipe {
 namespace distributed {
@@ -890,6 +891,28 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
                     PipelineStageOptions({6}).local_balance({3, 3}).local_devices({at::kCPU, gpu}),
                     group),
       gpipe_test::contains("PipelineStage: local partition 1 is on " + gpu.str() + ", but "));
+  // A warning only where a checkpointed CPU partition beside another draws random numbers (Note
+  // [Random numbers in concurrent CPU partitions]).
+  auto warnings = [&](nn::Sequential model, Checkpoint mode) {
+    testing::CaptureWarnings capture;
+    PipelineStage stage(std::move(model),
+                        PipelineStageOptions({4}).local_balance({2, 2}).chunks(2).checkpoint(mode),
+                        group);
+    return capture.messages;
+  };
+  const auto warned = warnings(
+      nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 4), nn::Tanh()),
+      Checkpoint::kExceptLast);
+  CATCH_REQUIRE(warned.size() == 1);
+  CATCH_CHECK_THAT(warned[0], gpipe_test::contains("local partition 0 of stage 0 holds '1' "
+                                                   "(torch::nn::DropoutImpl)"));
+  CATCH_CHECK(warnings(nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 4),
+                                      nn::Tanh()),
+                       Checkpoint::kNever)
+                  .empty());
+  CATCH_CHECK(warnings(nn::Sequential(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 4), nn::Tanh()),
+                       Checkpoint::kExceptLast)
+                  .empty());
   auto [x, y] = batch(0);
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(2), group);
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),
