@@ -19,13 +19,19 @@
 #include "absl/synchronization/mutex.h"
 #include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
+#include "gpipe/loss.h"
+#include "gpipe/schedule.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
 #include "gpipe/timeline.h"
 
 namespace gpipe {
 
+class Worker;
 class WorkerPool;
+namespace detail {
+struct ExecutorPartition;
+}  // namespace detail
 
 /// When micro-batches are checkpointed (their activations recomputed in backward instead of
 /// kept). Only in training mode with grad mode on; never in eval mode.
@@ -80,6 +86,15 @@ struct GPipeOptions {
   /// are the same; torch::autograd::grad through the pipeline (rather than backward()) and
   /// create_graph are not supported in this mode.
   TORCH_ARG(bool, stage_local_backward) = false;
+  /// The schedule that step() runs (docs/schedules.md): GPipe's fill-drain, 1F1B, interleaved
+  /// 1F1B or zero bubble (ZB-H1). forward() always runs GPipe's.
+  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
+  /// With ScheduleKind::kInterleaved: partitions per rank (v). The balance then has n * v
+  /// entries and rank r runs partitions r, r + n, ...; chunks must be a multiple of n.
+  TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// A schedule of step() as text (gpipe::parse_schedule's format, one line per rank, stages =
+  /// partitions, micro-batches = chunks) instead of `schedule`; checked at construction.
+  TORCH_ARG(std::string, schedule_text) = "";
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -110,6 +125,26 @@ class GPipeImpl : public torch::nn::Module {
   /// take and return std::vector<at::Tensor> (the last one may return one tensor, in which case
   /// the result has one element).
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& input);
+
+  /// One training step in the schedule of GPipeOptions::schedule: the forwards, the loss and the
+  /// backwards of every micro-batch, interleaved as the schedule says, each partition's backward
+  /// on its own thread. Returns the mini-batch's loss (without history); the parameters'
+  /// gradients are the plain model's for the same loss (Note [Losses over micro-batches]: with
+  /// the GPipe schedule `loss` sees the whole mini-batch, with the others each micro-batch,
+  /// weighted by its size). `input` on devices().front(), `target` (one row per sample) on
+  /// devices().back(). Under torch::NoGradGuard it runs the forwards only and returns the loss.
+  ///
+  ///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 2}).chunks(8)
+  ///                               .schedule(gpipe::ScheduleKind::k1F1B));
+  ///   at::Tensor loss = model->step(x, y, [](const gpipe::Batch& out, const at::Tensor& y) {
+  ///     return torch::nn::functional::cross_entropy(out.tensor(), y);
+  ///   });
+  ///   optimizer.step();
+  at::Tensor step(const at::Tensor& input, const at::Tensor& target, const LossFunction& loss);
+  /// The same for a tuple mini-batch.
+  at::Tensor step(const Batch& input, const at::Tensor& target, const LossFunction& loss);
+  /// The schedule step() runs for `microbatches` micro-batches.
+  Schedule schedule(int64_t microbatches) const;
 
   /// The options it was made with.
   const GPipeOptions& options() const { return options_; }
@@ -168,6 +203,7 @@ class GPipeImpl : public torch::nn::Module {
   struct Prepared;
   void forward_batches(std::vector<at::Tensor> values, bool atomic, std::vector<at::Tensor>& out,
                        bool& out_atomic);
+  void commit_deferred_statistics();
 
   GPipeOptions options_;
   std::vector<c10::Device> devices_;
@@ -182,6 +218,10 @@ class GPipeImpl : public torch::nn::Module {
   // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
   SkipLayout skip_layout_;
+  // step()'s partitions, lanes' threads (rank 0 runs on the caller) and text schedule.
+  std::vector<detail::ExecutorPartition> step_partitions_;
+  std::vector<std::unique_ptr<Worker>> lane_workers_;
+  std::shared_ptr<const Schedule> text_schedule_;
   // Serialises forwards (see the class comment).
   mutable absl::Mutex forward_mu_;
   // The last forward's timeline (it goes on filling during backward), or null.

@@ -23,6 +23,8 @@ const char* kind_name(TimelineEvent::Kind kind) {
     case TimelineEvent::Kind::kSkipCopy: return "skip_copy";
     case TimelineEvent::Kind::kRecompute: return "recompute";
     case TimelineEvent::Kind::kBackward: return "backward";
+    case TimelineEvent::Kind::kBackwardInput: return "backward_input";
+    case TimelineEvent::Kind::kBackwardWeight: return "backward_weight";
   }
   return "unknown";
 }
@@ -40,6 +42,10 @@ std::string label(const TimelineEvent& e) {
       return absl::StrCat(e.microbatch, " recompute");
     case TimelineEvent::Kind::kBackward:
       return absl::StrCat(e.microbatch, " backward");
+    case TimelineEvent::Kind::kBackwardInput:
+      return absl::StrCat(e.microbatch, " I");
+    case TimelineEvent::Kind::kBackwardWeight:
+      return absl::StrCat(e.microbatch, " W");
   }
   return "?";
 }
@@ -82,6 +88,8 @@ const char* fill(const TimelineEvent& e) {
     case TimelineEvent::Kind::kCompute: return e.checkpointed ? "#6a9fd8" : "#2f6fb5";
     case TimelineEvent::Kind::kRecompute: return "#f0a04b";
     case TimelineEvent::Kind::kBackward: return "#5aa469";
+    case TimelineEvent::Kind::kBackwardInput: return "#2a9d8f";
+    case TimelineEvent::Kind::kBackwardWeight: return "#8ab17d";
     case TimelineEvent::Kind::kCopy:
     case TimelineEvent::Kind::kSkipCopy: return "#9a9a9a";
   }

@@ -1,0 +1,102 @@
+// The executor (internal, not API): runs a schedule's actions — forwards, backwards, input- and
+// weight-gradient halves — for the partitions of a pipeline that this process owns, each lane of
+// actions on a thread of its own, the partitions' neighbours reached through links (link.h). GPipe
+// (in one process) and distributed::PipelineStage (across processes) both run their steps on it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "gpipe/batchnorm.h"
+#include "gpipe/checkpoint.h"
+#include "gpipe/link.h"
+#include "gpipe/schedule.h"
+#include "gpipe/skip_layout.h"
+#include "gpipe/thread_state.h"
+#include "gpipe/timeline.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+namespace detail {
+
+// Note [One executor]
+// ~~~~~~~~~~~~~~~~~~~
+// A schedule (schedule.h) says, for each rank, the order of its actions. The executor gives each
+// lane — a rank of the schedule in one process, a partition of this process's stage across
+// processes — a thread, and runs the lane's actions in order:
+//   F i   receives micro-batch i's input from the partition's upstream (cut from the sender's
+//         graph: Note [Partitions within a stage] in distributed/local_link.h), runs the layers
+//         (checkpointed when i < the checkpoint stop), and sends the output downstream.
+//   B i   receives the gradients of micro-batch i's outputs from downstream and runs the
+//         backward of the partition's graph of micro-batch i — an engine call of its own, on the
+//         lane's thread, so partitions overlap in backward as in forward — then sends the input
+//         leaves' gradients upstream.
+//   I i   the same, but computes only the gradients of the inputs (torch::autograd::grad with
+//         retain_graph) and sends them upstream at once; the graph is kept for
+//   W i   the parameters' gradients (a backward restricted to the partition's parameters).
+//         Splitting a backward costs one more pass over the partition's graph (activation
+//         gradients are computed twice on the parameters' path); a checkpointed micro-batch is not
+//         split (its I runs the whole backward, its W nothing): its recomputation happens once.
+// Sends and receives are the links' (in this process: queues; across processes: c10d, posted by
+// the stage's courier), so the schedule's SEND/RECV actions need no lane of their own.
+// Activations live from a partition's F i to its B i (or W i): a 1F1B lane keeps at most its
+// schedule's in-flight micro-batches, which is the point of the schedule. The last partition's
+// downstream applies the loss (Note [Losses over micro-batches] in loss.h). The first error of any
+// lane fails every link, so that no lane waits for a micro-batch that will not come; the step
+// rethrows it once every lane has stopped.
+
+/// One partition that this process runs.
+struct ExecutorPartition {
+  torch::nn::Sequential layers;
+  c10::Device device{c10::kCPU};
+  std::shared_ptr<BatchNormLayers> batch_norms;  // shared with checkpointed micro-batches' graphs
+  std::shared_ptr<GradRecord> grad_record;
+};
+
+/// What one step of the executor needs.
+struct ExecutorSpec {
+  /// Who runs, for error messages ("gpipe::GPipe::step").
+  std::string who;
+  /// This process's partitions, in pipeline order; neighbours are joined by LocalLinks.
+  std::vector<ExecutorPartition>* partitions = nullptr;
+  /// Each lane's actions for `m` micro-batches; Action::stage indexes `partitions`.
+  std::function<std::vector<std::vector<Action>>(int64_t m)> plan;
+  /// Each lane's thread; null: the calling thread (at most one lane).
+  std::vector<Worker*> workers;
+  /// The first partition's upstream and the last's downstream.
+  Upstream* upstream = nullptr;
+  Downstream* downstream = nullptr;
+  /// The number of micro-batches; 0: as the upstream's first activation says.
+  int64_t microbatches = 0;
+  /// Whether backward runs (grad mode on when the step began).
+  bool grad_enabled = true;
+  /// Micro-batches before checkpoint_stop(m) are checkpointed.
+  std::function<int64_t(int64_t m)> checkpoint_stop;
+  /// Identifies this step for current_microbatch().
+  uint64_t run = 0;
+  /// The thread state that checkpointed micro-batches are recomputed under.
+  std::shared_ptr<const ThreadState> recompute_state;
+  /// Where to record the lanes' actions; null to record nothing.
+  std::shared_ptr<Timeline> timeline;
+  /// Skips between `partitions`; null or empty when there are none.
+  const SkipLayout* skip_layout = nullptr;
+  /// Added to the partition index of the timeline's events.
+  int64_t timeline_partition_offset = 0;
+};
+
+/// Runs one step: every lane's actions. Throws the first error of any lane after every lane has
+/// stopped.
+void run_schedule(const ExecutorSpec& spec);
+
+/// Whether the last lane that runs partition `last` runs every forward before its first backward
+/// (GPipe's order): the loss can then be applied to the whole mini-batch.
+bool forwards_before_backwards(const std::vector<std::vector<Action>>& lanes, int64_t last);
+
+}  // namespace detail
+}  // namespace gpipe

@@ -1,0 +1,237 @@
+// Links between a partition and its neighbours in this process; see link.h.
+#include "gpipe/link.h"
+
+#include <utility>
+
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+namespace gpipe {
+namespace detail {
+
+Batch cut_batch(const Batch& batch, c10::Device device) {
+  std::vector<at::Tensor> values;
+  values.reserve(batch.size());
+  for (const at::Tensor& t : batch.values()) {
+    if (!t.defined()) {
+      values.push_back(t);
+      continue;
+    }
+    at::Tensor v = t.detach().to(device);
+    if (t.requires_grad()) v.requires_grad_(true);
+    values.push_back(std::move(v));
+  }
+  return batch.atomic() ? Batch(std::move(values[0])) : Batch(std::move(values));
+}
+
+std::vector<at::Tensor> requiring_grad(const Batch& batch) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : batch.values()) {
+    if (t.defined() && t.requires_grad()) out.push_back(t);
+  }
+  return out;
+}
+
+void LocalLink::send(int64_t microbatches, int64_t /*microbatch*/, const Batch& output,
+                     bool grad_enabled) {
+  Activation a{microbatches, cut_batch(output, to_device_), grad_enabled};
+  absl::MutexLock lock(&mu_);
+  activations_.push_back(std::move(a));
+}
+
+Activation LocalLink::receive() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](LocalLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+        return self->failed_ || !self->activations_.empty();
+      },
+      this));
+  check_not_failed();
+  Activation a = std::move(activations_.front());
+  activations_.pop_front();
+  return a;
+}
+
+void LocalLink::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
+  for (at::Tensor& g : gradients) g = g.to(from_device_);
+  absl::MutexLock lock(&mu_);
+  gradients_[microbatch] = std::move(gradients);
+}
+
+std::vector<at::Tensor> LocalLink::receive_gradients(int64_t microbatch) {
+  absl::MutexLock lock(&mu_);
+  struct Waiting {
+    LocalLink* self;
+    int64_t microbatch;
+  } waiting{this, microbatch};
+  mu_.Await(absl::Condition(
+      +[](Waiting* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->self->mu_) {
+        return w->self->failed_ || w->self->gradients_.count(w->microbatch) > 0;
+      },
+      &waiting));
+  check_not_failed();
+  auto it = gradients_.find(microbatch);
+  std::vector<at::Tensor> out = std::move(it->second);
+  gradients_.erase(it);
+  return out;
+}
+
+void LocalLink::fail(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_) {
+    failed_ = true;
+    why_ = why;
+  }
+}
+
+void LocalLink::check_not_failed() const {
+  TORCH_CHECK(!failed_, who_, ": partitions ", from_, " and ", from_ + 1,
+              " stopped passing micro-batches: ", why_);
+}
+
+InputSource::InputSource(std::vector<Batch> microbatches, bool grad_enabled)
+    : microbatches_(std::move(microbatches)), grad_enabled_(grad_enabled) {
+  roots_.resize(microbatches_.size());
+  if (!grad_enabled_) return;
+  // The micro-batches leave the input's graph (a layer before the pipeline, or the input's own
+  // split): the first partition's backward of each stops at a leaf, and the input's graph runs
+  // once, in finish().
+  for (size_t i = 0; i < microbatches_.size(); ++i) {
+    for (at::Tensor& t : microbatches_[i].values()) {
+      if (!t.defined() || !t.requires_grad()) continue;
+      roots_[i].push_back(t);
+      t = t.detach().requires_grad_(true);
+    }
+  }
+}
+
+Activation InputSource::receive() {
+  TORCH_INTERNAL_ASSERT(next_ < microbatches_.size(), "gpipe: no micro-batch ", next_);
+  Activation a{static_cast<int64_t>(microbatches_.size()), std::move(microbatches_[next_]),
+               grad_enabled_};
+  microbatches_[next_] = Batch(std::vector<at::Tensor>{});
+  ++next_;
+  return a;
+}
+
+void InputSource::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
+  if (roots_[microbatch].empty()) return;
+  absl::MutexLock lock(&mu_);
+  gradients_[microbatch] = std::move(gradients);
+}
+
+void InputSource::finish() {
+  std::vector<at::Tensor> roots, grads;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [i, g] : gradients_) {
+      for (size_t k = 0; k < g.size() && k < roots_[i].size(); ++k) {
+        roots.push_back(roots_[i][k]);
+        grads.push_back(std::move(g[k]));
+      }
+    }
+    gradients_.clear();
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, grads);
+}
+
+LossSink::LossSink(LossFunction loss, at::Tensor target, bool whole_batch, std::string who)
+    : loss_fn_(std::move(loss)),
+      target_(std::move(target)),
+      whole_batch_(whole_batch),
+      who_(std::move(who)) {}
+
+at::Tensor LossSink::target_rows(int64_t microbatch, int64_t rows) {
+  TORCH_CHECK(target_.defined() && target_.dim() > 0, who_, ": the target must have the "
+              "mini-batch's samples along its first dimension, to be split like the input, but "
+              "it has ", target_.defined() ? target_.dim() : 0, " dimensions");
+  TORCH_CHECK(target_offset_ + rows <= target_.size(0), who_, ": the target has ",
+              target_.size(0), " rows but the outputs up to micro-batch ", microbatch, " have ",
+              target_offset_ + rows, "; give one target row per sample of the mini-batch");
+  at::Tensor rows_of = target_.narrow(0, target_offset_, rows);
+  target_offset_ += rows;
+  if (microbatch + 1 == microbatches_) {
+    TORCH_CHECK(target_offset_ == target_.size(0), who_, ": the target has ", target_.size(0),
+                " rows but the mini-batch has ", target_offset_, " samples; give one target row "
+                "per sample");
+  }
+  return rows_of;
+}
+
+void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
+                    bool grad_enabled) {
+  microbatches_ = microbatches;
+  grad_enabled_ = grad_enabled;
+  Batch leaf = grad_enabled ? cut_batch(output, output[0].device()) : output;
+  if (static_cast<int64_t>(leaves_.size()) <= microbatch) leaves_.resize(microbatch + 1, Batch(
+      std::vector<at::Tensor>{}));
+  leaves_[microbatch] = leaf;
+  if (!loss_fn_ || !target_.defined() || whole_batch_) return;
+  // Note [Losses over micro-batches].
+  const int64_t rows = leaf[0].dim() > 0 ? leaf[0].size(0) : 1;
+  at::Tensor loss = loss_fn_(leaf, target_rows(microbatch, rows));
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
+              "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  loss = loss * (static_cast<double>(rows) / static_cast<double>(target_.size(0)));
+  if (grad_enabled && loss.requires_grad()) {
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& t : requiring_grad(leaf)) {
+      grads.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
+    }
+    gradients_[microbatch] = std::move(grads);
+  }
+  loss_ = loss_.defined() ? loss_ + loss.detach() : loss.detach();
+}
+
+void LossSink::whole_batch_loss() {
+  const Batch output = gather(leaves_);
+  at::Tensor loss = loss_fn_(output, target_);
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
+              "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  if (grad_enabled_ && loss.requires_grad()) loss.backward();
+  for (size_t i = 0; i < leaves_.size(); ++i) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& t : requiring_grad(leaves_[i])) {
+      grads.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
+    }
+    gradients_[static_cast<int64_t>(i)] = std::move(grads);
+  }
+  loss_ = loss.detach();
+}
+
+std::vector<at::Tensor> LossSink::receive_gradients(int64_t microbatch) {
+  TORCH_CHECK(loss_fn_, who_, ": a training step needs a loss function");
+  TORCH_CHECK(target_.defined(), who_, ": a training step needs a target for the loss (under "
+              "torch::NoGradGuard, a step without one runs the forward only)");
+  if (whole_batch_ && !loss_.defined()) whole_batch_loss();
+  auto it = gradients_.find(microbatch);
+  if (it == gradients_.end()) {
+    // The loss does not depend on this output.
+    std::vector<at::Tensor> zeros;
+    for (const at::Tensor& t : requiring_grad(leaves_[microbatch])) {
+      zeros.push_back(at::zeros_like(t));
+    }
+    return zeros;
+  }
+  std::vector<at::Tensor> out = std::move(it->second);
+  gradients_.erase(it);
+  return out;
+}
+
+void LossSink::finish() {
+  if (whole_batch_ && !loss_.defined() && loss_fn_ && target_.defined() && !leaves_.empty()) {
+    whole_batch_loss();
+  }
+}
+
+Batch LossSink::output() const {
+  if (leaves_.empty()) return Batch(std::vector<at::Tensor>{});
+  Batch out = gather(leaves_);
+  for (at::Tensor& t : out.values()) t = t.detach();
+  return out;
+}
+
+}  // namespace detail
+}  // namespace gpipe

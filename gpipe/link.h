@@ -1,0 +1,150 @@
+// Links (internal, not API): how a partition that the executor runs gets each micro-batch's input
+// and gives back its gradients (its upstream), and where its outputs go and their gradients come
+// from (its downstream) — a neighbouring partition in this process, the mini-batch's input, the
+// loss, or (gpipe/distributed) a stage in another process.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "gpipe/loss.h"
+#include "gpipe/microbatch.h"
+
+namespace gpipe {
+namespace detail {
+
+/// A micro-batch's input as a partition receives it: cut from the sender's graph (tensors that
+/// required grad there are leaves that require grad here).
+struct Activation {
+  int64_t microbatches = 0;  // of the step
+  Batch batch{std::vector<at::Tensor>{}};
+  bool grad_enabled = true;  // whether the sender runs backward (it waits for gradients)
+};
+
+/// Where a partition's inputs come from and their gradients go.
+class Upstream {
+ public:
+  virtual ~Upstream() = default;
+  /// The next micro-batch's input (micro-batches arrive in order); throws c10::Error when the
+  /// link failed.
+  virtual Activation receive() = 0;
+  /// The gradients of micro-batch `microbatch`'s input tensors that require grad, in order.
+  virtual void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) = 0;
+  /// Makes the other side's waits throw a c10::Error with `why`.
+  virtual void fail(const std::string& /*why*/) {}
+};
+
+/// Where a partition's outputs go and their gradients come from.
+class Downstream {
+ public:
+  virtual ~Downstream() = default;
+  /// Sends micro-batch `microbatch`'s output (of `microbatches`).
+  virtual void send(int64_t microbatches, int64_t microbatch, const Batch& output,
+                    bool grad_enabled) = 0;
+  /// The gradients of micro-batch `microbatch`'s output tensors that require grad, in order;
+  /// throws c10::Error when the link failed.
+  virtual std::vector<at::Tensor> receive_gradients(int64_t microbatch) = 0;
+  /// Makes the other side's waits throw a c10::Error with `why`.
+  virtual void fail(const std::string& /*why*/) {}
+};
+
+/// `batch` cut from its graph: detached, moved to `device`, each tensor that required grad a leaf
+/// that requires grad.
+Batch cut_batch(const Batch& batch, c10::Device device);
+
+/// The tensors of `batch` that require grad (those whose gradients cross back), in order.
+std::vector<at::Tensor> requiring_grad(const Batch& batch);
+
+/// Two neighbouring partitions in this process, each on a thread of its own: the downstream of
+/// partition `from` and the upstream of partition `from + 1`.
+class LocalLink final : public Upstream, public Downstream {
+ public:
+  LocalLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device)
+      : who_(std::move(who)), from_(from), from_device_(from_device), to_device_(to_device) {}
+
+  void send(int64_t microbatches, int64_t microbatch, const Batch& output,
+            bool grad_enabled) override;
+  Activation receive() override;
+  void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
+  std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
+  void fail(const std::string& why) override;
+
+ private:
+  void check_not_failed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string who_;
+  const int64_t from_;
+  const c10::Device from_device_, to_device_;
+  absl::Mutex mu_;
+  std::deque<Activation> activations_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::vector<at::Tensor>> gradients_ ABSL_GUARDED_BY(mu_);
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string why_ ABSL_GUARDED_BY(mu_);
+};
+
+/// The first partition's upstream: the mini-batch's micro-batches. Tensors that require grad (the
+/// input has a history: layers before the pipeline) become leaves; finish() runs the input's own
+/// graph once, with every micro-batch's gradients.
+class InputSource final : public Upstream {
+ public:
+  InputSource(std::vector<Batch> microbatches, bool grad_enabled);
+  Activation receive() override;
+  void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
+  /// The backward through the input's graph, when it has one and gradients came back.
+  void finish();
+
+ private:
+  std::vector<Batch> microbatches_;
+  bool grad_enabled_;
+  size_t next_ = 0;
+  absl::Mutex mu_;
+  // Per micro-batch: the input's tensors that require grad, and their gradients.
+  std::vector<std::vector<at::Tensor>> roots_;
+  std::map<int64_t, std::vector<at::Tensor>> gradients_ ABSL_GUARDED_BY(mu_);
+};
+
+/// The last partition's downstream: the loss (Note [Losses over micro-batches] in loss.h), or,
+/// without a loss function (inference), only the outputs.
+class LossSink final : public Downstream {
+ public:
+  /// `whole_batch`: apply the loss once to the gathered outputs, at the first backward (every
+  /// forward has run by then); else to each micro-batch as its output arrives.
+  LossSink(LossFunction loss, at::Tensor target, bool whole_batch, std::string who);
+  void send(int64_t microbatches, int64_t microbatch, const Batch& output,
+            bool grad_enabled) override;
+  std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
+
+  /// After the step's forwards: the whole-batch loss, if no backward computed it (inference with
+  /// a target: an evaluation loss).
+  void finish();
+  /// The mini-batch's loss (undefined without a loss function), without history.
+  at::Tensor loss() const { return loss_; }
+  /// The mini-batch's output, gathered, without history.
+  Batch output() const;
+
+ private:
+  void whole_batch_loss();
+  at::Tensor target_rows(int64_t microbatch, int64_t rows);
+
+  LossFunction loss_fn_;
+  at::Tensor target_;
+  bool whole_batch_;
+  std::string who_;
+  int64_t microbatches_ = 0;
+  int64_t target_offset_ = 0;
+  bool grad_enabled_ = true;
+  std::vector<Batch> leaves_;  // per micro-batch, the output cut from its graph
+  std::map<int64_t, std::vector<at::Tensor>> gradients_;
+  at::Tensor loss_;
+};
+
+}  // namespace detail
+}  // namespace gpipe

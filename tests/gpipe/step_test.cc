@@ -1,0 +1,352 @@
+// GPipe::step: every schedule, run by the executor, trains as the plain Sequential does — several
+// optimizer steps, every checkpoint mode, skips across partitions, BatchNorm, tuple batches and
+// uneven micro-batches — and keeps in flight what its schedule says.
+#include "tests/gpipe/test_util.h"
+
+#include <map>
+
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "gpipe/schedule_check.h"
+#include "gpipe/schedule_text.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+// Stashes tanh(x) under "a" and passes x on.
+struct StashImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    stash("a", at::tanh(x));
+    return x;
+  }
+};
+TORCH_MODULE(Stash);
+
+// Adds what was stashed under "a".
+struct PopImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return x + pop("a"); }
+};
+TORCH_MODULE(Pop);
+
+// Throws in training forwards once armed.
+struct FailingImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    TORCH_CHECK(!armed, "failing layer: armed");
+    return x;
+  }
+  bool armed = false;
+};
+TORCH_MODULE(Failing);
+
+// 8 layers with a skip from layer 1 to layer 5 (across partitions for every balance below) and a
+// BatchNorm (training mode: each micro-batch normalised with its own statistics).
+nn::Sequential skip_model() {
+  return nn::Sequential(nn::Linear(5, 6), skippable(Stash(), SkippableOptions().stash({"a"})),
+                        nn::Tanh(), nn::Linear(6, 6), nn::BatchNorm1d(6),
+                        skippable(Pop(), SkippableOptions().pop({"a"})), nn::ReLU(),
+                        nn::Linear(6, 3));
+}
+
+// Tuple batches: {x, b} through Mix layers, then the first tensor.
+struct FirstImpl : nn::Module {
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> x) { return {x[0]}; }
+};
+TORCH_MODULE(First);
+
+nn::Sequential tuple_model() {
+  return nn::Sequential(Mix(5, 3, 6), Mix(6, 3, 6), Mix(6, 3, 6), Mix(6, 3, 6), Mix(6, 3, 6),
+                        Mix(6, 3, 6), Mix(6, 3, 3), First());
+}
+
+std::vector<int64_t> balance_of(int64_t partitions) {
+  switch (partitions) {
+    case 2: return {4, 4};
+    case 3: return {2, 3, 3};
+    default: return {2, 2, 2, 2};
+  }
+}
+
+at::Tensor mse(const Batch& out, const at::Tensor& target) {
+  return (out[0] - target).pow(2).mean();
+}
+
+// The oracle's step: the plain model on each micro-batch (as scatter splits it), its loss
+// weighted by the micro-batch's share of the samples (Note [Losses over micro-batches]), or with
+// `whole` (the GPipe schedule) the loss of the outputs put together.
+double plain_step(nn::Sequential& plain, const Batch& x, const at::Tensor& y, int64_t chunks,
+                  bool whole = false) {
+  const std::vector<Batch> parts = scatter(x, chunks);
+  std::vector<at::Tensor> outs;
+  double total = 0;
+  int64_t row = 0;
+  for (const Batch& part : parts) {
+    const int64_t rows = part[0].size(0);
+    at::Tensor out = part.atomic() ? plain->forward(part.tensor())
+                                   : plain->forward<std::vector<at::Tensor>>(part.values())[0];
+    outs.push_back(out);
+    if (whole) continue;
+    at::Tensor loss = mse(Batch(out), y.narrow(0, row, rows)) *
+                      (static_cast<double>(rows) / static_cast<double>(y.size(0)));
+    loss.backward();
+    total += loss.item<double>();
+    row += rows;
+  }
+  if (whole) {
+    at::Tensor loss = mse(Batch(at::cat(outs)), y);
+    loss.backward();
+    total = loss.item<double>();
+  }
+  return total;
+}
+
+std::unique_ptr<torch::optim::Optimizer> optimizer(const std::string& kind,
+                                                   std::vector<at::Tensor> params) {
+  if (kind == "sgd") {
+    return std::make_unique<torch::optim::SGD>(params,
+                                               torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+}
+
+CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer steps equal",
+                "[gpipe][step][transparency]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const Checkpoint mode =
+      GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
+  const int64_t partitions = GENERATE(2, 3, 4);
+  const std::string opt = GENERATE("sgd", "adam");
+  const bool tuple = GENERATE(false, true);
+  CATCH_CAPTURE(kind, static_cast<int>(mode), partitions, opt, tuple);
+  auto make = [tuple] { return tuple ? tuple_model() : skip_model(); };
+  nn::Sequential plain = build(make, 3);
+  const int64_t v = kind != "interleaved" ? 1 : partitions == 3 ? 3 : 2;
+  const int64_t chunks = 4;
+  GPipe model(build(make, 3), GPipeOptions(balance_of(partitions))
+                                  .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                                  .chunks(chunks)
+                                  .checkpoint(mode)
+                                  .schedule(schedule_kind(kind))
+                                  .virtual_stages(v));
+  auto plain_opt = optimizer(opt, plain->parameters());
+  auto pipe_opt = optimizer(opt, model->parameters());
+  for (int step = 0; step < 4; ++step) {
+    at::manual_seed(100 + step);
+    // 11 samples in 4 micro-batches: 3, 3, 3, 2.
+    const at::Tensor x = at::randn({11, 5}, at::kDouble);
+    const Batch input = tuple ? Batch({x, at::randn({11, 3}, at::kDouble)}) : Batch(x);
+    const at::Tensor y = at::randn({11, 3}, at::kDouble);
+    plain_opt->zero_grad();
+    pipe_opt->zero_grad();
+    const double expected = plain_step(plain, input, y, chunks, kind == "gpipe");
+    const at::Tensor loss = model->step(input, y, mse);
+    CATCH_CHECK(loss.item<double>() == Approx(expected).epsilon(1e-12));
+    CATCH_CHECK(!loss.requires_grad());
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    plain_opt->step();
+    pipe_opt->step();
+  }
+  check_same(plain->parameters(), model->parameters(), 1e-10);
+  check_same(running_stats(*plain), running_stats(*model), 1e-10);
+}
+
+CATCH_TEST_CASE("step's input gradient reaches layers before the GPipe as in the plain model",
+                "[gpipe][step]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  CATCH_CAPTURE(kind);
+  nn::Sequential plain = build(skip_model, 5);
+  GPipe model(build(skip_model, 5), GPipeOptions({3, 5}).devices({at::kCPU, at::kCPU}).chunks(3)
+                                        .schedule(schedule_kind(kind)));
+  at::manual_seed(2);
+  const at::Tensor x = at::randn({6, 5}, at::kDouble);
+  const at::Tensor y = at::randn({6, 3}, at::kDouble);
+  at::Tensor x1 = x.clone().requires_grad_(true);
+  at::Tensor x2 = x.clone().requires_grad_(true);
+  plain_step(plain, Batch(x1 * 2), y, 3, kind == "gpipe");
+  model->step(x2 * 2, y, mse);
+  CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= 1e-10);
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+}
+
+CATCH_TEST_CASE("step with deferred batch norm updates running statistics as the whole batch",
+                "[gpipe][step][batchnorm]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  CATCH_CAPTURE(kind);
+  nn::Sequential plain = build(skip_model, 6);
+  GPipe model(build(skip_model, 6), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
+                                        .deferred_batch_norm(true)
+                                        .schedule(schedule_kind(kind)));
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({9, 5}, at::kDouble);
+  const at::Tensor y = at::randn({9, 3}, at::kDouble);
+  model->step(x, y, mse);
+  {
+    at::NoGradGuard no_grad;
+    plain->forward(x);  // training mode: one update from the whole batch
+  }
+  check_same(running_stats(*plain), running_stats(*model), 1e-10);
+}
+
+// Per partition, the most micro-batches whose forward had ended and whose backward (or W) had
+// not, on a real run's timeline.
+std::map<int64_t, int64_t> peak_in_flight(const std::vector<TimelineEvent>& events) {
+  std::map<int64_t, std::vector<std::pair<double, int>>> changes;
+  std::map<std::pair<int64_t, int64_t>, bool> split;
+  for (const TimelineEvent& e : events) {
+    if (e.kind == TimelineEvent::Kind::kBackwardWeight) split[{e.partition, e.microbatch}] = true;
+  }
+  for (const TimelineEvent& e : events) {
+    const bool w = split.count({e.partition, e.microbatch}) > 0;
+    if (e.kind == TimelineEvent::Kind::kCompute) changes[e.partition].push_back({e.end_us, +1});
+    if ((e.kind == TimelineEvent::Kind::kBackward ||
+         e.kind == TimelineEvent::Kind::kBackwardInput) && !w) {
+      changes[e.partition].push_back({e.start_us, -1});
+    }
+    if (e.kind == TimelineEvent::Kind::kBackwardWeight) {
+      changes[e.partition].push_back({e.start_us, -1});
+    }
+  }
+  std::map<int64_t, int64_t> peak;
+  for (auto& [p, c] : changes) {
+    std::sort(c.begin(), c.end());  // at a tie, a backward's start before a forward's end
+    int64_t alive = 0;
+    for (const auto& [t, d] : c) {
+      alive += d;
+      peak[p] = std::max(peak[p], alive);
+    }
+  }
+  return peak;
+}
+
+CATCH_TEST_CASE("Micro-batches alive per partition are what each schedule promises",
+                "[gpipe][step][memory]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const int64_t m = GENERATE(4, 8);
+  CATCH_CAPTURE(kind, m);
+  const int64_t parts = 4;
+  const int64_t v = kind == "interleaved" ? 2 : 1;
+  GPipe model(build(skip_model, 1), GPipeOptions({2, 2, 2, 2})
+                                        .devices(std::vector<c10::Device>(parts, at::kCPU))
+                                        .chunks(m)
+                                        .checkpoint(Checkpoint::kNever)
+                                        .schedule(schedule_kind(kind))
+                                        .virtual_stages(v)
+                                        .record_timeline(true));
+  at::manual_seed(1);
+  model->step(at::randn({2 * m, 5}, at::kDouble), at::randn({2 * m, 3}, at::kDouble), mse);
+  const std::map<int64_t, int64_t> peak = peak_in_flight(model->last_timeline());
+  // The promise, from the schedule's own simulation (schedule_test derives those counts from
+  // each schedule's definition).
+  const ScheduleSimulation ideal = simulate_schedule(model->schedule(m));
+  for (int64_t p = 0; p < parts; ++p) {
+    CATCH_CAPTURE(p);
+    CATCH_CHECK(peak.at(p) <= ideal.stage_peak_in_flight[p]);
+    if (kind == "gpipe") CATCH_CHECK(peak.at(p) == m);
+    if (kind == "1f1b") CATCH_CHECK(peak.at(p) <= std::min(parts - p, m));
+  }
+}
+
+CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
+                "[gpipe][step][schedule]") {
+  nn::Sequential plain = build(skip_model, 8);
+  const std::string text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n";
+  GPipe model(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
+                                        .schedule_text(text));
+  at::manual_seed(9);
+  const at::Tensor x = at::randn({4, 5}, at::kDouble);
+  const at::Tensor y = at::randn({4, 3}, at::kDouble);
+  const double expected = plain_step(plain, Batch(x), y, 2);
+  CATCH_CHECK(model->step(x, y, mse).item<double>() == Approx(expected).epsilon(1e-12));
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+  CATCH_CHECK(schedule_text(model->schedule(2)) == schedule_text(parse_schedule(text)));
+
+  // 0B0 waits for 1B0, which waits for 1F1, which waits for 0F1, behind 0B0: refused.
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
+                                      .schedule_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n")),
+      Catch::Contains("deadlock"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
+                                      .schedule_text(text)),
+      Catch::Contains("2 micro-batches but chunks is 3"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 8), GPipeOptions({2, 3, 3}).devices({at::kCPU, at::kCPU, at::kCPU})
+                                      .schedule(ScheduleKind::kInterleaved).virtual_stages(2)),
+      Catch::Contains("virtual_stages 2 must divide the number of partitions (3"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU})
+                                      .virtual_stages(2)),
+      Catch::Contains("virtual stages are for ScheduleKind::kInterleaved"));
+}
+
+CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not a scalar",
+                "[gpipe][step][errors]") {
+  GPipe model(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
+                                        .schedule(ScheduleKind::k1F1B));
+  const at::Tensor x = at::randn({4, 5}, at::kDouble);
+  CATCH_CHECK_THROWS_WITH(model->step(x, at::randn({5, 3}, at::kDouble), mse),
+                          Catch::Contains("the target has 5 rows but the mini-batch has 4"));
+  CATCH_CHECK_THROWS_WITH(
+      model->step(x, at::randn({4, 3}, at::kDouble),
+                  [](const Batch& out, const at::Tensor& t) { return out[0] - t; }),
+      Catch::Contains("must return a scalar"));
+  CATCH_CHECK_THROWS_WITH(model->step(x, at::randn({4, 3}, at::kDouble), nullptr),
+                          Catch::Contains("loss function is empty"));
+  // Still usable.
+  CATCH_CHECK(model->step(x, at::randn({4, 3}, at::kDouble), mse).defined());
+}
+
+CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the next one works",
+                "[gpipe][step][errors]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const int64_t where = GENERATE(0, 3, 7);  // the failing layer's index: partitions 0, 1, 3
+  CATCH_CAPTURE(kind, where);
+  nn::Sequential seq;
+  for (int64_t k = 0; k < 8; ++k) {
+    if (k == where) {
+      seq->push_back(Failing());
+    } else {
+      seq->push_back(nn::Linear(4, 4));
+    }
+  }
+  GPipe model(seq, GPipeOptions({2, 2, 2, 2}).devices(std::vector<c10::Device>(4, at::kCPU))
+                       .chunks(4)
+                       .schedule(schedule_kind(kind))
+                       .virtual_stages(kind == "interleaved" ? 2 : 1));
+  const at::Tensor x = at::randn({8, 4});
+  const at::Tensor y = at::randn({8, 4});
+  LossFunction loss = [](const Batch& out, const at::Tensor& t) {
+    return (out[0] - t).pow(2).mean();
+  };
+  seq[where]->as<Failing>()->armed = true;
+  within(60, [&] {
+    CATCH_CHECK_THROWS_WITH(model->step(x, y, loss), Catch::Contains("failing layer: armed"));
+  });
+  seq[where]->as<Failing>()->armed = false;
+  within(60, [&] { CATCH_CHECK(model->step(x, y, loss).defined()); });
+}
+
+CATCH_TEST_CASE("step under NoGradGuard runs the forwards and returns the loss",
+                "[gpipe][step]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  nn::Sequential plain = build(skip_model, 8);
+  GPipe model(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
+                                        .schedule(schedule_kind(kind)));
+  plain->eval();
+  model->eval();
+  const at::Tensor x = at::randn({6, 5}, at::kDouble);
+  const at::Tensor y = at::randn({6, 3}, at::kDouble);
+  at::NoGradGuard no_grad;
+  const double expected = mse(Batch(plain->forward(x)), y).item<double>();
+  CATCH_CHECK(model->step(x, y, mse).item<double>() == Approx(expected).epsilon(1e-12));
+  for (const at::Tensor& p : model->parameters()) CATCH_CHECK(!p.grad().defined());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
