@@ -53,7 +53,7 @@ struct Step {
   std::exception_ptr error ABSL_GUARDED_BY(mu);
   // Skips between partitions: each micro-batch's tracker, and for each stashing partition and
   // micro-batch the popped tensors with the gradients the popping partitions caught (Note
-  // [Partitions within a stage] in distributed/local_link.h).
+  // [Partitions within a stage] in distributed/pipeline_stage.h).
   std::map<int64_t, std::shared_ptr<MicroBatchSkips>> skips ABSL_GUARDED_BY(mu);
   std::vector<std::map<int64_t, std::vector<std::pair<at::Tensor, at::Tensor>>>> skip_grads
       ABSL_GUARDED_BY(mu);

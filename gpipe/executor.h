@@ -31,7 +31,7 @@ namespace detail {
 // lane — a rank of the schedule in one process, a partition of this process's stage across
 // processes — a thread, and runs the lane's actions in order:
 //   F i   receives micro-batch i's input from the partition's upstream (cut from the sender's
-//         graph: Note [Partitions within a stage] in distributed/local_link.h), runs the layers
+//         graph: Note [Partitions within a stage] in distributed/pipeline_stage.h), runs the layers
 //         (checkpointed when i < the checkpoint stop), and sends the output downstream.
 //   B i   receives the gradients of micro-batch i's outputs from downstream and runs the
 //         backward of the partition's graph of micro-batch i — an engine call of its own, on the

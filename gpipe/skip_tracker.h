@@ -117,7 +117,7 @@ class MicroBatchSkips : public SkipTracker {
   /// partition then pops `replace(stashing partition, tensor)` — by default a detached leaf — so
   /// that its backward, run as an engine call of its own, stops there and leaves the gradient for
   /// the stashing partition's backward (Note [Partitions within a stage] in
-  /// gpipe/distributed/local_link.h; Note [Stage-local backward in one process]).
+  /// gpipe/distributed/pipeline_stage.h; Note [Stage-local backward in one process]).
   std::vector<Cut> cut(
       int64_t partition,
       const std::function<at::Tensor(int64_t from, const at::Tensor& tensor)>& replace = nullptr);

@@ -21,10 +21,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "gpipe/distributed/configuration.h"
-#include "gpipe/distributed/local_link.h"
+#include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/device.h"
+#include "gpipe/executor.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/skippable.h"
@@ -36,24 +37,9 @@ namespace gpipe {
 namespace distributed {
 namespace {
 
-// The tensors of `batch` that require grad (the ones whose gradients cross to the previous stage),
-// in order.
-std::vector<at::Tensor> requiring_grad(const Batch& batch) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : batch.values()) {
-    if (t.requires_grad()) out.push_back(t);
-  }
-  return out;
-}
-
 // The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
 c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
   return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
-}
-
-// The gradient a leaf collected, or zeros when its micro-batch's outputs did not depend on it.
-at::Tensor grad_or_zeros(const at::Tensor& leaf) {
-  return leaf.grad().defined() ? leaf.grad() : at::zeros_like(leaf);
 }
 
 }  // namespace
@@ -74,6 +60,9 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   const std::vector<int64_t>& balance = options_.balance();
   TORCH_CHECK(options_.chunks() >= 1, who, ": chunks must be at least 1, got ",
               options_.chunks());
+  TORCH_CHECK(options_.schedule() != ScheduleKind::kInterleaved, who, ": the interleaved "
+              "schedule needs several stages per process, which PipelineStage does not place yet; "
+              "use ScheduleKind::k1F1B or kZeroBubble, or interleave in one process (GPipe)");
   verify_module(module);
   verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
   verify_skippables(module);
@@ -151,18 +140,20 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     }
   }
   for (size_t j = 0; j < local.size(); ++j) {
-    Partition p;
+    detail::ExecutorPartition p;
     p.layers = local[j];
     p.device = partition_devices[j];
     p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
     p.grad_record = std::make_shared<GradRecord>();
-    if (j > 0) p.worker = std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j));
+    // The first partition runs on the thread that calls step().
+    workers_.push_back(
+        j > 0 ? std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j)) : nullptr);
     partitions_.push_back(std::move(p));
   }
   // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
   // GPU (NCCL).
   local_ = partitions_[0].device;
-  for (const Partition& p : partitions_) {
+  for (const detail::ExecutorPartition& p : partitions_) {
     if (p.device.is_cuda()) {
       local_ = p.device;
       break;
@@ -170,6 +161,12 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   }
   wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
+  // Note [When gradients' receives are posted] in remote_link.h.
+  TORCH_CHECK(options_.schedule() == ScheduleKind::kGPipe || matches_by_tag(group_), who,
+              ": the ", schedule_kind_name(options_.schedule()), " schedule across processes "
+              "needs a group that matches transfers by tag (Gloo: new_gloo_group); this group "
+              "(", group_->getBackendName(), ") matches them in posting order, which gpipe keeps "
+              "only for the GPipe schedule so far");
   check_same_configuration(*module);
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
@@ -186,6 +183,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
                       static_cast<int64_t>(fingerprint(absl::StrJoin(options_.balance(), ","))));
   fields.emplace_back("chunks", options_.chunks());
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
+  fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule()));
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
@@ -201,36 +199,6 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
                       local_);
   }
 }
-
-// One step's state, shared by the partitions' threads.
-struct PipelineStageImpl::StepContext {
-  bool training = false;
-  at::Tensor target;
-  uint64_t run = 0;
-  std::vector<Batch> inputs;  // stage 0: the mini-batch's micro-batches
-  // The thread state checkpointed micro-batches are recomputed under (before the deferred
-  // statistics' callback: Note [Deferred batch norm without replacing modules]).
-  std::shared_ptr<const ThreadState> recompute_state;
-  std::unique_ptr<ActivationReceiver> receiver;  // every stage but the first
-  std::vector<std::unique_ptr<LocalLink>> links;  // links[j]: partitions j and j + 1
-  std::vector<std::vector<std::shared_ptr<Transfer>>> sends;  // each partition's
-  at::Tensor loss;
-  absl::Mutex mu;
-  std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first partition's to fail
-  // Skips between this stage's partitions: each micro-batch's tracker, and for each stashing
-  // partition and micro-batch the popped tensors with the gradients the popping partitions caught
-  // (Note [Partitions within a stage]).
-  std::map<int64_t, std::shared_ptr<MicroBatchSkips>> skips ABSL_GUARDED_BY(mu);
-  std::vector<std::map<int64_t, std::vector<std::pair<at::Tensor, at::Tensor>>>> skip_grads
-      ABSL_GUARDED_BY(mu);
-
-  std::shared_ptr<MicroBatchSkips> skips_of(int64_t microbatch, const SkipLayout* layout) {
-    absl::MutexLock lock(&mu);
-    std::shared_ptr<MicroBatchSkips>& tracker = skips[microbatch];
-    if (!tracker) tracker = std::make_shared<MicroBatchSkips>(layout);
-    return tracker;
-  }
-};
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
   const char* who = "gpipe::distributed::PipelineStage::step";
@@ -251,389 +219,122 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     }
   } fail_on_throw{failed_};
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
-  StepContext context;
-  context.training = at::GradMode::is_enabled();
-  context.target = target;
-  context.run = next_run_id();
+  const bool grad_enabled = at::GradMode::is_enabled();
   // Note [Pipeline stages and batch norm].
   bool any_batch_norm = false;
-  for (const Partition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
+  for (const detail::ExecutorPartition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
   const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
-  if (replica_group_ && context.training && is_training() && !deferred &&
+  if (replica_group_ && grad_enabled && is_training() && !deferred &&
       !layers_->buffers().empty()) {
     broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
   }
+  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get()};
+  std::unique_ptr<detail::InputSource> source;
+  std::unique_ptr<RemoteUpstream> remote_upstream;
   if (is_first()) {
     check_input(input);
     for (const at::Tensor& t : input.values()) {
       TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
                   " but stage 0 runs on ", partitions_[0].device, "; move it there first");
     }
-    context.inputs = scatter(input, options_.chunks());
+    source = std::make_unique<detail::InputSource>(scatter(input, options_.chunks()),
+                                                   grad_enabled);
+  } else {
+    // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
+    remote_upstream = std::make_unique<RemoteUpstream>(wire, stage_ - 1, partitions_[0].device,
+                                                       grad_enabled);
   }
-  // The micro-batches leave the input's graph (a layer before the stage, or the input's own
-  // split): the first partition's backward of each micro-batch stops at a leaf, and the input's
-  // graph runs once, at the end of the step, with all the leaves' gradients.
-  std::vector<at::Tensor> input_roots, input_leaves;
-  if (context.training) {
-    for (Batch& b : context.inputs) {
-      for (at::Tensor& t : b.values()) {
-        if (!t.defined() || !t.requires_grad()) continue;
-        input_roots.push_back(t);
-        t = t.detach().requires_grad_(true);
-        input_leaves.push_back(t);
+  const ScheduleKind kind = options_.schedule();
+  const int64_t stages = this->stages();
+  const int64_t me = stage_;
+  // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
+  // stage] in pipeline_stage.h).
+  const auto plan = [kind, stages, me, k = partitions_.size()](int64_t m) {
+    std::vector<Action> mine = make_schedule(kind, stages, m).ranks[me];
+    std::vector<std::vector<Action>> lanes(k);
+    for (size_t j = 0; j < k; ++j) {
+      for (Action a : mine) {
+        if (is_communication(a.type)) continue;
+        a.stage = static_cast<int64_t>(j);
+        lanes[j].push_back(a);
       }
     }
-  }
-  // Captured before the deferred statistics' callback is added: the recomputation observes no
-  // operator (Note [Deferred batch norm without replacing modules]).
-  context.recompute_state = std::make_shared<const ThreadState>();
-  // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
-  // during the forwards, and the callback gathers the statistics; committed after the step.
-  std::vector<BatchNormLayers::Redirect> deferred_redirects;
-  std::optional<DeferredStatisticsScope> deferred_statistics;
-  if (deferred) {
-    for (Partition& p : partitions_) {
-      p.batch_norms->reset_statistics();
-      deferred_redirects.push_back(p.batch_norms->redirect());
-    }
-    deferred_statistics.emplace();
-  }
-  // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
-  if (!is_first()) {
-    context.receiver =
-        std::make_unique<ActivationReceiver>(group_, stage_ - 1, wire_, wire_stream_of(wire_));
-  }
-  const size_t k = partitions_.size();
-  for (size_t j = 0; j + 1 < k; ++j) {
-    context.links.push_back(std::make_unique<LocalLink>(static_cast<int64_t>(j),
-                                                        partitions_[j].device,
-                                                        partitions_[j + 1].device));
-  }
-  context.sends.resize(k);
-  {
-    absl::MutexLock lock(&context.mu);
-    context.skip_grads.resize(k);
+    return lanes;
+  };
+  std::unique_ptr<detail::LossSink> sink;
+  std::unique_ptr<RemoteDownstream> remote_downstream;
+  if (is_last()) {
+    // GPipe's order on the last stage: forwards first; the loss sees the whole mini-batch.
+    sink = std::make_unique<detail::LossSink>(options_.loss(), target,
+                                              kind == ScheduleKind::kGPipe, who);
+  } else {
+    // Note [When gradients' receives are posted] in remote_link.h.
+    const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
+                                                               : GradientReceives::kWithSend;
+    remote_downstream =
+        std::make_unique<RemoteDownstream>(wire, stage_ + 1, partitions_.back().device, when);
   }
 
-  // Each partition on its own thread, the first on this one (Note [Partitions within a stage]);
-  // the others under this thread's state (grad mode, autocast, the statistics' callback).
-  const std::unique_ptr<ThreadState> worker_state =
-      k > 1 ? std::make_unique<ThreadState>() : nullptr;
-  // Keeps the first error of the step and fails the links of the partitions that caused it.
-  const auto fail = [&](std::exception_ptr error, size_t from, size_t to, const std::string& why) {
-    {
-      absl::MutexLock lock(&context.mu);
-      if (!context.error) context.error = std::move(error);
-    }
-    for (size_t l = from; l < to && l < context.links.size(); ++l) context.links[l]->fail(why);
+  detail::ExecutorSpec spec;
+  spec.who = who;
+  spec.partitions = &partitions_;
+  spec.plan = plan;
+  for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
+  spec.upstream = source ? static_cast<detail::Upstream*>(source.get()) : remote_upstream.get();
+  spec.downstream =
+      sink ? static_cast<detail::Downstream*>(sink.get()) : remote_downstream.get();
+  spec.microbatches = 0;  // as the upstream's first activation says
+  spec.grad_enabled = grad_enabled;
+  spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
+    return training ? checkpoint_stop(mode, m) : int64_t{0};
   };
-  const auto run = [&](size_t j) {
-    try {
-      std::optional<ThreadStateGuard> guard;
-      if (j > 0) guard.emplace(*worker_state);
-      run_stage_partition(j, context);
-    } catch (...) {
-      // Its links: j - 1 (to the partition before) and j (to the one after).
-      fail(std::current_exception(), j > 0 ? j - 1 : 0, j + 1,
-           absl::StrCat("partition ", j, " failed"));
-    }
-  };
-  std::vector<absl::Notification> done(k);
-  size_t started = 1;  // partitions running (the first on this thread)
-  try {
-    for (size_t j = 1; j < k; ++j) {
-      partitions_[j].worker->submit([&, j] {
-        run(j);
-        done[j].Notify();
-      });
-      started = j + 1;
-    }
-  } catch (...) {
-    // A partition that could not start (out of memory): the started ones must not wait for it.
-    fail(std::current_exception(), 0, context.links.size(), "a partition could not start");
-  }
-  if (started == k) run(0);
-  for (size_t j = 1; j < started; ++j) done[j].WaitForNotification();
-  std::exception_ptr error;
+  spec.run = next_run_id();
+  // Captured before the deferred statistics' callback is added: the recomputation observes no
+  // operator (Note [Deferred batch norm without replacing modules]).
+  spec.recompute_state = std::make_shared<const ThreadState>();
+  spec.timeline = timeline_;
+  spec.skip_layout = &skip_layout_;
   {
-    absl::MutexLock lock(&context.mu);
-    error = context.error;
-    if (error) {
-      // Unpopped skips of checkpointed stashes would keep their graphs alive (MicroBatchSkips::
-      // clear).
-      for (auto& entry : context.skips) entry.second->clear();
+    // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
+    // during the forwards, and the callback gathers the statistics; committed after the step.
+    std::vector<BatchNormLayers::Redirect> deferred_redirects;
+    std::optional<DeferredStatisticsScope> deferred_statistics;
+    if (deferred) {
+      for (detail::ExecutorPartition& p : partitions_) {
+        p.batch_norms->reset_statistics();
+        deferred_redirects.push_back(p.batch_norms->redirect());
+      }
+      deferred_statistics.emplace();
     }
+    detail::run_schedule(spec);
+    if (sink) sink->finish();
   }
-  if (error) std::rethrow_exception(error);
-  for (const auto& sends : context.sends) {
-    for (const auto& send : sends) send->wait();
-  }
-  // The input's own graph, once (see above).
-  std::vector<at::Tensor> roots, grads;
-  for (size_t k2 = 0; k2 < input_roots.size(); ++k2) {
-    if (input_leaves[k2].grad().defined()) {
-      roots.push_back(input_roots[k2]);
-      grads.push_back(input_leaves[k2].grad());
-    }
-  }
-  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  if (remote_downstream) remote_downstream->finish();
+  if (remote_upstream) remote_upstream->finish();
+  // The input's own graph, once.
+  if (source) source->finish();
   if (deferred) {
-    deferred_statistics.reset();
-    deferred_redirects.clear();
     std::vector<BatchNormStatistics> statistics;
-    for (const Partition& p : partitions_) {
+    for (const detail::ExecutorPartition& p : partitions_) {
       for (BatchNormStatistics& s : p.batch_norms->statistics()) statistics.push_back(s);
     }
     if (replica_group_) combine_statistics(replica_group_, statistics, local_);
     size_t next = 0;
-    for (Partition& p : partitions_) {
+    for (detail::ExecutorPartition& p : partitions_) {
       std::vector<BatchNormStatistics> mine(statistics.begin() + next,
                                             statistics.begin() + next + p.batch_norms->size());
       next += p.batch_norms->size();
       p.batch_norms->commit(&mine);
     }
   }
-  if (context.training && replica_group_) {
+  if (grad_enabled && replica_group_) {
     average_gradients(replica_group_, layers_->parameters(), local_);
   }
-  return context.loss;
-}
-
-void PipelineStageImpl::run_stage_partition(size_t j, StepContext& context) {
-  const char* who = "gpipe::distributed::PipelineStage::step";
-  Partition& part = partitions_[j];
-  const bool first = j == 0;
-  const bool last = j + 1 == partitions_.size();
-  const bool training = context.training;
-  // Posted by the courier thread (Note [Receiving ahead]), in the order of Note [Point-to-point
-  // order], with tensors on the wire's device (the CPU for Gloo) and, on a GPU, each after the
-  // work queued on this thread's stream before its Transfer was made.
-  std::vector<std::shared_ptr<Transfer>>& sends = context.sends[j];
-  std::vector<std::shared_ptr<Transfer>> grad_receives;  // per micro-batch, from the next stage
-  const c10::Device wire = wire_;
-  const c10::optional<c10::Stream> wire_stream = wire_stream_of(wire);
-  const auto post = [this](std::shared_ptr<Transfer> transfer,
-                           std::function<void(Transfer&)> operations) {
-    courier_->submit([transfer, operations = std::move(operations)] {
-      try {
-        operations(*transfer);
-        transfer->set_posted();
-      } catch (...) {
-        transfer->set_posted(std::current_exception());
-      }
-    });
-    return transfer;
-  };
-
-  // Forward: every micro-batch, in order (Note [Stage-local backward]).
-  std::vector<Batch> inputs;
-  int64_t m = 0;
-  if (first && is_first()) {
-    inputs = std::move(context.inputs);
-    m = static_cast<int64_t>(inputs.size());
+  if (sink) {
+    output_ = sink->output();
+    return sink->loss();
   }
-  std::vector<Batch> outputs;
-  int64_t stop = -1;  // micro-batches before it are checkpointed; known with m
-  // Times micro-batch i's forward or backward on the timeline, if one is recorded.
-  const c10::Stream stream = current_stream(part.device);
-  const auto start = [&] { return timeline_ ? timeline_->start(stream) : Timeline::Started{}; };
-  const auto record = [&](TimelineEvent::Kind kind, int64_t i, const Timeline::Started& started) {
-    if (timeline_) {
-      TimelineEvent event{kind, i, static_cast<int64_t>(j)};
-      event.checkpointed = i < stop;
-      timeline_->finish(event, started, stream);
-    }
-  };
-  const uint64_t params_key = requires_grad_key(part.layers);
-  // Per micro-batch, the skips from earlier partitions cut at this one's input.
-  std::vector<std::vector<MicroBatchSkips::Cut>> cuts;
-  for (int64_t i = 0; m == 0 || i < m; ++i) {
-    if (first && !is_first()) {
-      ActivationReceiver::Received r = context.receiver->next();
-      m = r.header.microbatches;
-      TORCH_CHECK(r.header.grad_enabled == training, who, ": stage ", stage_ - 1, " runs ",
-                  r.header.grad_enabled ? "with" : "without", " grad but stage ", stage_, " ",
-                  training ? "with" : "without", " it; call step() under the same grad mode "
-                  "(torch::NoGradGuard for inference) on every stage");
-      std::vector<at::Tensor> values;
-      for (size_t t = 0; t < r.tensors.size(); ++t) {
-        at::Tensor v = r.tensors[t].to(part.device);
-        if (r.header.entries[t].requires_grad) v.requires_grad_(true);
-        values.push_back(std::move(v));
-      }
-      inputs.push_back(r.header.atomic ? Batch(values[0]) : Batch(std::move(values)));
-    } else if (!first) {
-      LocalLink::Activation a = context.links[j - 1]->next_activation();
-      m = a.microbatches;
-      inputs.push_back(std::move(a.batch));
-    }
-    if (stop < 0) {
-      stop = training && is_training() ? checkpoint_stop(options_.checkpoint(), m) : 0;
-    }
-    const Timeline::Started started = start();
-    TaskContext task;
-    task.microbatch = MicroBatch{context.run, i};
-    std::vector<MicroBatchSkips::Cut> cut;
-    if (!skip_layout_.empty()) {
-      std::shared_ptr<MicroBatchSkips> shared = context.skips_of(i, &skip_layout_);
-      if (!skip_layout_.routes_into(static_cast<int64_t>(j)).empty()) {
-        // The skips from earlier partitions move to this one's device (every stream is the
-        // device's current one: each partition computes and copies on its thread's streams).
-        std::vector<c10::Stream> streams;
-        for (const Partition& p : partitions_) streams.push_back(current_stream(p.device));
-        std::vector<std::vector<c10::Stream>> copy_streams;
-        for (const c10::Stream& s : streams) copy_streams.emplace_back(i + 1, s);
-        shared->fence(i, static_cast<int64_t>(j), streams, copy_streams);
-      }
-      if (training) cut = shared->cut(static_cast<int64_t>(j));
-      task.skips = std::move(shared);
-    }
-    cuts.push_back(std::move(cut));
-    auto run_layers = [layers = part.layers, batch_norms = part.batch_norms,
-                       task](const Batch& b) {
-      TaskScope scope(task);
-      if (batch_norms->size() > 0 && is_recomputing()) {
-        // Note [Recomputation leaves running statistics alone] in batchnorm.h.
-        BatchNormLayers::Redirect redirect = batch_norms->redirect();
-        return run_partition(layers, b);
-      }
-      return run_partition(layers, b);
-    };
-    Batch out{std::vector<at::Tensor>{}};
-    if (i < stop) {
-      Checkpointing checkpointing(run_layers, inputs[i], part.device, context.recompute_state,
-                                  part.grad_record, params_key);
-      out = checkpointing.checkpoint();
-      checkpointing.recompute(out);
-    } else {
-      out = run_layers(inputs[i]);
-    }
-    record(TimelineEvent::Kind::kCompute, i, started);
-    if (!last) {
-      context.links[j]->send_activation(m, out);
-    } else if (!is_last()) {
-      // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
-      at::Tensor header = BatchHeader::of(out, m, training).encode().to(wire);
-      std::vector<at::Tensor> tensors = to_wire(out.values(), wire);
-      sends.push_back(post(
-          std::make_shared<Transfer>(group_, "sending activations to the next stage",
-                                     wire_stream),
-          [header = std::move(header), tensors = std::move(tensors), peer = stage_ + 1,
-           i](Transfer& t) {
-            t.send({header}, peer, Message::kHeader, i);
-            t.send(tensors, peer, Message::kActivation, i);
-          }));
-    }
-    outputs.push_back(std::move(out));
-  }
-  // The gradients of the outputs come back from the next stage: their receives are posted after
-  // the last activations' send, in the order the next stage sends them (Note [Point-to-point
-  // order]).
-  if (last && !is_last() && training) {
-    grad_receives.resize(static_cast<size_t>(m));
-    for (int64_t i = m - 1; i >= 0; --i) {
-      std::vector<at::Tensor> buffers;
-      for (const at::Tensor& t : requiring_grad(outputs[i])) {
-        buffers.push_back(at::empty(t.sizes(), t.options().device(wire)));
-      }
-      grad_receives[i] = post(
-          std::make_shared<Transfer>(group_, "receiving gradients from the next stage",
-                                     wire_stream),
-          [buffers = std::move(buffers), peer = stage_ + 1, i](Transfer& t) {
-            t.receive(buffers, peer, Message::kGradient, i);
-          });
-    }
-  }
-
-  // The last stage: the loss of the whole mini-batch, and from it each micro-batch's output
-  // gradients, through leaves standing for the outputs.
-  std::vector<std::vector<at::Tensor>> output_grads(m);
-  if (last && is_last()) {
-    std::vector<Batch> leaves;
-    for (const Batch& out : outputs) {
-      std::vector<at::Tensor> values;
-      for (const at::Tensor& t : out.values()) {
-        values.push_back(t.requires_grad() ? t.detach().requires_grad_(true) : t);
-      }
-      leaves.push_back(out.atomic() ? Batch(values[0]) : Batch(std::move(values)));
-    }
-    const Batch output = gather(leaves);
-    at::Tensor loss = options_.loss()(output, context.target);
-    output_ = output;
-    for (at::Tensor& t : output_.values()) t = t.detach();
-    if (training && loss.requires_grad()) {
-      loss.backward();
-    }
-    for (int64_t i = 0; i < m && training; ++i) {
-      for (const at::Tensor& leaf : requiring_grad(leaves[i])) {
-        output_grads[i].push_back(grad_or_zeros(leaf));
-      }
-    }
-    context.loss = loss;
-  }
-
-  // Backward: the micro-batches in reverse, each as soon as its output gradients are here.
-  for (int64_t i = m - 1; i >= 0 && training; --i) {
-    if (!last) {
-      output_grads[i] = context.links[j]->gradients(i);
-    } else if (!is_last()) {
-      grad_receives[i]->wait();
-      for (const at::Tensor& g : grad_receives[i]->tensors()) {
-        output_grads[i].push_back(g.to(part.device));
-      }
-    }
-    const Timeline::Started started = start();
-    std::vector<at::Tensor> roots = requiring_grad(outputs[i]);
-    TORCH_CHECK(roots.size() == output_grads[i].size(), who, ": stage ", stage_, " got ",
-                output_grads[i].size(), " gradients for micro-batch ", i, " but has ",
-                roots.size(), " outputs that require grad");
-    // The skips this partition stashed and later ones popped: more roots, with the gradients
-    // caught there (they are complete: those partitions ran this micro-batch's backward first).
-    {
-      absl::MutexLock lock(&context.mu);
-      auto it = context.skip_grads[j].find(i);
-      if (it != context.skip_grads[j].end()) {
-        for (auto& [tensor, grad] : it->second) {
-          roots.push_back(std::move(tensor));
-          output_grads[i].push_back(std::move(grad));
-        }
-        context.skip_grads[j].erase(it);
-      }
-    }
-    if (!roots.empty()) {
-      torch::autograd::backward(roots, output_grads[i]);
-    }
-    // The skips this partition popped from earlier ones: their gradients, for the stashing
-    // partitions (before this micro-batch's gradients go back, which they follow).
-    if (!cuts[i].empty()) {
-      absl::MutexLock lock(&context.mu);
-      for (MicroBatchSkips::Cut& cut : cuts[i]) {
-        if (cut.leaf.grad().defined()) {
-          context.skip_grads[cut.from][i].emplace_back(std::move(cut.tensor), cut.leaf.grad());
-        }
-      }
-      cuts[i].clear();
-    }
-    outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent
-    record(TimelineEvent::Kind::kBackward, i, started);
-    if (first && is_first()) continue;
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& leaf : requiring_grad(inputs[i])) {
-      grads.push_back(grad_or_zeros(leaf));
-    }
-    if (!first) {
-      context.links[j - 1]->send_gradients(i, grads);
-    } else {
-      std::vector<at::Tensor> tensors = to_wire(grads, wire);
-      sends.push_back(post(
-          std::make_shared<Transfer>(group_, "sending gradients to the previous stage",
-                                     wire_stream),
-          [tensors = std::move(tensors), peer = stage_ - 1, i](Transfer& t) {
-            t.send(tensors, peer, Message::kGradient, i);
-          }));
-    }
-  }
+  return at::Tensor();
 }
 
 std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {

@@ -19,6 +19,9 @@
 #include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/distributed/process_group.h"
+#include "gpipe/executor.h"
+#include "gpipe/loss.h"
+#include "gpipe/schedule.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/skip_layout.h"
@@ -47,12 +50,40 @@ namespace distributed {
 // loss, its reduction and its gradients are the plain model's. One backward through the loss
 // gives every micro-batch's output gradient; the micro-batches' own backwards follow.
 
-/// A loss function of the last stage: the mini-batch's output (gathered from the micro-batches)
-/// and the target, to a scalar.
-using LossFunction = std::function<at::Tensor(const Batch& output, const at::Tensor& target)>;
+/// A loss function of the last stage (gpipe::LossFunction): with the GPipe schedule it sees the
+/// whole mini-batch's output, with the others each micro-batch's (Note [Losses over
+/// micro-batches] in gpipe/loss.h).
+using LossFunction = gpipe::LossFunction;
 
 /// The input of every stage but the first: none (their activations come from the stage before).
 inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
+
+// Note [Partitions within a stage]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A stage may split its layers into several partitions on this process's devices
+// (PipelineStageOptions::local_balance and local_devices). Each partition then works as a stage
+// of its own would, on a thread of its own: it runs every micro-batch's forward in order, then
+// each micro-batch's backward in reverse as soon as the gradients of its outputs arrive
+// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/link.h) instead of c10d. With a schedule
+// other than GPipe's, every partition of the stage runs the stage's actions in the schedule's order.
+// What crosses a link is cut from the sender's graph: the receiver gets each tensor detached
+// (moved to its device), as a leaf that requires grad where the sender's tensor did, and sends
+// the leaves' gradients back. So every micro-batch's graph on a partition is its own, and each
+// partition's backward is an engine call on its own thread: partitions overlap in backward as in
+// forward, on CPU cores as on GPUs. The first partition runs on the thread that called step();
+// the others on workers of the stage.
+//
+// A skip stashed in partition a and popped in a later partition b of the same stage goes through
+// the skip tracker that the partitions share for each micro-batch (as a GPipe's do: Note [Skips
+// and checkpointing] in skip_tracker.h), which moves it to b's device; then it is cut the same
+// way (MicroBatchSkips::cut): b pops a detached leaf, and after b's backward of the micro-batch
+// the leaf's gradient waits for a, whose backward starts from its outputs and from the stashed
+// tensors together — one engine call, so that a checkpointed stash's recomputation gets both
+// gradients at once. a's backward of a micro-batch always follows b's (the gradients pass through
+// the partitions in between), so the skips' gradients are there when a needs them.
+//
+// A link fails when either side fails: the other side's next wait then throws, naming the
+// partition, instead of waiting for a micro-batch that never comes.
 
 /// Options of a pipeline stage. Every process of a pipeline must pass the same ones.
 struct PipelineStageOptions {
@@ -70,7 +101,7 @@ struct PipelineStageOptions {
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
   /// This stage's own split of its layers into partitions, one entry per partition, adding up to
   /// its entry of balance; empty: one partition. Each partition runs on a thread of its own and
-  /// on its entry of local_devices (Note [Partitions within a stage] in local_link.h). Unlike the
+  /// on its entry of local_devices (Note [Partitions within a stage]). Unlike the
   /// other options, it may differ between stages.
   ///
   ///   // Stage 1 of {3, 4}: layers 3-4 on cuda:0, layers 5-6 on cuda:1.
@@ -79,6 +110,9 @@ struct PipelineStageOptions {
   /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
   /// device(). May differ between stages.
   TORCH_ARG(std::vector<c10::Device>, local_devices);
+  /// The schedule of step(): kGPipe, k1F1B or kZeroBubble (interleaving needs several stages per
+  /// process: not across processes yet).
+  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
   /// The last stage's loss function; required there, ignored elsewhere.
   TORCH_ARG(LossFunction, loss) = nullptr;
   /// Record what each step did (forward and backward of each micro-batch); see timeline().
@@ -179,26 +213,15 @@ class PipelineStageImpl : public torch::nn::Module {
   std::vector<TimelineEvent> gather_timeline();
 
  private:
-  // One of this stage's partitions (Note [Partitions within a stage]).
-  struct Partition {
-    torch::nn::Sequential layers;
-    c10::Device device{c10::kCPU};
-    std::shared_ptr<BatchNormLayers> batch_norms;  // shared with checkpointed micro-batches' graphs
-    std::shared_ptr<GradRecord> grad_record;
-    std::unique_ptr<Worker> worker;  // null for the first: it runs on the thread calling step()
-  };
-  struct StepContext;  // one step's state, shared by the partitions' threads
-
   void check_same_configuration(const torch::nn::Module& whole);
-  // Runs partition j's part of a step: its forwards, the loss on the last, its backwards.
-  void run_stage_partition(size_t j, StepContext& context);
 
   PipelineStageOptions options_;
   ProcessGroup group_;
   ProcessGroup replica_group_;  // null: not replicated
   int64_t stage_ = 0;
   torch::nn::Sequential layers_;  // all of this stage's layers
-  std::vector<Partition> partitions_;
+  std::vector<detail::ExecutorPartition> partitions_;  // Note [Partitions within a stage]
+  std::vector<std::unique_ptr<Worker>> workers_;  // per partition; null: the calling thread
   SkipLayout skip_layout_;  // over this stage's partitions
   // This stage's first GPU (else its first partition's device), where groups that carry GPU
   // tensors (NCCL) take them; wire_: where group_'s do (wire_device).

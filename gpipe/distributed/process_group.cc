@@ -10,6 +10,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "absl/strings/numbers.h"
@@ -175,6 +176,10 @@ bool built_with_nccl() {
 #else
   return false;
 #endif
+}
+
+bool matches_by_tag(const ProcessGroup& group) {
+  return dynamic_cast<const c10d::ProcessGroupGloo*>(group.get()) != nullptr;
 }
 
 bool carries_device_tensors(const ProcessGroup& group) {

@@ -73,6 +73,10 @@ bool built_with_nccl();
 // the stages to this order on Gloo through a group that matches by order, as NCCL does
 // (tests/distributed/in_order_group.h).
 
+/// Whether `group` matches point-to-point operations by their tags (c10d's Gloo group), rather
+/// than in posting order (NCCL, or any other group gpipe does not know).
+bool matches_by_tag(const ProcessGroup& group);
+
 /// Whether `group` carries GPU tensors between processes itself (NCCL) instead of through the CPU.
 bool carries_device_tensors(const ProcessGroup& group);
 

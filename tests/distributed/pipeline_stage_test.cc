@@ -192,8 +192,11 @@ void train_stage(PipelineStageOptions options) {
   // Two partitions on a GPU stage: the second on the CPU (one GPU each).
   std::vector<c10::Device> local_devices;
   if (local.size() == 2 && device.is_cuda()) local_devices = {device, c10::Device(c10::kCPU)};
+  const char* schedule_name = std::getenv("GPIPE_TEST_SCHEDULE");
+  const std::string schedule = schedule_name != nullptr ? schedule_name : "gpipe";
   PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
-                                 .local_devices(local_devices), group);
+                                 .local_devices(local_devices)
+                                 .schedule(schedule_kind(schedule)), group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
@@ -207,7 +210,18 @@ void train_stage(PipelineStageOptions options) {
   }
   if (options.record_timeline()) {
     const char* spec = std::getenv("GPIPE_TEST_LOCAL");
-    check_schedule(stage->gather_timeline(), spec != nullptr ? 4 : 2);  // two per stage, or one
+    const int64_t per_stage = spec != nullptr ? 2 : 1;
+    const std::vector<TimelineEvent> events = stage->gather_timeline();
+    if (schedule == "gpipe") {
+      check_schedule(events, 2 * per_stage);  // two per stage, or one
+    } else {
+      // 1F1B and ZB-H1 keep at most n - s micro-batches in flight on stage s of n = 2 (ZB-H1's
+      // W may keep one more: n in all).
+      for (const auto& [p, peak] : gpipe::testing::peak_in_flight(events)) {
+        const int64_t s = p / per_stage;
+        CATCH_CHECK(peak <= (schedule == "zb" ? 2 : 2 - s));
+      }
+    }
   }
   const std::string folder = gpipe_test::test_folder();
   const std::string r = std::to_string(test_rank());
@@ -309,6 +323,58 @@ CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
   check_two_stages(kLocalPartitions, folder,
                    {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_LOCAL", local + ";" + local}},
                    /*loss_tolerance=*/1e-12);
+}
+
+constexpr const char* kSchedules =
+    "two processes train with the 1F1B and zero-bubble schedules to the plain model's parameters "
+    "and losses and keep the schedule's micro-batches in flight";
+
+CATCH_TEST_CASE(kSchedules, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "1f1b", "zb");
+  const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
+  const std::string local = GENERATE(as<std::string>(), "", "2,1;2,1");
+  CATCH_INFO("schedule " << schedule << ", checkpoint " << mode << ", local balance '" << local
+                         << "'");
+  std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
+                                         {"GPIPE_TEST_SCHEDULE", schedule}};
+  if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  const std::string folder =
+      folder_for("schedule_" + schedule + "_" + mode + (local.empty() ? "" : "_local"));
+  // The loss is a sum over micro-batches (Note [Losses over micro-batches]): equal up to rounding.
+  check_two_stages(kSchedules, folder, env, /*loss_tolerance=*/1e-12);
+}
+
+constexpr const char* kScheduleInOrder =
+    "1F1B and zero bubble on a group that matches transfers in posting order are refused";
+
+CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule][errors]") {
+  if (test_rank() >= 0) {
+    // One group for the three: refused before any transfer.
+    ProcessGroup group = join();
+    for (ScheduleKind kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
+      CATCH_CHECK_THROWS_WITH(
+          PipelineStage(make_model(),
+                        PipelineStageOptions(kBalance).chunks(2).loss(mse).schedule(kind), group),
+          gpipe_test::contains("needs a group that matches transfers by tag"));
+    }
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(),
+                      PipelineStageOptions(kBalance).loss(mse).schedule(ScheduleKind::kInterleaved),
+                      group),
+        gpipe_test::contains("interleaved schedule needs several stages per process"));
+    return;
+  }
+  const std::string folder = folder_for("schedule_in_order");
+  const auto results = run_ranks(kScheduleInOrder, 2, folder, {{"GPIPE_TEST_IN_ORDER", "1"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
 }
 
 constexpr const char* kInOrder =

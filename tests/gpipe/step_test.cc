@@ -192,37 +192,6 @@ CATCH_TEST_CASE("step with deferred batch norm updates running statistics as the
   check_same(running_stats(*plain), running_stats(*model), 1e-10);
 }
 
-// Per partition, the most micro-batches whose forward had ended and whose backward (or W) had
-// not, on a real run's timeline.
-std::map<int64_t, int64_t> peak_in_flight(const std::vector<TimelineEvent>& events) {
-  std::map<int64_t, std::vector<std::pair<double, int>>> changes;
-  std::map<std::pair<int64_t, int64_t>, bool> split;
-  for (const TimelineEvent& e : events) {
-    if (e.kind == TimelineEvent::Kind::kBackwardWeight) split[{e.partition, e.microbatch}] = true;
-  }
-  for (const TimelineEvent& e : events) {
-    const bool w = split.count({e.partition, e.microbatch}) > 0;
-    if (e.kind == TimelineEvent::Kind::kCompute) changes[e.partition].push_back({e.end_us, +1});
-    if ((e.kind == TimelineEvent::Kind::kBackward ||
-         e.kind == TimelineEvent::Kind::kBackwardInput) && !w) {
-      changes[e.partition].push_back({e.start_us, -1});
-    }
-    if (e.kind == TimelineEvent::Kind::kBackwardWeight) {
-      changes[e.partition].push_back({e.start_us, -1});
-    }
-  }
-  std::map<int64_t, int64_t> peak;
-  for (auto& [p, c] : changes) {
-    std::sort(c.begin(), c.end());  // at a tie, a backward's start before a forward's end
-    int64_t alive = 0;
-    for (const auto& [t, d] : c) {
-      alive += d;
-      peak[p] = std::max(peak[p], alive);
-    }
-  }
-  return peak;
-}
-
 CATCH_TEST_CASE("Micro-batches alive per partition are what each schedule promises",
                 "[gpipe][step][memory]") {
   const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");

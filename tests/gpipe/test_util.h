@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
+#include <map>
 #include <functional>
 #include <future>
 #include <thread>
@@ -337,6 +339,37 @@ inline std::vector<at::Tensor> running_stats(torch::nn::Module& module) {
     out.push_back(buffer.value().clone());
   }
   return out;
+}
+
+// Per partition, the most micro-batches whose forward had ended and whose backward (or W) had
+// not, on a real run's timeline.
+inline std::map<int64_t, int64_t> peak_in_flight(const std::vector<TimelineEvent>& events) {
+  std::map<int64_t, std::vector<std::pair<double, int>>> changes;
+  std::map<std::pair<int64_t, int64_t>, bool> split;
+  for (const TimelineEvent& e : events) {
+    if (e.kind == TimelineEvent::Kind::kBackwardWeight) split[{e.partition, e.microbatch}] = true;
+  }
+  for (const TimelineEvent& e : events) {
+    const bool w = split.count({e.partition, e.microbatch}) > 0;
+    if (e.kind == TimelineEvent::Kind::kCompute) changes[e.partition].push_back({e.end_us, +1});
+    if ((e.kind == TimelineEvent::Kind::kBackward ||
+         e.kind == TimelineEvent::Kind::kBackwardInput) && !w) {
+      changes[e.partition].push_back({e.start_us, -1});
+    }
+    if (e.kind == TimelineEvent::Kind::kBackwardWeight) {
+      changes[e.partition].push_back({e.start_us, -1});
+    }
+  }
+  std::map<int64_t, int64_t> peak;
+  for (auto& [p, c] : changes) {
+    std::sort(c.begin(), c.end());  // at a tie, a backward's start before a forward's end
+    int64_t alive = 0;
+    for (const auto& [t, d] : c) {
+      alive += d;
+      peak[p] = std::max(peak[p], alive);
+    }
+  }
+  return peak;
 }
 
 /// Checks that two lists of tensors are alike within `tol`.
