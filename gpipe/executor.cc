@@ -4,6 +4,7 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include <ATen/ops/zeros_like.h>
@@ -37,8 +38,13 @@ struct PartitionState {
   int64_t next_forward = 0;
   std::vector<Batch> inputs, outputs;  // from F i to its backward
   std::vector<std::vector<MicroBatchSkips::Cut>> cuts;  // skips from earlier partitions
-  // Kept from I i to W i: the backward's roots and their gradients.
-  std::vector<std::vector<at::Tensor>> w_roots, w_grads;
+  // Kept from I i to W i: the backward's roots and their gradients, per layer when the
+  // backward is split by layer (Note [One executor]), else one entry.
+  std::vector<std::vector<std::vector<at::Tensor>>> w_roots, w_grads;
+  // Per micro-batch, F i's layer outputs that require grad (split schedules, no skips).
+  std::vector<std::vector<std::vector<at::Tensor>>> layer_outputs;
+  std::vector<std::vector<at::Tensor>> layer_params;  // each layer's, requiring grad
+  bool by_layer = false;  // W split by layer (Note [One executor])
 };
 
 // One step's state, shared by the lanes.
@@ -46,6 +52,7 @@ struct Step {
   const ExecutorSpec& spec;
   int64_t m = 0;
   int64_t stop = 0;
+  bool by_layer = false;  // W split by layer (Note [One executor])
   std::optional<Activation> first;  // the first partition's first input, when it told m
   std::vector<PartitionState> states;
   std::vector<std::unique_ptr<LocalLink>> links;  // links[p]: partitions p and p + 1
@@ -133,14 +140,17 @@ void forward(Step& st, int64_t p, int64_t i) {
     if (spec.grad_enabled) cut = shared->cut(p);
     task.skips = std::move(shared);
   }
-  auto run_layers = [layers = part.layers, batch_norms = part.batch_norms, task](const Batch& b) {
+  std::vector<std::vector<at::Tensor>>* layer_outputs =
+      s.by_layer && spec.grad_enabled && i >= st.stop ? &s.layer_outputs[i] : nullptr;
+  auto run_layers = [layers = part.layers, batch_norms = part.batch_norms, task,
+                     layer_outputs](const Batch& b) {
     TaskScope scope(task);
     if (batch_norms->size() > 0 && is_recomputing()) {
       // Note [Recomputation leaves running statistics alone] in batchnorm.h.
       BatchNormLayers::Redirect redirect = batch_norms->redirect();
       return run_partition(layers, b);
     }
-    return run_partition(layers, b);
+    return run_partition(layers, b, layer_outputs);
   };
   Batch out{std::vector<at::Tensor>{}};
   if (i < st.stop) {
@@ -197,6 +207,14 @@ void backward(Step& st, int64_t p, int64_t i, bool split) {
   } else {
     std::vector<at::Tensor> wanted = input_leaves;
     for (const MicroBatchSkips::Cut& c : s.cuts[i]) wanted.push_back(c.leaf);
+    // Split by layer: the gradients at every layer's output too, for W.
+    const size_t layers = s.part->layers->size();
+    const bool by_layer = s.by_layer && s.layer_outputs[i].size() == layers;
+    if (by_layer) {
+      for (size_t k = 0; k + 1 < layers; ++k) {
+        for (const at::Tensor& t : s.layer_outputs[i][k]) wanted.push_back(t);
+      }
+    }
     std::vector<at::Tensor> got;
     if (!roots.empty() && !wanted.empty()) {
       got = torch::autograd::grad(roots, wanted, grads, /*retain_graph=*/true,
@@ -210,8 +228,34 @@ void backward(Step& st, int64_t p, int64_t i, bool split) {
       const size_t at = input_leaves.size() + k;
       if (at < got.size()) skip_grads[k] = got[at];
     }
-    s.w_roots[i] = std::move(roots);
-    s.w_grads[i] = std::move(grads);
+    s.w_roots[i].clear();
+    s.w_grads[i].clear();
+    if (by_layer && !got.empty()) {
+      // Layer k's weight gradients start from its outputs: the next layer's inputs, or the
+      // partition's outputs for the last.
+      size_t next = input_leaves.size() + s.cuts[i].size();
+      for (size_t k = 0; k < layers; ++k) {
+        std::vector<at::Tensor> layer_roots, layer_grads;
+        if (k + 1 < layers) {
+          for (const at::Tensor& t : s.layer_outputs[i][k]) {
+            if (got[next].defined()) {
+              layer_roots.push_back(t);
+              layer_grads.push_back(got[next]);
+            }
+            ++next;
+          }
+        } else {
+          layer_roots = roots;
+          layer_grads = grads;
+        }
+        s.w_roots[i].push_back(std::move(layer_roots));
+        s.w_grads[i].push_back(std::move(layer_grads));
+      }
+    } else {
+      s.w_roots[i].push_back(std::move(roots));
+      s.w_grads[i].push_back(std::move(grads));
+    }
+    s.layer_outputs[i].clear();
   }
   // The skips this partition popped from earlier ones: their gradients, for the stashing
   // partitions (whose backward of this micro-batch follows, after the gradients pass through).
@@ -236,13 +280,18 @@ void backward_weight(Step& st, int64_t p, int64_t i) {
   PartitionState& s = st.states[p];
   const c10::Stream stream = current_stream(s.part->device);
   const Timeline::Started started = st.start(stream);
-  std::vector<at::Tensor> roots = std::move(s.w_roots[i]);
-  std::vector<at::Tensor> grads = std::move(s.w_grads[i]);
+  std::vector<std::vector<at::Tensor>> roots = std::move(s.w_roots[i]);
+  std::vector<std::vector<at::Tensor>> grads = std::move(s.w_grads[i]);
   s.w_roots[i].clear();
   s.w_grads[i].clear();
-  if (!roots.empty() && !s.params.empty()) {
-    torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false,
-                              s.params);
+  const bool by_layer = roots.size() > 1;  // one entry per layer
+  for (size_t k = 0; k < roots.size(); ++k) {
+    // By layer: each layer's backward reaches only its own parameters, so the engine computes
+    // their gradients and not, again, the activations' (Note [One executor]).
+    const std::vector<at::Tensor>& params = by_layer ? s.layer_params[k] : s.params;
+    if (roots[k].empty() || params.empty()) continue;
+    torch::autograd::backward(roots[k], grads[k], /*retain_graph=*/false,
+                              /*create_graph=*/false, params);
   }
   roots.clear();
   grads.clear();
@@ -304,6 +353,11 @@ void run_schedule(const ExecutorSpec& spec) {
   }
   st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
   const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
+  // Weight gradients split by layer: for split schedules, where no skip ties layers together.
+  for (const std::vector<Action>& lane : lanes) {
+    for (const Action& a : lane) st.by_layer |= a.type == ActionType::kBackwardWeight;
+  }
+  st.by_layer &= spec.skip_layout == nullptr || spec.skip_layout->empty();
   TORCH_INTERNAL_ASSERT(lanes.size() == spec.workers.size(), "gpipe: ", lanes.size(),
                         " lanes but ", spec.workers.size(), " workers");
   st.states.resize(n);
@@ -325,6 +379,21 @@ void run_schedule(const ExecutorSpec& spec) {
     s.cuts.resize(st.m);
     s.w_roots.resize(st.m);
     s.w_grads.resize(st.m);
+    s.layer_outputs.resize(st.m);
+    if (st.by_layer) {
+      // Not where layers share a parameter (tied weights): a layer's backward would then reach
+      // it through the other layer too.
+      std::set<const void*> seen;
+      s.by_layer = true;
+      for (const auto& layer : s.part->layers->children()) {
+        std::vector<at::Tensor> params;
+        for (const at::Tensor& t : layer->parameters()) {
+          s.by_layer &= seen.insert(t.unsafeGetTensorImpl()).second;
+          if (t.requires_grad()) params.push_back(t);
+        }
+        s.layer_params.push_back(std::move(params));
+      }
+    }
   }
 
   // Lanes on workers run under this thread's state (grad mode, autocast, the deferred

@@ -119,7 +119,8 @@ uint64_t requires_grad_key(const torch::nn::Sequential& partition) {
   return key;
 }
 
-Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) {
+Batch run_partition(const torch::nn::Sequential& partition, const Batch& input,
+                    std::vector<std::vector<at::Tensor>>* layer_outputs) {
   torch::nn::AnyValue value = input.to_any();
   size_t index = 0;
   for (auto& layer : *partition.ptr()) {
@@ -130,9 +131,17 @@ Batch run_partition(const torch::nn::Sequential& partition, const Batch& input) 
           absl::StrCat("(raised by ", describe_in_partition(partition, index), " inside a GPipe)"));
       throw;
     }
-    if (value.try_get<at::Tensor>() == nullptr &&
-        value.try_get<std::vector<at::Tensor>>() == nullptr) {
+    const at::Tensor* one = value.try_get<at::Tensor>();
+    const std::vector<at::Tensor>* many = value.try_get<std::vector<at::Tensor>>();
+    if (one == nullptr && many == nullptr) {
       break;
+    }
+    if (layer_outputs != nullptr) {
+      std::vector<at::Tensor> out;
+      for (const at::Tensor& t : one != nullptr ? std::vector<at::Tensor>{*one} : *many) {
+        if (t.defined() && t.requires_grad()) out.push_back(t);
+      }
+      layer_outputs->push_back(std::move(out));
     }
     ++index;
   }

@@ -53,8 +53,11 @@ std::pair<int64_t, std::string> concurrent_random_layer(
     const std::vector<torch::nn::Sequential>& partitions, const std::vector<c10::Device>& devices);
 
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
-/// layer returns something other than a tensor or a vector of tensors.
-Batch run_partition(const torch::nn::Sequential& partition, const Batch& input);
+/// layer returns something other than a tensor or a vector of tensors. With `layer_outputs`, also
+/// gives each layer's output tensors that require grad (one entry per layer that ran; Note [One
+/// executor] splits weight gradients by layer with them).
+Batch run_partition(const torch::nn::Sequential& partition, const Batch& input,
+                    std::vector<std::vector<at::Tensor>>* layer_outputs = nullptr);
 
 /// Which of a partition's parameters require grad, as a number: the `params_key` of its
 /// Checkpointing (Note [Autograd metadata of checkpointed micro-batches] in checkpoint.h).

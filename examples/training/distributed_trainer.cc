@@ -30,6 +30,7 @@ ABSL_DECLARE_FLAG(int64_t, partitions);
 ABSL_DECLARE_FLAG(std::string, balance);
 ABSL_DECLARE_FLAG(int64_t, chunks);
 ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(std::string, schedule);
 ABSL_DECLARE_FLAG(int64_t, epochs);
 ABSL_DECLARE_FLAG(int64_t, steps);
 ABSL_DECLARE_FLAG(int64_t, test_batches);
@@ -133,7 +134,8 @@ int train_distributed(const TrainerModel& trainer) {
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
                                 .checkpoint(checkpoint).loss(cross_entropy).device(device)
-                                .local_balance(local_balance).record_timeline(true),
+                                .local_balance(local_balance).record_timeline(true)
+                                .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule))),
                             groups.pipeline, groups.replica_group);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
   const bool reporter = stage->is_last() && groups.replica == 0;
@@ -143,7 +145,7 @@ int train_distributed(const TrainerModel& trainer) {
     std::printf("%s on %s: %lld layers, %.2fM parameters\n", trainer.name.c_str(),
                 data.name.c_str(), static_cast<long long>(model->size()), parameters / 1e6);
     std::printf("distributed: %d processes = %d stages x %d replicas; balance {%s}%s; %lld "
-                "micro-batches of each replica's %lld images; checkpoint %s; %d intra-op "
+                "micro-batches of each replica's %lld images; checkpoint %s; schedule %s; %d intra-op "
                 "thread%s per %s\n",
                 options.world_size(), stages, groups.replicas,
                 absl::StrJoin(balance, ", ").c_str(),
@@ -153,7 +155,8 @@ int train_distributed(const TrainerModel& trainer) {
                     : "",
                 static_cast<long long>(chunks),
                 static_cast<long long>(batch_size / groups.replicas),
-                absl::GetFlag(FLAGS_checkpoint).c_str(), at::get_num_threads(),
+                absl::GetFlag(FLAGS_checkpoint).c_str(), absl::GetFlag(FLAGS_schedule).c_str(),
+                at::get_num_threads(),
                 at::get_num_threads() == 1 ? "" : "s", per_stage > 1 ? "partition" : "process");
     std::fflush(stdout);
   }

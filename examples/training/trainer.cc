@@ -58,6 +58,12 @@ ABSL_FLAG(std::string, balance, "auto",
           "such as 4,5,3");
 ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
 ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
+ABSL_FLAG(std::string, schedule, "gpipe",
+          "gpipe (forward() and backward(), as always), or a schedule that GPipe::step runs: "
+          "1f1b (activations of at most n - s micro-batches per partition), interleaved (v "
+          "partitions per worker: a smaller bubble), zb (zero bubble ZB-H1)");
+ABSL_FLAG(int64_t, virtual_stages, 1,
+          "with --schedule=interleaved: partitions per worker (divides --partitions)");
 ABSL_FLAG(bool, amp, false, "autocast: bfloat16 on the CPU, float16 on CUDA (with loss scaling)");
 ABSL_FLAG(int64_t, epochs, 2, "passes over the training set");
 ABSL_FLAG(int64_t, steps, 0, "stop each epoch after this many steps (0: the whole training set)");
@@ -225,7 +231,11 @@ int train(const TrainerModel& trainer) {
                         .deferred_batch_norm(true)
                         .worker_per_partition(on_cpu && partitions > 1)
                         .stage_local_backward(stage_local)
+                        .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
+                        .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
                         .record_timeline(true));
+  // GPipe's own schedule keeps forward() and backward(); the others run as step().
+  const bool use_step = absl::GetFlag(FLAGS_schedule) != "gpipe";
   int64_t parameters = 0;
   for (const auto& p : pipe->parameters()) parameters += p.numel();
   std::printf("%s on %s (%lld training, %lld test images of %lldx%lldx%lld): %lld layers, "
@@ -237,13 +247,13 @@ int train(const TrainerModel& trainer) {
               static_cast<long long>(data.size), static_cast<long long>(model->size()),
               parameters / 1e6);
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of a %lld-image batch, "
-              "checkpoint %s%s%s%s\n",
+              "checkpoint %s, schedule %s%s%s%s\n",
               absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
               absl::StrJoin(devices, ", ", [](std::string* s, const c10::Device& d) {
                 s->append(d.str());
               }).c_str(),
               static_cast<long long>(chunks), static_cast<long long>(batch_size),
-              absl::GetFlag(FLAGS_checkpoint).c_str(),
+              absl::GetFlag(FLAGS_checkpoint).c_str(), absl::GetFlag(FLAGS_schedule).c_str(),
               on_cpu ? absl::StrFormat(", one worker and %d intra-op thread%s per partition",
                                        at::get_num_threads(),
                                        at::get_num_threads() == 1 ? "" : "s").c_str()
@@ -292,10 +302,18 @@ int train(const TrainerModel& trainer) {
       {
         std::unique_ptr<Autocast> autocast;
         if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
-        at::Tensor logits = pipe->forward(batch.data.to(in));
-        loss = at::cross_entropy_loss(logits.to(at::kFloat), batch.target.to(out));
+        if (use_step) {
+          loss = pipe->step(batch.data.to(in), batch.target.to(out),
+                            [loss_scale](const Batch& logits, const at::Tensor& target) {
+                              return at::cross_entropy_loss(logits.tensor().to(at::kFloat),
+                                                            target) * loss_scale;
+                            }) / loss_scale;
+        } else {
+          at::Tensor logits = pipe->forward(batch.data.to(in));
+          loss = at::cross_entropy_loss(logits.to(at::kFloat), batch.target.to(out));
+        }
       }
-      (loss * loss_scale).backward();
+      if (!use_step) (loss * loss_scale).backward();
       bool finite = true;
       if (loss_scale != 1.0) {
         // One host synchronisation for all gradients, not one per parameter.
@@ -325,7 +343,9 @@ int train(const TrainerModel& trainer) {
       if (!absl::GetFlag(FLAGS_ideal_svg).empty()) {
         const int64_t stop =
             checkpoint_stop(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)), chunks);
-        write_file(absl::GetFlag(FLAGS_ideal_svg), schedule_svg(chunks, partitions, stop));
+        write_file(absl::GetFlag(FLAGS_ideal_svg),
+                   use_step ? schedule_svg(pipe->schedule(chunks))
+                            : schedule_svg(chunks, partitions, stop));
       }
     }
 

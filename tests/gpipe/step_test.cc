@@ -238,19 +238,19 @@ CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
                                       .schedule_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n")),
-      Catch::Contains("deadlock"));
+      gpipe_test::contains("deadlock"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
                                       .schedule_text(text)),
-      Catch::Contains("2 micro-batches but chunks is 3"));
+      gpipe_test::contains("2 micro-batches but chunks is 3"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({2, 3, 3}).devices({at::kCPU, at::kCPU, at::kCPU})
                                       .schedule(ScheduleKind::kInterleaved).virtual_stages(2)),
-      Catch::Contains("virtual_stages 2 must divide the number of partitions (3"));
+      gpipe_test::contains("virtual_stages 2 must divide the number of partitions (3"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU})
                                       .virtual_stages(2)),
-      Catch::Contains("virtual stages are for ScheduleKind::kInterleaved"));
+      gpipe_test::contains("virtual stages are for ScheduleKind::kInterleaved"));
 }
 
 CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not a scalar",
@@ -259,13 +259,13 @@ CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not 
                                         .schedule(ScheduleKind::k1F1B));
   const at::Tensor x = at::randn({4, 5}, at::kDouble);
   CATCH_CHECK_THROWS_WITH(model->step(x, at::randn({5, 3}, at::kDouble), mse),
-                          Catch::Contains("the target has 5 rows but the mini-batch has 4"));
+                          gpipe_test::contains("the target has 5 rows but the mini-batch has 4"));
   CATCH_CHECK_THROWS_WITH(
       model->step(x, at::randn({4, 3}, at::kDouble),
                   [](const Batch& out, const at::Tensor& t) { return out[0] - t; }),
-      Catch::Contains("must return a scalar"));
+      gpipe_test::contains("must return a scalar"));
   CATCH_CHECK_THROWS_WITH(model->step(x, at::randn({4, 3}, at::kDouble), nullptr),
-                          Catch::Contains("loss function is empty"));
+                          gpipe_test::contains("loss function is empty"));
   // Still usable.
   CATCH_CHECK(model->step(x, at::randn({4, 3}, at::kDouble), mse).defined());
 }
@@ -294,7 +294,7 @@ CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the ne
   };
   seq[where]->as<Failing>()->armed = true;
   within(60, [&] {
-    CATCH_CHECK_THROWS_WITH(model->step(x, y, loss), Catch::Contains("failing layer: armed"));
+    CATCH_CHECK_THROWS_WITH(model->step(x, y, loss), gpipe_test::contains("failing layer: armed"));
   });
   seq[where]->as<Failing>()->armed = false;
   within(60, [&] { CATCH_CHECK(model->step(x, y, loss).defined()); });
