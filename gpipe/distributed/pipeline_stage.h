@@ -1,6 +1,6 @@
 // A stage of a pipeline that spans processes: this process's contiguous range of a Sequential's
-// layers, trained in GPipe's schedule with the stages before and after it in other processes,
-// activations and gradients passing between them on c10d.
+// layers, trained in GPipe's schedule (or 1F1B, zero bubble) with the stages before and after it
+// in other processes, activations and gradients passing between them on c10d.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +49,10 @@ namespace distributed {
 // for them, and applies the loss function to the whole mini-batch, as a user of a GPipe does: the
 // loss, its reduction and its gradients are the plain model's. One backward through the loss
 // gives every micro-batch's output gradient; the micro-batches' own backwards follow.
+// With another schedule (PipelineStageOptions::schedule: 1F1B, zero bubble), each stage runs its
+// forwards and backwards in that schedule's order on the same executor (Note [One executor] in
+// gpipe/executor.h), and the last stage applies the loss to each micro-batch as its output
+// arrives (Note [Losses over micro-batches] in gpipe/loss.h).
 
 /// A loss function of the last stage (gpipe::LossFunction): with the GPipe schedule it sees the
 /// whole mini-batch's output, with the others each micro-batch's (Note [Losses over
@@ -137,8 +141,9 @@ struct PipelineStageOptions {
 
 /// This process's stage of a pipeline whose stages are the ranks of `group`, in rank order. Each
 /// process builds the same Sequential (same layers, same initial parameters) and keeps its own
-/// layers; step() runs one training step's forward and backward of the whole pipeline, in GPipe's
-/// schedule, with the other processes calling step() at the same time. Parameters (this stage's
+/// layers; step() runs one training step's forward and backward of the whole pipeline, in the
+/// schedule of PipelineStageOptions::schedule (GPipe's by default), with the other processes
+/// calling step() at the same time. Parameters (this stage's
 /// only) get their gradients as they would in the plain model; an optimizer over parameters()
 /// steps them.
 ///
@@ -175,7 +180,8 @@ class PipelineStageImpl : public torch::nn::Module {
   /// on the last, `target` is passed to the loss function. Other stages take neither: step()
   /// (no_input() and an undefined tensor). Returns the loss on the last stage, an undefined tensor
   /// elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
-  /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs. After a
+  /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs, and the
+  /// last stage calls the loss only when given a target. After a
   /// step that threw (a peer died, a layer failed), the stage refuses further steps. Steps called
   /// from several threads run one at a time.
   at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {});

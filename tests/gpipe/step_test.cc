@@ -316,6 +316,55 @@ CATCH_TEST_CASE("step under NoGradGuard runs the forwards and returns the loss",
   for (const at::Tensor& p : model->parameters()) CATCH_CHECK(!p.grad().defined());
 }
 
+CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes under autocast",
+                "[gpipe][step][autocast]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  CATCH_CAPTURE(kind);
+  auto make = [] {
+    at::manual_seed(11);
+    return nn::Sequential(nn::Linear(5, 16), nn::ReLU(), nn::Linear(16, 16), nn::Tanh(),
+                          nn::Linear(16, 3));
+  };
+  LossFunction loss = [](const Batch& out, const at::Tensor& y) {
+    return (out[0].to(at::kFloat) - y).pow(2).mean();
+  };
+  nn::Sequential plain = make();
+  nn::Sequential exact = make();
+  GPipe model(make(), GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(3)
+                          .schedule(schedule_kind(kind)));
+  at::manual_seed(12);
+  const at::Tensor x = at::randn({9, 5});
+  const at::Tensor y = at::randn({9, 3});
+  {
+    Autocast autocast(at::kCPU, at::kBFloat16);
+    model->step(x, y, loss);
+    // The oracle: the plain model on each micro-batch under autocast (one loss for GPipe's), each
+    // micro-batch casting the weights anew, so that their gradients are summed in float32 as the
+    // pipeline's per-micro-batch backwards sum them (a cached cast would sum them in bfloat16).
+    const bool cache = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(false);
+    std::vector<at::Tensor> outs;
+    for (int64_t i = 0; i < 3; ++i) {
+      at::Tensor out = plain->forward(x.narrow(0, 3 * i, 3));
+      if (kind == "gpipe") {
+        outs.push_back(out);
+      } else {
+        (loss(Batch(out), y.narrow(0, 3 * i, 3)) / 3).backward();
+      }
+    }
+    if (kind == "gpipe") loss(Batch(at::cat(outs)), y).backward();
+    at::autocast::set_autocast_cache_enabled(cache);
+  }
+  // Without autocast the gradients differ (bfloat16 rounding): the test sees autocast in lanes.
+  loss(Batch(exact->forward(x)), y).backward();
+  check_same_grads(plain->parameters(), model->parameters(), 1e-5);
+  double far = 0;
+  const auto a = exact->parameters();
+  const auto b = model->parameters();
+  for (size_t k = 0; k < a.size(); ++k) far = std::max(far, max_diff(a[k].grad(), b[k].grad()));
+  CATCH_CHECK(far > 1e-4);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe

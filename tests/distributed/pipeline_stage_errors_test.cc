@@ -1,0 +1,97 @@
+// Pipeline stages that fail across processes: a stage that dies, stages under different grad
+// modes, stages configured differently.
+#include "tests/distributed/stage_test_util.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+using namespace stage_test;  // NOLINT: the shared helpers
+
+// Stage 1's layer that ends its process during the second micro-batch of the first step.
+struct DieImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    if (++calls == 2) std::_Exit(3);
+    return x;
+  }
+  int calls = 0;
+};
+TORCH_MODULE(Die);
+
+constexpr const char* kDeadStage =
+    "a stage that dies mid-step makes the other's step fail with an error that says so";
+
+CATCH_TEST_CASE(kDeadStage, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    torch::manual_seed(7);
+    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), Die(), nn::Linear(8, 3));
+    seq->to(at::kDouble);
+    PipelineStage stage(seq, PipelineStageOptions({2, 2}).chunks(4).loss(mse), join());
+    auto [x, y] = batch(0);
+    if (stage->is_first()) {
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("failed on rank 0 of 2") &&
+                                  gpipe_test::contains("another process may have died"));
+    } else {
+      stage->step(no_input(), y);
+    }
+    return;
+  }
+  const std::string folder = folder_for("dead");
+  const auto results = run_ranks(kDeadStage, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[1].exit_code == 3);
+  CATCH_CHECK(results[0].exit_code == 0);  // it saw the error it expected, within the timeout
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kGradModes =
+    "stages under different grad modes fail with an error naming both and refuse further steps";
+
+CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    auto [x, y] = batch(0);
+    if (stage->is_first()) {
+      // Its gradients never come: stage 1 stops at the first micro-batch and its process ends.
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)), gpipe_test::contains("failed on rank 0"));
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("an earlier step failed on this stage"));
+    } else {
+      at::NoGradGuard no_grad;
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+                              gpipe_test::contains("stage 0 runs with grad but stage 1 without "
+                                                   "it"));
+    }
+    return;
+  }
+  const std::string folder = folder_for("grad_modes");
+  const auto results = run_ranks(kGradModes, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kMismatch = "stages configured differently are refused at construction";
+
+CATCH_TEST_CASE(kMismatch, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const int64_t chunks = test_rank() == 0 ? 2 : 4;
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), PipelineStageOptions(kBalance).chunks(chunks).loss(mse),
+                      join()),
+        gpipe_test::contains("rank 1's stage differs from rank 0's: chunks: 4 (rank 0: 2)"));
+    return;
+  }
+  const std::string folder = folder_for("mismatch");
+  const auto results = run_ranks(kMismatch, 2, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe

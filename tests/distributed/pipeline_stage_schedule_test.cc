@@ -1,0 +1,101 @@
+// Pipeline stages across processes under the 1F1B and zero-bubble schedules: training equal to
+// the plain model's, micro-batches in flight, inference without a target, and the refusals.
+#include "tests/distributed/stage_test_util.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+using namespace stage_test;  // NOLINT: the shared helpers
+
+constexpr const char* kSchedules =
+    "two processes train with the 1F1B and zero-bubble schedules to the plain model's parameters "
+    "and losses and keep the schedule's micro-batches in flight";
+
+CATCH_TEST_CASE(kSchedules, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
+                    .record_timeline(true));
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "1f1b", "zb");
+  const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
+  const std::string local = GENERATE(as<std::string>(), "", "2,1;2,1");
+  CATCH_INFO("schedule " << schedule << ", checkpoint " << mode << ", local balance '" << local
+                         << "'");
+  std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
+                                         {"GPIPE_TEST_SCHEDULE", schedule}};
+  if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  const std::string folder =
+      folder_for("schedule_" + schedule + "_" + mode + (local.empty() ? "" : "_local"));
+  // The loss is a sum over micro-batches (Note [Losses over micro-batches]): equal up to rounding.
+  check_two_stages(kSchedules, folder, env, /*loss_tolerance=*/1e-12);
+}
+
+constexpr const char* kInference =
+    "under NoGradGuard a step without a target gives the last stage the plain model's output and "
+    "never calls the loss";
+
+CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    const char* name = std::getenv("GPIPE_TEST_SCHEDULE");
+    LossFunction never = [](const Batch&, const at::Tensor&) -> at::Tensor {
+      TORCH_CHECK(false, "the loss was called");
+      return at::Tensor();
+    };
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks)
+                                          .loss(never).schedule(schedule_kind(name)),
+                        join());
+    nn::Sequential plain = make_model();
+    auto [x, y] = batch(0);
+    at::NoGradGuard no_grad;
+    for (int step = 0; step < 2; ++step) {
+      const at::Tensor loss = stage->step(stage->is_first() ? Batch(x) : no_input());
+      CATCH_CHECK(!loss.defined());
+      if (stage->is_last()) {
+        CATCH_CHECK(at::allclose(stage->output().tensor(), plain->forward(x), 0, 1e-12));
+      }
+    }
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb");
+  CATCH_INFO("schedule " << schedule);
+  const std::string folder = folder_for("inference_" + schedule);
+  const auto results = run_ranks(kInference, 2, folder, {{"GPIPE_TEST_SCHEDULE", schedule}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kScheduleInOrder =
+    "1F1B and zero bubble on a group that matches transfers in posting order are refused";
+
+CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule][errors]") {
+  if (test_rank() >= 0) {
+    // One group for the three: refused before any transfer.
+    ProcessGroup group = join();
+    for (ScheduleKind kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
+      CATCH_CHECK_THROWS_WITH(
+          PipelineStage(make_model(),
+                        PipelineStageOptions(kBalance).chunks(2).loss(mse).schedule(kind), group),
+          gpipe_test::contains("needs a group that matches transfers by tag"));
+    }
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(),
+                      PipelineStageOptions(kBalance).loss(mse).schedule(ScheduleKind::kInterleaved),
+                      group),
+        gpipe_test::contains("interleaved schedule needs several stages per process"));
+    return;
+  }
+  const std::string folder = folder_for("schedule_in_order");
+  const auto results = run_ranks(kScheduleInOrder, 2, folder, {{"GPIPE_TEST_IN_ORDER", "1"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe
