@@ -175,6 +175,10 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   }
 }
 
+PipelineStageImpl::~PipelineStageImpl() = default;
+
+int64_t PipelineStageImpl::partitions() const { return static_cast<int64_t>(partitions_.size()); }
+
 void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole) {
   // The whole model, not only this stage's layers: every process builds the same Sequential.
   std::vector<std::pair<std::string, int64_t>> fields = module_fields(whole);

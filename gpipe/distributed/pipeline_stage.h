@@ -19,7 +19,6 @@
 #include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/distributed/process_group.h"
-#include "gpipe/executor.h"
 #include "gpipe/loss.h"
 #include "gpipe/schedule.h"
 #include "gpipe/gpipe.h"
@@ -29,6 +28,10 @@
 #include "gpipe/worker.h"
 
 namespace gpipe {
+class Worker;
+namespace detail {
+struct ExecutorPartition;
+}  // namespace detail
 namespace distributed {
 
 // Note [Stage-local backward]
@@ -175,6 +178,7 @@ class PipelineStageImpl : public torch::nn::Module {
   ///                                           groups.replica_group);
   PipelineStageImpl(const torch::nn::Sequential& module, PipelineStageOptions options,
                     ProcessGroup group, ProcessGroup replica_group);
+  ~PipelineStageImpl() override;
 
   /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
   /// on the last, `target` is passed to the loss function. Other stages take neither: step()
@@ -200,7 +204,7 @@ class PipelineStageImpl : public torch::nn::Module {
   /// The layers this stage owns.
   const torch::nn::Sequential& layers() const { return layers_; }
   /// The number of partitions of this stage (Note [Partitions within a stage]).
-  int64_t partitions() const { return static_cast<int64_t>(partitions_.size()); }
+  int64_t partitions() const;
   const PipelineStageOptions& options() const { return options_; }
 
   /// What the last step did on this stage (with record_timeline): kCompute for each
