@@ -3,7 +3,7 @@
 // the schedule's ideal, and the peak memory of the activations, each configuration in a child
 // process of its own. Results: docs/benchmarks.md.
 //
-//   bazel run -c opt //benchmarks:schedules -- --microbatches=4,8,16,32
+//   bazel run -c opt //benchmarks:schedule_efficiency -- --microbatches=4,8,16,32
 #include <cstdio>
 #include <string>
 #include <vector>
