@@ -1,9 +1,11 @@
 // Shows a pipeline schedule before anything runs: its actions per rank (with the sends and
 // receives between ranks), its simulated bubble and micro-batches in flight, and a picture. Reads
-// a schedule of your own from a file (Note [Schedule text] in gpipe/schedule_text.h) and checks it.
+// a schedule of your own from a file (Note [Schedule text] in gpipe/schedule_text.h) and checks it,
+// and with --run_svg runs it (GPipe::step) and draws what ran.
 //
 //   bazel run //examples:schedules -- --schedule=1f1b --partitions=4 --chunks=8 --svg=/tmp/1f1b.svg
 //   bazel run //examples:schedules -- --text=my_schedule.txt
+//   bazel run //examples:schedules -- --schedule=zb --run_svg=/tmp/zb_ran.svg
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -11,10 +13,16 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/ops/randn.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_join.h"
+#include "gpipe/gpipe.h"
 #include "gpipe/schedule.h"
+#include "gpipe/worker.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/schedule_text.h"
 #include "gpipe/trace.h"
@@ -30,6 +38,38 @@ ABSL_FLAG(double, backward_input, 1, "simulated time of an input gradient (I; B 
 ABSL_FLAG(double, backward_weight, 1, "simulated time of a weight gradient (W)");
 ABSL_FLAG(double, transfer, 0, "simulated time of a transfer between ranks");
 ABSL_FLAG(std::string, svg, "", "write a picture of the simulated schedule here");
+ABSL_FLAG(std::string, run_svg, "",
+          "also run the schedule (GPipe::step of 2 x Linear(256) + ReLU per stage on CPU "
+          "partitions, one intra-op thread each) and draw what its second step did here");
+
+namespace {
+
+// Runs `schedule` for real, twice, and draws the second step.
+void run_and_draw(const gpipe::Schedule& schedule, const std::string& path) {
+  torch::nn::Sequential seq;
+  for (int64_t k = 0; k < 2 * schedule.stages; ++k) {
+    seq->push_back(torch::nn::Linear(256, 256));
+    seq->push_back(torch::nn::ReLU());
+  }
+  gpipe::GPipeOptions options(std::vector<int64_t>(schedule.stages, 4));
+  options.devices(std::vector<c10::Device>(schedule.stages, c10::kCPU))
+      .chunks(schedule.microbatches)
+      .checkpoint(gpipe::Checkpoint::kNever)
+      .schedule_text(gpipe::schedule_text(schedule))
+      .record_timeline(true);
+  gpipe::set_intra_op_threads(1);
+  gpipe::GPipe model(seq, options);
+  const at::Tensor x = at::randn({32 * schedule.microbatches, 256});
+  const at::Tensor y = at::randn({32 * schedule.microbatches, 256});
+  for (int step = 0; step < 2; ++step) {
+    model->step(x, y, [](const gpipe::Batch& out, const at::Tensor& target) {
+      return (out[0] - target).pow(2).mean();
+    });
+  }
+  gpipe::write_file(path, gpipe::timeline_svg(model->last_timeline(), model->devices()));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -71,6 +111,10 @@ int main(int argc, char** argv) {
     if (const std::string path = absl::GetFlag(FLAGS_svg); !path.empty()) {
       gpipe::write_file(path, gpipe::schedule_svg(shown, costs));
       std::printf("picture: %s\n", path.c_str());
+    }
+    if (const std::string path = absl::GetFlag(FLAGS_run_svg); !path.empty()) {
+      run_and_draw(schedule, path);
+      std::printf("as it ran: %s\n", path.c_str());
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "schedules: %s\n", e.what_without_backtrace());

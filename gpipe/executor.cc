@@ -24,10 +24,6 @@ namespace {
 
 using Kind = TimelineEvent::Kind;
 
-at::Tensor grad_or_zeros(const at::Tensor& leaf) {
-  return leaf.grad().defined() ? leaf.grad() : at::zeros_like(leaf);
-}
-
 // One partition's micro-batches in flight.
 struct PartitionState {
   ExecutorPartition* part = nullptr;
@@ -196,13 +192,26 @@ void backward(Step& st, int64_t p, int64_t i, bool split) {
       st.skip_grads[p].erase(it);
     }
   }
+  // Only the roots that a gradient reached: where none did, the plain model leaves the gradients
+  // behind them undefined, and so does the pipeline.
+  {
+    size_t kept = 0;
+    for (size_t k = 0; k < roots.size(); ++k) {
+      if (!grads[k].defined()) continue;
+      roots[kept] = std::move(roots[k]);
+      grads[kept] = std::move(grads[k]);
+      ++kept;
+    }
+    roots.resize(kept);
+    grads.resize(kept);
+  }
   const std::vector<at::Tensor> input_leaves = requiring_grad(s.inputs[i]);
   std::vector<at::Tensor> input_grads;
   std::vector<at::Tensor> skip_grads(s.cuts[i].size());
   const bool whole = !split || i < st.stop;
   if (whole) {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
-    for (const at::Tensor& leaf : input_leaves) input_grads.push_back(grad_or_zeros(leaf));
+    for (const at::Tensor& leaf : input_leaves) input_grads.push_back(leaf.grad());
     for (size_t k = 0; k < s.cuts[i].size(); ++k) skip_grads[k] = s.cuts[i][k].leaf.grad();
   } else {
     std::vector<at::Tensor> wanted = input_leaves;
@@ -221,8 +230,7 @@ void backward(Step& st, int64_t p, int64_t i, bool split) {
                                   /*create_graph=*/false, /*allow_unused=*/true);
     }
     for (size_t k = 0; k < input_leaves.size(); ++k) {
-      input_grads.push_back(k < got.size() && got[k].defined() ? got[k]
-                                                               : at::zeros_like(input_leaves[k]));
+      input_grads.push_back(k < got.size() ? got[k] : at::Tensor());
     }
     for (size_t k = 0; k < s.cuts[i].size(); ++k) {
       const size_t at = input_leaves.size() + k;
@@ -272,6 +280,11 @@ void backward(Step& st, int64_t p, int64_t i, bool split) {
   s.outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent (or kept for W)
   s.inputs[i] = Batch(std::vector<at::Tensor>{});
   st.record(split ? Kind::kBackwardInput : Kind::kBackward, i, p, started, stream);
+  if (!s.up->takes_undefined_gradients()) {
+    for (size_t k = 0; k < input_grads.size(); ++k) {
+      if (!input_grads[k].defined()) input_grads[k] = at::zeros_like(input_leaves[k]);
+    }
+  }
   s.up->send_gradients(i, std::move(input_grads));
 }
 

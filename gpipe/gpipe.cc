@@ -50,6 +50,24 @@ c10::Device normalize(const c10::Device& device) {
   return device;
 }
 
+// Deferred batch norm, for one forward or step: the training-mode BatchNorms write their own
+// updates to sinks while the pipeline runs, and the callback gathers the statistics.
+class DeferredRun {
+ public:
+  DeferredRun(const std::vector<std::shared_ptr<BatchNormLayers>>& layers, bool on) {
+    if (!on) return;
+    for (const auto& batch_norms : layers) {
+      batch_norms->reset_statistics();
+      redirects_.push_back(batch_norms->redirect());
+    }
+    statistics_ = std::make_unique<DeferredStatisticsScope>();
+  }
+
+ private:
+  std::vector<BatchNormLayers::Redirect> redirects_;
+  std::unique_ptr<DeferredStatisticsScope> statistics_;
+};
+
 std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, size_t partitions) {
   std::vector<c10::Device> devices;
   if (given.empty()) {
@@ -296,17 +314,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
 
   const bool deferred = options_.deferred_batch_norm() && is_training();
   {
-    // Deferred batch norm: the training-mode BatchNorms write their own updates to sinks while
-    // the pipeline runs, and the callback gathers the statistics.
-    std::vector<BatchNormLayers::Redirect> redirects;
-    std::unique_ptr<DeferredStatisticsScope> statistics;
-    if (deferred) {
-      for (const auto& batch_norms : batch_norms_) {
-        batch_norms->reset_statistics();
-        redirects.push_back(batch_norms->redirect());
-      }
-      statistics = std::make_unique<DeferredStatisticsScope>();
-    }
+    const DeferredRun deferred_run(batch_norms_, deferred);
     run_pipeline(spec, batches);
   }
   if (deferred) commit_deferred_statistics();
@@ -383,15 +391,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   spec.skip_layout = &skip_layout_;
   const bool deferred = options_.deferred_batch_norm() && is_training();
   {
-    std::vector<BatchNormLayers::Redirect> redirects;
-    std::unique_ptr<DeferredStatisticsScope> statistics;
-    if (deferred) {
-      for (const auto& batch_norms : batch_norms_) {
-        batch_norms->reset_statistics();
-        redirects.push_back(batch_norms->redirect());
-      }
-      statistics = std::make_unique<DeferredStatisticsScope>();
-    }
+    const DeferredRun deferred_run(batch_norms_, deferred);
     detail::run_schedule(spec);
     sink.finish();
   }

@@ -54,7 +54,9 @@ Activation LocalLink::receive() {
 }
 
 void LocalLink::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
-  for (at::Tensor& g : gradients) g = g.to(from_device_);
+  for (at::Tensor& g : gradients) {
+    if (g.defined()) g = g.to(from_device_);
+  }
   absl::MutexLock lock(&mu_);
   gradients_[microbatch] = std::move(gradients);
 }
@@ -127,6 +129,7 @@ void InputSource::finish() {
     absl::MutexLock lock(&mu_);
     for (auto& [i, g] : gradients_) {
       for (size_t k = 0; k < g.size() && k < roots_[i].size(); ++k) {
+        if (!g[k].defined()) continue;  // no gradient reached it
         roots.push_back(roots_[i][k]);
         grads.push_back(std::move(g[k]));
       }
@@ -177,9 +180,7 @@ void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& outpu
   if (grad_enabled && loss.requires_grad()) {
     loss.backward();
     std::vector<at::Tensor> grads;
-    for (const at::Tensor& t : requiring_grad(leaf)) {
-      grads.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
-    }
+    for (const at::Tensor& t : requiring_grad(leaf)) grads.push_back(t.grad());
     gradients_[microbatch] = std::move(grads);
   }
   loss_ = loss_.defined() ? loss_ + loss.detach() : loss.detach();
@@ -193,9 +194,7 @@ void LossSink::whole_batch_loss() {
   if (grad_enabled_ && loss.requires_grad()) loss.backward();
   for (size_t i = 0; i < leaves_.size(); ++i) {
     std::vector<at::Tensor> grads;
-    for (const at::Tensor& t : requiring_grad(leaves_[i])) {
-      grads.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
-    }
+    for (const at::Tensor& t : requiring_grad(leaves_[i])) grads.push_back(t.grad());
     gradients_[static_cast<int64_t>(i)] = std::move(grads);
   }
   loss_ = loss.detach();
@@ -208,12 +207,8 @@ std::vector<at::Tensor> LossSink::receive_gradients(int64_t microbatch) {
   if (whole_batch_ && !loss_.defined()) whole_batch_loss();
   auto it = gradients_.find(microbatch);
   if (it == gradients_.end()) {
-    // The loss does not depend on this output.
-    std::vector<at::Tensor> zeros;
-    for (const at::Tensor& t : requiring_grad(leaves_[microbatch])) {
-      zeros.push_back(at::zeros_like(t));
-    }
-    return zeros;
+    // The loss does not depend on this output: no gradient reaches it.
+    return std::vector<at::Tensor>(requiring_grad(leaves_[microbatch]).size());
   }
   std::vector<at::Tensor> out = std::move(it->second);
   gradients_.erase(it);

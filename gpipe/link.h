@@ -36,8 +36,12 @@ class Upstream {
   /// The next micro-batch's input (micro-batches arrive in order); throws c10::Error when the
   /// link failed.
   virtual Activation receive() = 0;
-  /// The gradients of micro-batch `microbatch`'s input tensors that require grad, in order.
+  /// The gradients of micro-batch `microbatch`'s input tensors that require grad, in order; an
+  /// undefined one where no gradient reached the tensor (as the plain model leaves it).
   virtual void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) = 0;
+  /// Whether send_gradients takes undefined gradients; else they are sent as zeros (a transfer
+  /// to another process has a fixed shape).
+  virtual bool takes_undefined_gradients() const { return true; }
   /// Makes the other side's waits throw a c10::Error with `why`.
   virtual void fail(const std::string& /*why*/) {}
 };
@@ -49,8 +53,8 @@ class Downstream {
   /// Sends micro-batch `microbatch`'s output (of `microbatches`).
   virtual void send(int64_t microbatches, int64_t microbatch, const Batch& output,
                     bool grad_enabled) = 0;
-  /// The gradients of micro-batch `microbatch`'s output tensors that require grad, in order;
-  /// throws c10::Error when the link failed.
+  /// The gradients of micro-batch `microbatch`'s output tensors that require grad, in order (an
+  /// undefined one where none reached it); throws c10::Error when the link failed.
   virtual std::vector<at::Tensor> receive_gradients(int64_t microbatch) = 0;
   /// Makes the other side's waits throw a c10::Error with `why`.
   virtual void fail(const std::string& /*why*/) {}

@@ -34,6 +34,7 @@
 #include "examples/training/data.h"
 #include "examples/training/distributed_trainer.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/schedule_check.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/stream.h"
@@ -144,6 +145,18 @@ double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partiti
   double idle = 0;
   for (double b : busy) idle += 1 - b / (end - start);
   return idle / partitions;
+}
+
+// A step's bubble (GPipe::step): the share of the step's span each rank computed nothing,
+// averaged over the ranks.
+double step_bubble(const std::vector<TimelineEvent>& events, int64_t ranks) {
+  double start = 1e300, end = 0, busy = 0;
+  for (const TimelineEvent& e : events) {
+    start = std::min(start, e.start_us);
+    end = std::max(end, e.end_us);
+    busy += e.end_us - e.start_us;
+  }
+  return end <= start ? 0 : 1 - busy / (ranks * (end - start));
 }
 
 }  // namespace
@@ -376,12 +389,20 @@ int train(const TrainerModel& trainer) {
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
   const double ideal = static_cast<double>(partitions - 1) / (chunks + partitions - 1);
-  std::printf("summary: balance {%s}; %lld micro-batches; last step's forward bubble %.0f%% "
-              "(ideal clock-cycle schedule (n-1)/(m+n-1) = %.0f%%); %.1f samples/s; "
-              "test accuracy %.2f%%; %s in all\n",
+  const std::string bubble =
+      use_step
+          ? absl::StrFormat("last step's bubble %.0f%% (the %s schedule's simulated bubble %.0f%%)",
+                            100 * step_bubble(last_forward,
+                                              static_cast<int64_t>(pipe->schedule(chunks).ranks.size())),
+                            absl::GetFlag(FLAGS_schedule),
+                            100 * simulate_schedule(pipe->schedule(chunks)).bubble)
+          : absl::StrFormat("last step's forward bubble %.0f%% (ideal clock-cycle schedule "
+                            "(n-1)/(m+n-1) = %.0f%%)",
+                            100 * measured_bubble(last_forward, partitions), 100 * ideal);
+  std::printf("summary: balance {%s}; %lld micro-batches; %s; %.1f samples/s; test accuracy "
+              "%.2f%%; %s in all\n",
               absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
-              100 * measured_bubble(last_forward, partitions), 100 * ideal, last_throughput,
-              last_accuracy, duration(total).c_str());
+              bubble.c_str(), last_throughput, last_accuracy, duration(total).c_str());
   std::vector<c10::Device> seen_devices;
   for (const c10::Device& d : devices) {
     if (std::find(seen_devices.begin(), seen_devices.end(), d) != seen_devices.end()) continue;

@@ -43,6 +43,7 @@ class RemoteUpstream final : public detail::Upstream {
   RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled);
   detail::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
+  bool takes_undefined_gradients() const override { return false; }
   /// Waits for every gradient sent.
   void finish();
 

@@ -65,12 +65,7 @@ CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
     }
     return;
   }
-  const std::string folder = folder_for("grad_modes");
-  const auto results = run_ranks(kGradModes, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_CHECK(results[0].exit_code == 0);
-  CATCH_CHECK(results[1].exit_code == 0);
-  std::filesystem::remove_all(folder);
+  check_ranks_pass(kGradModes, "grad_modes", {{"GPIPE_TIMEOUT_S", "20"}});
 }
 
 constexpr const char* kMismatch = "stages configured differently are refused at construction";
@@ -84,12 +79,7 @@ CATCH_TEST_CASE(kMismatch, "[distributed][stage][errors]") {
         gpipe_test::contains("rank 1's stage differs from rank 0's: chunks: 4 (rank 0: 2)"));
     return;
   }
-  const std::string folder = folder_for("mismatch");
-  const auto results = run_ranks(kMismatch, 2, folder);
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_CHECK(results[0].exit_code == 0);
-  CATCH_CHECK(results[1].exit_code == 0);
-  std::filesystem::remove_all(folder);
+  check_ranks_pass(kMismatch, "mismatch");
 }
 
 }  // namespace

@@ -60,12 +60,7 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
   }
   const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb");
   CATCH_INFO("schedule " << schedule);
-  const std::string folder = folder_for("inference_" + schedule);
-  const auto results = run_ranks(kInference, 2, folder, {{"GPIPE_TEST_SCHEDULE", schedule}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_CHECK(results[0].exit_code == 0);
-  CATCH_CHECK(results[1].exit_code == 0);
-  std::filesystem::remove_all(folder);
+  check_ranks_pass(kInference, "inference_" + schedule, {{"GPIPE_TEST_SCHEDULE", schedule}});
 }
 
 constexpr const char* kScheduleInOrder =
@@ -88,12 +83,7 @@ CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule][errors]") {
         gpipe_test::contains("interleaved schedule needs several stages per process"));
     return;
   }
-  const std::string folder = folder_for("schedule_in_order");
-  const auto results = run_ranks(kScheduleInOrder, 2, folder, {{"GPIPE_TEST_IN_ORDER", "1"}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_CHECK(results[0].exit_code == 0);
-  CATCH_CHECK(results[1].exit_code == 0);
-  std::filesystem::remove_all(folder);
+  check_ranks_pass(kScheduleInOrder, "schedule_in_order", {{"GPIPE_TEST_IN_ORDER", "1"}});
 }
 
 }  // namespace

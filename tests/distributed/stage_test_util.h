@@ -286,6 +286,18 @@ inline void check_two_stages(const char* test, const std::string& folder,
   std::filesystem::remove_all(folder);
 }
 
+// Runs test `test` in two ranks with `env`, in folder_for(`name`), and checks that both exited
+// with 0 (every check in the ranks held); removes the folder.
+inline void check_ranks_pass(const char* test, const std::string& name,
+                             const std::map<std::string, std::string>& env = {}) {
+  const std::string folder = folder_for(name);
+  const auto results = run_ranks(test, 2, folder, env);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
 }  // namespace stage_test
 }  // namespace distributed
 }  // namespace gpipe

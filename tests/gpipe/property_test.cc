@@ -331,6 +331,39 @@ void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
     at::manual_seed(run_seed);
     const Result got = run(pipe_forward(model), *model, pipe_inputs, weight);
     check_alike(expected, got);
+    if (train && !c.dropout) {
+      // The same case through GPipe::step in a random schedule, with a loss that sums as `run`'s
+      // does (each micro-batch's loss is weighted by its share of the samples: Note [Losses over
+      // micro-batches]).
+      const int64_t m = static_cast<int64_t>(inputs[0].chunk(chunks).size());
+      static const char* const kKinds[] = {"gpipe", "1f1b", "zb", "interleaved"};
+      std::string kind = kKinds[pick(0, parts % 2 == 0 ? 3 : 2)];
+      const int64_t v = kind == "interleaved" && m % (parts / 2) == 0 ? 2 : 1;
+      if (kind == "interleaved" && v == 1) kind = "1f1b";
+      CATCH_INFO("GPipe::step, schedule " << kind);
+      GPipe stepped(build(c.make, model_seed),
+                    GPipeOptions(options).schedule(schedule_kind(kind)).virtual_stages(v));
+      stepped->train();
+      const at::Tensor x = pipe_inputs[0].clone().requires_grad_(true);
+      const Batch in = c.tuple ? Batch(std::vector<at::Tensor>{x, pipe_inputs[1]}) : Batch(x);
+      const LossFunction sum = [batch](const Batch& out, const at::Tensor& w) {
+        return (out[0] * w).sum() * (static_cast<double>(batch) / out[0].size(0));
+      };
+      stepped->step(in, weight.to(devices.back()), sum);
+      CATCH_CHECK(x.grad().defined() == expected.input_grad.defined());
+      if (x.grad().defined() && expected.input_grad.defined()) {
+        CATCH_CHECK(max_diff(x.grad(), expected.input_grad) <= 1e-10);
+      }
+      const std::vector<at::Tensor> params = stepped->parameters();
+      CATCH_REQUIRE(params.size() == expected.grads.size());
+      for (size_t k = 0; k < params.size(); ++k) {
+        CATCH_INFO("parameter " << k);
+        CATCH_CHECK(params[k].grad().defined() == expected.grads[k].defined());
+        if (params[k].grad().defined() && expected.grads[k].defined()) {
+          CATCH_CHECK(max_diff(params[k].grad(), expected.grads[k]) <= 1e-10);
+        }
+      }
+    }
     ++ran;
   }
   CATCH_CHECK(ran == cases);

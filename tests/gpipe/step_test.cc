@@ -8,6 +8,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 
 #include "gpipe/schedule_check.h"
@@ -363,6 +364,41 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
   const auto b = model->parameters();
   for (size_t k = 0; k < a.size(); ++k) far = std::max(far, max_diff(a[k].grad(), b[k].grad()));
   CATCH_CHECK(far > 1e-4);
+}
+
+CATCH_TEST_CASE("Every schedule trains on GPUs as the plain Sequential on the CPU",
+                "[gpipe][step][cuda]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_CAPTURE(kind, static_cast<int>(mode));
+  // Partitions alternate between two GPUs where there are two.
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  std::vector<c10::Device> devices;
+  for (int64_t j = 0; j < 4; ++j) {
+    devices.emplace_back(at::kCUDA, static_cast<c10::DeviceIndex>(gpus > 1 ? j % 2 : 0));
+  }
+  nn::Sequential plain = build(skip_model, 3);
+  GPipe model(build(skip_model, 3), GPipeOptions({2, 2, 2, 2}).devices(devices).chunks(4)
+                                        .checkpoint(mode)
+                                        .schedule(schedule_kind(kind))
+                                        .virtual_stages(kind == "interleaved" ? 2 : 1));
+  torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int step = 0; step < 2; ++step) {
+    at::manual_seed(200 + step);
+    const at::Tensor x = at::randn({11, 5}, at::kDouble);
+    const at::Tensor y = at::randn({11, 3}, at::kDouble);
+    plain_sgd.zero_grad();
+    pipe_sgd.zero_grad();
+    const double expected = plain_step(plain, Batch(x), y, 4, kind == "gpipe");
+    const at::Tensor loss = model->step(x.to(devices.front()), y.to(devices.back()), mse);
+    CATCH_CHECK(loss.item<double>() == Approx(expected).epsilon(1e-10));
+    plain_sgd.step();
+    pipe_sgd.step();
+  }
+  std::vector<at::Tensor> on_cpu;
+  for (const at::Tensor& p : model->parameters()) on_cpu.push_back(p.cpu());
+  check_same(plain->parameters(), on_cpu, 1e-10);
 }
 
 }  // namespace
