@@ -39,7 +39,7 @@ ABSL_FLAG(double, backward_weight, 1, "simulated time of a weight gradient (W)")
 ABSL_FLAG(double, transfer, 0, "simulated time of a transfer between ranks");
 ABSL_FLAG(std::string, svg, "", "write a picture of the simulated schedule here");
 ABSL_FLAG(std::string, run_svg, "",
-          "also run the schedule (GPipe::step of 2 x Linear(256) + ReLU per stage on CPU "
+          "also run the schedule (GPipe::step of 2 x Linear(512) + ReLU per stage on CPU "
           "partitions, one intra-op thread each) and draw what its second step did here");
 
 namespace {
@@ -48,7 +48,7 @@ namespace {
 void run_and_draw(const gpipe::Schedule& schedule, const std::string& path) {
   torch::nn::Sequential seq;
   for (int64_t k = 0; k < 2 * schedule.stages; ++k) {
-    seq->push_back(torch::nn::Linear(256, 256));
+    seq->push_back(torch::nn::Linear(512, 512));
     seq->push_back(torch::nn::ReLU());
   }
   gpipe::GPipeOptions options(std::vector<int64_t>(schedule.stages, 4));
@@ -59,8 +59,8 @@ void run_and_draw(const gpipe::Schedule& schedule, const std::string& path) {
       .record_timeline(true);
   gpipe::set_intra_op_threads(1);
   gpipe::GPipe model(seq, options);
-  const at::Tensor x = at::randn({32 * schedule.microbatches, 256});
-  const at::Tensor y = at::randn({32 * schedule.microbatches, 256});
+  const at::Tensor x = at::randn({64 * schedule.microbatches, 512});
+  const at::Tensor y = at::randn({64 * schedule.microbatches, 512});
   for (int step = 0; step < 2; ++step) {
     model->step(x, y, [](const gpipe::Batch& out, const at::Tensor& target) {
       return (out[0] - target).pow(2).mean();

@@ -239,9 +239,8 @@ std::string timeline_svg(const std::vector<TimelineEvent>& events,
   }
   absl::StrAppendFormat(&out,
                         "<text x=\"%.1f\" y=\"%.1f\">blue: forward task (hatched: checkpointed), "
-                        "orange: recomputation, green: backward (forward(): of a checkpointed "
-                        "task; step(): every one; teal: input gradients, light green: weight "
-                        "gradients), grey: copy</text>\n",
+                        "orange: recomputation, green: backward, teal: input gradients (I), light "
+                        "green: weight gradients (W), grey: copy</text>\n",
                         kLeft, axis_y + 34);
   out += "</svg>\n";
   return out;

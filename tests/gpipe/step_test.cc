@@ -146,7 +146,7 @@ CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer s
     pipe_opt->zero_grad();
     const double expected = plain_step(plain, input, y, chunks, kind == "gpipe");
     const at::Tensor loss = model->step(input, y, mse);
-    CATCH_CHECK(loss.item<double>() == Approx(expected).epsilon(1e-12));
+    CATCH_CHECK(loss.item<double>() == gpipe_test::Approx(expected).epsilon(1e-12));
     CATCH_CHECK(!loss.requires_grad());
     check_same_grads(plain->parameters(), model->parameters(), 1e-10);
     plain_opt->step();
@@ -231,7 +231,7 @@ CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
   const at::Tensor x = at::randn({4, 5}, at::kDouble);
   const at::Tensor y = at::randn({4, 3}, at::kDouble);
   const double expected = plain_step(plain, Batch(x), y, 2);
-  CATCH_CHECK(model->step(x, y, mse).item<double>() == Approx(expected).epsilon(1e-12));
+  CATCH_CHECK(model->step(x, y, mse).item<double>() == gpipe_test::Approx(expected).epsilon(1e-12));
   check_same_grads(plain->parameters(), model->parameters(), 1e-10);
   CATCH_CHECK(schedule_text(model->schedule(2)) == schedule_text(parse_schedule(text)));
 
@@ -313,7 +313,7 @@ CATCH_TEST_CASE("step under NoGradGuard runs the forwards and returns the loss",
   const at::Tensor y = at::randn({6, 3}, at::kDouble);
   at::NoGradGuard no_grad;
   const double expected = mse(Batch(plain->forward(x)), y).item<double>();
-  CATCH_CHECK(model->step(x, y, mse).item<double>() == Approx(expected).epsilon(1e-12));
+  CATCH_CHECK(model->step(x, y, mse).item<double>() == gpipe_test::Approx(expected).epsilon(1e-12));
   for (const at::Tensor& p : model->parameters()) CATCH_CHECK(!p.grad().defined());
 }
 
@@ -392,7 +392,7 @@ CATCH_TEST_CASE("Every schedule trains on GPUs as the plain Sequential on the CP
     pipe_sgd.zero_grad();
     const double expected = plain_step(plain, Batch(x), y, 4, kind == "gpipe");
     const at::Tensor loss = model->step(x.to(devices.front()), y.to(devices.back()), mse);
-    CATCH_CHECK(loss.item<double>() == Approx(expected).epsilon(1e-10));
+    CATCH_CHECK(loss.item<double>() == gpipe_test::Approx(expected).epsilon(1e-10));
     plain_sgd.step();
     pipe_sgd.step();
   }
