@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
 extern char** environ;
@@ -164,7 +165,8 @@ inline std::string folder_for(const std::string& suite, const std::string& name)
 inline at::Tensor flat(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> pieces;
   for (const at::Tensor& t : tensors) pieces.push_back(t.detach().to(at::kDouble).reshape(-1));
-  return at::cat(pieces);
+  // (A stage without parameters has an empty state.)
+  return pieces.empty() ? at::empty({0}, at::kDouble) : at::cat(pieces);
 }
 
 /// Everything the ranks printed, for a failure message.

@@ -32,6 +32,31 @@ CATCH_TEST_CASE(kSchedules, "[distributed][stage][schedule]") {
   check_two_stages(kSchedules, folder, env, /*loss_tolerance=*/1e-12);
 }
 
+constexpr const char* kManyStages =
+    "three and four processes train with each schedule to the plain model's parameters and "
+    "losses";
+
+CATCH_TEST_CASE(kManyStages, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(balance_from_env()).chunks(kChunks)
+                    .checkpoint(mode_from_env()));
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb");
+  // Stage 0 keeps the skip; the pair crosses one or two stages.
+  const std::vector<int64_t> balance =
+      GENERATE(std::vector<int64_t>{3, 1, 2}, std::vector<int64_t>{3, 1, 1, 1});
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  CATCH_INFO("schedule " << schedule << ", balance " << spec);
+  const std::string folder =
+      folder_for("stages_" + std::to_string(balance.size()) + "_" + schedule);
+  check_stages(kManyStages, folder,
+               {{"GPIPE_TEST_SCHEDULE", schedule}, {"GPIPE_TEST_BALANCE", spec},
+                {"GPIPE_TEST_CHECKPOINT", "except_last"}},
+               /*loss_tolerance=*/1e-12, /*frozen=*/"", balance);
+}
+
 constexpr const char* kInference =
     "under NoGradGuard a step without a target gives the last stage the plain model's output and "
     "never calls the loss";

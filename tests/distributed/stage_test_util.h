@@ -266,15 +266,16 @@ inline Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
 // Runs test `test` in two stage processes (train_stage with `env`) and checks what they wrote to
 // `folder` (each stage's parameters after kSteps steps, rank 1's losses) against the plain model's
 // training (parameters to 1e-10); removes the folder.
-inline void check_two_stages(const char* test, const std::string& folder,
-                      const std::map<std::string, std::string>& env, double loss_tolerance,
-                      const std::string& frozen = "") {
-  const auto results = run_ranks(test, 2, folder, env);
+inline void check_stages(const char* test, const std::string& folder,
+                         const std::map<std::string, std::string>& env, double loss_tolerance,
+                         const std::string& frozen = "",
+                         const std::vector<int64_t>& balance = kBalance) {
+  const int ranks = static_cast<int>(balance.size());
+  const auto results = run_ranks(test, ranks, folder, env);
   CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_REQUIRE(results[0].exit_code == 0);
-  CATCH_REQUIRE(results[1].exit_code == 0);
-  const Oracle oracle = plain_training(kBalance, frozen);
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < ranks; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
+  const Oracle oracle = plain_training(balance, frozen);
+  for (int r = 0; r < ranks; ++r) {
     const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
                                                       ".bin");
     CATCH_REQUIRE(state.sizes() == oracle.stage_states[r].sizes());
@@ -284,6 +285,22 @@ inline void check_two_stages(const char* test, const std::string& folder,
   CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
   CATCH_CHECK(at::allclose(losses, oracle.losses, 0, loss_tolerance));
   std::filesystem::remove_all(folder);
+}
+
+inline void check_two_stages(const char* test, const std::string& folder,
+                             const std::map<std::string, std::string>& env,
+                             double loss_tolerance, const std::string& frozen = "") {
+  check_stages(test, folder, env, loss_tolerance, frozen);
+}
+
+// The balance a test's ranks use (GPIPE_TEST_BALANCE: "3,1,2"), else kBalance.
+inline std::vector<int64_t> balance_from_env() {
+  const char* spec = std::getenv("GPIPE_TEST_BALANCE");
+  if (spec == nullptr) return kBalance;
+  std::vector<int64_t> out;
+  std::stringstream all(spec);
+  for (std::string b; std::getline(all, b, ',');) out.push_back(std::stoll(b));
+  return out;
 }
 
 // Runs test `test` in two ranks with `env`, in folder_for(`name`), and checks that both exited
