@@ -140,6 +140,7 @@ inline void write_doubles(const std::string& path, const std::vector<at::Tensor>
   std::ofstream out(path, std::ios::binary);
   for (const at::Tensor& v : values) {
     const at::Tensor flat = v.detach().to(at::kCPU, at::kDouble).contiguous().reshape(-1);
+    if (flat.numel() == 0) continue;
     out.write(reinterpret_cast<const char*>(flat.data_ptr<double>()),
               static_cast<std::streamsize>(flat.numel() * sizeof(double)));
   }
@@ -150,6 +151,7 @@ inline at::Tensor read_doubles(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::vector<double> values(bytes.size() / sizeof(double));
+  if (values.empty()) return at::empty({0}, at::kDouble);  // (memcpy takes no null pointers)
   std::memcpy(values.data(), bytes.data(), values.size() * sizeof(double));
   return at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, at::kDouble).clone();
 }
