@@ -162,6 +162,25 @@ at::Tensor LossSink::target_rows(int64_t microbatch, int64_t rows) {
   return rows_of;
 }
 
+namespace {
+
+// The gradients the loss's backward left on `leaves`' tensors that require grad (undefined where
+// none reached one).
+std::vector<at::Tensor> leaf_gradients(const Batch& leaves) {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& t : requiring_grad(leaves)) grads.push_back(t.grad());
+  return grads;
+}
+
+}  // namespace
+
+at::Tensor LossSink::apply_loss(const Batch& output, const at::Tensor& target) const {
+  at::Tensor loss = loss_fn_(output, target);
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
+              "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  return loss;
+}
+
 void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                     bool grad_enabled) {
   microbatches_ = microbatches;
@@ -173,29 +192,21 @@ void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& outpu
   if (!loss_fn_ || !target_.defined() || whole_batch_) return;
   // Note [Losses over micro-batches].
   const int64_t rows = leaf[0].dim() > 0 ? leaf[0].size(0) : 1;
-  at::Tensor loss = loss_fn_(leaf, target_rows(microbatch, rows));
-  TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
-              "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  at::Tensor loss = apply_loss(leaf, target_rows(microbatch, rows));
   loss = loss * (static_cast<double>(rows) / static_cast<double>(target_.size(0)));
   if (grad_enabled && loss.requires_grad()) {
     loss.backward();
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& t : requiring_grad(leaf)) grads.push_back(t.grad());
-    gradients_[microbatch] = std::move(grads);
+    gradients_[microbatch] = leaf_gradients(leaf);
   }
   loss_ = loss_.defined() ? loss_ + loss.detach() : loss.detach();
 }
 
 void LossSink::whole_batch_loss() {
   const Batch output = gather(leaves_);
-  at::Tensor loss = loss_fn_(output, target_);
-  TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
-              "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  at::Tensor loss = apply_loss(output, target_);
   if (grad_enabled_ && loss.requires_grad()) loss.backward();
   for (size_t i = 0; i < leaves_.size(); ++i) {
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& t : requiring_grad(leaves_[i])) grads.push_back(t.grad());
-    gradients_[static_cast<int64_t>(i)] = std::move(grads);
+    gradients_[static_cast<int64_t>(i)] = leaf_gradients(leaves_[i]);
   }
   loss_ = loss.detach();
 }

@@ -136,6 +136,8 @@ class LossSink final : public Downstream {
 
  private:
   void whole_batch_loss();
+  // The loss function's value, checked to be a scalar.
+  at::Tensor apply_loss(const Batch& output, const at::Tensor& target) const;
   at::Tensor target_rows(int64_t microbatch, int64_t rows);
 
   LossFunction loss_fn_;
