@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "gpipe/distributed/configuration.h"
+#include "gpipe/distributed/fault.h"
 #include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/distributed/transfer.h"
@@ -173,6 +174,9 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
     broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers", local_);
   }
+  if (FaultChannel::can_hear_any(group_)) {
+    faults_ = std::make_unique<FaultChannel>(group_, "gpipe::distributed::PipelineStage::step");
+  }
 }
 
 PipelineStageImpl::~PipelineStageImpl() = default;
@@ -206,22 +210,51 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
   const char* who = "gpipe::distributed::PipelineStage::step";
-  TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
-  TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
-              "stage 0 does; its activations come from stage ", stage_ - 1, ")");
-  TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a loss "
-              "function: PipelineStageOptions::loss");
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
-  // A step that leaves by an exception marks the stage failed (see above).
-  struct FailOnThrow {
-    bool& failed;
-    int uncaught = std::uncaught_exceptions();
-    ~FailOnThrow() {
-      if (std::uncaught_exceptions() > uncaught) failed = true;
+  if (faults_) {
+    if (std::optional<std::string> heard = faults_->heard()) {
+      failed_ = true;
+      TORCH_CHECK(false, *heard);
     }
-  } fail_on_throw{failed_};
+  }
+  // Note [Failing fast across processes] in fault.h.
+  auto cancellation = std::make_shared<Cancellation>();
+  if (faults_) faults_->attach(cancellation);
+  struct Detach {
+    FaultChannel* faults;
+    ~Detach() {
+      if (faults) faults->detach();
+    }
+  } detach{faults_.get()};
+  bool checked = false;
+  try {
+    TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
+    TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
+                "stage 0 does; its activations come from stage ", stage_ - 1, ")");
+    TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a "
+                "loss function: PipelineStageOptions::loss");
+    checked = true;
+    return run_step(input, target, cancellation);
+  } catch (const std::exception& e) {
+    // The other stages wait for this one's transfers: the pipeline is broken for good.
+    if (checked || stages() > 1) failed_ = true;
+    // Its transfers in flight stay posted in the group: kept until the stage goes (Note
+    // [Failing fast across processes]).
+    abandoned_ = cancellation;
+    if (faults_ && !cancellation->cancelled()) {
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ",
+                                  error ? error->what_without_backtrace() : e.what()));
+    }
+    throw;
+  }
+}
+
+at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
+                                       std::shared_ptr<Cancellation> cancellation) {
+  const char* who = "gpipe::distributed::PipelineStage::step";
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
   const bool grad_enabled = at::GradMode::is_enabled();
   // Note [Pipeline stages and batch norm].
@@ -232,7 +265,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       !layers_->buffers().empty()) {
     broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
   }
-  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get()};
+  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation)};
   std::unique_ptr<detail::InputSource> source;
   std::unique_ptr<RemoteUpstream> remote_upstream;
   if (is_first()) {

@@ -33,6 +33,8 @@ namespace detail {
 struct ExecutorPartition;
 }  // namespace detail
 namespace distributed {
+class Cancellation;  // fault.h
+class FaultChannel;
 
 // Note [Stage-local backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -224,6 +226,8 @@ class PipelineStageImpl : public torch::nn::Module {
 
  private:
   void check_same_configuration(const torch::nn::Module& whole);
+  at::Tensor run_step(const Batch& input, const at::Tensor& target,
+                      std::shared_ptr<Cancellation> cancellation);
 
   PipelineStageOptions options_;
   ProcessGroup group_;
@@ -243,6 +247,10 @@ class PipelineStageImpl : public torch::nn::Module {
   absl::Mutex step_mu_;
   bool failed_ = false;  // a step left by an exception: the pipeline's transfers are unmatched
   std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (transfer.h)
+  // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
+  // fault.h). Null on groups that cannot have one (NCCL).
+  std::unique_ptr<FaultChannel> faults_;
+  std::shared_ptr<Cancellation> abandoned_;  // a failed step's transfers, kept (see step())
 };
 
 TORCH_MODULE(PipelineStage);

@@ -26,7 +26,7 @@ RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool gra
       peer_(peer),
       device_(device),
       grad_enabled_(grad_enabled),
-      receiver_(wire_.group, peer, wire_.device, wire_.stream) {}
+      receiver_(wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation) {}
 
 detail::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r = receiver_.next();
@@ -49,7 +49,7 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending gradients to the previous stage",
-                                 wire_.stream),
+                                 wire_.stream, wire_.cancellation),
       [tensors = std::move(tensors), peer = peer_, microbatch](Transfer& t) {
         t.send(tensors, peer, Message::kGradient, microbatch);
       }));
@@ -72,7 +72,7 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
   std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
-                                 wire_.stream),
+                                 wire_.stream, wire_.cancellation),
       [header = std::move(header), tensors = std::move(tensors), peer = peer_,
        microbatch](Transfer& t) {
         t.send({header}, peer, Message::kHeader, microbatch);
@@ -97,7 +97,7 @@ void RemoteDownstream::post_receive(int64_t microbatch) {
   if (it == buffers_.end()) return;
   receives_[microbatch] = wire_.post(
       std::make_shared<Transfer>(wire_.group, "receiving gradients from the next stage",
-                                 wire_.stream),
+                                 wire_.stream, wire_.cancellation),
       [buffers = std::move(it->second), peer = peer_, microbatch](Transfer& t) {
         t.receive(buffers, peer, Message::kGradient, microbatch);
       });

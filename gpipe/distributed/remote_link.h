@@ -29,6 +29,8 @@ struct Wire {
   c10::Device device{c10::kCPU};
   c10::optional<c10::Stream> stream;  // on a GPU wire, the computing stream
   Worker* courier = nullptr;
+  /// The step's (may be null): aborts its transfers when another stage failed (fault.h).
+  std::shared_ptr<Cancellation> cancellation;
 
   /// Queues `operations` of `transfer` on the courier; returns the transfer.
   std::shared_ptr<Transfer> post(std::shared_ptr<Transfer> transfer,

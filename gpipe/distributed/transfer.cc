@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpipe/distributed/fault.h"
 #include "gpipe/stream.h"
 
 namespace gpipe {
@@ -48,12 +49,23 @@ c10::intrusive_ptr<c10d::Work> post_receive(const ProcessGroup& group, at::Tenso
   return group->recv(one, peer, tag);
 }
 
+c10::intrusive_ptr<c10d::Work> post_receive_from_any(const ProcessGroup& group, at::Tensor tensor,
+                                                     int tag) {
+  std::vector<at::Tensor> one{std::move(tensor)};
+  absl::MutexLock lock(&posting_mutex());
+  return group->recvAnysource(one, tag);
+}
+
 int transfer_tag(Message kind, int64_t microbatch, int64_t index) {
   return static_cast<int>(static_cast<int64_t>(kind) + 4 * (index + kMaxTensors * microbatch));
 }
 
-Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream)
-    : group_(std::move(group)), what_(std::move(what)), stream_(stream) {
+Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream,
+                   std::shared_ptr<Cancellation> cancellation)
+    : group_(std::move(group)),
+      what_(std::move(what)),
+      stream_(stream),
+      cancellation_(std::move(cancellation)) {
   if (stream_) {
     post_stream_ = new_stream(stream_->device());
     wait_stream(*post_stream_, *stream_);
@@ -66,6 +78,7 @@ void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int
     check_collective(group_, what_, [&] {
       works_.push_back(post_send(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
     });
+    if (cancellation_) cancellation_->add(works_.back());
     tensors_.push_back(std::move(tensors[t]));
   }
 }
@@ -77,6 +90,7 @@ void Transfer::receive(std::vector<at::Tensor> tensors, int peer, Message kind,
     check_collective(group_, what_, [&] {
       works_.push_back(post_receive(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
     });
+    if (cancellation_) cancellation_->add(works_.back());
     tensors_.push_back(std::move(tensors[t]));
   }
 }
@@ -91,8 +105,17 @@ void Transfer::wait() {
   if (error_) std::rethrow_exception(error_);
   c10::OptionalStreamGuard guard(stream_);
   for (auto& work : works_) {
-    distributed::wait(group_, work, what_);
+    try {
+      if (cancellation_) cancellation_->check();
+      distributed::wait(group_, work, what_);
+    } catch (const c10::Error&) {
+      // Another stage's failure, rather than what it did to this transfer.
+      if (cancellation_) cancellation_->check();
+      throw;
+    }
   }
+  // An aborted work returns from its wait without its tensors.
+  if (cancellation_) cancellation_->check();
   works_.clear();
 }
 
@@ -175,11 +198,13 @@ std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {
 }
 
 ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device device,
-                                       c10::optional<c10::Stream> stream)
+                                       c10::optional<c10::Stream> stream,
+                                       std::shared_ptr<Cancellation> cancellation)
     : group_(std::move(group)),
       peer_(peer),
       device_(device),
       stream_(device.is_cuda() ? stream : c10::nullopt),
+      cancellation_(std::move(cancellation)),
       thread_([this] { run(); }) {}
 
 ActivationReceiver::~ActivationReceiver() {
@@ -207,12 +232,22 @@ void ActivationReceiver::run() {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
+        // Kept by the cancellation: Gloo wedges the connection when a message comes for a
+        // receive whose buffer is gone (Note [Failing fast across processes]).
+        if (cancellation_) cancellation_->add(work);
         abort_quietly(work);
         return false;
       }
       in_flight_ = work;
     }
-    distributed::wait(group_, work, what);
+    if (cancellation_) cancellation_->add(work);
+    try {
+      distributed::wait(group_, work, what);
+    } catch (const c10::Error&) {
+      if (cancellation_) cancellation_->check();  // another stage's failure, rather than this
+      throw;
+    }
+    if (cancellation_) cancellation_->check();  // aborted: no tensors came
     absl::MutexLock lock(&mu_);
     in_flight_.reset();
     return !stopping_;

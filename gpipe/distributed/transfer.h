@@ -25,8 +25,12 @@
 namespace gpipe {
 namespace distributed {
 
+class Cancellation;  // fault.h: aborts a step's transfers when another stage failed
+
 /// What kind of message a tag belongs to; with the micro-batch, it makes the tag.
-enum class Message : int64_t { kHeader = 0, kActivation = 1, kGradient = 2 };
+/// kFault: a stage's failure, told to every rank (Note [Failing fast across processes] in
+/// fault.h; its "micro-batch" is the channel's number).
+enum class Message : int64_t { kHeader = 0, kActivation = 1, kGradient = 2, kFault = 3 };
 
 /// The c10d tag of message `kind` for micro-batch `microbatch` and its tensor `index`.
 int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0);
@@ -42,7 +46,10 @@ class Transfer {
   /// are computed), and wait() makes `stream` wait for them. NCCL orders its work after the
   /// posting stream's: posted on `stream` itself, a send would wait for whatever was computed
   /// there by the time the courier posts it, and a receive would hold the computation back.
-  Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt);
+  /// `cancellation` (may be null): the step's, which aborts the transfer when another stage
+  /// failed (then wait() throws its error).
+  Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt,
+           std::shared_ptr<Cancellation> cancellation = nullptr);
 
   /// Sends `tensors` (on wire_device, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag
   /// per tensor).
@@ -63,6 +70,7 @@ class Transfer {
   std::string what_;
   c10::optional<c10::Stream> stream_;
   c10::optional<c10::Stream> post_stream_;  // see the constructor
+  std::shared_ptr<Cancellation> cancellation_;
   absl::Notification posted_;
   std::exception_ptr error_;  // set before posted_ is notified
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
@@ -122,9 +130,11 @@ class ActivationReceiver {
     c10::optional<c10::Stream> stream;  // on a GPU, the stream they were received on
   };
   /// Receives on `device` (the wire's: wire_device); on a GPU, each micro-batch on a stream of its
-  /// own, for which next() makes `stream` (the one that computes with them) wait.
+  /// own, for which next() makes `stream` (the one that computes with them) wait. `cancellation`
+  /// as Transfer's.
   ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
-                     c10::optional<c10::Stream> stream = c10::nullopt);
+                     c10::optional<c10::Stream> stream = c10::nullopt,
+                     std::shared_ptr<Cancellation> cancellation = nullptr);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
   ~ActivationReceiver();
   ActivationReceiver(const ActivationReceiver&) = delete;
@@ -141,6 +151,7 @@ class ActivationReceiver {
   int peer_;
   c10::Device device_;
   c10::optional<c10::Stream> stream_;
+  std::shared_ptr<Cancellation> cancellation_;
   absl::Mutex mu_;
   std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
@@ -157,6 +168,9 @@ c10::intrusive_ptr<c10d::Work> post_send(const ProcessGroup& group, at::Tensor t
                                          int tag);
 c10::intrusive_ptr<c10d::Work> post_receive(const ProcessGroup& group, at::Tensor tensor,
                                             int peer, int tag);
+/// A receive that any rank's send of `tag` matches (Gloo).
+c10::intrusive_ptr<c10d::Work> post_receive_from_any(const ProcessGroup& group, at::Tensor tensor,
+                                                     int tag);
 
 /// `tensors` detached, on `device` (wire_device) and contiguous, for sending (copies only where
 /// needed).

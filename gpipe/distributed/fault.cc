@@ -1,0 +1,155 @@
+// Failing fast across processes; see fault.h and Note [Failing fast across processes].
+#include "gpipe/distributed/fault.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/transfer.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+constexpr int64_t kMessageBytes = 4096;
+// How long a failing rank waits for the others to take its message: they have a receive posted
+// for it, so only a rank that is gone or heard another failure first makes it wait this long.
+constexpr std::chrono::seconds kRaiseWait(5);
+// Longer than any step: Gloo's wait that times out closes the group's connections.
+constexpr std::chrono::hours kForever(24 * 365);
+
+void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->abort();
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace
+
+void Cancellation::add(const c10::intrusive_ptr<c10d::Work>& work) {
+  absl::MutexLock lock(&mu_);
+  if (message_) {
+    abort_quietly(work);
+  } else {
+    // Those waited for are done with: a step keeps only what is in flight.
+    works_.erase(std::remove_if(works_.begin(), works_.end(),
+                                [](const auto& w) { return w->isCompleted(); }),
+                 works_.end());
+  }
+  works_.push_back(work);
+}
+
+void Cancellation::cancel(const std::string& message) {
+  absl::MutexLock lock(&mu_);
+  if (message_) return;
+  message_ = message;
+  for (const auto& work : works_) abort_quietly(work);
+}
+
+bool Cancellation::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return message_.has_value();
+}
+
+void Cancellation::check() const {
+  absl::MutexLock lock(&mu_);
+  TORCH_CHECK(!message_, *message_);
+}
+
+bool FaultChannel::can_hear_any(const ProcessGroup& group) {
+  return group && group->getSize() > 1 && matches_by_tag(group);
+}
+
+FaultChannel::FaultChannel(ProcessGroup group, std::string who)
+    : group_(std::move(group)), who_(std::move(who)) {
+  TORCH_CHECK(can_hear_any(group_), who_, ": a fault channel needs a Gloo group of two or more "
+              "ranks");
+  // One tag per channel, agreed with rank 0: a channel made later on the same group (another
+  // stage) never takes this one's messages.
+  at::Tensor tag = at::tensor({static_cast<int64_t>(std::random_device()() % (1 << 22))});
+  broadcast_from_rank0(group_, {tag}, "the stages' fault tag");
+  tag_ = transfer_tag(Message::kFault, tag.item<int64_t>());
+  inbox_ = at::zeros({kMessageBytes}, at::kByte);
+  check_collective(group_, "posting the receive of other stages' failures",
+                   [&] { receive_ = post_receive_from_any(group_, inbox_, tag_); });
+  listener_ = std::thread([this] { listen(); });
+}
+
+FaultChannel::~FaultChannel() {
+  abort_quietly(receive_);
+  listener_.join();
+}
+
+void FaultChannel::listen() {
+  pthread_setname_np(pthread_self(), "gpipe faults");
+  bool arrived = false;
+  try {
+    arrived = receive_->wait(kForever);
+  } catch (const std::exception&) {
+    // The group broke (a peer died, a wait timed out): the step's own transfers say why.
+    return;
+  }
+  if (!arrived) return;  // aborted: the stage is going away
+  const char* text = static_cast<const char*>(inbox_.data_ptr());
+  const std::string failure(text, strnlen(text, kMessageBytes));
+  const std::string error =
+      absl::StrCat(who_, ": ", failure, "; rank ", group_->getRank(), " stops its step too. ",
+                   "After a failure the pipeline's transfers are unmatched: make new process "
+                   "groups and stages to go on");
+  absl::MutexLock lock(&mu_);
+  heard_ = error;
+  if (step_) step_->cancel(error);
+}
+
+void FaultChannel::raise(const std::string& failure) {
+  at::Tensor outbox = at::zeros({kMessageBytes}, at::kByte);
+  std::memcpy(outbox.data_ptr(), failure.data(),
+              std::min<size_t>(failure.size(), kMessageBytes - 1));
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+  for (int r = 0; r < group_->getSize(); ++r) {
+    if (r == group_->getRank()) continue;
+    try {
+      sends.push_back(post_send(group_, outbox, r, tag_));
+    } catch (const std::exception&) {
+      // That rank is gone; tell the others.
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + kRaiseWait;
+  for (const auto& send : sends) {
+    try {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0 || !send->wait(left)) abort_quietly(send);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void FaultChannel::attach(std::shared_ptr<Cancellation> step) {
+  absl::MutexLock lock(&mu_);
+  step_ = std::move(step);
+  if (heard_) step_->cancel(*heard_);
+}
+
+void FaultChannel::detach() {
+  absl::MutexLock lock(&mu_);
+  step_.reset();
+}
+
+std::optional<std::string> FaultChannel::heard() const {
+  absl::MutexLock lock(&mu_);
+  return heard_;
+}
+
+}  // namespace distributed
+}  // namespace gpipe

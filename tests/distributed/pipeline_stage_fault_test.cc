@@ -1,0 +1,140 @@
+// Failing fast across processes: a stage that fails while its process stays alive makes every
+// other stage's step throw its error at once (Note [Failing fast across processes] in
+// gpipe/distributed/fault.h), under each schedule, wherever the failure is.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "tests/distributed/stage_test_util.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+using namespace stage_test;  // NOLINT: the shared helpers
+
+// Set in the failing process only, before the step that fails.
+std::atomic<bool> armed{false};
+
+// Fails when armed: in its forward, or (in_backward) in the backward of its output.
+struct FaultImpl : nn::Module {
+  explicit FaultImpl(bool in_backward) : in_backward(in_backward) {}
+  at::Tensor forward(const at::Tensor& x) {
+    if (!armed) return x;
+    if (!in_backward) TORCH_CHECK(false, "the layer broke in forward");
+    at::Tensor y = x * 1.0;
+    y.register_hook([](const at::Tensor&) -> at::Tensor {
+      TORCH_CHECK(false, "the layer broke in backward");
+      return at::Tensor();
+    });
+    return y;
+  }
+  bool in_backward;
+};
+TORCH_MODULE(Fault);
+
+// Stage 0 fails by a bad input (no mini-batch), stage 1 by a layer in forward, stage 2 by a layer
+// in backward.
+const char* fault_message(int64_t stage) {
+  return stage == 0 ? "stage 0 needs the mini-batch as input"
+                    : stage == 1 ? "the layer broke in forward" : "the layer broke in backward";
+}
+
+void mark_done(int rank) { std::ofstream(gpipe_test::test_folder() + "/done" + std::to_string(rank)); }
+
+// The failing rank stays alive until every other rank has seen its error (or a minute passed).
+void wait_for_others(int world, int failing) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (int r = 0; r < world; ++r) {
+    if (r == failing) continue;
+    const std::string path = gpipe_test::test_folder() + "/done" + std::to_string(r);
+    while (!std::filesystem::exists(path) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+constexpr const char* kFailFast =
+    "a stage that fails makes every other stage's step throw its error at once";
+
+CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const int failing = std::stoi(std::getenv("GPIPE_TEST_FAILING"));
+    const std::string schedule = std::getenv("GPIPE_TEST_SCHEDULE");
+    torch::manual_seed(7);
+    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), Fault(false), nn::Linear(8, 8),
+                       Fault(true), nn::Linear(8, 3));
+    seq->to(at::kDouble);
+    // The group's timeout (60 s, join()) is what the others would wait for without the channel.
+    PipelineStage stage(seq, PipelineStageOptions({2, 2, 2}).chunks(4).loss(mse)
+                                 .checkpoint(Checkpoint::kNever)
+                                 .schedule(schedule_kind(schedule)), join());
+    const auto step = [&](bool bad_input) {
+      auto [x, y] = batch(0);
+      if (stage->is_first()) return stage->step(bad_input ? no_input() : Batch(x));
+      return stage->step(no_input(), y);
+    };
+    step(false);  // a step that works first
+    const int rank = test_rank();
+    const auto start = std::chrono::steady_clock::now();
+    if (rank == failing) {
+      armed = true;
+      CATCH_CHECK_THROWS_WITH(step(rank == 0), gpipe_test::contains(fault_message(rank)));
+      wait_for_others(3, failing);
+    } else {
+      CATCH_CHECK_THROWS_WITH(
+          step(false), gpipe_test::contains(absl::StrCat("stage ", failing, " of 3 failed: ")) &&
+                           gpipe_test::contains(fault_message(failing)));
+      mark_done(rank);
+      std::printf("rank %d threw after %.2f s\n", rank,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      CATCH_CHECK_THROWS_WITH(step(false), gpipe_test::contains("an earlier step failed"));
+    }
+    return;
+  }
+  for (const std::string schedule : {"gpipe", "1f1b", "zb"}) {
+    for (const std::string failing : {"0", "1", "2"}) {
+      CATCH_INFO(schedule << ", stage " << failing << " fails");
+      const std::string folder = folder_for("fail_fast");
+      const auto results = run_ranks(kFailFast, 3, folder, {{"GPIPE_TEST_SCHEDULE", schedule},
+                                                           {"GPIPE_TEST_FAILING", failing}});
+      CATCH_INFO(gpipe_test::outputs(results));
+      for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
+      std::filesystem::remove_all(folder);
+    }
+  }
+}
+
+constexpr const char* kGradModes =
+    "stages under different grad modes fail with an error naming both on every stage";
+
+CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    auto [x, y] = batch(0);
+    // Seen by stage 1, which receives stage 0's activations with their grad mode.
+    const char* mismatch = "stage 0 runs with grad but stage 1 without it";
+    if (stage->is_first()) {
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("stage 1 of 2 failed: ") &&
+                                  gpipe_test::contains(mismatch));
+      mark_done(0);
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("an earlier step failed on this stage"));
+    } else {
+      {
+        at::NoGradGuard no_grad;
+        CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y), gpipe_test::contains(mismatch));
+      }
+      wait_for_others(2, 1);
+    }
+    return;
+  }
+  check_ranks_pass(kGradModes, "grad_modes");
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe
