@@ -4,6 +4,7 @@
 #include "tests/gpipe/test_util.h"
 
 #include <map>
+#include <thread>
 
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
@@ -191,6 +192,69 @@ CATCH_TEST_CASE("step with deferred batch norm updates running statistics as the
     plain->forward(x);  // training mode: one update from the whole batch
   }
   check_same(running_stats(*plain), running_stats(*model), 1e-10);
+}
+
+CATCH_TEST_CASE("step leaves a frozen BatchNorm (eval mode in a training model) alone",
+                "[gpipe][step][batchnorm]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  const bool deferred = GENERATE(false, true);
+  CATCH_CAPTURE(kind, deferred);
+  nn::Sequential plain = build(skip_model, 6);
+  nn::Sequential seq = build(skip_model, 6);
+  GPipe model(seq, GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
+                       .deferred_batch_norm(deferred).schedule(schedule_kind(kind)));
+  // Fine-tuning: the BatchNorm normalises with its running statistics and keeps them.
+  for (nn::Sequential s : {plain, seq}) {
+    for (const auto& m : s->modules(/*include_self=*/false)) {
+      if (m->as<nn::BatchNorm1d>() != nullptr) m->eval();
+    }
+  }
+  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD pipe_opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  const std::vector<at::Tensor> before = running_stats(*plain);
+  for (int step = 0; step < 3; ++step) {
+    at::manual_seed(40 + step);
+    const at::Tensor x = at::randn({9, 5}, at::kDouble);
+    const at::Tensor y = at::randn({9, 3}, at::kDouble);
+    plain_opt.zero_grad();
+    pipe_opt.zero_grad();
+    const double expected = plain_step(plain, Batch(x), y, 3, kind == "gpipe");
+    CATCH_CHECK(model->step(x, y, mse).item<double>() ==
+                gpipe_test::Approx(expected).epsilon(1e-12));
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    plain_opt.step();
+    pipe_opt.step();
+  }
+  check_same(plain->parameters(), model->parameters(), 1e-10);
+  check_same(before, running_stats(*model), 0.0);
+}
+
+CATCH_TEST_CASE("steps called from two threads at once run one after the other",
+                "[gpipe][step][threads]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  CATCH_CAPTURE(kind);
+  nn::Sequential plain = build(skip_model, 6);
+  GPipe model(build(skip_model, 6), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
+                                        .schedule(schedule_kind(kind)));
+  // Evaluation-mode BatchNorm: the two steps' order does not change what they compute.
+  plain->eval();
+  model->eval();
+  std::vector<at::Tensor> xs, ys;
+  for (int t = 0; t < 2; ++t) {
+    xs.push_back(at::randn({9, 5}, at::kDouble));
+    ys.push_back(at::randn({9, 3}, at::kDouble));
+  }
+  double expected[2];
+  for (int t = 0; t < 2; ++t) expected[t] = plain_step(plain, Batch(xs[t]), ys[t], 3, kind == "gpipe");
+  double got[2] = {0, 0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] { got[t] = model->step(xs[t], ys[t], mse).item<double>(); });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int t = 0; t < 2; ++t) CATCH_CHECK(got[t] == gpipe_test::Approx(expected[t]).epsilon(1e-12));
+  // Both steps' gradients, accumulated.
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
 }
 
 CATCH_TEST_CASE("Micro-batches alive per partition are what each schedule promises",
