@@ -13,6 +13,7 @@
 // stage-local backward: Note [Partitions within a stage]) on the same micro-batches.
 // Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
+// --schedule=1f1b or zb runs the stages under that schedule (speed only).
 
 #include <algorithm>
 #include <chrono>
@@ -35,6 +36,8 @@
 #include "benchmarks/timing.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/schedule.h"
+#include "gpipe/schedule_check.h"
 #include "gpipe/trace.h"
 #include "gpipe/worker.h"
 
@@ -47,6 +50,9 @@ ABSL_FLAG(std::string, svg, "",
           "(rank 0)");
 ABSL_FLAG(std::string, trace, "", "and write that step as Chrome-trace JSON to this file");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
+ABSL_FLAG(std::string, schedule, "gpipe",
+          "the stages' schedule: gpipe, 1f1b or zb (ideal: one thread's time / 2 / (1 - the "
+          "schedule's simulated bubble, F = I = W = 1))");
 
 namespace {
 
@@ -89,7 +95,8 @@ double pipeline_ms(const ProcessGroup& group, int64_t width, int layers, int64_t
                    int64_t m) {
   const nn::Sequential seq = mlp(width, layers);
   PipelineStage stage(seq, PipelineStageOptions({2 * layers, 2 * layers}).chunks(m)
-                               .checkpoint(gpipe::Checkpoint::kNever).loss(mse),
+                               .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
+                               .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule))),
                       group);
   const at::Tensor x = at::randn({rows * m, width});
   const at::Tensor y = at::randn({rows * m, width});
@@ -167,9 +174,10 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> speed_json;
   if (rank0) {
-    std::printf("two-process pipeline, training step: 2 stages of %d x Linear(%ld, %ld) + Tanh, "
-                "%ld rows per micro-batch, float32, 1 thread per process, median of %d steps\n",
-                layers, width, width, rows, absl::GetFlag(FLAGS_steps));
+    std::printf("two-process pipeline, training step (%s schedule): 2 stages of %d x Linear(%ld, "
+                "%ld) + Tanh, %ld rows per micro-batch, float32, 1 thread per process, median of "
+                "%d steps\n", absl::GetFlag(FLAGS_schedule).c_str(), layers, width, width, rows,
+                absl::GetFlag(FLAGS_steps));
     std::printf("%4s %12s %12s %9s %7s %9s | %18s %9s %9s\n", "m", "serial ms", "2 procs ms",
                 "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }
@@ -181,7 +189,10 @@ int main(int argc, char** argv) {
     group->barrier()->wait();
     if (!rank0) continue;
     const double speedup = serial / piped;
-    const double ideal = 2.0 * m / (m + 1);
+    // 2m/(m+1) for GPipe and 1F1B.
+    const double ideal = 2.0 * (1 - gpipe::simulate_schedule(gpipe::make_schedule(
+                                        gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)), 2, m))
+                                        .bubble);
     std::printf("%4ld %12.2f %12.2f %8.2fx %6.2fx %8.0f%% | %18.2f %8.2fx %8.0f%%\n", m, serial,
                 piped, speedup, ideal, 100 * speedup / ideal, parts, serial / parts,
                 100 * serial / parts / ideal);
