@@ -268,4 +268,37 @@ DeferredStatisticsScope::DeferredStatisticsScope()
 
 DeferredStatisticsScope::~DeferredStatisticsScope() { at::removeCallback(handle_); }
 
+DeferredBatchNormRun::DeferredBatchNormRun(
+    const std::vector<std::shared_ptr<BatchNormLayers>>& partitions, bool on) {
+  if (!on) return;
+  for (const auto& batch_norms : partitions) {
+    batch_norms->reset_statistics();
+    redirects_.push_back(batch_norms->redirect());
+  }
+  statistics_ = std::make_unique<DeferredStatisticsScope>();
+}
+
+void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions,
+                     const StatisticsCombiner& combine) {
+  if (!combine) {
+    for (const auto& batch_norms : partitions) batch_norms->commit();
+    return;
+  }
+  std::vector<BatchNormStatistics> statistics;
+  for (const auto& batch_norms : partitions) {
+    for (BatchNormStatistics& s : batch_norms->statistics()) statistics.push_back(std::move(s));
+  }
+  const size_t layers = statistics.size();
+  combine(statistics);
+  TORCH_CHECK(statistics.size() == layers, "gpipe: the statistics combiner left ",
+              statistics.size(), " entries of batch norm statistics; it must keep one per "
+              "layer (", layers, ")");
+  auto next = statistics.begin();
+  for (const auto& batch_norms : partitions) {
+    const std::vector<BatchNormStatistics> own(next, next + batch_norms->size());
+    next += batch_norms->size();
+    batch_norms->commit(&own);
+  }
+}
+
 }  // namespace gpipe

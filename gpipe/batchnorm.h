@@ -126,4 +126,23 @@ class DeferredStatisticsScope {
   at::CallbackHandle handle_;
 };
 
+/// Deferred batch norm over one run of some partitions (a GPipe's forward or step, a pipeline
+/// stage's step), when `on`: for its lifetime the training-mode BatchNorms of every partition
+/// write their updates to sinks and the callback gathers their statistics (cleared first);
+/// commit_deferred() then updates the running statistics. Off, it does nothing.
+class DeferredBatchNormRun {
+ public:
+  DeferredBatchNormRun(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions, bool on);
+
+ private:
+  std::vector<BatchNormLayers::Redirect> redirects_;
+  std::unique_ptr<DeferredStatisticsScope> statistics_;
+};
+
+/// Updates every partition's running statistics from what a DeferredBatchNormRun gathered, after
+/// `combine` (when given) merged them, one entry per layer in partition order, with other
+/// processes'. Throws c10::Error when `combine` changes the number of entries.
+void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions,
+                     const StatisticsCombiner& combine = nullptr);
+
 }  // namespace gpipe

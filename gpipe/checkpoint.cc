@@ -1,5 +1,6 @@
 // Checkpointing; see Note [Checkpoint and recompute] in checkpoint.h.
 #include "gpipe/checkpoint.h"
+#include "gpipe/checkpoint_state.h"
 
 #include <tuple>
 
@@ -65,131 +66,6 @@ void GradRecord::put(uint64_t key, std::shared_ptr<const Entry> entry) {
 void GradRecord::drop(uint64_t key) {
   absl::MutexLock lock(&mu_);
   entries_.erase(key);
-}
-
-struct CheckpointFrame::State {
-  State(Checkpointing::Function function, Batch input, c10::Device device,
-        std::shared_ptr<const ThreadState> thread_state, std::shared_ptr<GradRecord> record,
-        uint64_t key)
-      : function(std::move(function)),
-        input(std::move(input)),
-        device(device),
-        thread_state(std::move(thread_state)),
-        record(std::move(record)),
-        key(key) {}
-
-  Checkpointing::Function function;
-  Batch input;
-  c10::Device device;
-  RngState rng;
-  std::shared_ptr<const ThreadState> thread_state;
-
-  // Note [Autograd metadata of checkpointed micro-batches].
-  std::shared_ptr<GradRecord> record;
-  uint64_t key;
-  bool learning = false;  // the first forward runs with grad to fill `learnt`
-  std::shared_ptr<const GradRecord::Entry> known;
-  GradRecord::Entry learnt;
-  const GradRecord::Entry& entry() const { return known ? *known : learnt; }
-
-  // Skips popped from other partitions in the first forward: extra inputs (in pop order).
-  std::vector<std::pair<SkipKey, SkipTensor>> popped;
-  // Whether CheckpointBackward has the dependency's edge as its last next edge
-  // (attach_dependency). `node` is CheckpointBackward (weak: the node owns this state).
-  bool has_dependency = false;
-  std::weak_ptr<torch::autograd::Node> node;
-
-  // Where the recomputation and the backward are recorded, if anywhere.
-  std::shared_ptr<Timeline> timeline;
-  int64_t microbatch = 0;
-  int64_t partition = 0;
-  // When recorded work started (Note [Device times] in timeline.cc).
-  Timeline::Started start() const {
-    return timeline ? timeline->start(current_stream(device)) : Timeline::Started{};
-  }
-  void record_event(TimelineEvent::Kind kind, const Timeline::Started& started) const {
-    if (timeline) {
-      TimelineEvent event{kind, microbatch, partition};
-      event.checkpointed = true;
-      timeline->finish(event, started, current_stream(device));
-    }
-  }
-
-  // Set by RecomputeBackward, used by CheckpointBackward.
-  bool recomputed = false;
-  std::vector<at::Tensor> outputs;
-  std::vector<at::Tensor> leaves;
-  std::vector<SkipTensor> popped_leaves;  // parallel to `popped`
-  std::vector<std::pair<SkipKey, SkipTensor>> restashed;
-  // Stashes of the first forward that need a gradient: given the checkpoint's history once its
-  // node exists (`rehome` installs that version in the skip's slot), in this order after the
-  // outputs among the node's inputs.
-  std::vector<std::tuple<SkipKey, at::Tensor, std::function<void(at::Tensor)>>> pending_stashes;
-  std::vector<SkipKey> stash_inputs;
-  size_t outputs_count = 0;  // the checkpoint's outputs among the node's inputs
-
-  void release() {
-    input = Batch(std::vector<at::Tensor>{});
-    outputs.clear();
-    leaves.clear();
-    popped.clear();
-    popped_leaves.clear();
-    restashed.clear();
-    pending_stashes.clear();
-  }
-};
-
-namespace {
-thread_local CheckpointFrame* current_frame = nullptr;
-}  // namespace
-
-CheckpointFrame::CheckpointFrame(State* state, bool recomputing)
-    : state_(state), recomputing_(recomputing), previous_(current_frame) {
-  current_frame = this;
-}
-
-CheckpointFrame::~CheckpointFrame() { current_frame = previous_; }
-
-CheckpointFrame* CheckpointFrame::current() { return current_frame; }
-
-void CheckpointFrame::add_popped(const SkipKey& key, at::Tensor tensor) {
-  state_->popped.emplace_back(key, SkipTensor(std::move(tensor)));
-}
-
-at::Tensor CheckpointFrame::stash_first_forward(const SkipKey& key, at::Tensor tensor,
-                                                std::function<void(at::Tensor)> rehome) {
-  bool requires_grad;
-  if (state_->learning) {
-    requires_grad = tensor.defined() && tensor.requires_grad();
-    state_->learnt.stashes[key] = requires_grad;
-    if (tensor.defined()) {
-      tensor = tensor.detach();
-    }
-  } else {
-    const auto& stashes = state_->entry().stashes;
-    auto it = stashes.find(key);
-    requires_grad = it == stashes.end() || it->second;
-  }
-  requires_grad = requires_grad && tensor.defined() && tensor.is_floating_point();
-  if (requires_grad) {
-    state_->pending_stashes.emplace_back(key, tensor, std::move(rehome));
-  }
-  return tensor;
-}
-
-at::Tensor CheckpointFrame::popped_leaf(const SkipKey& key) {
-  for (size_t k = 0; k < state_->popped.size(); ++k) {
-    if (state_->popped[k].first == key) {
-      return state_->popped_leaves[k].get();
-    }
-  }
-  TORCH_CHECK(false, "gpipe: the recomputation of a checkpointed micro-batch popped skip '",
-              key.str(), "', which its first forward did not pop; a layer's pops must not depend "
-              "on whether it is recomputing");
-}
-
-void CheckpointFrame::add_restashed(const SkipKey& key, at::Tensor tensor) {
-  state_->restashed.emplace_back(key, SkipTensor(std::move(tensor)));
 }
 
 namespace {

@@ -203,7 +203,6 @@ class GPipeImpl : public torch::nn::Module {
   struct Prepared;
   void forward_batches(std::vector<at::Tensor> values, bool atomic, std::vector<at::Tensor>& out,
                        bool& out_atomic);
-  void commit_deferred_statistics();
 
   GPipeOptions options_;
   std::vector<c10::Device> devices_;

@@ -301,9 +301,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   std::unique_ptr<detail::LossSink> sink;
   std::unique_ptr<RemoteDownstream> remote_downstream;
   if (is_last()) {
-    // GPipe's order on the last stage: forwards first; the loss sees the whole mini-batch.
-    sink = std::make_unique<detail::LossSink>(options_.loss(), target,
-                                              kind == ScheduleKind::kGPipe, who);
+    // GPipe's order on the last stage (forwards first): the loss sees the whole mini-batch. The
+    // same rule as GPipe::step's, on the schedule of as many micro-batches as chunks (fewer, for
+    // a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one micro-batch,
+    // where the two losses are the same).
+    const bool whole = detail::forwards_before_backwards(
+        make_schedule(kind, stages, options_.chunks()).ranks, stages - 1);
+    sink = std::make_unique<detail::LossSink>(options_.loss(), target, whole, who);
   } else {
     // Note [When gradients' receives are posted] in remote_link.h.
     const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
@@ -331,18 +335,12 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   spec.recompute_state = std::make_shared<const ThreadState>();
   spec.timeline = timeline_;
   spec.skip_layout = &skip_layout_;
+  // With deferred batch norm, the statistics gathered during the step are committed after it,
+  // merged over the replicas first.
+  std::vector<std::shared_ptr<BatchNormLayers>> batch_norms;
+  for (const detail::ExecutorPartition& p : partitions_) batch_norms.push_back(p.batch_norms);
   {
-    // With deferred batch norm, the training-mode BatchNorms write their own updates to sinks
-    // during the forwards, and the callback gathers the statistics; committed after the step.
-    std::vector<BatchNormLayers::Redirect> deferred_redirects;
-    std::optional<DeferredStatisticsScope> deferred_statistics;
-    if (deferred) {
-      for (detail::ExecutorPartition& p : partitions_) {
-        p.batch_norms->reset_statistics();
-        deferred_redirects.push_back(p.batch_norms->redirect());
-      }
-      deferred_statistics.emplace();
-    }
+    const DeferredBatchNormRun deferred_run(batch_norms, deferred);
     detail::run_schedule(spec);
     if (sink) sink->finish();
   }
@@ -351,18 +349,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   // The input's own graph, once.
   if (source) source->finish();
   if (deferred) {
-    std::vector<BatchNormStatistics> statistics;
-    for (const detail::ExecutorPartition& p : partitions_) {
-      for (BatchNormStatistics& s : p.batch_norms->statistics()) statistics.push_back(s);
+    StatisticsCombiner combine;
+    if (replica_group_) {
+      combine = [this](std::vector<BatchNormStatistics>& statistics) {
+        combine_statistics(replica_group_, statistics, local_);
+      };
     }
-    if (replica_group_) combine_statistics(replica_group_, statistics, local_);
-    size_t next = 0;
-    for (detail::ExecutorPartition& p : partitions_) {
-      std::vector<BatchNormStatistics> mine(statistics.begin() + next,
-                                            statistics.begin() + next + p.batch_norms->size());
-      next += p.batch_norms->size();
-      p.batch_norms->commit(&mine);
-    }
+    commit_deferred(batch_norms, combine);
   }
   if (grad_enabled && replica_group_) {
     average_gradients(replica_group_, layers_->parameters(), local_);
@@ -372,57 +365,6 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     return sink->loss();
   }
   return at::Tensor();
-}
-
-std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
-  TORCH_CHECK(timeline_, "gpipe::distributed::PipelineStage::gather_timeline: no timeline was "
-              "recorded; set PipelineStageOptions::record_timeline and run a step first");
-  // Each stage's number of events and of partitions; then each event as 6 doubles: kind,
-  // micro-batch, checkpointed, start and end on the host's clock, partition within its stage.
-  const std::vector<TimelineEvent> mine = timeline_->events();
-  const double origin = timeline_->origin_us();
-  const int size = group_->getSize();
-  const char* what = "the gather of the stages' timelines";
-  const std::vector<at::Tensor> counts = all_gather(
-      group_, at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong), local_,
-      what);
-  int64_t most = 0;
-  for (const at::Tensor& c : counts) most = std::max(most, c[0].item<int64_t>());
-  at::Tensor packed = at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble);
-  for (size_t k = 0; k < mine.size(); ++k) {
-    const TimelineEvent& e = mine[k];
-    at::Tensor row = packed[static_cast<int64_t>(k)];
-    row[0] = static_cast<double>(e.kind);
-    row[1] = static_cast<double>(e.microbatch);
-    row[2] = e.checkpointed ? 1.0 : 0.0;
-    row[3] = origin + e.start_us;
-    row[4] = origin + e.end_us;
-    row[5] = static_cast<double>(e.partition);
-  }
-  const std::vector<at::Tensor> all = all_gather(group_, packed, local_, what);
-  std::vector<TimelineEvent> events;
-  double earliest = std::numeric_limits<double>::infinity();
-  int64_t first_partition = 0;  // of stage r, in the whole pipeline
-  for (int r = 0; r < size; ++r) {
-    const int64_t n = counts[r][0].item<int64_t>();
-    const at::Tensor rows = all[r];
-    for (int64_t k = 0; k < n; ++k) {
-      TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
-                      static_cast<int64_t>(rows[k][1].item<double>()),
-                      first_partition + static_cast<int64_t>(rows[k][5].item<double>())};
-      e.checkpointed = rows[k][2].item<double>() != 0;
-      e.start_us = rows[k][3].item<double>();
-      e.end_us = rows[k][4].item<double>();
-      earliest = std::min(earliest, e.start_us);
-      events.push_back(e);
-    }
-    first_partition += counts[r][1].item<int64_t>();
-  }
-  for (TimelineEvent& e : events) {
-    e.start_us -= earliest;
-    e.end_us -= earliest;
-  }
-  return events;
 }
 
 }  // namespace distributed

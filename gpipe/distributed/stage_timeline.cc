@@ -1,0 +1,69 @@
+// The stages' timelines of a step, gathered onto one clock (PipelineStage::gather_timeline); see
+// pipeline_stage.h.
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/process_group.h"
+#include "gpipe/timeline.h"
+
+namespace gpipe {
+namespace distributed {
+
+std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
+  TORCH_CHECK(timeline_, "gpipe::distributed::PipelineStage::gather_timeline: no timeline was "
+              "recorded; set PipelineStageOptions::record_timeline and run a step first");
+  // Each stage's number of events and of partitions; then each event as 6 doubles: kind,
+  // micro-batch, checkpointed, start and end on the host's clock, partition within its stage.
+  const std::vector<TimelineEvent> mine = timeline_->events();
+  const double origin = timeline_->origin_us();
+  const int size = group_->getSize();
+  const char* what = "the gather of the stages' timelines";
+  const std::vector<at::Tensor> counts = all_gather(
+      group_, at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong), local_,
+      what);
+  int64_t most = 0;
+  for (const at::Tensor& c : counts) most = std::max(most, c[0].item<int64_t>());
+  at::Tensor packed = at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble);
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const TimelineEvent& e = mine[k];
+    at::Tensor row = packed[static_cast<int64_t>(k)];
+    row[0] = static_cast<double>(e.kind);
+    row[1] = static_cast<double>(e.microbatch);
+    row[2] = e.checkpointed ? 1.0 : 0.0;
+    row[3] = origin + e.start_us;
+    row[4] = origin + e.end_us;
+    row[5] = static_cast<double>(e.partition);
+  }
+  const std::vector<at::Tensor> all = all_gather(group_, packed, local_, what);
+  std::vector<TimelineEvent> events;
+  double earliest = std::numeric_limits<double>::infinity();
+  int64_t first_partition = 0;  // of stage r, in the whole pipeline
+  for (int r = 0; r < size; ++r) {
+    const int64_t n = counts[r][0].item<int64_t>();
+    const at::Tensor rows = all[r];
+    for (int64_t k = 0; k < n; ++k) {
+      TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
+                      static_cast<int64_t>(rows[k][1].item<double>()),
+                      first_partition + static_cast<int64_t>(rows[k][5].item<double>())};
+      e.checkpointed = rows[k][2].item<double>() != 0;
+      e.start_us = rows[k][3].item<double>();
+      e.end_us = rows[k][4].item<double>();
+      earliest = std::min(earliest, e.start_us);
+      events.push_back(e);
+    }
+    first_partition += counts[r][1].item<int64_t>();
+  }
+  for (TimelineEvent& e : events) {
+    e.start_us -= earliest;
+    e.end_us -= earliest;
+  }
+  return events;
+}
+
+}  // namespace distributed
+}  // namespace gpipe

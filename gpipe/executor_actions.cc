@@ -1,0 +1,238 @@
+// The executor's compute actions F, B (I) and W; see executor_step.h and Note [One executor].
+#include "gpipe/executor_step.h"
+
+#include <exception>
+#include <map>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gpipe/partition.h"
+#include "gpipe/skip_tracker.h"
+#include "gpipe/stream.h"
+
+namespace gpipe {
+namespace detail {
+
+void run_forward(Step& st, int64_t p, int64_t i) {
+  const ExecutorSpec& spec = st.spec;
+  PartitionState& s = st.states[p];
+  ExecutorPartition& part = *s.part;
+  TORCH_CHECK(i == s.next_forward, spec.who, ": partition ", p, " would run the forward of "
+              "micro-batch ", i, " before that of micro-batch ", s.next_forward, "; each "
+              "partition's forwards must run in order");
+  ++s.next_forward;
+  Activation a;
+  if (p == 0 && st.first) {
+    a = std::move(*st.first);
+    st.first.reset();
+  } else {
+    a = s.up->receive();
+  }
+  TORCH_CHECK(a.grad_enabled == spec.grad_enabled, spec.who, ": micro-batch ", i, " reached "
+              "partition ", p, " from a sender that runs ", a.grad_enabled ? "with" : "without",
+              " grad, but this step runs ", spec.grad_enabled ? "with" : "without", " it; call "
+              "step() under the same grad mode (torch::NoGradGuard for inference) on every stage");
+  const c10::Stream stream = current_stream(part.device);
+  const Timeline::Started started = st.start(stream);
+  TaskContext task;
+  task.microbatch = MicroBatch{spec.run, i};
+  std::vector<MicroBatchSkips::Cut> cut;
+  if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
+    std::shared_ptr<MicroBatchSkips> shared = st.skips_of(i);
+    if (!spec.skip_layout->routes_into(p).empty()) {
+      // The skips from earlier partitions move to this one's device (every stream is the
+      // device's current one: each lane computes and copies on its thread's streams).
+      std::vector<c10::Stream> streams;
+      for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
+      std::vector<std::vector<c10::Stream>> copy_streams;
+      for (const c10::Stream& c : streams) copy_streams.emplace_back(i + 1, c);
+      shared->fence(i, p, streams, copy_streams);
+    }
+    if (spec.grad_enabled) cut = shared->cut(p);
+    task.skips = std::move(shared);
+  }
+  std::vector<std::vector<at::Tensor>>* layer_outputs =
+      s.by_layer && spec.grad_enabled && i >= st.stop ? &s.layer_outputs[i] : nullptr;
+  auto run_layers = [layers = part.layers, batch_norms = part.batch_norms, task,
+                     layer_outputs](const Batch& b) {
+    TaskScope scope(task);
+    if (batch_norms->size() > 0 && is_recomputing()) {
+      // Note [Recomputation leaves running statistics alone] in batchnorm.h.
+      BatchNormLayers::Redirect redirect = batch_norms->redirect();
+      return run_partition(layers, b);
+    }
+    return run_partition(layers, b, layer_outputs);
+  };
+  Batch out{std::vector<at::Tensor>{}};
+  if (i < st.stop) {
+    Checkpointing checkpointing(run_layers, a.batch, part.device, spec.recompute_state,
+                                part.grad_record, s.params_key);
+    out = checkpointing.checkpoint();
+    checkpointing.recompute(out);
+  } else {
+    out = run_layers(a.batch);
+  }
+  st.record(Kind::kCompute, i, p, started, stream);
+  s.down->send(st.m, i, out, spec.grad_enabled);
+  if (spec.grad_enabled) {
+    s.inputs[i] = std::move(a.batch);
+    s.outputs[i] = std::move(out);
+    s.cuts[i] = std::move(cut);
+  }
+}
+
+// B i (whole), or I i (input gradients only; the whole backward when checkpointed).
+void run_backward(Step& st, int64_t p, int64_t i, bool split) {
+  const ExecutorSpec& spec = st.spec;
+  PartitionState& s = st.states[p];
+  TORCH_CHECK(i < s.next_forward, spec.who, ": partition ", p, " would run the backward of "
+              "micro-batch ", i, " before its forward");
+  std::vector<at::Tensor> grads = s.down->receive_gradients(i);
+  const c10::Stream stream = current_stream(s.part->device);
+  const Timeline::Started started = st.start(stream);
+  std::vector<at::Tensor> roots = requiring_grad(s.outputs[i]);
+  TORCH_CHECK(roots.size() == grads.size(), spec.who, ": partition ", p, " got ", grads.size(),
+              " gradients for micro-batch ", i, " but has ", roots.size(),
+              " outputs that require grad");
+  // The skips this partition stashed and later ones popped: more roots, with the gradients
+  // caught there (complete: those partitions ran this micro-batch's backward first).
+  {
+    absl::MutexLock lock(&st.mu);
+    auto it = st.skip_grads[p].find(i);
+    if (it != st.skip_grads[p].end()) {
+      for (auto& [tensor, grad] : it->second) {
+        roots.push_back(std::move(tensor));
+        grads.push_back(std::move(grad));
+      }
+      st.skip_grads[p].erase(it);
+    }
+  }
+  // Only the roots that a gradient reached: where none did, the plain model leaves the gradients
+  // behind them undefined, and so does the pipeline.
+  {
+    size_t kept = 0;
+    for (size_t k = 0; k < roots.size(); ++k) {
+      if (!grads[k].defined()) continue;
+      roots[kept] = std::move(roots[k]);
+      grads[kept] = std::move(grads[k]);
+      ++kept;
+    }
+    roots.resize(kept);
+    grads.resize(kept);
+  }
+  const std::vector<at::Tensor> input_leaves = requiring_grad(s.inputs[i]);
+  std::vector<at::Tensor> input_grads;
+  std::vector<at::Tensor> skip_grads(s.cuts[i].size());
+  const bool whole = !split || i < st.stop;
+  if (whole) {
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    for (const at::Tensor& leaf : input_leaves) input_grads.push_back(leaf.grad());
+    for (size_t k = 0; k < s.cuts[i].size(); ++k) skip_grads[k] = s.cuts[i][k].leaf.grad();
+  } else {
+    std::vector<at::Tensor> wanted = input_leaves;
+    for (const MicroBatchSkips::Cut& c : s.cuts[i]) wanted.push_back(c.leaf);
+    // Split by layer: the gradients at every layer's output too, for W.
+    const size_t layers = s.part->layers->size();
+    const bool by_layer = s.by_layer && s.layer_outputs[i].size() == layers;
+    if (by_layer) {
+      for (size_t k = 0; k + 1 < layers; ++k) {
+        for (const at::Tensor& t : s.layer_outputs[i][k]) wanted.push_back(t);
+      }
+    }
+    std::vector<at::Tensor> got;
+    if (!roots.empty() && !wanted.empty()) {
+      got = torch::autograd::grad(roots, wanted, grads, /*retain_graph=*/true,
+                                  /*create_graph=*/false, /*allow_unused=*/true);
+    }
+    for (size_t k = 0; k < input_leaves.size(); ++k) {
+      input_grads.push_back(k < got.size() ? got[k] : at::Tensor());
+    }
+    for (size_t k = 0; k < s.cuts[i].size(); ++k) {
+      const size_t at = input_leaves.size() + k;
+      if (at < got.size()) skip_grads[k] = got[at];
+    }
+    s.w_roots[i].clear();
+    s.w_grads[i].clear();
+    if (by_layer && !got.empty()) {
+      // Layer k's weight gradients start from its outputs: the next layer's inputs, or the
+      // partition's outputs for the last.
+      size_t next = input_leaves.size() + s.cuts[i].size();
+      for (size_t k = 0; k < layers; ++k) {
+        std::vector<at::Tensor> layer_roots, layer_grads;
+        if (k + 1 < layers) {
+          for (const at::Tensor& t : s.layer_outputs[i][k]) {
+            if (got[next].defined()) {
+              layer_roots.push_back(t);
+              layer_grads.push_back(got[next]);
+            }
+            ++next;
+          }
+        } else {
+          layer_roots = roots;
+          layer_grads = grads;
+        }
+        s.w_roots[i].push_back(std::move(layer_roots));
+        s.w_grads[i].push_back(std::move(layer_grads));
+      }
+    } else {
+      s.w_roots[i].push_back(std::move(roots));
+      s.w_grads[i].push_back(std::move(grads));
+    }
+    s.layer_outputs[i].clear();
+  }
+  // The skips this partition popped from earlier ones: their gradients, for the stashing
+  // partitions (whose backward of this micro-batch follows, after the gradients pass through).
+  if (!s.cuts[i].empty()) {
+    absl::MutexLock lock(&st.mu);
+    for (size_t k = 0; k < s.cuts[i].size(); ++k) {
+      if (skip_grads[k].defined()) {
+        st.skip_grads[s.cuts[i][k].from][i].emplace_back(std::move(s.cuts[i][k].tensor),
+                                                         std::move(skip_grads[k]));
+      }
+    }
+  }
+  s.cuts[i].clear();
+  s.outputs[i] = Batch(std::vector<at::Tensor>{});  // the graph is spent (or kept for W)
+  s.inputs[i] = Batch(std::vector<at::Tensor>{});
+  st.record(split ? Kind::kBackwardInput : Kind::kBackward, i, p, started, stream);
+  if (!s.up->takes_undefined_gradients()) {
+    for (size_t k = 0; k < input_grads.size(); ++k) {
+      if (!input_grads[k].defined()) input_grads[k] = at::zeros_like(input_leaves[k]);
+    }
+  }
+  s.up->send_gradients(i, std::move(input_grads));
+}
+
+// W i: the parameters' gradients, from the graph I i kept.
+void run_backward_weight(Step& st, int64_t p, int64_t i) {
+  PartitionState& s = st.states[p];
+  const c10::Stream stream = current_stream(s.part->device);
+  const Timeline::Started started = st.start(stream);
+  std::vector<std::vector<at::Tensor>> roots = std::move(s.w_roots[i]);
+  std::vector<std::vector<at::Tensor>> grads = std::move(s.w_grads[i]);
+  s.w_roots[i].clear();
+  s.w_grads[i].clear();
+  const bool by_layer = roots.size() > 1;  // one entry per layer
+  for (size_t k = 0; k < roots.size(); ++k) {
+    // By layer: each layer's backward reaches only its own parameters, so the engine computes
+    // their gradients and not, again, the activations' (Note [One executor]).
+    const std::vector<at::Tensor>& params = by_layer ? s.layer_params[k] : s.params;
+    if (roots[k].empty() || params.empty()) continue;
+    torch::autograd::backward(roots[k], grads[k], /*retain_graph=*/false,
+                              /*create_graph=*/false, params);
+  }
+  roots.clear();
+  grads.clear();
+  st.record(Kind::kBackwardWeight, i, p, started, stream);
+}
+
+}  // namespace detail
+}  // namespace gpipe

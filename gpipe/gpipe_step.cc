@@ -1,0 +1,97 @@
+// GPipe::step: a training step of the whole pipeline under a schedule — forwards, the loss and
+// backwards in the schedule's order, run by the executor (Note [One executor]); see gpipe.h.
+#include <ATen/core/grad_mode.h>
+#include <c10/util/irange.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/batchnorm.h"
+#include "gpipe/executor.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/link.h"
+#include "gpipe/microbatch.h"
+#include "gpipe/schedule.h"
+#include "gpipe/skip_tracker.h"
+#include "gpipe/thread_state.h"
+#include "gpipe/timeline.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+
+Schedule GPipeImpl::schedule(int64_t microbatches) const {
+  if (text_schedule_) {
+    TORCH_CHECK(microbatches == text_schedule_->microbatches, "GPipe::step: the mini-batch "
+                "makes ", microbatches, " micro-batches but schedule_text is written for ",
+                text_schedule_->microbatches, "; give at least chunks samples");
+    return *text_schedule_;
+  }
+  const int64_t v = options_.virtual_stages();
+  const int64_t ranks = static_cast<int64_t>(partitions_.size()) / v;
+  if (options_.schedule() == ScheduleKind::kInterleaved) {
+    return interleaved_schedule(ranks, microbatches, v);
+  }
+  return make_schedule(options_.schedule(), ranks, microbatches);
+}
+
+at::Tensor GPipeImpl::step(const at::Tensor& input, const at::Tensor& target,
+                           const LossFunction& loss) {
+  return step(Batch(input), target, loss);
+}
+
+at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
+                           const LossFunction& loss) {
+  const char* who = "gpipe::GPipe::step";
+  check_input(input);
+  TORCH_CHECK(!partitions_.empty(), who, ": the GPipe has no partitions");
+  TORCH_CHECK(loss, who, ": the loss function is empty; give one that maps (output, target) to "
+              "a scalar");
+  for (const auto k : c10::irange(input.size())) {
+    TORCH_CHECK(input[k].device() == devices_.front(), who, ": input tensor ", k, " is on ",
+                input[k].device(), ", but the first partition is on ", devices_.front(),
+                "; move the input there first, e.g. x.to(model->devices().front())");
+  }
+  std::vector<Batch> microbatches = scatter(input, options_.chunks());
+  const int64_t m = static_cast<int64_t>(microbatches.size());
+  const Schedule plan = schedule(m);
+  absl::MutexLock lock(&forward_mu_);
+  const size_t lanes = plan.ranks.size();
+  while (lane_workers_.size() + 1 < lanes) {
+    lane_workers_.push_back(
+        std::make_unique<Worker>(absl::StrCat("rank ", lane_workers_.size() + 1)));
+  }
+  const bool grad_enabled = at::GradMode::is_enabled();
+  detail::InputSource source(std::move(microbatches), grad_enabled);
+  const int64_t last = static_cast<int64_t>(partitions_.size()) - 1;
+  detail::LossSink sink(loss, target, detail::forwards_before_backwards(plan.ranks, last), who);
+
+  detail::ExecutorSpec spec;
+  spec.who = who;
+  spec.partitions = &step_partitions_;
+  spec.plan = [&plan](int64_t) { return plan.ranks; };
+  spec.workers.push_back(nullptr);
+  for (size_t r = 1; r < lanes; ++r) spec.workers.push_back(lane_workers_[r - 1].get());
+  spec.upstream = &source;
+  spec.downstream = &sink;
+  spec.microbatches = m;
+  spec.grad_enabled = grad_enabled;
+  spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t n) {
+    return training ? checkpoint_stop(mode, n) : int64_t{0};
+  };
+  spec.run = next_run_id();
+  // Captured before the deferred-batch-norm callback is added: the recomputation observes no
+  // operator (Note [Deferred batch norm without replacing modules]).
+  spec.recompute_state = std::make_shared<const ThreadState>();
+  if (options_.record_timeline()) spec.timeline = std::make_shared<Timeline>(devices_);
+  spec.skip_layout = &skip_layout_;
+  const bool deferred = options_.deferred_batch_norm() && is_training();
+  {
+    const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
+    detail::run_schedule(spec);
+    sink.finish();
+  }
+  if (deferred) commit_deferred(batch_norms_, statistics_combiner_);
+  source.finish();
+  last_timeline_ = spec.timeline;
+  return sink.loss();
+}
+
+}  // namespace gpipe
