@@ -38,7 +38,11 @@ namespace distributed {
 // one, so every error names the stage where the failure began.
 //
 // The receive waits without a timeout: Gloo's wait that times out closes every connection of
-// the group. Groups that cannot receive from any source (NCCL, or a group gpipe does not know)
+// the group. Two limits: a rank hears only the first failure, so a second rank failing at the
+// same time waits up to 5 s for it to take its message, then gives up; and a failure sent to a
+// rank whose stage is already destroyed (it finished its steps first) lands in a receive whose
+// buffer is gone, which stops that connection (a stage made later on the same group then fails
+// at the group's timeout). Groups that cannot receive from any source (NCCL, or a group gpipe does not know)
 // have no channel, and their peers wait for the group's timeout as before
 // (docs/distributed.md).
 
