@@ -162,12 +162,6 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   }
   wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
-  // Note [When gradients' receives are posted] in remote_link.h.
-  TORCH_CHECK(options_.schedule() == ScheduleKind::kGPipe || matches_by_tag(group_), who,
-              ": the ", schedule_kind_name(options_.schedule()), " schedule across processes "
-              "needs a group that matches transfers by tag (Gloo: new_gloo_group); this group "
-              "(", group_->getBackendName(), ") matches them in posting order, which gpipe keeps "
-              "only for the GPipe schedule so far");
   check_same_configuration(*module);
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
@@ -266,6 +260,15 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
   }
   const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation)};
+  // On a group that matches in posting order, schedules that interleave forwards and backwards
+  // post each pair's transfers in turn (Note [When gradients' receives are posted]).
+  const bool in_turn = options_.schedule() != ScheduleKind::kGPipe && !matches_by_tag(group_);
+  const auto turns_with = [&](int64_t peer) -> TurnsOf {
+    if (!in_turn) return nullptr;
+    return [kind = options_.schedule(), stages = stages(), me = stage_, peer](int64_t m) {
+      return pair_turns(kind, stages, m, me, peer);
+    };
+  };
   std::unique_ptr<detail::InputSource> source;
   std::unique_ptr<RemoteUpstream> remote_upstream;
   if (is_first()) {
@@ -278,8 +281,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
                                                    grad_enabled);
   } else {
     // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
-    remote_upstream = std::make_unique<RemoteUpstream>(wire, stage_ - 1, partitions_[0].device,
-                                                       grad_enabled);
+    remote_upstream = std::make_unique<RemoteUpstream>(
+        wire, stage_ - 1, partitions_[0].device, grad_enabled, turns_with(stage_ - 1));
   }
   const ScheduleKind kind = options_.schedule();
   const int64_t stages = this->stages();
@@ -311,9 +314,10 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   } else {
     // Note [When gradients' receives are posted] in remote_link.h.
     const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
+                                  : in_turn                    ? GradientReceives::kInTurn
                                                                : GradientReceives::kWithSend;
-    remote_downstream =
-        std::make_unique<RemoteDownstream>(wire, stage_ + 1, partitions_.back().device, when);
+    remote_downstream = std::make_unique<RemoteDownstream>(
+        wire, stage_ + 1, partitions_.back().device, when, turns_with(stage_ + 1));
   }
 
   detail::ExecutorSpec spec;

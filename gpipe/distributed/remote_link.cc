@@ -4,6 +4,9 @@
 #include <utility>
 
 #include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "gpipe/schedule_check.h"
 
 namespace gpipe {
 namespace distributed {
@@ -21,12 +24,81 @@ std::shared_ptr<Transfer> Wire::post(std::shared_ptr<Transfer> transfer,
   return transfer;
 }
 
-RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled)
+std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, int64_t stage,
+                                 int64_t peer) {
+  const Schedule schedule = with_communication(make_schedule(kind, stages, m));
+  std::vector<PairTurn> turns;
+  for (const Action& a : schedule.ranks[stage]) {
+    if (peer == stage + 1 && a.type == ActionType::kSendForward) turns.push_back({true, a.microbatch});
+    if (peer == stage + 1 && a.type == ActionType::kRecvBackward) {
+      turns.push_back({false, a.microbatch});
+    }
+    if (peer == stage - 1 && a.type == ActionType::kRecvForward) turns.push_back({true, a.microbatch});
+    if (peer == stage - 1 && a.type == ActionType::kSendBackward) {
+      turns.push_back({false, a.microbatch});
+    }
+  }
+  return turns;
+}
+
+RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
+                               TurnsOf turns)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
       grad_enabled_(grad_enabled),
-      receiver_(wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation) {}
+      turns_of_(std::move(turns)),
+      receiver_(wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation,
+                turns_of_ ? std::function<bool(int64_t, int64_t)>([this](int64_t i, int64_t m) {
+                  return sends_before(i, m);
+                })
+                          : nullptr) {}
+
+RemoteUpstream::~RemoteUpstream() {
+  // Before the receiver's thread is joined: it may wait for a gradient in sends_before.
+  fail("the step ended");
+}
+
+void RemoteUpstream::fail(const std::string& /*why*/) {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+}
+
+bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
+  if (turns_.empty()) {
+    turns_ = turns_of_(m);
+    TORCH_INTERNAL_ASSERT(!turns_.empty() && turns_[0].forward && turns_[0].microbatch == 0);
+    next_turn_ = 1;
+  }
+  while (next_turn_ < turns_.size()) {
+    const PairTurn turn = turns_[next_turn_];
+    if (turn.forward) {
+      TORCH_INTERNAL_ASSERT(turn.microbatch == next, "activations ", next, " out of turn");
+      ++next_turn_;
+      return true;
+    }
+    ++next_turn_;
+    if (!grad_enabled_) continue;  // no gradients go back in inference
+    std::pair<std::shared_ptr<Transfer>, std::vector<at::Tensor>> computed;
+    {
+      absl::MutexLock lock(&mu_);
+      const int64_t i = turn.microbatch;
+      awaited_ = i;
+      mu_.Await(absl::Condition(this, &RemoteUpstream::computed_or_stopping));
+      if (stopping_) return false;
+      auto it = computed_.find(i);
+      computed = std::move(it->second);
+      computed_.erase(it);
+    }
+    try {
+      computed.first->send(computed.second, peer_, Message::kGradient, turn.microbatch);
+      computed.first->set_posted();
+    } catch (...) {
+      computed.first->set_posted(std::current_exception());
+    }
+  }
+  return true;
+}
 
 detail::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r = receiver_.next();
@@ -47,6 +119,15 @@ detail::Activation RemoteUpstream::receive() {
 
 void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
+  absl::MutexLock lock(&mu_);
+  if (turns_of_) {
+    // Posted by the receiving thread in its turn (sends_before).
+    auto transfer = std::make_shared<Transfer>(wire_.group, "sending gradients to the previous "
+                                               "stage", wire_.stream, wire_.cancellation);
+    sends_.push_back(transfer);
+    computed_[microbatch] = {std::move(transfer), std::move(tensors)};
+    return;
+  }
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending gradients to the previous stage",
                                  wire_.stream, wire_.cancellation),
@@ -56,20 +137,27 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
 }
 
 void RemoteUpstream::finish() {
-  for (const auto& send : sends_) send->wait();
-  sends_.clear();
+  if (turns_of_) receiver_.finish();  // every gradient posted in its turn
+  std::vector<std::shared_ptr<Transfer>> sends;
+  {
+    absl::MutexLock lock(&mu_);
+    sends.swap(sends_);
+  }
+  for (const auto& send : sends) send->wait();
 }
 
 RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
-                                   GradientReceives when)
-    : wire_(std::move(wire)), peer_(peer), device_(device), when_(when) {}
+                                   GradientReceives when, TurnsOf turns)
+    : wire_(std::move(wire)),
+      peer_(peer),
+      device_(device),
+      when_(when),
+      turns_of_(std::move(turns)) {
+  TORCH_INTERNAL_ASSERT(when_ != GradientReceives::kInTurn || turns_of_);
+}
 
-void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batch& output,
-                            bool grad_enabled) {
-  // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
-  at::Tensor header =
-      BatchHeader::of(output, microbatches, grad_enabled).encode().to(wire_.device);
-  std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
+void RemoteDownstream::post_send(int64_t microbatch, at::Tensor header,
+                                 std::vector<at::Tensor> tensors) {
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
                                  wire_.stream, wire_.cancellation),
@@ -78,14 +166,51 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
         t.send({header}, peer, Message::kHeader, microbatch);
         t.send(tensors, peer, Message::kActivation, microbatch);
       }));
-  if (!grad_enabled) return;
-  std::vector<at::Tensor> buffers;
-  for (const at::Tensor& t : detail::requiring_grad(output)) {
-    buffers.push_back(at::empty(t.sizes(), t.options().device(wire_.device)));
+}
+
+void RemoteDownstream::post_in_turn() {
+  while (next_turn_ < turns_.size()) {
+    const PairTurn turn = turns_[next_turn_];
+    if (turn.forward) {
+      auto it = ready_.find(turn.microbatch);
+      if (it == ready_.end()) return;
+      post_send(turn.microbatch, std::move(it->second.first), std::move(it->second.second));
+      ready_.erase(it);
+    } else if (grad_enabled_) {
+      // Its buffers exist once its activations were sent, which comes first in any order.
+      if (buffers_.count(turn.microbatch) == 0) return;
+      post_receive(turn.microbatch);
+    }
+    ++next_turn_;
   }
-  buffers_[microbatch] = std::move(buffers);
+}
+
+void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batch& output,
+                            bool grad_enabled) {
+  // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
+  at::Tensor header =
+      BatchHeader::of(output, microbatches, grad_enabled).encode().to(wire_.device);
+  std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
+  if (when_ == GradientReceives::kInTurn) {
+    if (turns_.empty()) turns_ = turns_of_(microbatches);
+    ready_[microbatch] = {std::move(header), std::move(tensors)};
+  } else {
+    post_send(microbatch, std::move(header), std::move(tensors));
+  }
+  grad_enabled_ = grad_enabled;
+  if (grad_enabled) {
+    std::vector<at::Tensor> buffers;
+    for (const at::Tensor& t : detail::requiring_grad(output)) {
+      buffers.push_back(at::empty(t.sizes(), t.options().device(wire_.device)));
+    }
+    buffers_[microbatch] = std::move(buffers);
+  }
   // Note [When gradients' receives are posted].
-  if (when_ == GradientReceives::kWithSend) {
+  if (when_ == GradientReceives::kInTurn) {
+    post_in_turn();
+  } else if (!grad_enabled) {
+    return;
+  } else if (when_ == GradientReceives::kWithSend) {
     post_receive(microbatch);
   } else if (microbatch + 1 == microbatches) {
     for (int64_t i = microbatches - 1; i >= 0; --i) post_receive(i);
@@ -105,7 +230,14 @@ void RemoteDownstream::post_receive(int64_t microbatch) {
 }
 
 std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) {
-  if (receives_.count(microbatch) == 0) post_receive(microbatch);
+  if (when_ == GradientReceives::kInTurn) {
+    post_in_turn();
+    TORCH_INTERNAL_ASSERT(receives_.count(microbatch) > 0 || buffers_.count(microbatch) == 0,
+                          "the gradients of micro-batch ", microbatch, " are wanted before "
+                          "their turn");
+  } else if (receives_.count(microbatch) == 0) {
+    post_receive(microbatch);
+  }
   auto it = receives_.find(microbatch);
   if (it == receives_.end()) return {};  // nothing required grad
   std::shared_ptr<Transfer> transfer = std::move(it->second);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 #include "gpipe/distributed/process_group.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/link.h"
+#include "gpipe/schedule.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -37,25 +39,62 @@ struct Wire {
                                  std::function<void(Transfer&)> operations) const;
 };
 
+/// One of a stage's transfers with one neighbour: the activations of `microbatch` (forward) or
+/// their gradients.
+struct PairTurn {
+  bool forward = true;
+  int64_t microbatch = 0;
+};
+
+/// The order in which stage `stage` posts its transfers with stage `peer` (stage - 1 or
+/// stage + 1) under schedule `kind` of `stages` stages and `m` micro-batches: with_communication's,
+/// which both sides agree on (Note [When gradients' receives are posted]).
+std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, int64_t stage,
+                                 int64_t peer);
+
+/// The pair's turns for a step of `m` micro-batches.
+using TurnsOf = std::function<std::vector<PairTurn>(int64_t m)>;
+
 /// The activations from stage `peer` (the one before), received ahead on a thread of their own;
 /// their gradients go back to it.
 class RemoteUpstream final : public detail::Upstream {
  public:
-  /// `grad_enabled`: this step's grad mode, which the sender's must equal.
-  RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled);
+  /// `grad_enabled`: this step's grad mode, which the sender's must equal. `turns`: the pair's
+  /// order, on a group that matches in posting order under a schedule that interleaves forwards
+  /// and backwards (null otherwise; Note [When gradients' receives are posted]).
+  RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
+                 TurnsOf turns = nullptr);
+  ~RemoteUpstream() override;
   detail::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
   bool takes_undefined_gradients() const override { return false; }
+  void fail(const std::string& why) override;
   /// Waits for every gradient sent.
   void finish();
 
  private:
+  // On the receiving thread, in turn: the gradients' sends before micro-batch `next`'s
+  // activations (all that are left when next == m). False when the step stops.
+  bool sends_before(int64_t next, int64_t m);
+  bool computed_or_stopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || computed_.count(awaited_) > 0;
+  }
+
   Wire wire_;
   int peer_;
   c10::Device device_;
   bool grad_enabled_;
-  ActivationReceiver receiver_;
-  std::vector<std::shared_ptr<Transfer>> sends_;
+  TurnsOf turns_of_;
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<Transfer>> sends_ ABSL_GUARDED_BY(mu_);
+  // In turn: the gradients computed, until their turn; the turns and the next one.
+  std::map<int64_t, std::pair<std::shared_ptr<Transfer>, std::vector<at::Tensor>>> computed_
+      ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t awaited_ ABSL_GUARDED_BY(mu_) = 0;  // the gradient sends_before waits for
+  std::vector<PairTurn> turns_;  // the receiving thread's
+  size_t next_turn_ = 0;
+  ActivationReceiver receiver_;  // last: its thread runs sends_before
 };
 
 // Note [When gradients' receives are posted]
@@ -67,18 +106,26 @@ class RemoteUpstream final : public detail::Upstream {
 // send them (micro-batches in reverse). 1F1B and zero bubble interleave the two directions, and
 // a stage that receives its activations ahead (Note [Receiving ahead] in transfer.h) would post
 // them before a gradient its peer sends first; so across processes they run only on a group that
-// matches by tag (Gloo, checked at construction), where each gradient's receive is posted right
-// after its micro-batch's activations are sent, so the gradient moves as soon as it is sent.
-// Posting both directions in one agreed order (with_communication in schedule_check.h gives it)
-// would lift that restriction.
+// matches by tag (Gloo), each gradient's receive is posted right after its micro-batch's
+// activations are sent, so the gradient moves as soon as it is sent. On a group that matches in
+// posting order they post in turn: both sides of a pair follow the order of with_communication
+// (schedule_check.h), which derives it from one simulated run of the schedule, so that it agrees
+// on both sides and cannot deadlock (pair_turns). The stage that receives the activations posts
+// on its receiving thread, in that order: each header and its tensors, and between them the
+// gradients' sends whose turn comes first, waiting for the backward that computes them; the
+// stage that sends them posts each activation and each gradient's receive on its courier as its
+// turn comes (a receive once its micro-batch's activations are sent).
 
-/// How a stage posts its gradients' receives (Note [When gradients' receives are posted]).
-enum class GradientReceives { kAfterLastSend, kWithSend };
+/// How a stage posts its gradients' receives (Note [When gradients' receives are posted]):
+/// kInTurn posts every transfer with the neighbour in the pair's agreed order (TurnsOf).
+enum class GradientReceives { kAfterLastSend, kWithSend, kInTurn };
 
 /// The activations to stage `peer` (the one after); their gradients come back from it.
 class RemoteDownstream final : public detail::Downstream {
  public:
-  RemoteDownstream(Wire wire, int peer, c10::Device device, GradientReceives when);
+  /// `turns`: the pair's order, for GradientReceives::kInTurn.
+  RemoteDownstream(Wire wire, int peer, c10::Device device, GradientReceives when,
+                   TurnsOf turns = nullptr);
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
@@ -87,11 +134,19 @@ class RemoteDownstream final : public detail::Downstream {
 
  private:
   void post_receive(int64_t microbatch);
+  void post_send(int64_t microbatch, at::Tensor header, std::vector<at::Tensor> tensors);
+  // kInTurn: posts every transfer whose turn has come and that is ready.
+  void post_in_turn();
 
   Wire wire_;
   int peer_;
   c10::Device device_;
   GradientReceives when_;
+  TurnsOf turns_of_;
+  std::vector<PairTurn> turns_;
+  size_t next_turn_ = 0;
+  bool grad_enabled_ = true;
+  std::map<int64_t, std::pair<at::Tensor, std::vector<at::Tensor>>> ready_;  // sends, in turn
   std::vector<std::shared_ptr<Transfer>> sends_;
   std::map<int64_t, std::vector<at::Tensor>> buffers_;  // per micro-batch, until posted
   std::map<int64_t, std::shared_ptr<Transfer>> receives_;

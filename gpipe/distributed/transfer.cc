@@ -199,12 +199,14 @@ std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {
 
 ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device device,
                                        c10::optional<c10::Stream> stream,
-                                       std::shared_ptr<Cancellation> cancellation)
+                                       std::shared_ptr<Cancellation> cancellation,
+                                       std::function<bool(int64_t, int64_t)> between)
     : group_(std::move(group)),
       peer_(peer),
       device_(device),
       stream_(device.is_cuda() ? stream : c10::nullopt),
       cancellation_(std::move(cancellation)),
+      between_(std::move(between)),
       thread_([this] { run(); }) {}
 
 ActivationReceiver::~ActivationReceiver() {
@@ -252,9 +254,11 @@ void ActivationReceiver::run() {
     in_flight_.reset();
     return !stopping_;
   };
-  try {
+  // Receives the step's micro-batches; returns early when stopping.
+  const auto receive_all = [&] {
     int64_t m = 1;  // known from the first header
     for (int64_t i = 0; i < m; ++i) {
+      if (i > 0 && between_ && !between_(i, m)) return;
       // On a GPU, each micro-batch on a stream of its own (see the constructor's doc).
       const c10::optional<c10::Stream> stream =
           device_.is_cuda() ? c10::make_optional(new_stream(device_)) : c10::nullopt;
@@ -272,6 +276,10 @@ void ActivationReceiver::run() {
       absl::MutexLock lock(&mu_);
       ready_.push_back(std::move(r));
     }
+    if (between_) between_(m, m);
+  };
+  try {
+    receive_all();
   } catch (...) {
     absl::MutexLock lock(&mu_);
     if (!stopping_) error_ = std::current_exception();
@@ -299,6 +307,12 @@ ActivationReceiver::Received ActivationReceiver::next() {
     for (const at::Tensor& t : r.tensors) record_stream(t, *stream_);
   }
   return r;
+}
+
+void ActivationReceiver::finish() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(&finished_));
+  if (error_) std::rethrow_exception(error_);
 }
 
 std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Device device) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,10 +132,13 @@ class ActivationReceiver {
   };
   /// Receives on `device` (the wire's: wire_device); on a GPU, each micro-batch on a stream of its
   /// own, for which next() makes `stream` (the one that computes with them) wait. `cancellation`
-  /// as Transfer's.
+  /// as Transfer's. `between` (may be null) runs on the receiving thread before each micro-batch
+  /// i = 1 .. m - 1 is received and once after the last (i = m), with the step's m; it returns
+  /// false to stop (Note [When gradients' receives are posted] in remote_link.h).
   ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
                      c10::optional<c10::Stream> stream = c10::nullopt,
-                     std::shared_ptr<Cancellation> cancellation = nullptr);
+                     std::shared_ptr<Cancellation> cancellation = nullptr,
+                     std::function<bool(int64_t i, int64_t m)> between = nullptr);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
   ~ActivationReceiver();
   ActivationReceiver(const ActivationReceiver&) = delete;
@@ -143,6 +147,9 @@ class ActivationReceiver {
   /// The next micro-batch, once it is here (on a GPU: once it is posted, with the consuming
   /// stream made to wait for it); throws the receiving thread's c10::Error.
   Received next();
+  /// Waits until the thread is done (the last micro-batch received, `between` run for the end);
+  /// throws its c10::Error.
+  void finish();
 
  private:
   void run();
@@ -152,6 +159,7 @@ class ActivationReceiver {
   c10::Device device_;
   c10::optional<c10::Stream> stream_;
   std::shared_ptr<Cancellation> cancellation_;
+  std::function<bool(int64_t, int64_t)> between_;
   absl::Mutex mu_;
   std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);

@@ -2,7 +2,9 @@
 // the plain model's, micro-batches in flight, inference without a target, and the refusals.
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "tests/distributed/stage_test_util.h"
 
@@ -99,26 +101,49 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
 }
 
 constexpr const char* kScheduleInOrder =
-    "1F1B and zero bubble on a group that matches transfers in posting order are refused";
+    "1F1B and zero bubble on a group that matches transfers in posting order as NCCL does train "
+    "to the plain model's parameters and losses";
 
-CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule][errors]") {
+CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    // One group for the three: refused before any transfer.
-    ProcessGroup group = join();
-    for (ScheduleKind kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
-      CATCH_CHECK_THROWS_WITH(
-          PipelineStage(make_model(),
-                        PipelineStageOptions(kBalance).chunks(2).loss(mse).schedule(kind), group),
-          gpipe_test::contains("needs a group that matches transfers by tag"));
-    }
+    train_stage(PipelineStageOptions(balance_from_env()).chunks(kChunks)
+                    .checkpoint(mode_from_env()));
+    return;
+  }
+  // (schedule, balance, local balance, checkpoint mode): two and three processes, one and two
+  // partitions per stage, each mode.
+  using Run = std::tuple<std::string, std::vector<int64_t>, std::string, std::string>;
+  const Run run = GENERATE(Run{"1f1b", {3, 3}, "2,1;2,1", "always"},
+                           Run{"1f1b", {3, 1, 2}, "", "never"},
+                           Run{"zb", {3, 3}, "", "except_last"},
+                           Run{"zb", {3, 1, 2}, "", "always"});
+  const auto& [schedule, balance, local, mode] = run;
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  CATCH_INFO("schedule " << schedule << ", balance " << spec << ", local '" << local
+                         << "', checkpoint " << mode);
+  std::map<std::string, std::string> env{{"GPIPE_TEST_IN_ORDER", "1"},
+                                         {"GPIPE_TEST_SCHEDULE", schedule},
+                                         {"GPIPE_TEST_BALANCE", spec},
+                                         {"GPIPE_TEST_CHECKPOINT", mode}};
+  if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  const std::string folder =
+      folder_for("in_order_" + schedule + "_" + std::to_string(balance.size()));
+  check_stages(kScheduleInOrder, folder, env, /*loss_tolerance=*/1e-12, /*frozen=*/"", balance);
+}
+
+constexpr const char* kInterleavedRefused = "interleaving across processes is refused";
+
+CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
+  if (test_rank() >= 0) {
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(),
                       PipelineStageOptions(kBalance).loss(mse).schedule(ScheduleKind::kInterleaved),
-                      group),
+                      join()),
         gpipe_test::contains("interleaved schedule needs several stages per process"));
     return;
   }
-  check_ranks_pass(kScheduleInOrder, "schedule_in_order", {{"GPIPE_TEST_IN_ORDER", "1"}});
+  check_ranks_pass(kInterleavedRefused, "interleaved_refused");
 }
 
 }  // namespace
