@@ -122,8 +122,8 @@ CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
 }
 
 constexpr const char* kNccl =
-    "two processes with one stage each on a GPU of their own train over NCCL to the plain "
-    "model's parameters and losses";
+    "two processes with one stage each on a GPU of their own train over NCCL under each schedule "
+    "to the plain model's parameters and losses";
 
 CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
   if (test_rank() >= 0) {
@@ -134,15 +134,20 @@ CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
   // The activations and gradients go from GPU to GPU, on NCCL's streams (Note [Point-to-point
   // order]); with one partition per stage, and with two (both on the stage's GPU would share its
   // generator: the second partition of each stage on the CPU).
+  // 1F1B and ZB-H1 post each pair's transfers in turn (Note [When gradients' receives are
+  // posted]).
   CATCH_REQUIRE(built_with_nccl());
-  const auto [mode, local] = GENERATE(table<std::string, std::string>(
-      {{"always", ""}, {"never", ""}, {"except_last", "2,1;2,1"}}));
-  CATCH_INFO("checkpoint " << mode << ", local balance '" << local << "'");
+  const auto [mode, local, schedule] = GENERATE(table<std::string, std::string, std::string>(
+      {{"always", "", "gpipe"}, {"never", "", "gpipe"}, {"except_last", "2,1;2,1", "gpipe"},
+       {"never", "", "1f1b"}, {"always", "2,1;2,1", "zb"}}));
+  CATCH_INFO("checkpoint " << mode << ", local balance '" << local << "', schedule "
+                           << schedule);
   std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
                                          {"GPIPE_TEST_DEVICE", "cuda:rank"},
-                                         {"GPIPE_TEST_BACKEND", "nccl"}};
+                                         {"GPIPE_TEST_BACKEND", "nccl"},
+                                         {"GPIPE_TEST_SCHEDULE", schedule}};
   if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
-  const std::string folder = folder_for("nccl_" + mode);
+  const std::string folder = folder_for("nccl_" + mode + "_" + schedule);
   check_two_stages(kNccl, folder, env, /*loss_tolerance=*/1e-10);
 }
 
