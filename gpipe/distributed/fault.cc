@@ -27,14 +27,14 @@ constexpr std::chrono::seconds kRaiseWait(5);
 // Longer than any step: Gloo's wait that times out closes the group's connections.
 constexpr std::chrono::hours kForever(24 * 365);
 
+}  // namespace
+
 void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work) {
   try {
     work->abort();
   } catch (const std::exception&) {
   }
 }
-
-}  // namespace
 
 void Cancellation::add(const c10::intrusive_ptr<c10d::Work>& work) {
   absl::MutexLock lock(&mu_);

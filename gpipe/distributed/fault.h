@@ -46,6 +46,10 @@ namespace distributed {
 // have no channel, and their peers wait for the group's timeout as before
 // (docs/distributed.md).
 
+/// Aborts `work` on the way out of a failed step; where the backend cannot (NCCL in LibTorch 1.x
+/// throws), the work is left to the backend's timeout.
+void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work);
+
 /// A step's transfers in flight, aborted at once when another rank's failure is heard.
 class Cancellation {
  public:

@@ -19,13 +19,20 @@ namespace {
 constexpr int64_t kHeaderSize = 512;   // int64 values: 4 KiB
 constexpr int64_t kMaxTensors = 64;    // per batch: tags leave room for this many
 
-// Aborts `work` on the way out of a failed step; where the backend cannot (NCCL in LibTorch 1.x
-// throws), the work is left to the backend's timeout.
-void abort_quietly(const c10::intrusive_ptr<c10d::Work>& work) {
+// Waits for `work`. When it was aborted (its wait returns false, without its tensors) or failed
+// and `cancellation` (may be null) was cancelled, throws the cancellation's error, another
+// stage's failure, rather than what that failure did to the work; a work that completed is not
+// undone by a failure heard later.
+void wait_unless_cancelled(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+                           const std::string& what, const Cancellation* cancellation) {
+  bool completed = true;
   try {
-    work->abort();
-  } catch (const std::exception&) {
+    check_collective(group, what, [&] { completed = work->wait(); });
+  } catch (const c10::Error&) {
+    if (cancellation) cancellation->check();
+    throw;
   }
+  if (!completed && cancellation) cancellation->check();
 }
 
 absl::Mutex& posting_mutex() {
@@ -104,18 +111,7 @@ void Transfer::wait() {
   posted_.WaitForNotification();
   if (error_) std::rethrow_exception(error_);
   c10::OptionalStreamGuard guard(stream_);
-  for (auto& work : works_) {
-    try {
-      if (cancellation_) cancellation_->check();
-      distributed::wait(group_, work, what_);
-    } catch (const c10::Error&) {
-      // Another stage's failure, rather than what it did to this transfer.
-      if (cancellation_) cancellation_->check();
-      throw;
-    }
-  }
-  // An aborted work returns from its wait without its tensors.
-  if (cancellation_) cancellation_->check();
+  for (auto& work : works_) wait_unless_cancelled(group_, work, what_, cancellation_.get());
   works_.clear();
 }
 
@@ -243,13 +239,7 @@ void ActivationReceiver::run() {
       in_flight_ = work;
     }
     if (cancellation_) cancellation_->add(work);
-    try {
-      distributed::wait(group_, work, what);
-    } catch (const c10::Error&) {
-      if (cancellation_) cancellation_->check();  // another stage's failure, rather than this
-      throw;
-    }
-    if (cancellation_) cancellation_->check();  // aborted: no tensors came
+    wait_unless_cancelled(group_, work, what, cancellation_.get());
     absl::MutexLock lock(&mu_);
     in_flight_.reset();
     return !stopping_;
