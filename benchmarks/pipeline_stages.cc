@@ -13,7 +13,8 @@
 // stage-local backward: Note [Partitions within a stage]) on the same micro-batches.
 // Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
-// --schedule=1f1b or zb runs the stages under that schedule (speed only).
+// --schedule=1f1b, zb or interleaved runs the stages under that schedule (speed only; interleaved:
+// --virtual_stages per process, each a slice of the stage's blocks, and even m only).
 
 #include <algorithm>
 #include <chrono>
@@ -51,8 +52,9 @@ ABSL_FLAG(std::string, svg, "",
 ABSL_FLAG(std::string, trace, "", "and write that step as Chrome-trace JSON to this file");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
 ABSL_FLAG(std::string, schedule, "gpipe",
-          "the stages' schedule: gpipe, 1f1b or zb (ideal: one thread's time / 2 / (1 - the "
-          "schedule's simulated bubble, F = I = W = 1))");
+          "the stages' schedule: gpipe, 1f1b, interleaved or zb (ideal: one thread's time / 2 / "
+          "(1 - the schedule's simulated bubble, F = I = W = 1))");
+ABSL_FLAG(int64_t, virtual_stages, 2, "with --schedule=interleaved: virtual stages per process");
 
 namespace {
 
@@ -77,6 +79,13 @@ at::Tensor mse(const gpipe::Batch& out, const at::Tensor& y) {
   return nn::functional::mse_loss(out.tensor(), y);
 }
 
+// v: the virtual stages per process (1 unless interleaved).
+int64_t virtual_stages() {
+  return gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)) == gpipe::ScheduleKind::kInterleaved
+             ? absl::GetFlag(FLAGS_virtual_stages)
+             : 1;
+}
+
 // Median milliseconds of `step` over the timed steps.
 template <typename F>
 double time_ms(F step) {
@@ -94,9 +103,14 @@ double time_ms(F step) {
 double pipeline_ms(const ProcessGroup& group, int64_t width, int layers, int64_t rows,
                    int64_t m) {
   const nn::Sequential seq = mlp(width, layers);
-  PipelineStage stage(seq, PipelineStageOptions({2 * layers, 2 * layers}).chunks(m)
+  const int64_t v = virtual_stages();
+  // The 4 * layers modules in 2 * v slices (the last takes what is left).
+  std::vector<int64_t> balance(2 * v, 4 * layers / (2 * v));
+  balance.back() += 4 * layers - 2 * v * balance.back();
+  PipelineStage stage(seq, PipelineStageOptions(balance).chunks(m)
                                .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
-                               .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule))),
+                               .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
+                               .virtual_stages(v),
                       group);
   const at::Tensor x = at::randn({rows * m, width});
   const at::Tensor y = at::randn({rows * m, width});
@@ -182,6 +196,7 @@ int main(int argc, char** argv) {
                 "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }
   for (int64_t m : {1, 2, 4, 8, 16, 32}) {
+    if (m % 2 != 0 && virtual_stages() > 1) continue;  // interleaved: m a multiple of n
     const double piped = pipeline_ms(group, width, layers, rows, m);
     double serial = 0, parts = 0;
     if (rank0) serial = serial_ms(width, layers, rows, m);
@@ -190,9 +205,11 @@ int main(int argc, char** argv) {
     if (!rank0) continue;
     const double speedup = serial / piped;
     // 2m/(m+1) for GPipe and 1F1B.
-    const double ideal = 2.0 * (1 - gpipe::simulate_schedule(gpipe::make_schedule(
-                                        gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)), 2, m))
-                                        .bubble);
+    const double ideal =
+        2.0 * (1 - gpipe::simulate_schedule(
+                       gpipe::make_schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)),
+                                            2, m, virtual_stages()))
+                       .bubble);
     std::printf("%4ld %12.2f %12.2f %8.2fx %6.2fx %8.0f%% | %18.2f %8.2fx %8.0f%%\n", m, serial,
                 piped, speedup, ideal, 100 * speedup / ideal, parts, serial / parts,
                 100 * serial / parts / ideal);

@@ -67,13 +67,16 @@ void run_schedule(const ExecutorSpec& spec) {
   std::vector<ExecutorPartition>& partitions = *spec.partitions;
   const int64_t n = static_cast<int64_t>(partitions.size());
   Step st(spec);
-  for (int64_t p = 0; p + 1 < n; ++p) {
+  const bool own_links = !spec.upstreams.empty();
+  TORCH_INTERNAL_ASSERT(!own_links || (static_cast<int64_t>(spec.upstreams.size()) == n &&
+                                       static_cast<int64_t>(spec.downstreams.size()) == n));
+  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
     st.links.push_back(std::make_unique<LocalLink>(spec.who, p, partitions[p].device,
                                                    partitions[p + 1].device));
   }
   st.m = spec.microbatches;
   if (st.m == 0) {
-    st.first = spec.upstream->receive();
+    st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
     st.m = st.first->microbatches;
   }
   st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
@@ -93,8 +96,13 @@ void run_schedule(const ExecutorSpec& spec) {
   for (int64_t p = 0; p < n; ++p) {
     PartitionState& s = st.states[p];
     s.part = &partitions[p];
-    s.up = p == 0 ? spec.upstream : st.links[p - 1].get();
-    s.down = p + 1 == n ? spec.downstream : st.links[p].get();
+    if (own_links) {
+      s.up = spec.upstreams[p];
+      s.down = spec.downstreams[p];
+    } else {
+      s.up = p == 0 ? spec.upstream : st.links[p - 1].get();
+      s.down = p + 1 == n ? spec.downstream : st.links[p].get();
+    }
     s.params_key = requires_grad_key(s.part->layers);
     for (const at::Tensor& t : s.part->layers->parameters()) {
       if (t.requires_grad()) s.params.push_back(t);

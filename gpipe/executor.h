@@ -72,6 +72,11 @@ struct ExecutorSpec {
   /// The first partition's upstream and the last's downstream.
   Upstream* upstream = nullptr;
   Downstream* downstream = nullptr;
+  /// Instead, when this process's partitions are not neighbours in the pipeline (interleaving
+  /// across processes: Note [Interleaving across processes] in distributed/pipeline_stage.h):
+  /// each partition's own upstream and downstream, and no LocalLinks between them.
+  std::vector<Upstream*> upstreams;
+  std::vector<Downstream*> downstreams;
   /// The number of micro-batches; 0: as the upstream's first activation says.
   int64_t microbatches = 0;
   /// Whether backward runs (grad mode on when the step began).

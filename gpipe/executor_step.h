@@ -85,8 +85,10 @@ struct Step {
       if (!error) error = std::move(e);
     }
     for (auto& link : links) link->fail(why);
-    spec.upstream->fail(why);
-    spec.downstream->fail(why);
+    if (spec.upstream) spec.upstream->fail(why);
+    if (spec.downstream) spec.downstream->fail(why);
+    for (Upstream* up : spec.upstreams) up->fail(why);
+    for (Downstream* down : spec.downstreams) down->fail(why);
   }
 
   void record(Kind kind, int64_t i, int64_t p, const Timeline::Started& started,

@@ -31,6 +31,7 @@ ABSL_DECLARE_FLAG(std::string, balance);
 ABSL_DECLARE_FLAG(int64_t, chunks);
 ABSL_DECLARE_FLAG(std::string, checkpoint);
 ABSL_DECLARE_FLAG(std::string, schedule);
+ABSL_DECLARE_FLAG(int64_t, virtual_stages);
 ABSL_DECLARE_FLAG(int64_t, epochs);
 ABSL_DECLARE_FLAG(int64_t, steps);
 ABSL_DECLARE_FLAG(int64_t, test_batches);
@@ -93,6 +94,11 @@ int train_distributed(const TrainerModel& trainer) {
                          : options.world_size();
   const int64_t per_stage = absl::GetFlag(FLAGS_stage_partitions);
   TORCH_CHECK(per_stage >= 1, "--stage_partitions must be at least 1, got ", per_stage);
+  // Interleaved: each stage holds v virtual stages (Note [Interleaving across processes]).
+  const int64_t virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  TORCH_CHECK(virtual_stages == 1 || per_stage == 1, "--virtual_stages ", virtual_stages,
+              " and --stage_partitions ", per_stage, " do not combine: with the interleaved "
+              "schedule each virtual stage is a partition of its own");
   const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
   // The cores of this host divided among its processes' partitions.
   const int local = std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1);
@@ -111,13 +117,15 @@ int train_distributed(const TrainerModel& trainer) {
   torch::nn::Sequential model =
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size / groups.replicas);
-  // Layers per partition, stages x per_stage of them; each stage takes per_stage in a row.
+  // Layers per partition, stages x per_stage of them; each stage takes per_stage in a row
+  // (or, interleaved, stages x virtual_stages: stage s takes s, s + stages, ...).
   const std::vector<int64_t> partition_balance = agree_on_balance(
-      choose_balance(absl::GetFlag(FLAGS_balance), stages * per_stage, model, sample, chunks,
-                     c10::Device(c10::kCPU)),
+      choose_balance(absl::GetFlag(FLAGS_balance), stages * per_stage * virtual_stages, model,
+                     sample, chunks, c10::Device(c10::kCPU)),
       groups, device);
-  std::vector<int64_t> balance;  // per stage
-  for (int s = 0; s < stages; ++s) {
+  std::vector<int64_t> balance;  // per stage, or per virtual stage
+  if (virtual_stages > 1) balance = partition_balance;
+  for (int s = 0; s < stages && virtual_stages == 1; ++s) {
     balance.push_back(std::accumulate(partition_balance.begin() + s * per_stage,
                                       partition_balance.begin() + (s + 1) * per_stage,
                                       int64_t{0}));
@@ -135,7 +143,8 @@ int train_distributed(const TrainerModel& trainer) {
                             dist::PipelineStageOptions(balance).chunks(chunks)
                                 .checkpoint(checkpoint).loss(cross_entropy).device(device)
                                 .local_balance(local_balance).record_timeline(true)
-                                .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule))),
+                                .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
+                                .virtual_stages(virtual_stages),
                             groups.pipeline, groups.replica_group);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
   const bool reporter = stage->is_last() && groups.replica == 0;
@@ -152,6 +161,8 @@ int train_distributed(const TrainerModel& trainer) {
                 per_stage > 1
                     ? absl::StrCat(", ", per_stage, " partitions per stage {",
                                    absl::StrJoin(partition_balance, ", "), "}").c_str()
+                    : virtual_stages > 1
+                    ? absl::StrCat(" (", virtual_stages, " virtual stages per stage)").c_str()
                     : "",
                 static_cast<long long>(chunks),
                 static_cast<long long>(batch_size / groups.replicas),
@@ -245,12 +256,13 @@ int train_distributed(const TrainerModel& trainer) {
     optimizer.zero_grad();
     run((*batch).data, (*batch).target);
     const auto events = stage->gather_timeline();
-    const std::vector<c10::Device> partition_devices(stages * per_stage, device);
+    const std::vector<c10::Device> partition_devices(stages * per_stage * virtual_stages, device);
     if (stage->is_first() && groups.replica == 0) {
       if (!absl::GetFlag(FLAGS_svg).empty()) {
         std::ofstream(absl::GetFlag(FLAGS_svg)) << timeline_svg(events, partition_devices);
         std::printf("picture of a step across the %d stages (%lld partitions): %s\n", stages,
-                    static_cast<long long>(stages * per_stage), absl::GetFlag(FLAGS_svg).c_str());
+                    static_cast<long long>(partition_devices.size()),
+                    absl::GetFlag(FLAGS_svg).c_str());
       }
       if (!absl::GetFlag(FLAGS_trace).empty()) {
         std::ofstream(absl::GetFlag(FLAGS_trace)) << chrome_trace_json(events, partition_devices);

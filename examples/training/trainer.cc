@@ -64,7 +64,8 @@ ABSL_FLAG(std::string, schedule, "gpipe",
           "1f1b (activations of at most n - s micro-batches per partition), interleaved (v "
           "partitions per worker: a smaller bubble), zb (zero bubble ZB-H1)");
 ABSL_FLAG(int64_t, virtual_stages, 1,
-          "with --schedule=interleaved: partitions per worker (divides --partitions)");
+          "with --schedule=interleaved: partitions per worker (divides --partitions); with "
+          "--distributed, virtual stages per process");
 ABSL_FLAG(bool, amp, false, "autocast: bfloat16 on the CPU, float16 on CUDA (with loss scaling)");
 ABSL_FLAG(int64_t, epochs, 2, "passes over the training set");
 ABSL_FLAG(int64_t, steps, 0, "stop each epoch after this many steps (0: the whole training set)");

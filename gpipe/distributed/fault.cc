@@ -76,9 +76,12 @@ FaultChannel::FaultChannel(ProcessGroup group, std::string who)
               "ranks");
   // One tag per channel, agreed with rank 0: a channel made later on the same group (another
   // stage) never takes this one's messages.
-  at::Tensor tag = at::tensor({static_cast<int64_t>(std::random_device()() % (1 << 22))});
+  // (Any of the tags of kFault: kMaxMicrobatches "micro-batches" on each of kMaxChannels.)
+  at::Tensor tag = at::tensor(
+      {static_cast<int64_t>(std::random_device()() % (kMaxChannels * kMaxMicrobatches))});
   broadcast_from_rank0(group_, {tag}, "the stages' fault tag");
-  tag_ = transfer_tag(Message::kFault, tag.item<int64_t>());
+  const int64_t k = tag.item<int64_t>();
+  tag_ = transfer_tag(Message::kFault, k % kMaxMicrobatches, 0, k / kMaxMicrobatches);
   inbox_ = at::zeros({kMessageBytes}, at::kByte);
   check_collective(group_, "posting the receive of other stages' failures",
                    [&] { receive_ = post_receive_from_any(group_, inbox_, tag_); });

@@ -36,15 +36,6 @@
 
 namespace gpipe {
 namespace distributed {
-namespace {
-
-// The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
-c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
-  return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
-}
-
-}  // namespace
-
 PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                                      PipelineStageOptions options, ProcessGroup group)
     : PipelineStageImpl(module, std::move(options), std::move(group), ProcessGroup()) {}
@@ -61,12 +52,40 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   const std::vector<int64_t>& balance = options_.balance();
   TORCH_CHECK(options_.chunks() >= 1, who, ": chunks must be at least 1, got ",
               options_.chunks());
-  TORCH_CHECK(options_.schedule() != ScheduleKind::kInterleaved, who, ": the interleaved "
-              "schedule needs several stages per process, which PipelineStage does not place yet; "
-              "use ScheduleKind::k1F1B or kZeroBubble, or interleave in one process (GPipe)");
+  const int64_t v = options_.virtual_stages();
+  const bool interleaved = options_.schedule() == ScheduleKind::kInterleaved;
+  TORCH_CHECK(v >= 1 && v <= kMaxChannels, who, ": virtual_stages must be between 1 and ",
+              kMaxChannels, ", got ", v);
+  TORCH_CHECK(v == 1 || interleaved, who, ": virtual_stages is ", v, " but the schedule is ",
+              schedule_kind_name(options_.schedule()), "; virtual stages are for "
+              "ScheduleKind::kInterleaved");
+  TORCH_CHECK(options_.chunks() <= kMaxMicrobatches, who, ": chunks is ", options_.chunks(),
+              "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
   verify_module(module);
   verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
   verify_skippables(module);
+  const int ranks = group_->getSize();
+  TORCH_CHECK(static_cast<int64_t>(balance.size()) == ranks * v, who, ": the balance has ",
+              balance.size(), " entries ({", absl::StrJoin(balance, ", "), "}) but the process "
+              "group has ", ranks, " ranks", v > 1 ? absl::StrCat(" of ", v, " virtual stages each")
+                                                  : std::string(),
+              "; give one entry per ", v > 1 ? "virtual stage (ranks * virtual_stages)" :
+              "process of the pipeline");
+  if (interleaved) {
+    // Note [Interleaving across processes].
+    TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "
+                "stages, got a group of ", ranks, "; interleave in one process with GPipe");
+    TORCH_CHECK(matches_by_tag(group_), who, ": the interleaved schedule across processes needs a "
+                "group that matches transfers by tag (Gloo: new_gloo_group); on a group that "
+                "matches them in posting order (NCCL), use ScheduleKind::k1F1B or kZeroBubble");
+    TORCH_CHECK(options_.local_balance().empty() && options_.local_devices().empty(), who,
+                ": with the interleaved schedule each of a stage's virtual stages is a partition "
+                "of its own; local_balance and local_devices cannot split them further (leave "
+                "them empty)");
+    TORCH_CHECK(options_.chunks() % ranks == 0, who, ": the interleaved schedule needs chunks to "
+                "be a multiple of the number of stages (", ranks, "), got ",
+                options_.chunks());
+  }
   // Only this stage's layers move to its device; the others stay on the CPU.
   std::vector<c10::Device> devices(balance.size(), c10::Device(c10::kCPU));
   const int rank = group_->getRank();
@@ -78,49 +97,60 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     check_device_available(local_devices[j], absl::StrCat(who, ": local partition ", j));
   }
   const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
-  if (rank < static_cast<int>(balance.size())) devices[rank] = first_device;
+  for (int64_t c = 0; c < v; ++c) devices[c * ranks + rank] = first_device;
   const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
               "' is stashed in one stage and popped in another; skips cannot cross processes. "
               "Choose a balance that keeps each stash and its pop in one stage");
-  TORCH_CHECK(static_cast<int>(balance.size()) == group_->getSize(), who, ": the balance has ",
-              balance.size(), " stages ({", absl::StrJoin(balance, ", "), "}) but the process "
-              "group has ", group_->getSize(), " ranks; give one entry per process of the "
-              "pipeline");
-  stage_ = group_->getRank();
-  layers_ = parts[stage_];
+  stage_ = rank;
+  std::vector<torch::nn::Sequential> local;
+  std::vector<c10::Device> partition_devices;
+  if (v > 1) {
+    // This stage's virtual stages, each a partition; layers() holds them all, in order.
+    layers_ = torch::nn::Sequential();
+    for (int64_t c = 0; c < v; ++c) {
+      local.push_back(parts[c * ranks + rank]);
+      layers_->extend(*local.back());
+      partition_devices.push_back(first_device);
+    }
+  } else {
+    layers_ = parts[stage_];
+  }
   register_module("layers", layers_);
 
   // This stage's partitions (Note [Partitions within a stage]).
-  std::vector<int64_t> local_balance = options_.local_balance();
-  TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
-              local_devices.size(), " devices but local_balance is empty; give this stage's "
-              "layers per partition, one entry per device");
-  if (local_balance.empty()) local_balance = {balance[stage_]};
-  const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
-  for (int64_t b : local_balance) {
-    TORCH_CHECK(b > 0, who, ": local_balance ", shown, " has a non-positive entry ", b,
-                "; every partition needs at least one layer");
+  if (v == 1) {
+    std::vector<int64_t> local_balance = options_.local_balance();
+    TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
+                local_devices.size(), " devices but local_balance is empty; give this stage's "
+                "layers per partition, one entry per device");
+    if (local_balance.empty()) local_balance = {balance[stage_]};
+    const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
+    for (int64_t b : local_balance) {
+      TORCH_CHECK(b > 0, who, ": local_balance ", shown, " has a non-positive entry ", b,
+                  "; every partition needs at least one layer");
+    }
+    const int64_t local_sum =
+        std::accumulate(local_balance.begin(), local_balance.end(), int64_t{0});
+    TORCH_CHECK(local_sum == balance[stage_], who, ": local_balance ", shown, " adds up to ",
+                local_sum, " layers, but stage ", stage_, " has ", balance[stage_],
+                " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
+    TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
+                ": local_devices has ", local_devices.size(), " devices but local_balance ",
+                shown, " has ", local_balance.size(), " partitions; give one device per "
+                "partition");
+    partition_devices =
+        local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
+                              : local_devices;
+    local = split_module(layers_, local_balance, partition_devices);
   }
-  const int64_t local_sum =
-      std::accumulate(local_balance.begin(), local_balance.end(), int64_t{0});
-  TORCH_CHECK(local_sum == balance[stage_], who, ": local_balance ", shown, " adds up to ",
-              local_sum, " layers, but stage ", stage_, " has ", balance[stage_],
-              " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
-  TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
-              ": local_devices has ", local_devices.size(), " devices but local_balance ", shown,
-              " has ", local_balance.size(), " partitions; give one device per partition");
-  std::vector<c10::Device> partition_devices =
-      local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
-                            : local_devices;
-  const std::vector<torch::nn::Sequential> local =
-      split_module(layers_, local_balance, partition_devices);
   skip_layout_ = SkipLayout(local);
   // Partitions run at the same time on threads of their own (as a GPipe's with
-  // worker_per_partition, and with the same caveats about random numbers).
-  for (size_t j = 0; j < partition_devices.size(); ++j) {
+  // worker_per_partition, and with the same caveats about random numbers); a stage's virtual
+  // stages run on one thread, in the schedule's order.
+  for (size_t j = 0; j < partition_devices.size() && !interleaved; ++j) {
     for (size_t k = 0; k < j; ++k) {
       TORCH_CHECK(!partition_devices[j].is_cuda() || partition_devices[j] != partition_devices[k],
                   who, ": partitions ", k, " and ", j, " of stage ", stage_, " would run on two "
@@ -130,7 +160,7 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     }
   }
   // Warned only where it applies (Note [Random numbers in concurrent CPU partitions]).
-  if (checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0) {
+  if (checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0 && !interleaved) {
     const auto [j, layer] = concurrent_random_layer(local, partition_devices);
     if (j >= 0) {
       TORCH_WARN(who, ": local partition ", j, " of stage ", stage_, " holds ", layer, ", which "
@@ -146,9 +176,11 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     p.device = partition_devices[j];
     p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
     p.grad_record = std::make_shared<GradRecord>();
-    // The first partition runs on the thread that calls step().
-    workers_.push_back(
-        j > 0 ? std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j)) : nullptr);
+    // The first partition runs on the thread that calls step(), and so do virtual stages.
+    if (j == 0 || !interleaved) {
+      workers_.push_back(
+          j > 0 ? std::make_unique<Worker>(absl::StrCat("stage ", stage_, " part ", j)) : nullptr);
+    }
     partitions_.push_back(std::move(p));
   }
   // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
@@ -186,6 +218,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("chunks", options_.chunks());
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
   fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule()));
+  fields.emplace_back("virtual stages", options_.virtual_stages());
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
@@ -200,175 +233,6 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
                       "options",
                       local_);
   }
-}
-
-at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
-  const char* who = "gpipe::distributed::PipelineStage::step";
-  absl::MutexLock step_lock(&step_mu_);
-  TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
-              "of the pipeline unmatched; make new process groups and stages to go on");
-  if (faults_) {
-    if (std::optional<std::string> heard = faults_->heard()) {
-      failed_ = true;
-      TORCH_CHECK(false, *heard);
-    }
-  }
-  // Note [Failing fast across processes] in fault.h.
-  auto cancellation = std::make_shared<Cancellation>();
-  if (faults_) faults_->attach(cancellation);
-  struct Detach {
-    FaultChannel* faults;
-    ~Detach() {
-      if (faults) faults->detach();
-    }
-  } detach{faults_.get()};
-  bool checked = false;
-  try {
-    TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
-    TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
-                "stage 0 does; its activations come from stage ", stage_ - 1, ")");
-    TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a "
-                "loss function: PipelineStageOptions::loss");
-    checked = true;
-    return run_step(input, target, cancellation);
-  } catch (const std::exception& e) {
-    // The other stages wait for this one's transfers: the pipeline is broken for good.
-    if (checked || stages() > 1) failed_ = true;
-    // Its transfers in flight stay posted in the group: kept until the stage goes (Note
-    // [Failing fast across processes]).
-    abandoned_ = cancellation;
-    if (faults_ && !cancellation->cancelled()) {
-      const auto* error = dynamic_cast<const c10::Error*>(&e);
-      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ",
-                                  error ? error->what_without_backtrace() : e.what()));
-    }
-    throw;
-  }
-}
-
-at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
-                                       std::shared_ptr<Cancellation> cancellation) {
-  const char* who = "gpipe::distributed::PipelineStage::step";
-  timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
-  const bool grad_enabled = at::GradMode::is_enabled();
-  // Note [Pipeline stages and batch norm].
-  bool any_batch_norm = false;
-  for (const detail::ExecutorPartition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
-  const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
-  if (replica_group_ && grad_enabled && is_training() && !deferred &&
-      !layers_->buffers().empty()) {
-    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
-  }
-  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation)};
-  // On a group that matches in posting order, schedules that interleave forwards and backwards
-  // post each pair's transfers in turn (Note [When gradients' receives are posted]).
-  const bool in_turn = options_.schedule() != ScheduleKind::kGPipe && !matches_by_tag(group_);
-  const auto turns_with = [&](int64_t peer) -> TurnsOf {
-    if (!in_turn) return nullptr;
-    return [kind = options_.schedule(), stages = stages(), me = stage_, peer](int64_t m) {
-      return pair_turns(kind, stages, m, me, peer);
-    };
-  };
-  std::unique_ptr<detail::InputSource> source;
-  std::unique_ptr<RemoteUpstream> remote_upstream;
-  if (is_first()) {
-    check_input(input);
-    for (const at::Tensor& t : input.values()) {
-      TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
-                  " but stage 0 runs on ", partitions_[0].device, "; move it there first");
-    }
-    source = std::make_unique<detail::InputSource>(scatter(input, options_.chunks()),
-                                                   grad_enabled);
-  } else {
-    // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
-    remote_upstream = std::make_unique<RemoteUpstream>(
-        wire, stage_ - 1, partitions_[0].device, grad_enabled, turns_with(stage_ - 1));
-  }
-  const ScheduleKind kind = options_.schedule();
-  const int64_t stages = this->stages();
-  const int64_t me = stage_;
-  // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
-  // stage] in pipeline_stage.h).
-  const auto plan = [kind, stages, me, k = partitions_.size()](int64_t m) {
-    std::vector<Action> mine = make_schedule(kind, stages, m).ranks[me];
-    std::vector<std::vector<Action>> lanes(k);
-    for (size_t j = 0; j < k; ++j) {
-      for (Action a : mine) {
-        if (is_communication(a.type)) continue;
-        a.stage = static_cast<int64_t>(j);
-        lanes[j].push_back(a);
-      }
-    }
-    return lanes;
-  };
-  std::unique_ptr<detail::LossSink> sink;
-  std::unique_ptr<RemoteDownstream> remote_downstream;
-  if (is_last()) {
-    // GPipe's order on the last stage (forwards first): the loss sees the whole mini-batch. The
-    // same rule as GPipe::step's, on the schedule of as many micro-batches as chunks (fewer, for
-    // a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one micro-batch,
-    // where the two losses are the same).
-    const bool whole = detail::forwards_before_backwards(
-        make_schedule(kind, stages, options_.chunks()).ranks, stages - 1);
-    sink = std::make_unique<detail::LossSink>(options_.loss(), target, whole, who);
-  } else {
-    // Note [When gradients' receives are posted] in remote_link.h.
-    const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
-                                  : in_turn                    ? GradientReceives::kInTurn
-                                                               : GradientReceives::kWithSend;
-    remote_downstream = std::make_unique<RemoteDownstream>(
-        wire, stage_ + 1, partitions_.back().device, when, turns_with(stage_ + 1));
-  }
-
-  detail::ExecutorSpec spec;
-  spec.who = who;
-  spec.partitions = &partitions_;
-  spec.plan = plan;
-  for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
-  spec.upstream = source ? static_cast<detail::Upstream*>(source.get()) : remote_upstream.get();
-  spec.downstream =
-      sink ? static_cast<detail::Downstream*>(sink.get()) : remote_downstream.get();
-  spec.microbatches = 0;  // as the upstream's first activation says
-  spec.grad_enabled = grad_enabled;
-  spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
-    return training ? checkpoint_stop(mode, m) : int64_t{0};
-  };
-  spec.run = next_run_id();
-  // Captured before the deferred statistics' callback is added: the recomputation observes no
-  // operator (Note [Deferred batch norm without replacing modules]).
-  spec.recompute_state = std::make_shared<const ThreadState>();
-  spec.timeline = timeline_;
-  spec.skip_layout = &skip_layout_;
-  // With deferred batch norm, the statistics gathered during the step are committed after it,
-  // merged over the replicas first.
-  std::vector<std::shared_ptr<BatchNormLayers>> batch_norms;
-  for (const detail::ExecutorPartition& p : partitions_) batch_norms.push_back(p.batch_norms);
-  {
-    const DeferredBatchNormRun deferred_run(batch_norms, deferred);
-    detail::run_schedule(spec);
-    if (sink) sink->finish();
-  }
-  if (remote_downstream) remote_downstream->finish();
-  if (remote_upstream) remote_upstream->finish();
-  // The input's own graph, once.
-  if (source) source->finish();
-  if (deferred) {
-    StatisticsCombiner combine;
-    if (replica_group_) {
-      combine = [this](std::vector<BatchNormStatistics>& statistics) {
-        combine_statistics(replica_group_, statistics, local_);
-      };
-    }
-    commit_deferred(batch_norms, combine);
-  }
-  if (grad_enabled && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters(), local_);
-  }
-  if (sink) {
-    output_ = sink->output();
-    return sink->loss();
-  }
-  return at::Tensor();
 }
 
 }  // namespace distributed

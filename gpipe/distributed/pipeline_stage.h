@@ -1,6 +1,7 @@
 // A stage of a pipeline that spans processes: this process's contiguous range of a Sequential's
-// layers, trained in GPipe's schedule (or 1F1B, zero bubble) with the stages before and after it
-// in other processes, activations and gradients passing between them on c10d.
+// layers (interleaved: several ranges, its virtual stages), trained in GPipe's schedule (or 1F1B,
+// zero bubble, interleaved) with the stages before and after it in other processes, activations
+// and gradients passing between them on c10d.
 #pragma once
 
 #include <cstdint>
@@ -94,10 +95,27 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // A link fails when either side fails: the other side's next wait then throws, naming the
 // partition, instead of waiting for a micro-batch that never comes.
 
+// Note [Interleaving across processes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under the interleaved schedule (Megatron-LM's), the model is cut into n * v virtual stages and
+// the process of stage s holds virtual stages s, s + n, s + 2n, ...: each is a partition of the
+// stage, and all of them run on the thread that calls step(), in the order of the schedule's rank
+// s (one lane of the executor, Note [One executor]). No two of a stage's partitions are
+// neighbours, so each has links of its own: virtual stage k receives from k - 1 on stage
+// (s - 1) mod n and sends to k + 1 on stage (s + 1) mod n — the last stage sends back to the
+// first for the next chunk. A pair of stages then carries several links (two directions, one per
+// chunk), told apart by a channel in their tags (transfer_tag: the sending virtual stage's chunk,
+// k / n); so the schedule needs a group that matches transfers by tag (Gloo), where each link
+// posts as 1F1B does (gradients' receives with their activations), and is refused on NCCL,
+// whose in-order matching would need one order over all the links of a pair. Each virtual stage
+// keeps the activations its schedule says (Note [Schedules as data] in gpipe/schedule.h); the
+// bubble is GPipe's divided by v, at the price of v times as many transfers.
+
 /// Options of a pipeline stage. Every process of a pipeline must pass the same ones.
 struct PipelineStageOptions {
   /// Layers per stage, one entry per process of the pipeline (rank order): stage s owns layers
-  /// sum(balance[0 .. s)) .. sum(balance[0 .. s]) of the Sequential.
+  /// sum(balance[0 .. s)) .. sum(balance[0 .. s]) of the Sequential. With virtual stages, one
+  /// entry per virtual stage (see virtual_stages).
   /* implicit */ PipelineStageOptions(std::vector<int64_t> balance)
       : balance_(std::move(balance)) {}
   TORCH_ARG(std::vector<int64_t>, balance);
@@ -119,9 +137,16 @@ struct PipelineStageOptions {
   /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
   /// device(). May differ between stages.
   TORCH_ARG(std::vector<c10::Device>, local_devices);
-  /// The schedule of step(): kGPipe, k1F1B or kZeroBubble (interleaving needs several stages per
-  /// process: not across processes yet).
+  /// The schedule of step(): kGPipe, k1F1B, kInterleaved (with virtual_stages) or kZeroBubble.
   TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
+  /// With ScheduleKind::kInterleaved: virtual stages per process (v). The balance then has one
+  /// entry per virtual stage, n * v in all, and stage s runs virtual stages s, s + n, ...
+  /// (Note [Interleaving across processes]); chunks must be a multiple of n.
+  ///
+  ///   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
+  ///   PipelineStageOptions({2, 2, 2, 2}).schedule(ScheduleKind::kInterleaved)
+  ///       .virtual_stages(2).chunks(4)
+  TORCH_ARG(int64_t, virtual_stages) = 1;
   /// The last stage's loss function; required there, ignored elsewhere.
   TORCH_ARG(LossFunction, loss) = nullptr;
   /// Record what each step did (forward and backward of each micro-batch); see timeline().
@@ -199,7 +224,9 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// This process's stage and the number of stages.
   int64_t stage() const { return stage_; }
-  int64_t stages() const { return static_cast<int64_t>(options_.balance().size()); }
+  int64_t stages() const {
+    return static_cast<int64_t>(options_.balance().size()) / options_.virtual_stages();
+  }
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ == stages() - 1; }
 
@@ -216,7 +243,8 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// Every stage's timeline of the last step, on one clock (the processes must share a host):
   /// partitions numbered across the whole pipeline (stage s's first partition follows the
-  /// partitions of stages 0 .. s-1; with one partition per stage, partition = stage), times in
+  /// partitions of stages 0 .. s-1; with one partition per stage, partition = stage; interleaved,
+  /// partition = virtual stage), times in
   /// microseconds since the earliest stage's step began. A collective: every stage of the
   /// pipeline calls it (with record_timeline).
   ///

@@ -42,17 +42,19 @@ std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, i
 }
 
 RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                               TurnsOf turns)
+                               TurnsOf turns, int64_t channel)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
       grad_enabled_(grad_enabled),
       turns_of_(std::move(turns)),
+      channel_(channel),
       receiver_(wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation,
                 turns_of_ ? std::function<bool(int64_t, int64_t)>([this](int64_t i, int64_t m) {
                   return sends_before(i, m);
                 })
-                          : nullptr) {}
+                          : nullptr,
+                channel) {}
 
 RemoteUpstream::~RemoteUpstream() {
   // Before the receiver's thread is joined: it may wait for a gradient in sends_before.
@@ -91,7 +93,8 @@ bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
       computed_.erase(it);
     }
     try {
-      computed.first->send(computed.second, peer_, Message::kGradient, turn.microbatch);
+      computed.first->send(computed.second, peer_, Message::kGradient, turn.microbatch,
+                           channel_);
       computed.first->set_posted();
     } catch (...) {
       computed.first->set_posted(std::current_exception());
@@ -104,8 +107,9 @@ detail::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r = receiver_.next();
   TORCH_CHECK(r.header.grad_enabled == grad_enabled_, "gpipe::distributed::PipelineStage::step: "
               "stage ", peer_, " runs ", r.header.grad_enabled ? "with" : "without", " grad but "
-              "stage ", peer_ + 1, " ", grad_enabled_ ? "with" : "without", " it; call step() "
-              "under the same grad mode (torch::NoGradGuard for inference) on every stage");
+              "stage ", wire_.group->getRank(), " ", grad_enabled_ ? "with" : "without", " it; "
+              "call step() under the same grad mode (torch::NoGradGuard for inference) on every "
+              "stage");
   std::vector<at::Tensor> values;
   for (size_t t = 0; t < r.tensors.size(); ++t) {
     at::Tensor v = r.tensors[t].to(device_);
@@ -131,8 +135,8 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending gradients to the previous stage",
                                  wire_.stream, wire_.cancellation),
-      [tensors = std::move(tensors), peer = peer_, microbatch](Transfer& t) {
-        t.send(tensors, peer, Message::kGradient, microbatch);
+      [tensors = std::move(tensors), peer = peer_, microbatch, channel = channel_](Transfer& t) {
+        t.send(tensors, peer, Message::kGradient, microbatch, channel);
       }));
 }
 
@@ -147,12 +151,13 @@ void RemoteUpstream::finish() {
 }
 
 RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
-                                   GradientReceives when, TurnsOf turns)
+                                   GradientReceives when, TurnsOf turns, int64_t channel)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
       when_(when),
-      turns_of_(std::move(turns)) {
+      turns_of_(std::move(turns)),
+      channel_(channel) {
   TORCH_INTERNAL_ASSERT(when_ != GradientReceives::kInTurn || turns_of_);
 }
 
@@ -161,10 +166,10 @@ void RemoteDownstream::post_send(int64_t microbatch, at::Tensor header,
   sends_.push_back(wire_.post(
       std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
                                  wire_.stream, wire_.cancellation),
-      [header = std::move(header), tensors = std::move(tensors), peer = peer_,
-       microbatch](Transfer& t) {
-        t.send({header}, peer, Message::kHeader, microbatch);
-        t.send(tensors, peer, Message::kActivation, microbatch);
+      [header = std::move(header), tensors = std::move(tensors), peer = peer_, microbatch,
+       channel = channel_](Transfer& t) {
+        t.send({header}, peer, Message::kHeader, microbatch, channel);
+        t.send(tensors, peer, Message::kActivation, microbatch, channel);
       }));
 }
 
@@ -223,8 +228,8 @@ void RemoteDownstream::post_receive(int64_t microbatch) {
   receives_[microbatch] = wire_.post(
       std::make_shared<Transfer>(wire_.group, "receiving gradients from the next stage",
                                  wire_.stream, wire_.cancellation),
-      [buffers = std::move(it->second), peer = peer_, microbatch](Transfer& t) {
-        t.receive(buffers, peer, Message::kGradient, microbatch);
+      [buffers = std::move(it->second), peer = peer_, microbatch, channel = channel_](Transfer& t) {
+        t.receive(buffers, peer, Message::kGradient, microbatch, channel);
       });
   buffers_.erase(it);
 }

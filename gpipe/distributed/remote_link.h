@@ -61,9 +61,10 @@ class RemoteUpstream final : public detail::Upstream {
  public:
   /// `grad_enabled`: this step's grad mode, which the sender's must equal. `turns`: the pair's
   /// order, on a group that matches in posting order under a schedule that interleaves forwards
-  /// and backwards (null otherwise; Note [When gradients' receives are posted]).
+  /// and backwards (null otherwise; Note [When gradients' receives are posted]). `channel`: the
+  /// link's, when a pair of stages has several (transfer_tag).
   RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                 TurnsOf turns = nullptr);
+                 TurnsOf turns = nullptr, int64_t channel = 0);
   ~RemoteUpstream() override;
   detail::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
@@ -85,6 +86,7 @@ class RemoteUpstream final : public detail::Upstream {
   c10::Device device_;
   bool grad_enabled_;
   TurnsOf turns_of_;
+  int64_t channel_;
   absl::Mutex mu_;
   std::vector<std::shared_ptr<Transfer>> sends_ ABSL_GUARDED_BY(mu_);
   // In turn: the gradients computed, until their turn; the turns and the next one.
@@ -123,9 +125,9 @@ enum class GradientReceives { kAfterLastSend, kWithSend, kInTurn };
 /// The activations to stage `peer` (the one after); their gradients come back from it.
 class RemoteDownstream final : public detail::Downstream {
  public:
-  /// `turns`: the pair's order, for GradientReceives::kInTurn.
+  /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel` as RemoteUpstream's.
   RemoteDownstream(Wire wire, int peer, c10::Device device, GradientReceives when,
-                   TurnsOf turns = nullptr);
+                   TurnsOf turns = nullptr, int64_t channel = 0);
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
@@ -143,6 +145,7 @@ class RemoteDownstream final : public detail::Downstream {
   c10::Device device_;
   GradientReceives when_;
   TurnsOf turns_of_;
+  int64_t channel_;
   std::vector<PairTurn> turns_;
   size_t next_turn_ = 0;
   bool grad_enabled_ = true;

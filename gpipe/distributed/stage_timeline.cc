@@ -47,9 +47,12 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
     const int64_t n = counts[r][0].item<int64_t>();
     const at::Tensor rows = all[r];
     for (int64_t k = 0; k < n; ++k) {
+      // Interleaved, a stage's partition c is virtual stage c * size + r (Note [Interleaving
+      // across processes]).
+      const int64_t local = static_cast<int64_t>(rows[k][5].item<double>());
       TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
                       static_cast<int64_t>(rows[k][1].item<double>()),
-                      first_partition + static_cast<int64_t>(rows[k][5].item<double>())};
+                      options_.virtual_stages() > 1 ? local * size + r : first_partition + local};
       e.checkpointed = rows[k][2].item<double>() != 0;
       e.start_us = rows[k][3].item<double>();
       e.end_us = rows[k][4].item<double>();

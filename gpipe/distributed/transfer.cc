@@ -63,8 +63,11 @@ c10::intrusive_ptr<c10d::Work> post_receive_from_any(const ProcessGroup& group, 
   return group->recvAnysource(one, tag);
 }
 
-int transfer_tag(Message kind, int64_t microbatch, int64_t index) {
-  return static_cast<int>(static_cast<int64_t>(kind) + 4 * (index + kMaxTensors * microbatch));
+int transfer_tag(Message kind, int64_t microbatch, int64_t index, int64_t channel) {
+  TORCH_INTERNAL_ASSERT(channel >= 0 && channel < kMaxChannels && microbatch >= 0 &&
+                        microbatch <= kMaxMicrobatches);
+  return static_cast<int>(static_cast<int64_t>(kind) +
+                          4 * (index + kMaxTensors * (channel + kMaxChannels * microbatch)));
 }
 
 Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream,
@@ -79,11 +82,13 @@ Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stre
   }
 }
 
-void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch) {
+void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch,
+                    int64_t channel) {
   c10::OptionalStreamGuard guard(post_stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
-      works_.push_back(post_send(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
+      works_.push_back(post_send(group_, tensors[t], peer,
+                                           transfer_tag(kind, microbatch, t, channel)));
     });
     if (cancellation_) cancellation_->add(works_.back());
     tensors_.push_back(std::move(tensors[t]));
@@ -91,11 +96,12 @@ void Transfer::send(std::vector<at::Tensor> tensors, int peer, Message kind, int
 }
 
 void Transfer::receive(std::vector<at::Tensor> tensors, int peer, Message kind,
-                       int64_t microbatch) {
+                       int64_t microbatch, int64_t channel) {
   c10::OptionalStreamGuard guard(post_stream_);
   for (size_t t = 0; t < tensors.size(); ++t) {
     check_collective(group_, what_, [&] {
-      works_.push_back(post_receive(group_, tensors[t], peer, transfer_tag(kind, microbatch, t)));
+      works_.push_back(post_receive(group_, tensors[t], peer,
+                                              transfer_tag(kind, microbatch, t, channel)));
     });
     if (cancellation_) cancellation_->add(works_.back());
     tensors_.push_back(std::move(tensors[t]));
@@ -196,13 +202,15 @@ std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {
 ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device device,
                                        c10::optional<c10::Stream> stream,
                                        std::shared_ptr<Cancellation> cancellation,
-                                       std::function<bool(int64_t, int64_t)> between)
+                                       std::function<bool(int64_t, int64_t)> between,
+                                       int64_t channel)
     : group_(std::move(group)),
       peer_(peer),
       device_(device),
       stream_(device.is_cuda() ? stream : c10::nullopt),
       cancellation_(std::move(cancellation)),
       between_(std::move(between)),
+      channel_(channel),
       thread_([this] { run(); }) {}
 
 ActivationReceiver::~ActivationReceiver() {
@@ -225,7 +233,7 @@ void ActivationReceiver::run() {
     }
     c10::intrusive_ptr<c10d::Work> work;
     check_collective(group_, what, [&] {
-      work = post_receive(group_, std::move(tensor), peer_, transfer_tag(kind, i, t));
+      work = post_receive(group_, std::move(tensor), peer_, transfer_tag(kind, i, t, channel_));
     });
     {
       absl::MutexLock lock(&mu_);

@@ -33,8 +33,16 @@ class Cancellation;  // fault.h: aborts a step's transfers when another stage fa
 /// fault.h; its "micro-batch" is the channel's number).
 enum class Message : int64_t { kHeader = 0, kActivation = 1, kGradient = 2, kFault = 3 };
 
-/// The c10d tag of message `kind` for micro-batch `microbatch` and its tensor `index`.
-int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0);
+/// The most channels a pair of stages may use (transfer_tag): one per link between them, i.e. per
+/// virtual stage under the interleaved schedule.
+constexpr int64_t kMaxChannels = 64;
+/// The most micro-batches a step may have across processes: the tags of the last one still fit in
+/// an int.
+constexpr int64_t kMaxMicrobatches = 100000;
+/// The c10d tag of message `kind` for micro-batch `microbatch` and its tensor `index`, on
+/// `channel` (one per link between two stages: Note [Interleaving across processes] in
+/// pipeline_stage.h).
+int transfer_tag(Message kind, int64_t microbatch, int64_t index = 0, int64_t channel = 0);
 
 /// Sends and receives in flight, posted by one thread (the stage's courier, Note [Receiving
 /// ahead]) and waited for by another: wait() blocks until they were posted, then until they are
@@ -52,11 +60,13 @@ class Transfer {
   Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stream> stream = c10::nullopt,
            std::shared_ptr<Cancellation> cancellation = nullptr);
 
-  /// Sends `tensors` (on wire_device, contiguous) to `peer`, tagged `kind`/`microbatch` (one tag
-  /// per tensor).
-  void send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
+  /// Sends `tensors` (on wire_device, contiguous) to `peer`, tagged `kind`/`microbatch` on
+  /// `channel` (one tag per tensor).
+  void send(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch,
+            int64_t channel = 0);
   /// Receives into `tensors` (on wire_device, contiguous, the sizes the sender sends) from `peer`.
-  void receive(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch);
+  void receive(std::vector<at::Tensor> tensors, int peer, Message kind, int64_t microbatch,
+               int64_t channel = 0);
   /// Says that every send and receive of this transfer is posted, or that posting failed.
   void set_posted(std::exception_ptr error = nullptr);
 
@@ -134,11 +144,13 @@ class ActivationReceiver {
   /// own, for which next() makes `stream` (the one that computes with them) wait. `cancellation`
   /// as Transfer's. `between` (may be null) runs on the receiving thread before each micro-batch
   /// i = 1 .. m - 1 is received and once after the last (i = m), with the step's m; it returns
-  /// false to stop (Note [When gradients' receives are posted] in remote_link.h).
+  /// false to stop (Note [When gradients' receives are posted] in remote_link.h). `channel`:
+  /// the link's (transfer_tag).
   ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
                      c10::optional<c10::Stream> stream = c10::nullopt,
                      std::shared_ptr<Cancellation> cancellation = nullptr,
-                     std::function<bool(int64_t i, int64_t m)> between = nullptr);
+                     std::function<bool(int64_t i, int64_t m)> between = nullptr,
+                     int64_t channel = 0);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
   ~ActivationReceiver();
   ActivationReceiver(const ActivationReceiver&) = delete;
@@ -160,6 +172,7 @@ class ActivationReceiver {
   c10::optional<c10::Stream> stream_;
   std::shared_ptr<Cancellation> cancellation_;
   std::function<bool(int64_t, int64_t)> between_;
+  int64_t channel_;
   absl::Mutex mu_;
   std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);

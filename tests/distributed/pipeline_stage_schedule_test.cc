@@ -1,5 +1,6 @@
-// Pipeline stages across processes under the 1F1B and zero-bubble schedules: training equal to
-// the plain model's, micro-batches in flight, inference without a target, and the refusals.
+// Pipeline stages across processes under the 1F1B, zero-bubble and interleaved schedules: training
+// equal to the plain model's, micro-batches in flight, inference without a target, and the
+// refusals.
 #include <map>
 #include <string>
 #include <tuple>
@@ -80,8 +81,14 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
       TORCH_CHECK(false, "the loss was called");
       return at::Tensor();
     };
-    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks)
-                                          .loss(never).schedule(schedule_kind(name)),
+    const bool interleaved = std::string(name) == "interleaved";
+    PipelineStage stage(make_model(),
+                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
+                                                         : kBalance)
+                            .chunks(interleaved ? 4 : kChunks)
+                            .virtual_stages(interleaved ? 2 : 1)
+                            .loss(never)
+                            .schedule(schedule_kind(name)),
                         join());
     nn::Sequential plain = make_model();
     auto [x, y] = batch(0);
@@ -95,7 +102,7 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
     }
     return;
   }
-  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb");
+  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "1f1b", "zb", "interleaved");
   CATCH_INFO("schedule " << schedule);
   check_ranks_pass(kInference, "inference_" + schedule, {{"GPIPE_TEST_SCHEDULE", schedule}});
 }
@@ -132,15 +139,66 @@ CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule]") {
   check_stages(kScheduleInOrder, folder, env, /*loss_tolerance=*/1e-12, /*frozen=*/"", balance);
 }
 
-constexpr const char* kInterleavedRefused = "interleaving across processes is refused";
+constexpr const char* kInterleaved =
+    "two three and four processes train with the interleaved schedule to the plain model's "
+    "parameters and losses and keep each virtual stage's micro-batches in flight";
+
+CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(balance_from_env())
+                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
+                    .checkpoint(mode_from_env())
+                    .virtual_stages(2)
+                    .record_timeline(true));
+    return;
+  }
+  // (balance of the virtual stages, chunks, checkpoint mode). The skip stays in virtual stage 1;
+  // the tuple crosses from it to virtual stage 2 (with two processes: from the last stage back to
+  // the first).
+  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string>;
+  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "always"},
+                           Run{{1, 2, 1, 1, 1, 1}, 3, "except_last"},
+                           Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never"});
+  const auto& [balance, chunks, mode] = run;
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode);
+  const std::string folder = folder_for("interleaved_" + std::to_string(balance.size() / 2));
+  check_stages(kInterleaved, folder,
+               {{"GPIPE_TEST_SCHEDULE", "interleaved"}, {"GPIPE_TEST_BALANCE", spec},
+                {"GPIPE_TEST_CHUNKS", std::to_string(chunks)}, {"GPIPE_TEST_CHECKPOINT", mode}},
+               /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
+}
+
+constexpr const char* kInterleavedRefused =
+    "interleaving across processes refuses what it cannot run naming the option";
 
 CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
   if (test_rank() >= 0) {
+    ProcessGroup gloo = join();
+    const auto options = [] {
+      return PipelineStageOptions({1, 2, 2, 1}).chunks(4).loss(mse).virtual_stages(2)
+          .schedule(ScheduleKind::kInterleaved);
+    };
+    // On a group that matches in posting order (NCCL's way).
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(),
-                      PipelineStageOptions(kBalance).loss(mse).schedule(ScheduleKind::kInterleaved),
-                      join()),
-        gpipe_test::contains("interleaved schedule needs several stages per process"));
+        PipelineStage(make_model(), options(),
+                      c10::make_intrusive<gpipe_test::InOrderGroup>(gloo)),
+        gpipe_test::contains("needs a group that matches transfers by tag"));
+    CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().chunks(3), gloo),
+                            gpipe_test::contains("chunks to be a multiple of the number of "
+                                                 "stages (2), got 3"));
+    CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().local_balance({1, 1}), gloo),
+                            gpipe_test::contains("local_balance and local_devices cannot split"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().balance({3, 3}), gloo),
+        gpipe_test::contains("the balance has 2 entries ({3, 3}) but the process group has 2 "
+                             "ranks of 2 virtual stages each"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().schedule(ScheduleKind::k1F1B), gloo),
+        gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
+    CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().virtual_stages(0), gloo),
+                            gpipe_test::contains("virtual_stages must be between 1 and 64, got 0"));
     return;
   }
   check_ranks_pass(kInterleavedRefused, "interleaved_refused");

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -25,6 +26,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/device.h"
 #include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/schedule_check.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
 #include "tests/catch.h"
@@ -81,12 +83,14 @@ struct FirstImpl : nn::Module {
 TORCH_MODULE(First);
 
 // The model every test trains: 6 layers, the same in every process (seed 7; other seeds for
-// replicas that must take replica 0's parameters).
-inline nn::Sequential make_model(int seed = 7) {
+// replicas that must take replica 0's parameters); `layers` > 6 adds Linear(3, 3) layers at the
+// end (for balances of more stages).
+inline nn::Sequential make_model(int seed = 7, int64_t layers = 6) {
   torch::manual_seed(seed);
   nn::Sequential seq(nn::Linear(6, 8), skippable(Stash(), SkippableOptions().stash({"skip"})),
                      skippable(PopPair(), SkippableOptions().pop({"skip"})), PairLinear(), First(),
                      nn::Linear(8, 3));
+  for (int64_t k = 6; k < layers; ++k) seq->push_back(nn::Linear(3, 3));
   seq->to(at::kDouble);
   return seq;
 }
@@ -186,7 +190,8 @@ inline void train_stage(PipelineStageOptions options) {
   const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
   const std::string name = device_name != nullptr ? device_name : "cpu";
   const c10::Device device(name == "cuda:rank" ? "cuda:" + std::to_string(test_rank()) : name);
-  nn::Sequential model = make_model();
+  const std::vector<int64_t>& balance = options.balance();
+  nn::Sequential model = make_model(7, std::accumulate(balance.begin(), balance.end(), 0));
   freeze(model, freeze_from_env());
   ProcessGroup group = join();
   const std::vector<int64_t> local = local_balance_from_env(group->getRank());
@@ -215,6 +220,17 @@ inline void train_stage(PipelineStageOptions options) {
     const std::vector<TimelineEvent> events = stage->gather_timeline();
     if (schedule == "gpipe") {
       check_schedule(events, 2 * per_stage);  // two per stage, or one
+    } else if (schedule == "interleaved") {
+      // Each virtual stage keeps at most what the schedule's definition says (its simulation).
+      const int64_t n = stage->stages(), v = options.virtual_stages();
+      const int64_t m = options.chunks();
+      const ScheduleSimulation ideal = simulate_schedule(interleaved_schedule(n, m, v));
+      const std::map<int64_t, int64_t> peak = gpipe::testing::peak_in_flight(events);
+      CATCH_CHECK(peak.size() == static_cast<size_t>(n * v));
+      for (const auto& [p, most] : peak) {
+        CATCH_CAPTURE(p);
+        CATCH_CHECK(most <= ideal.stage_peak_in_flight.at(static_cast<size_t>(p)));
+      }
     } else {
       // 1F1B and ZB-H1 keep at most n - s micro-batches in flight on stage s of n = 2 (ZB-H1's
       // W may keep one more: n in all).
@@ -235,9 +251,11 @@ struct Oracle {
   std::vector<at::Tensor> stage_states;
   at::Tensor losses;
 };
+// With `virtual_stages` v, balance has one entry per virtual stage, and stage r holds virtual
+// stages r, r + n, ... (Note [Interleaving across processes]).
 inline Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
-                      const std::string& frozen = "") {
-  nn::Sequential plain = make_model();
+                             const std::string& frozen = "", int64_t virtual_stages = 1) {
+  nn::Sequential plain = make_model(7, std::accumulate(balance.begin(), balance.end(), 0));
   freeze(plain, frozen);
   torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
@@ -250,14 +268,23 @@ inline Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
     sgd.step();
   }
   Oracle oracle;
+  std::vector<std::vector<at::Tensor>> chunks;
   int64_t first = 0;
   for (int64_t b : balance) {
     std::vector<at::Tensor> params;
     for (int64_t k = first; k < first + b; ++k) {
       for (const at::Tensor& p : plain[k]->parameters()) params.push_back(p);
     }
-    oracle.stage_states.push_back(flat(params));
+    chunks.push_back(std::move(params));
     first += b;
+  }
+  const size_t n = balance.size() / static_cast<size_t>(virtual_stages);
+  for (size_t r = 0; r < n; ++r) {
+    std::vector<at::Tensor> params;
+    for (size_t k = r; k < chunks.size(); k += n) {
+      params.insert(params.end(), chunks[k].begin(), chunks[k].end());
+    }
+    oracle.stage_states.push_back(flat(params));
   }
   oracle.losses = flat(losses);
   return oracle;
@@ -269,12 +296,13 @@ inline Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
 inline void check_stages(const char* test, const std::string& folder,
                          const std::map<std::string, std::string>& env, double loss_tolerance,
                          const std::string& frozen = "",
-                         const std::vector<int64_t>& balance = kBalance) {
-  const int ranks = static_cast<int>(balance.size());
+                         const std::vector<int64_t>& balance = kBalance,
+                         int64_t virtual_stages = 1) {
+  const int ranks = static_cast<int>(balance.size() / static_cast<size_t>(virtual_stages));
   const auto results = run_ranks(test, ranks, folder, env);
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < ranks; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
-  const Oracle oracle = plain_training(balance, frozen);
+  const Oracle oracle = plain_training(balance, frozen, virtual_stages);
   for (int r = 0; r < ranks; ++r) {
     const at::Tensor state = gpipe_test::read_doubles(folder + "/state" + std::to_string(r) +
                                                       ".bin");

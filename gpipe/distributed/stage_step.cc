@@ -1,0 +1,234 @@
+// A pipeline stage's training step (PipelineStage::step): its links to the neighbouring stages,
+// the executor's run of its partitions, and what follows (deferred batch norm, replicas); see
+// pipeline_stage.h and Note [Failing fast across processes] in fault.h.
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/remote_link.h"
+#include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/transfer.h"
+#include "gpipe/executor.h"
+#include "gpipe/microbatch.h"
+#include "gpipe/skip_tracker.h"
+#include "gpipe/stream.h"
+#include "gpipe/thread_state.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+// The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
+c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
+  return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
+}
+
+}  // namespace
+
+at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
+  const char* who = "gpipe::distributed::PipelineStage::step";
+  absl::MutexLock step_lock(&step_mu_);
+  TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
+              "of the pipeline unmatched; make new process groups and stages to go on");
+  if (faults_) {
+    if (std::optional<std::string> heard = faults_->heard()) {
+      failed_ = true;
+      TORCH_CHECK(false, *heard);
+    }
+  }
+  // Note [Failing fast across processes] in fault.h.
+  auto cancellation = std::make_shared<Cancellation>();
+  if (faults_) faults_->attach(cancellation);
+  struct Detach {
+    FaultChannel* faults;
+    ~Detach() {
+      if (faults) faults->detach();
+    }
+  } detach{faults_.get()};
+  bool checked = false;
+  try {
+    TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
+    TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
+                "stage 0 does; its activations come from stage ", stage_ - 1, ")");
+    TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a "
+                "loss function: PipelineStageOptions::loss");
+    checked = true;
+    return run_step(input, target, cancellation);
+  } catch (const std::exception& e) {
+    // The other stages wait for this one's transfers: the pipeline is broken for good.
+    if (checked || stages() > 1) failed_ = true;
+    // Its transfers in flight stay posted in the group: kept until the stage goes (Note
+    // [Failing fast across processes]).
+    abandoned_ = cancellation;
+    if (faults_ && !cancellation->cancelled()) {
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ",
+                                  error ? error->what_without_backtrace() : e.what()));
+    }
+    throw;
+  }
+}
+
+at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
+                                       std::shared_ptr<Cancellation> cancellation) {
+  const char* who = "gpipe::distributed::PipelineStage::step";
+  timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
+  const bool grad_enabled = at::GradMode::is_enabled();
+  // Note [Pipeline stages and batch norm].
+  bool any_batch_norm = false;
+  for (const detail::ExecutorPartition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
+  const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
+  if (replica_group_ && grad_enabled && is_training() && !deferred &&
+      !layers_->buffers().empty()) {
+    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
+  }
+  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation)};
+  // On a group that matches in posting order, schedules that interleave forwards and backwards
+  // post each pair's transfers in turn (Note [When gradients' receives are posted]).
+  const bool in_turn = options_.schedule() != ScheduleKind::kGPipe && !matches_by_tag(group_);
+  const auto turns_with = [&](int64_t peer) -> TurnsOf {
+    if (!in_turn) return nullptr;
+    return [kind = options_.schedule(), stages = stages(), me = stage_, peer](int64_t m) {
+      return pair_turns(kind, stages, m, me, peer);
+    };
+  };
+  const ScheduleKind kind = options_.schedule();
+  const int64_t stages = this->stages();
+  const int64_t v = options_.virtual_stages();
+  const int64_t me = stage_;
+  const int64_t k = static_cast<int64_t>(partitions_.size());
+  // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
+  // remote link on each side but at the pipeline's two ends.
+  const bool interleaved = kind == ScheduleKind::kInterleaved;
+  std::unique_ptr<detail::InputSource> source;
+  std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
+  std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
+  if (is_first()) {
+    check_input(input);
+    for (const at::Tensor& t : input.values()) {
+      TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
+                  " but stage 0 runs on ", partitions_[0].device, "; move it there first");
+    }
+    source = std::make_unique<detail::InputSource>(scatter(input, options_.chunks()),
+                                                   grad_enabled);
+  }
+  // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
+  for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {
+    if (c == 0 && is_first()) continue;
+    const int64_t peer = (me + stages - 1) % stages;
+    const int64_t channel = me == 0 ? c - 1 : c;  // the sending virtual stage's chunk
+    remote_upstreams.push_back(std::make_unique<RemoteUpstream>(
+        wire, static_cast<int>(peer), partitions_[interleaved ? c : 0].device, grad_enabled,
+        turns_with(peer), channel));
+  }
+  // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
+  // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
+  const auto plan = [kind, stages, me, k, v, interleaved](int64_t m) {
+    std::vector<Action> mine = make_schedule(kind, stages, m, v).ranks[me];
+    std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
+    for (size_t j = 0; j < lanes.size(); ++j) {
+      for (Action a : mine) {
+        if (is_communication(a.type)) continue;
+        a.stage = interleaved ? a.stage / stages : static_cast<int64_t>(j);
+        lanes[j].push_back(a);
+      }
+    }
+    return lanes;
+  };
+  std::unique_ptr<detail::LossSink> sink;
+  if (is_last()) {
+    // GPipe's order on the last stage (forwards first): the loss sees the whole mini-batch. The
+    // same rule as GPipe::step's, on the schedule of as many micro-batches as chunks (fewer, for
+    // a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one micro-batch,
+    // where the two losses are the same).
+    const bool whole = detail::forwards_before_backwards(
+        make_schedule(kind, stages, options_.chunks(), v).ranks, stages * v - 1);
+    sink = std::make_unique<detail::LossSink>(options_.loss(), target, whole, who);
+  }
+  // Note [When gradients' receives are posted] in remote_link.h.
+  const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
+                                : in_turn                    ? GradientReceives::kInTurn
+                                                             : GradientReceives::kWithSend;
+  for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {
+    if (c == (interleaved ? v - 1 : 0) && is_last()) continue;
+    const int64_t peer = (me + 1) % stages;
+    remote_downstreams.push_back(std::make_unique<RemoteDownstream>(
+        wire, static_cast<int>(peer), partitions_[interleaved ? c : k - 1].device, when,
+        turns_with(peer), c));
+  }
+
+  detail::ExecutorSpec spec;
+  spec.who = who;
+  spec.partitions = &partitions_;
+  spec.plan = plan;
+  for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
+  if (interleaved) {
+    // Virtual stage c * stages + me's links: the input or the last stage's upstream, the loss or
+    // the next stage's downstream.
+    size_t up = 0, down = 0;
+    for (int64_t c = 0; c < v; ++c) {
+      spec.upstreams.push_back(c == 0 && source ? static_cast<detail::Upstream*>(source.get())
+                                                : remote_upstreams[up++].get());
+      spec.downstreams.push_back(c == v - 1 && sink ? static_cast<detail::Downstream*>(sink.get())
+                                                    : remote_downstreams[down++].get());
+    }
+  } else {
+    spec.upstream = source ? static_cast<detail::Upstream*>(source.get())
+                           : remote_upstreams[0].get();
+    spec.downstream = sink ? static_cast<detail::Downstream*>(sink.get())
+                           : remote_downstreams[0].get();
+  }
+  spec.microbatches = 0;  // as the upstream's first activation says
+  spec.grad_enabled = grad_enabled;
+  spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
+    return training ? checkpoint_stop(mode, m) : int64_t{0};
+  };
+  spec.run = next_run_id();
+  // Captured before the deferred statistics' callback is added: the recomputation observes no
+  // operator (Note [Deferred batch norm without replacing modules]).
+  spec.recompute_state = std::make_shared<const ThreadState>();
+  spec.timeline = timeline_;
+  spec.skip_layout = &skip_layout_;
+  // With deferred batch norm, the statistics gathered during the step are committed after it,
+  // merged over the replicas first.
+  std::vector<std::shared_ptr<BatchNormLayers>> batch_norms;
+  for (const detail::ExecutorPartition& p : partitions_) batch_norms.push_back(p.batch_norms);
+  {
+    const DeferredBatchNormRun deferred_run(batch_norms, deferred);
+    detail::run_schedule(spec);
+    if (sink) sink->finish();
+  }
+  for (const auto& remote : remote_downstreams) remote->finish();
+  for (const auto& remote : remote_upstreams) remote->finish();
+  // The input's own graph, once.
+  if (source) source->finish();
+  if (deferred) {
+    StatisticsCombiner combine;
+    if (replica_group_) {
+      combine = [this](std::vector<BatchNormStatistics>& statistics) {
+        combine_statistics(replica_group_, statistics, local_);
+      };
+    }
+    commit_deferred(batch_norms, combine);
+  }
+  if (grad_enabled && replica_group_) {
+    average_gradients(replica_group_, layers_->parameters(), local_);
+  }
+  if (sink) {
+    output_ = sink->output();
+    return sink->loss();
+  }
+  return at::Tensor();
+}
+
+}  // namespace distributed
+}  // namespace gpipe
