@@ -36,10 +36,14 @@ struct FaultImpl : nn::Module {
 TORCH_MODULE(Fault);
 
 // Stage 0 fails by a bad input (no mini-batch), stage 1 by a layer in forward, stage 2 by a layer
-// in backward.
-const char* fault_message(int64_t stage) {
-  return stage == 0 ? "stage 0 needs the mini-batch as input"
-                    : stage == 1 ? "the layer broke in forward" : "the layer broke in backward";
+// in backward; interleaved (one layer per virtual stage, stage s holding layers s and s + 3),
+// stage 1 in backward and stage 2 in forward.
+const char* fault_message(int64_t stage, bool interleaved) {
+  const char* forward = "the layer broke in forward";
+  const char* backward = "the layer broke in backward";
+  return stage == 0   ? "stage 0 needs the mini-batch as input"
+         : stage == 1 ? (interleaved ? backward : forward)
+                      : (interleaved ? forward : backward);
 }
 
 void mark_done(int rank) { std::ofstream(gpipe_test::test_folder() + "/done" + std::to_string(rank)); }
@@ -68,9 +72,13 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
                        Fault(true), nn::Linear(8, 3));
     seq->to(at::kDouble);
     // The group's timeout (60 s, join()) is what the others would wait for without the channel.
-    PipelineStage stage(seq, PipelineStageOptions({2, 2, 2}).chunks(4).loss(mse)
+    const bool interleaved = schedule == "interleaved";
+    PipelineStage stage(seq, PipelineStageOptions(interleaved ? std::vector<int64_t>(6, 1)
+                                                              : std::vector<int64_t>{2, 2, 2})
+                                 .chunks(interleaved ? 3 : 4).loss(mse)
                                  .checkpoint(Checkpoint::kNever)
-                                 .schedule(schedule_kind(schedule)), join());
+                                 .schedule(schedule_kind(schedule))
+                                 .virtual_stages(interleaved ? 2 : 1), join());
     const auto step = [&](bool bad_input) {
       auto [x, y] = batch(0);
       if (stage->is_first()) return stage->step(bad_input ? no_input() : Batch(x));
@@ -81,12 +89,13 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
     const auto start = std::chrono::steady_clock::now();
     if (rank == failing) {
       armed = true;
-      CATCH_CHECK_THROWS_WITH(step(rank == 0), gpipe_test::contains(fault_message(rank)));
+      CATCH_CHECK_THROWS_WITH(step(rank == 0),
+                              gpipe_test::contains(fault_message(rank, interleaved)));
       wait_for_others(3, failing);
     } else {
       CATCH_CHECK_THROWS_WITH(
           step(false), gpipe_test::contains(absl::StrCat("stage ", failing, " of 3 failed: ")) &&
-                           gpipe_test::contains(fault_message(failing)));
+                           gpipe_test::contains(fault_message(failing, interleaved)));
       mark_done(rank);
       std::printf("rank %d threw after %.2f s\n", rank,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -94,7 +103,7 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
     }
     return;
   }
-  for (const std::string schedule : {"gpipe", "1f1b", "zb"}) {
+  for (const std::string schedule : {"gpipe", "1f1b", "zb", "interleaved"}) {
     for (const std::string failing : {"0", "1", "2"}) {
       CATCH_INFO(schedule << ", stage " << failing << " fails");
       const std::string folder = folder_for("fail_fast");
