@@ -86,6 +86,15 @@ int64_t virtual_stages() {
              : 1;
 }
 
+// The two stages' balance over mlp(width, layers)'s 4 * layers modules: 2 * v slices (the last
+// takes what is left).
+std::vector<int64_t> stage_balance(int layers) {
+  const int64_t v = virtual_stages();
+  std::vector<int64_t> balance(2 * v, 4 * layers / (2 * v));
+  balance.back() += 4 * layers - 2 * v * balance.back();
+  return balance;
+}
+
 // Median milliseconds of `step` over the timed steps.
 template <typename F>
 double time_ms(F step) {
@@ -104,10 +113,7 @@ double pipeline_ms(const ProcessGroup& group, int64_t width, int layers, int64_t
                    int64_t m) {
   const nn::Sequential seq = mlp(width, layers);
   const int64_t v = virtual_stages();
-  // The 4 * layers modules in 2 * v slices (the last takes what is left).
-  std::vector<int64_t> balance(2 * v, 4 * layers / (2 * v));
-  balance.back() += 4 * layers - 2 * v * balance.back();
-  PipelineStage stage(seq, PipelineStageOptions(balance).chunks(m)
+  PipelineStage stage(seq, PipelineStageOptions(stage_balance(layers)).chunks(m)
                                .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
                                .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
                                .virtual_stages(v),
@@ -222,9 +228,12 @@ int main(int argc, char** argv) {
   // One step drawn: both stages' timelines on the host's clock.
   if (!absl::GetFlag(FLAGS_svg).empty() || !absl::GetFlag(FLAGS_trace).empty()) {
     const int64_t traced = 8;
+    const int64_t v = virtual_stages();
     PipelineStage stage(mlp(width, layers),
-                        PipelineStageOptions({2 * layers, 2 * layers}).chunks(traced)
-                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse).record_timeline(true),
+                        PipelineStageOptions(stage_balance(layers)).chunks(traced)
+                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse).record_timeline(true)
+                            .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
+                            .virtual_stages(v),
                         group);
     const at::Tensor x = at::randn({rows * traced, width});
     const at::Tensor y = at::randn({rows * traced, width});
@@ -234,7 +243,7 @@ int main(int argc, char** argv) {
                         : stage->step(gpipe::distributed::no_input(), y);
     }
     const auto events = stage->gather_timeline();
-    const std::vector<c10::Device> devices(2, c10::Device(c10::kCPU));
+    const std::vector<c10::Device> devices(2 * v, c10::Device(c10::kCPU));
     if (rank0 && !absl::GetFlag(FLAGS_svg).empty()) {
       std::ofstream(absl::GetFlag(FLAGS_svg)) << gpipe::timeline_svg(events, devices);
     }

@@ -10,7 +10,8 @@
 # that printed none (it crashed or was killed) counts as one failed test case, a build that failed
 # as one more. Exits non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
 #
-# Environment: JOBS (compile jobs, default 2), FIRST_TESTS (test binaries to build and run before
+# Environment: JOBS (compile jobs, default 2), TEST_JOBS (test binaries run at once, default 2:
+# each test uses fresh ports and folders of its own), FIRST_TESTS (test binaries to build and run before
 # the others, e.g. "cuda_test"), ONLY_TESTS (build and run these test binaries and nothing else),
 # TEST_ARGS (arguments for every test binary, e.g. "[cuda]"), TEST_TIMEOUT (seconds a test binary
 # may run, default 1800).
@@ -19,18 +20,44 @@ cd "$(dirname "$0")/.."
 build=${1:?usage: tools/cmake_test.sh BUILD_DIR [cmake arguments...]}
 shift
 jobs=${JOBS:-2}
+test_jobs=${TEST_JOBS:-2}
 passed=0; failed=0; skipped=0
 
-run_test() {
-  local t=$1 log="$build/logs/$1.log" line p f s rc=0
-  mkdir -p "$build/logs"
+# Runs test binary $1 (in the background, from run_tests): its output in logs/$1.log, its exit
+# status and seconds in logs/$1.rc.
+run_one() {
+  local t=$1 log="$build/logs/$1.log" rc=0
   local args=()
   read -ra args <<< "${TEST_ARGS:-}"
   # A binary that hangs is killed after TEST_TIMEOUT seconds (default 1800) and counted failed.
   local t0=$SECONDS
   (cd "$build" && timeout -k 30 "${TEST_TIMEOUT:-1800}" "./$t" "${args[@]}") > "$log" 2>&1 || rc=$?
+  echo "$rc $((SECONDS - t0))" > "$build/logs/$t.rc"
+}
+
+# Runs the test binaries given, TEST_JOBS at a time, then reports and counts each in order.
+run_tests() {
+  local t running=0
+  mkdir -p "$build/logs"
+  for t in "$@"; do
+    if ((running >= test_jobs)); then
+      wait -n
+      running=$((running - 1))
+    fi
+    rm -f "$build/logs/$t.rc"
+    run_one "$t" &
+    running=$((running + 1))
+  done
+  wait
+  for t in "$@"; do report_test "$t"; done
+}
+
+# Prints the last lines and time of test binary $1's run and adds its counts.
+report_test() {
+  local t=$1 log="$build/logs/$1.log" line p f s rc=1 secs=0
+  [[ -f "$build/logs/$t.rc" ]] && read -r rc secs < "$build/logs/$t.rc"
   tail -n 3 "$log"
-  echo "$t: $((SECONDS - t0)) s"
+  echo "$t: $secs s"
   line=$(grep -a "gpipe-test-summary:" "$log" | tail -n 1)
   if [[ -z "$line" ]]; then
     echo "$t printed no test summary: counting one failed test case"
@@ -56,9 +83,10 @@ if ! cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"; then
   exit 1
 fi
 done_tests=" "
+to_run=()
 for t in ${ONLY_TESTS:-${FIRST_TESTS:-}}; do
   if cmake --build "$build" -j "$jobs" --target "$t"; then
-    run_test "$t"
+    run_tests "$t"
   else
     failed=$((failed + 1))
   fi
@@ -77,7 +105,8 @@ fi
 for t in $(cd "$build" && ctest -N | sed -n -E 's/^ *Test +#[0-9]+: (.*)$/\1/p'); do
   [[ "$done_tests" == *" $t "* ]] && continue
   [[ -x "$build/$t" ]] || { echo "$t was not built"; failed=$((failed + 1)); continue; }
-  run_test "$t"
+  to_run+=("$t")
 done
+run_tests "${to_run[@]}"
 echo "$passed passed, $failed failed, $skipped skipped"
 ((failed == 0))

@@ -65,12 +65,6 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
   verify_skippables(module);
   const int ranks = group_->getSize();
-  TORCH_CHECK(static_cast<int64_t>(balance.size()) == ranks * v, who, ": the balance has ",
-              balance.size(), " entries ({", absl::StrJoin(balance, ", "), "}) but the process "
-              "group has ", ranks, " ranks", v > 1 ? absl::StrCat(" of ", v, " virtual stages each")
-                                                  : std::string(),
-              "; give one entry per ", v > 1 ? "virtual stage (ranks * virtual_stages)" :
-              "process of the pipeline");
   if (interleaved) {
     // Note [Interleaving across processes].
     TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "
@@ -97,13 +91,22 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     check_device_available(local_devices[j], absl::StrCat(who, ": local partition ", j));
   }
   const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
-  for (int64_t c = 0; c < v; ++c) devices[c * ranks + rank] = first_device;
+  for (int64_t c = 0; c < v; ++c) {
+    const size_t k = static_cast<size_t>(c * ranks + rank);
+    if (k < devices.size()) devices[k] = first_device;  // (a wrong balance is refused below)
+  }
   const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
               "' is stashed in one stage and popped in another; skips cannot cross processes. "
               "Choose a balance that keeps each stash and its pop in one stage");
+  TORCH_CHECK(static_cast<int64_t>(balance.size()) == ranks * v, who, ": the balance has ",
+              balance.size(), v > 1 ? " entries" : " stages", " ({", absl::StrJoin(balance, ", "),
+              "}) but the process group has ", ranks, " ranks",
+              v > 1 ? absl::StrCat(" of ", v, " virtual stages each") : std::string(),
+              "; give one entry per ", v > 1 ? "virtual stage (ranks * virtual_stages)"
+                                             : "process of the pipeline");
   stage_ = rank;
   std::vector<torch::nn::Sequential> local;
   std::vector<c10::Device> partition_devices;
