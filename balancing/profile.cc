@@ -1,6 +1,7 @@
 // Layer profiler; see profile.h.
 #include "balancing/profile.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -86,6 +87,13 @@ class ProfileSkipTracker : public SkipTracker {
 };
 
 
+// The median of `values` (not empty): the middle one, or the mean of the two middle ones.
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t h = values.size() / 2;
+  return values.size() % 2 == 1 ? values[h] : (values[h - 1] + values[h]) / 2;
+}
+
 double elapsed_us(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since)
       .count();
@@ -155,6 +163,9 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
   // outweigh everything else (a 5-layer ResNet's stem came out as heavy as the four other layers
   // together, and its balance as {1, 4} instead of {2, 3}).
   bool warmup = true;
+  // Each layer's times over the timed passes: their median is the layer's time, so that a pass
+  // slowed by another process (a core taken for a while) does not move it.
+  std::vector<std::vector<double>> forward_times(n), backward_times(n);
   do {
     // One pass: each layer on a fresh copy of the previous layer's output.
     TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
@@ -202,11 +213,9 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
       }
       const double backward_us = differentiable.empty() ? 0.0 : elapsed_us(tick);
 
-      // Running means over the timed passes.
       if (!warmup) {
-        const double w = 1.0 / static_cast<double>(profile.passes + 1);
-        stats.forward_us += (forward_us - stats.forward_us) * w;
-        stats.backward_us += (backward_us - stats.backward_us) * w;
+        forward_times[k].push_back(forward_us);
+        backward_times[k].push_back(backward_us);
       }
       stats.held_bytes = held;
       stats.input_bytes = bytes_of(input.values());
@@ -224,6 +233,10 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
   } while (profile.passes == 0 ||
            std::chrono::duration<double>(std::chrono::steady_clock::now() - start) <
                options.timeout());
+  for (size_t k = 0; k < n; ++k) {
+    profile.layers[k].forward_us = median(forward_times[k]);
+    profile.layers[k].backward_us = median(backward_times[k]);
+  }
   return profile;
 }
 

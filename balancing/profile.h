@@ -29,7 +29,8 @@ struct ProfileOptions {
 struct LayerStats {
   std::string name;  // the layer's name in the Sequential
   std::string type;  // e.g. torch::nn::Conv2dImpl
-  /// Mean wall time of forward and of backward (synchronised on CUDA), microseconds.
+  /// Median wall time of forward and of backward over the timed passes (synchronised on CUDA),
+  /// microseconds: a pass slowed by something else on the machine does not move it.
   double forward_us = 0;
   double backward_us = 0;
   /// Bytes allocated by forward and still held when it returns: the output and what autograd

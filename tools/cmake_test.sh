@@ -10,8 +10,9 @@
 # that printed none (it crashed or was killed) counts as one failed test case, a build that failed
 # as one more. Exits non-zero when anything failed. Logs go to BUILD_DIR/logs/<test>.log.
 #
-# Environment: JOBS (compile jobs, default 2), TEST_JOBS (test binaries run at once, default 2:
-# each test uses fresh ports and folders of its own), FIRST_TESTS (test binaries to build and run before
+# Environment: JOBS (compile jobs, default 2), TEST_JOBS (test binaries run at once, default 1:
+# each test uses fresh ports and folders of its own, but on 2 cores two at once took as long in
+# all, the multi-process tests already using both), FIRST_TESTS (test binaries to build and run before
 # the others, e.g. "cuda_test"), ONLY_TESTS (build and run these test binaries and nothing else),
 # TEST_ARGS (arguments for every test binary, e.g. "[cuda]"), TEST_TIMEOUT (seconds a test binary
 # may run, default 1800).
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 build=${1:?usage: tools/cmake_test.sh BUILD_DIR [cmake arguments...]}
 shift
 jobs=${JOBS:-2}
-test_jobs=${TEST_JOBS:-2}
+test_jobs=${TEST_JOBS:-1}
 passed=0; failed=0; skipped=0
 
 # Runs test binary $1 (in the background, from run_tests): its output in logs/$1.log, its exit

@@ -141,7 +141,8 @@ struct PipelineStageOptions {
   TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
   /// With ScheduleKind::kInterleaved: virtual stages per process (v). The balance then has one
   /// entry per virtual stage, n * v in all, and stage s runs virtual stages s, s + n, ...
-  /// (Note [Interleaving across processes]); chunks must be a multiple of n.
+  /// (Note [Interleaving across processes]); chunks must be a multiple of n, and so must the
+  /// micro-batches each mini-batch splits into (a mini-batch of at least chunks samples).
   ///
   ///   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
   ///   PipelineStageOptions({2, 2, 2, 2}).schedule(ScheduleKind::kInterleaved)
@@ -186,7 +187,7 @@ struct PipelineStageOptions {
 ///   sgd.step();
 ///
 /// Skips (gpipe::stash / pop) must be stashed and popped within one stage (in any of its
-/// partitions). BatchNorms: see Note
+/// partitions; interleaved, within one virtual stage). BatchNorms: see Note
 /// [Pipeline stages and batch norm]. Configurations are
 /// compared across ranks at construction; a process that dies makes the others' step() throw
 /// within the group's timeout.

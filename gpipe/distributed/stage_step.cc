@@ -108,7 +108,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   const int64_t k = static_cast<int64_t>(partitions_.size());
   // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
   // remote link on each side but at the pipeline's two ends.
-  const bool interleaved = kind == ScheduleKind::kInterleaved;
+  const bool interleaved = kind == ScheduleKind::kInterleaved && v > 1;
   std::unique_ptr<detail::InputSource> source;
   std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
@@ -118,8 +118,14 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
       TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
                   " but stage 0 runs on ", partitions_[0].device, "; move it there first");
     }
-    source = std::make_unique<detail::InputSource>(scatter(input, options_.chunks()),
-                                                   grad_enabled);
+    std::vector<Batch> microbatches = scatter(input, options_.chunks());
+    const int64_t m = static_cast<int64_t>(microbatches.size());
+    TORCH_CHECK(!interleaved || m % stages == 0, who, ": the mini-batch of ", input[0].size(0),
+                " samples splits into ", m, " micro-batches (chunks ", options_.chunks(), "), but "
+                "the interleaved schedule needs a multiple of the ", stages, " stages; give a "
+                "mini-batch that splits into chunks micro-batches (at least chunks samples, "
+                "e.g. a multiple of chunks)");
+    source = std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
   }
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
   for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {

@@ -65,7 +65,7 @@ c10::intrusive_ptr<c10d::Work> post_receive_from_any(const ProcessGroup& group, 
 
 int transfer_tag(Message kind, int64_t microbatch, int64_t index, int64_t channel) {
   TORCH_INTERNAL_ASSERT(channel >= 0 && channel < kMaxChannels && microbatch >= 0 &&
-                        microbatch <= kMaxMicrobatches);
+                        microbatch < kMaxMicrobatches);
   return static_cast<int>(static_cast<int64_t>(kind) +
                           4 * (index + kMaxTensors * (channel + kMaxChannels * microbatch)));
 }

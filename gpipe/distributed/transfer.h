@@ -30,14 +30,14 @@ class Cancellation;  // fault.h: aborts a step's transfers when another stage fa
 
 /// What kind of message a tag belongs to; with the micro-batch, it makes the tag.
 /// kFault: a stage's failure, told to every rank (Note [Failing fast across processes] in
-/// fault.h; its "micro-batch" is the channel's number).
+/// fault.h; its "micro-batch" and channel are drawn at random and agreed by the ranks).
 enum class Message : int64_t { kHeader = 0, kActivation = 1, kGradient = 2, kFault = 3 };
 
 /// The most channels a pair of stages may use (transfer_tag): one per link between them, i.e. per
 /// virtual stage under the interleaved schedule.
 constexpr int64_t kMaxChannels = 64;
-/// The most micro-batches a step may have across processes: the tags of the last one still fit in
-/// an int.
+/// The most micro-batches a step may have across processes (micro-batch indices are below it):
+/// the tags of the last one still fit in an int.
 constexpr int64_t kMaxMicrobatches = 100000;
 /// The c10d tag of message `kind` for micro-batch `microbatch` and its tensor `index`, on
 /// `channel` (one per link between two stages: Note [Interleaving across processes] in

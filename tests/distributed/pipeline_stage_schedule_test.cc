@@ -1,8 +1,12 @@
 // Pipeline stages across processes under the 1F1B, zero-bubble and interleaved schedules: training
 // equal to the plain model's, micro-batches in flight, inference without a target, and the
 // refusals.
+#include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -199,6 +203,27 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().virtual_stages(0), gloo),
                             gpipe_test::contains("virtual_stages must be between 1 and 64, got 0"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().balance({1, 1, 2, 2}), gloo),
+        gpipe_test::contains("is stashed in one virtual stage and popped in another"));
+    // A mini-batch of 6 samples makes 3 micro-batches of chunks 4: stage 0 refuses the step, and
+    // stage 1 hears it (Note [Failing fast across processes]).
+    PipelineStage stage(make_model(), options(), gloo);
+    auto [x, y] = batch(0);
+    const char* odd = "the mini-batch of 6 samples splits into 3 micro-batches (chunks 4)";
+    const std::string done = gpipe_test::test_folder() + "/heard";
+    if (stage->is_first()) {
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x.slice(0, 0, 6))), gpipe_test::contains(odd));
+      // Alive until stage 1 has heard.
+      for (int k = 0; k < 3000 && !std::filesystem::exists(done); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } else {
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y.slice(0, 0, 6)),
+                              gpipe_test::contains("stage 0 of 2 failed: ") &&
+                                  gpipe_test::contains(odd));
+      std::ofstream{done};
+    }
     return;
   }
   check_ranks_pass(kInterleavedRefused, "interleaved_refused");
