@@ -29,7 +29,8 @@ namespace detail {
 // ~~~~~~~~~~~~~~~~~~~
 // A schedule (schedule.h) says, for each rank, the order of its actions. The executor gives each
 // lane — a rank of the schedule in one process, a partition of this process's stage across
-// processes — a thread, and runs the lane's actions in order:
+// processes, or all of its virtual stages when interleaved — a thread, and runs the lane's
+// actions in order:
 //   F i   receives micro-batch i's input from the partition's upstream (cut from the sender's
 //         graph: Note [Partitions within a stage] in distributed/pipeline_stage.h), runs the layers
 //         (checkpointed when i < the checkpoint stop), and sends the output downstream.
@@ -44,7 +45,9 @@ namespace detail {
 //         gradients are computed twice on the parameters' path); a checkpointed micro-batch is not
 //         split (its I runs the whole backward, its W nothing): its recomputation happens once.
 // Sends and receives are the links' (in this process: queues; across processes: c10d, posted by
-// the stage's courier), so the schedule's SEND/RECV actions need no lane of their own.
+// the stage's courier), so the schedule's SEND/RECV actions need no lane of their own. Neighbouring
+// partitions are joined by LocalLinks; partitions that are not neighbours (a stage's virtual
+// stages across processes) come with links of their own (ExecutorSpec::upstreams).
 // Activations live from a partition's F i to its B i (or W i): a 1F1B lane keeps at most its
 // schedule's in-flight micro-batches, which is the point of the schedule. The last partition's
 // downstream applies the loss (Note [Losses over micro-batches] in loss.h). The first error of any
