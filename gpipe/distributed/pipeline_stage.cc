@@ -53,8 +53,7 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   TORCH_CHECK(options_.chunks() >= 1, who, ": chunks must be at least 1, got ",
               options_.chunks());
   const int64_t v = options_.virtual_stages();
-  // (With one virtual stage the interleaved schedule is 1F1B, placed as any other.)
-  const bool interleaved = options_.schedule() == ScheduleKind::kInterleaved && v > 1;
+  const bool interleaved = this->interleaved();
   TORCH_CHECK(v >= 1 && v <= kMaxChannels, who, ": virtual_stages must be between 1 and ",
               kMaxChannels, ", got ", v);
   TORCH_CHECK(v == 1 || interleaved, who, ": virtual_stages is ", v, " but the schedule is ",
@@ -99,14 +98,12 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
-  TORCH_CHECK(crossing.empty() || v > 1, who, ": the skip '",
-              crossing.empty() ? "" : crossing[0].name, "' is stashed in one stage and popped in "
-              "another; skips cannot cross processes. Choose a balance that keeps each stash and "
-              "its pop in one stage");
+  const char* part = v > 1 ? "virtual stage" : "stage";
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
-              "' is stashed in one virtual stage and popped in another; with the interleaved "
-              "schedule skips cannot cross virtual stages. Choose a balance that keeps each stash "
-              "and its pop in one virtual stage");
+              "' is stashed in one ", part, " and popped in another; ",
+              v > 1 ? "with the interleaved schedule skips cannot cross virtual stages"
+                    : "skips cannot cross processes",
+              ". Choose a balance that keeps each stash and its pop in one ", part);
   TORCH_CHECK(static_cast<int64_t>(balance.size()) == ranks * v, who, ": the balance has ",
               balance.size(), v > 1 ? " entries" : " stages", " ({", absl::StrJoin(balance, ", "),
               "}) but the process group has ", ranks, " ranks",

@@ -255,6 +255,11 @@ class PipelineStageImpl : public torch::nn::Module {
 
  private:
   void check_same_configuration(const torch::nn::Module& whole);
+  // Whether this stage holds several virtual stages (Note [Interleaving across processes]); with
+  // one, the interleaved schedule is 1F1B and placed as any other.
+  bool interleaved() const {
+    return options_.schedule() == ScheduleKind::kInterleaved && options_.virtual_stages() > 1;
+  }
   at::Tensor run_step(const Batch& input, const at::Tensor& target,
                       std::shared_ptr<Cancellation> cancellation);
 

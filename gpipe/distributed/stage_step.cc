@@ -108,7 +108,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   const int64_t k = static_cast<int64_t>(partitions_.size());
   // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
   // remote link on each side but at the pipeline's two ends.
-  const bool interleaved = kind == ScheduleKind::kInterleaved && v > 1;
+  const bool interleaved = this->interleaved();
   std::unique_ptr<detail::InputSource> source;
   std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
