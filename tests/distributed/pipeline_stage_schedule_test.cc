@@ -174,6 +174,30 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
                /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
 }
 
+constexpr const char* kInterleavedCuda =
+    "two processes on the GPU train with the interleaved schedule to the plain model's parameters "
+    "and losses";
+
+CATCH_TEST_CASE(kInterleavedCuda, "[distributed][stage][schedule][cuda]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(balance_from_env())
+                    .chunks(4)
+                    .checkpoint(mode_from_env())
+                    .virtual_stages(2)
+                    .record_timeline(true));
+    return;
+  }
+  // Both processes on cuda:0, each with two virtual stages on it (Gloo carries the tensors
+  // through the CPU); the skip stays in virtual stage 1, the tuple crosses to virtual stage 2.
+  const std::string mode = GENERATE(as<std::string>(), "always", "except_last");
+  CATCH_INFO("checkpoint " << mode);
+  const std::vector<int64_t> balance{1, 2, 2, 1};
+  check_stages(kInterleavedCuda, folder_for("interleaved_cuda_" + mode),
+               {{"GPIPE_TEST_SCHEDULE", "interleaved"}, {"GPIPE_TEST_BALANCE", "1,2,2,1"},
+                {"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}},
+               /*loss_tolerance=*/1e-10, /*frozen=*/"", balance, /*virtual_stages=*/2);
+}
+
 constexpr const char* kInterleavedRefused =
     "interleaving across processes refuses what it cannot run naming the option";
 
