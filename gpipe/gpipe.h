@@ -195,6 +195,8 @@ class GPipeImpl : public torch::nn::Module {
   /// and may change them, e.g. merge them with other replicas' (gpipe::distributed::DataParallel
   /// does). Null: none (the default). Not thread-safe with a running forward.
   void set_statistics_combiner(StatisticsCombiner combine);
+  /// The combiner set by set_statistics_combiner (null if none).
+  const StatisticsCombiner& statistics_combiner() const { return statistics_combiner_; }
 
   /// Converts every parameter and buffer to `dtype`, on its partition's device.
   void to(torch::Dtype dtype, bool non_blocking = false) override;

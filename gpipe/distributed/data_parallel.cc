@@ -30,6 +30,17 @@ struct BeginReduction : torch::autograd::Node {
   std::weak_ptr<GradientReducer> reducer;
 };
 
+// The statistics combiner a DataParallel installs on its GPipe (Note [Replicas and batch norm]);
+// `owner` tells a DataParallel's destructor whether the combiner in place is still its own.
+struct ReplicaStatistics {
+  void operator()(std::vector<BatchNormStatistics>& stats) const {
+    combine_statistics(group, stats, device);
+  }
+  ProcessGroup group;
+  c10::Device device;
+  const DataParallelImpl* owner;
+};
+
 }  // namespace
 
 DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
@@ -48,10 +59,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
   if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
     if (pipe->options().deferred_batch_norm()) {
       combined_statistics_ = true;
-      pipe->set_statistics_combiner(
-          [group = group_, device = device()](std::vector<BatchNormStatistics>& stats) {
-            combine_statistics(group, stats, device);
-          });
+      pipe->set_statistics_combiner(ReplicaStatistics{group_, device(), this});
     }
   }
   check_same_configuration();
@@ -79,9 +87,12 @@ c10::Device DataParallelImpl::device() const {
 }
 
 DataParallelImpl::~DataParallelImpl() {
+  // Only the combiner this wrapper installed: a newer DataParallel of the same GPipe may have put
+  // its own in place, which must go on merging the replicas' statistics.
   if (combined_statistics_) {
     if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
-      pipe->set_statistics_combiner(nullptr);
+      const auto* mine = pipe->statistics_combiner().target<ReplicaStatistics>();
+      if (mine != nullptr && mine->owner == this) pipe->set_statistics_combiner(nullptr);
     }
   }
 }
@@ -99,9 +110,24 @@ void DataParallelImpl::check_same_configuration() {
       pipe ? static_cast<int64_t>(fingerprint(absl::StrJoin(pipe->balance(), ","))) : 0);
   fields.emplace_back("GPipe checkpoint mode", pipe ? static_cast<int64_t>(pipe->checkpoint()) : 0);
   fields.emplace_back("GPipe deferred_batch_norm", combined_statistics_ ? 1 : 0);
+  // Which parameters are frozen: the reducer buckets only those that require grad, so replicas
+  // frozen differently would pair different all-reduces.
+  std::string frozen;
+  int64_t trained = 0;
+  for (const auto& item : module_ptr_->named_parameters()) {
+    if (item.value().requires_grad()) {
+      ++trained;
+    } else {
+      absl::StrAppend(&frozen, item.key(), ";");
+    }
+  }
+  fields.emplace_back("parameters that require grad", trained);
+  fields.emplace_back("names of the frozen parameters (hash)",
+                      static_cast<int64_t>(fingerprint(frozen)));
 
   check_same_fields(group_, fields, "gpipe::DataParallel", "replica",
-                    "Every process must wrap the same model with the same options", device());
+                    "Every process must wrap the same model with the same options (and freeze "
+                    "the same parameters)", device());
 }
 
 void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {

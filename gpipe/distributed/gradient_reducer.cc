@@ -7,13 +7,13 @@
 #include <tuple>
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "absl/strings/str_cat.h"
 #include "gpipe/end_of_backward.h"
 
 namespace gpipe {
@@ -24,6 +24,10 @@ struct GradientReducer::State {
     std::vector<size_t> params;
     int64_t pending = 0;  // parameters whose gradient is not final yet
     bool started = false;
+    bool late = false;  // a parameter of it accumulated after it started (this backward)
+    // The parameters' gradients, then one flag each (1: this rank has a gradient), then, in the
+    // last bucket, one flag per bucket (1: late on this rank); divided by the world size and
+    // summed over the ranks (Note [Graphs that change between backwards]).
     at::Tensor flat;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -37,10 +41,9 @@ struct GradientReducer::State {
 
   std::mutex mu;
   bool armed = false;    // a backward is running (begin_backward .. finish)
-  bool learned = false;  // the accumulation counts are known
+  bool learned = false;  // accumulation counts are known (from the last backward)
   std::vector<int64_t> expected, seen;
   size_t next_bucket = 0;
-  std::string late;  // a parameter accumulated after its bucket started
   ReductionStats stats;
 
   void on_accumulated(size_t p) {
@@ -54,10 +57,7 @@ struct GradientReducer::State {
     }
     Bucket& bucket = buckets[bucket_of[p]];
     if (bucket.started) {
-      if (late.empty()) {
-        late = absl::StrCat(names[p], " (accumulated ", seen[p], " times, ", expected[p],
-                            " in the first backward)");
-      }
+      bucket.late = true;  // reduced again at the end, on every rank
       return;
     }
     if (seen[p] == expected[p]) {
@@ -76,13 +76,22 @@ struct GradientReducer::State {
   void start(size_t b, bool during_backward) {
     Bucket& bucket = buckets[b];
     std::vector<at::Tensor> pieces;
-    pieces.reserve(bucket.params.size());
+    pieces.reserve(bucket.params.size() + 2);
+    std::vector<double> has_grad;
     for (size_t p : bucket.params) {
       const at::Tensor& grad = params[p].grad();
       TORCH_CHECK(!grad.defined() || !grad.is_sparse(), "gpipe::DataParallel: parameter ",
                   names[p], " has a sparse gradient, which is not supported");
       pieces.push_back(grad.defined() ? grad.detach().reshape(-1)
                                       : at::zeros({params[p].numel()}, params[p].options()));
+      has_grad.push_back(grad.defined() ? 1 : 0);
+    }
+    const at::TensorOptions options = params[bucket.params[0]].options();
+    pieces.push_back(at::tensor(has_grad, at::kDouble).to(options));
+    if (b + 1 == buckets.size()) {
+      std::vector<double> late_here;
+      for (const Bucket& other : buckets) late_here.push_back(other.late ? 1 : 0);
+      pieces.push_back(at::tensor(late_here, at::kDouble).to(options));
     }
     bucket.flat = at::cat(pieces).div_(group->getSize());
     std::vector<at::Tensor> tensors{bucket.flat};
@@ -106,6 +115,13 @@ struct GradientReducer::State {
     }
   }
 
+  // The number of elements of bucket `b`'s gradients.
+  int64_t gradient_elements(const Bucket& bucket) const {
+    int64_t n = 0;
+    for (size_t p : bucket.params) n += params[p].numel();
+    return n;
+  }
+
   void finish() {
     const auto t0 = std::chrono::steady_clock::now();
     std::unique_lock<std::mutex> lock(mu);
@@ -113,18 +129,44 @@ struct GradientReducer::State {
       State& s;
       ~Disarm() { s.armed = false; }
     } disarm{*this};
+    if (buckets.empty()) return;  // nothing requires grad
     for (Bucket& bucket : buckets) {
       bucket.pending = 0;
     }
-    start_ready(/*during_backward=*/false);
+    start_ready(/*during_backward=*/false);  // the last bucket, with the late flags, among them
     at::NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
       wait(group, bucket.work, "the all-reduce of a gradient bucket");
       bucket.work.reset();
+    }
+    // Buckets late on any rank are reduced again from the final gradients, in index order on
+    // every rank (Note [Graphs that change between backwards]).
+    const Bucket& last = buckets.back();
+    const int64_t flags_at = gradient_elements(last) + static_cast<int64_t>(last.params.size());
+    const at::Tensor late_anywhere =
+        last.flat.narrow(0, flags_at, static_cast<int64_t>(buckets.size())).to(at::kCPU, at::kDouble);
+    for (size_t b = 0; b + 1 < buckets.size(); ++b) {
+      if (late_anywhere[static_cast<int64_t>(b)].item<double>() > 0) {
+        start(b, /*during_backward=*/false);
+        wait(group, buckets[b].work, "the all-reduce of a gradient bucket");
+        buckets[b].work.reset();
+        ++stats.reduced_again;
+      }
+    }
+    for (Bucket& bucket : buckets) {
+      const int64_t elements = gradient_elements(bucket);
+      const at::Tensor anyone = bucket.flat.narrow(0, elements,
+                                                   static_cast<int64_t>(bucket.params.size()))
+                                    .to(at::kCPU, at::kDouble);
       int64_t offset = 0;
-      for (size_t p : bucket.params) {
+      for (size_t k = 0; k < bucket.params.size(); ++k) {
+        const size_t p = bucket.params[k];
         at::Tensor average = bucket.flat.narrow(0, offset, params[p].numel()).view_as(params[p]);
         offset += params[p].numel();
+        // No replica has a gradient: it stays undefined, as in one process (an optimizer then
+        // skips the parameter). Some have one: every replica gets the average, in which the
+        // others count as zeros (Note [Parameters that no replica used]).
+        if (anyone[static_cast<int64_t>(k)].item<double>() <= 0) continue;
         at::Tensor& grad = params[p].mutable_grad();
         if (grad.defined()) {
           grad.copy_(average);
@@ -133,17 +175,12 @@ struct GradientReducer::State {
         }
       }
       bucket.flat.reset();
+      bucket.late = false;
     }
-    if (!learned) {
-      expected = seen;
-      learned = true;
-    }
+    expected = seen;
+    learned = true;
     stats.exposed_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    TORCH_CHECK(late.empty(), "gpipe::DataParallel: parameter ", late, " got more gradient "
-                "after its bucket's all-reduce had started, so its average misses some; every "
-                "backward must accumulate each parameter as often as the first did (the same "
-                "chunks and checkpoint mode, the same parameters used)");
   }
 };
 
@@ -222,13 +259,13 @@ void GradientReducer::begin_backward() {
       return;  // already reducing this backward
     }
     s->armed = true;
-    s->late.clear();
     s->next_bucket = 0;
     s->stats = ReductionStats{};
     s->stats.buckets = static_cast<int64_t>(s->buckets.size());
     std::fill(s->seen.begin(), s->seen.end(), 0);
     for (State::Bucket& bucket : s->buckets) {
       bucket.started = false;
+      bucket.late = false;
       bucket.pending = 0;
       for (size_t p : bucket.params) {
         bucket.pending += s->learned && s->expected[p] > 0 ? 1 : 0;
@@ -237,6 +274,8 @@ void GradientReducer::begin_backward() {
         bucket.pending = 1;  // started at the end of the first backward
       }
     }
+    // The last bucket carries every bucket's late flag, so it starts at the end.
+    if (!s->buckets.empty()) s->buckets.back().pending += 1;
     if (s->learned) {
       s->start_ready(/*during_backward=*/true);  // buckets whose parameters get no gradient
     }

@@ -19,19 +19,38 @@ namespace distributed {
 // Parameters are put in buckets of about `bucket_bytes`, in reverse order of registration (the
 // last layers' gradients are computed first) and by device and dtype. A post-hook on each
 // parameter's gradient accumulator (AccumulateGrad) counts the accumulations; when a parameter
-// has had as many as in the first backward, its gradient is final, and when all of a bucket's
+// has had as many as in the last backward, its gradient is final, and when all of a bucket's
 // are, the bucket is flattened, divided by the world size and all-reduced (summed) asynchronously
 // while backward goes on. Buckets start in index order on every rank, so that the collectives
 // match. Counting is needed because a pipeline accumulates some gradients more than once per
 // backward: once per checkpointed micro-batch (each recomputation runs its own backward) and once
-// for the rest. The first backward learns the counts, so its buckets all start at its end.
+// for the rest. The first backward has no counts yet, so its buckets all start at its end.
 // At the end of every backward (a callback queued on the outermost backward when it starts: the
 // wrapper's output node calls begin_backward()), the buckets not started yet are started, every
-// all-reduce is waited for, and the averages are written into the gradients. A parameter
-// accumulated more often than counted after its bucket started is an error, not a silent wrong
-// gradient. With no gradient on this rank, a parameter counts as zeros (and gets the average).
-// The callback runs after every other end-of-backward callback (Note [The reduction's end] in
-// gradient_reducer.cc), and a backward that fails before it leaves the reducer ready for the next.
+// all-reduce is waited for, and the averages are written into the gradients. The callback runs
+// after every other end-of-backward callback (Note [The reduction's end] in gradient_reducer.cc),
+// and a backward that fails before it leaves the reducer ready for the next.
+//
+// Note [Graphs that change between backwards]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The counts are those of the last backward, and a graph may change: a branch used now and not
+// before, more micro-batches (a larger mini-batch), another checkpoint mode. A parameter then
+// accumulates after its bucket started ("late"), and what was all-reduced misses some of it. Each
+// rank marks its late buckets, and the last bucket, which always starts at the end of backward,
+// carries every bucket's mark to every rank with its gradients; each bucket late on any rank is
+// then all-reduced again from the final gradients, in index order on every rank, so that the
+// collectives still pair. A graph that changes costs those extra all-reduces (ReductionStats::
+// reduced_again) and that step's overlap; the counts are learned again at every backward. This
+// is what PyTorch's DistributedDataParallel does without static_graph, by other means.
+//
+// Note [Parameters that no replica used]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In one process a parameter that backward did not reach keeps an undefined gradient, and an
+// optimizer skips it: no momentum, no weight decay, no Adam step. Each bucket carries, beside the
+// gradients, one flag per parameter: whether this rank has a gradient for it (reached now, or
+// accumulated under no_sync). A parameter no rank has a gradient for keeps its undefined gradient
+// on every rank; one that some ranks have gets the average on every rank, the others counting as
+// zeros, as under DistributedDataParallel with find_unused_parameters.
 
 /// What the last backward's reduction did.
 struct ReductionStats {
@@ -42,6 +61,9 @@ struct ReductionStats {
   /// Seconds between the end of backward's own work (the final callback) and the end of the
   /// reduction: the part of the all-reduce that backward did not hide.
   double exposed_seconds = 0;
+  /// Buckets all-reduced a second time because a gradient came after they had started (Note
+  /// [Graphs that change between backwards]).
+  int64_t reduced_again = 0;
 };
 
 class GradientReducer {

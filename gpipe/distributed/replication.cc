@@ -6,7 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/ops/zeros.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -42,24 +42,41 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const at::Tensor& p : params) {
     if (!p.requires_grad()) continue;
-    if (!p.grad().defined()) {
-      p.mutable_grad() = at::zeros_like(p);
-    }
     by_dtype[p.scalar_type()].push_back(p);
   }
   for (auto& [dtype, ps] : by_dtype) {
+    // The gradients (zeros where this rank has none), then one flag each: whether this rank has
+    // one (Note [Parameters that no replica used] in gradient_reducer.h).
     std::vector<at::Tensor> pieces;
+    std::vector<double> has_grad;
+    int64_t elements = 0;
     const c10::Device wire = wire_device(group, ps[0].is_cuda() ? ps[0].device() : local);
-    for (const at::Tensor& p : ps) pieces.push_back(p.grad().reshape(-1).to(wire));
+    for (const at::Tensor& p : ps) {
+      const at::Tensor& grad = p.grad();
+      pieces.push_back(grad.defined() ? grad.reshape(-1).to(wire)
+                                      : at::zeros({p.numel()}, p.options().device(wire)));
+      has_grad.push_back(grad.defined() ? 1 : 0);
+      elements += p.numel();
+    }
+    pieces.push_back(at::tensor(has_grad, at::kDouble).to(pieces[0].options()));
     std::vector<at::Tensor> flat{at::cat(pieces)};
     check_collective(group, "the all-reduce of the replicas' gradients",
                      [&] { group->allreduce(flat)->wait(); });
     flat[0].div_(group->getSize());
+    const at::Tensor anyone = flat[0].narrow(0, elements, static_cast<int64_t>(ps.size()))
+                                  .to(at::kCPU, at::kDouble);
     int64_t offset = 0;
-    for (const at::Tensor& p : ps) {
+    for (size_t k = 0; k < ps.size(); ++k) {
+      const at::Tensor& p = ps[k];
       const int64_t n = p.numel();
-      p.mutable_grad().copy_(flat[0].narrow(0, offset, n).view_as(p));
+      const at::Tensor average = flat[0].narrow(0, offset, n).view_as(p);
       offset += n;
+      if (anyone[static_cast<int64_t>(k)].item<double>() <= 0) continue;  // stays undefined
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(average);
+      } else {
+        p.mutable_grad() = average.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
+      }
     }
   }
 }

@@ -24,7 +24,9 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
 
 /// Replaces the gradient of each parameter that requires grad by its average over the ranks of
 /// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU, or on
-/// `local` for NCCL). A parameter without a gradient counts as zeros and gets the average.
+/// `local` for NCCL). A parameter without a gradient on some ranks counts as zeros there and gets
+/// the average; one without a gradient on any rank keeps it undefined (Note [Parameters that no
+/// replica used] in gradient_reducer.h).
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
                        c10::Device local = c10::Device(c10::kCPU));
 

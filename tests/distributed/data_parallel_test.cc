@@ -2,20 +2,13 @@
 // of every mini-batch reach the same parameters and batch norm statistics as one process on the
 // whole mini-batch, through GPipe or a plain module, with gradient accumulation; a replica that
 // dies or is configured differently makes the others fail with a clear error.
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/batchnorm.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
-#include <torch/nn/functional/loss.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/ops/allclose.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/randn.h>
 
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/gpipe.h"
 #include "tests/catch.h"
+#include "tests/distributed/data_parallel_test_util.h"
 #include "tests/distributed/multiprocess.h"
 
 namespace gpipe {
@@ -23,84 +16,20 @@ namespace distributed {
 namespace {
 
 namespace nn = torch::nn;
-using gpipe_test::run_ranks;
-using gpipe_test::test_rank;
-
-constexpr int kWorld = 2;
-constexpr int kSteps = 4;
-constexpr int64_t kBatch = 8;
-
-std::string folder_for(const std::string& name) { return gpipe_test::folder_for("dp", name); }
-
-// The model every test trains, made with seed 100 + `seed_offset` (rank r uses r, so that
-// replicas start different and the broadcast from rank 0 matters).
-nn::Sequential make_model(bool batch_norm, int seed_offset) {
-  torch::manual_seed(100 + seed_offset);
-  nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 8));
-  if (batch_norm) seq->push_back(nn::BatchNorm1d(8));
-  seq->push_back(nn::Tanh());
-  seq->push_back(nn::Linear(8, 3));
-  seq->to(at::kDouble);
-  return seq;
-}
-
-// Step k's whole mini-batch and targets (the same in every process).
-std::pair<at::Tensor, at::Tensor> batch(int step) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  at::Tensor x = at::randn({kBatch, 6}, gen, at::kDouble);
-  at::Tensor y = at::randn({kBatch, 3}, gen, at::kDouble);
-  return {x, y};
-}
-
-at::Tensor shard(const at::Tensor& t, int rank) { return t.chunk(kWorld)[rank]; }
-
-std::vector<at::Tensor> state_of(nn::Module& module) {
-  std::vector<at::Tensor> out = module.parameters();
-  for (const at::Tensor& b : module.buffers()) out.push_back(b);
-  return out;
-}
-
-using gpipe_test::flat;
-
-ProcessGroup join() { return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60))); }
-
-// Runs `test` in kWorld ranks and returns what each rank wrote to "state<r>.bin".
-std::vector<at::Tensor> replicas(const std::string& test, const std::string& key) {
-  const std::string folder = folder_for(key);
-  const auto results = run_ranks(test, kWorld, folder);
-  std::vector<at::Tensor> states;
-  for (int r = 0; r < kWorld; ++r) {
-    CATCH_INFO(gpipe_test::outputs(results));
-    CATCH_REQUIRE(results[r].exit_code == 0);
-    states.push_back(gpipe_test::read_doubles(folder + "/state" + std::to_string(r) + ".bin"));
-  }
-  std::filesystem::remove_all(folder);
-  return states;
-}
-
-// Checks each replica's `states` against the plain model after kSteps SGD steps on the whole
-// batches (1e-10).
-void check_plain_training(const std::vector<at::Tensor>& states) {
-  nn::Sequential plain = make_model(false, 0);
-  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    sgd.zero_grad();
-    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
-    sgd.step();
-  }
-  const at::Tensor expected = flat(state_of(*plain));
-  for (const at::Tensor& state : states) {
-    CATCH_REQUIRE(state.sizes() == expected.sizes());
-    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
-  }
-}
-
-void save_state(nn::Module& module) {
-  gpipe_test::write_doubles(gpipe_test::test_folder() + "/state" + std::to_string(test_rank()) +
-                                ".bin",
-                            state_of(module));
-}
+using dp_test::batch;
+using dp_test::check_plain_training;
+using dp_test::flat;
+using dp_test::folder_for;
+using dp_test::join;
+using dp_test::kSteps;
+using dp_test::kWorld;
+using dp_test::make_model;
+using dp_test::replicas;
+using dp_test::run_ranks;
+using dp_test::save_state;
+using dp_test::shard;
+using dp_test::state_of;
+using dp_test::test_rank;
 
 // Rank `rank`'s replica of `pipe`: kSteps SGD steps on its shards, with buckets of 256 bytes (so
 // that several start during backward), and the state saved. With `failed_backward`, step 1 first

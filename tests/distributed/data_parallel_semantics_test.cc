@@ -1,0 +1,245 @@
+// Data-parallel replicas keep the promises of PyTorch's DistributedDataParallel: parameters that
+// no replica used keep undefined gradients (an optimizer skips them), graphs may change between
+// steps (a branch used later, more micro-batches), replicas must freeze the same parameters, and a
+// GPipe wrapped again keeps merging its replicas' batch norm statistics; each against the plain
+// model on the whole batch.
+#include <optional>
+
+#include <ATen/ops/nonzero.h>
+#include <torch/nn/cloneable.h>
+#include <torch/optim/adam.h>
+
+#include "gpipe/distributed/data_parallel.h"
+#include "gpipe/gpipe.h"
+#include "tests/catch.h"
+#include "tests/distributed/data_parallel_test_util.h"
+#include "tests/distributed/multiprocess.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+namespace nn = torch::nn;
+using dp_test::batch;
+using dp_test::check_states;
+using dp_test::flat;
+using dp_test::folder_for;
+using dp_test::join;
+using dp_test::kSteps;
+using dp_test::kWorld;
+using dp_test::make_model;
+using dp_test::replicas;
+using dp_test::run_ranks;
+using dp_test::save_state;
+using dp_test::shard;
+using dp_test::state_of;
+using dp_test::test_rank;
+
+// y = lin(x), plus branch(x) on the rows whose first feature is positive: in a step (or on a
+// shard, or in a micro-batch) where no row is, the branch's parameters get no gradient.
+struct GatedImpl : nn::Cloneable<GatedImpl> {
+  GatedImpl() { reset(); }
+  void reset() override {
+    lin = register_module("lin", nn::Linear(6, 3));
+    branch = register_module("branch", nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = lin(x);
+    const at::Tensor rows = at::nonzero(x.select(1, 0) > 0).reshape(-1);
+    if (rows.numel() == 0) return y;
+    return y.index_add(0, rows, branch(x.index_select(0, rows)));
+  }
+  nn::Linear lin{nullptr}, branch{nullptr};
+};
+TORCH_MODULE(Gated);
+
+nn::Sequential gated_model(int seed_offset) {
+  torch::manual_seed(200 + seed_offset);
+  nn::Sequential seq(Gated(), nn::Tanh(), nn::Linear(3, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
+
+// Step k's batch, with the rows that pass the gate: none in steps 0 and 3, one in rank 0's shard
+// only in step 1, one in each shard in step 2.
+std::pair<at::Tensor, at::Tensor> gated_batch(int step) {
+  auto [x, y] = batch(step);
+  x.select(1, 0).fill_(-1);
+  const std::vector<std::vector<int64_t>> passing{{}, {1}, {2, 6}, {}};
+  for (int64_t row : passing[static_cast<size_t>(step)]) x[row][0] = 2;
+  return {x, y};
+}
+
+bool branch_used(int step) { return step == 1 || step == 2; }
+
+// Every gradient undefined (the optimizers' zero_grad zeroes them in LibTorch 1.13 and sets them
+// to none in 2.x; this test needs none in both).
+void clear_grads(const std::vector<at::Tensor>& params) {
+  for (at::Tensor p : params) p.mutable_grad() = at::Tensor();
+}
+
+std::vector<at::Tensor> branch_params(nn::Module& module) {
+  std::vector<at::Tensor> out;
+  for (const auto& item : module.named_parameters()) {
+    if (item.key().find("branch") != std::string::npos) out.push_back(item.value());
+  }
+  return out;
+}
+
+constexpr const char* kUnused =
+    "parameters that no replica used keep undefined gradients and ones that some used get the "
+    "average so Adam with weight decay trains to the plain model";
+
+CATCH_TEST_CASE(kUnused, "[distributed][unused]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const std::string wrap = std::getenv("GPIPE_TEST_WRAP");
+    nn::Sequential seq = gated_model(rank);
+    // Buckets of 64 bytes: the branch's parameters in buckets of their own, which start as soon as
+    // backward does when the last step did not use them.
+    std::optional<DataParallel> model;
+    if (wrap == "gpipe") {
+      model.emplace(GPipe(seq, GPipeOptions({1, 2}).chunks(2).checkpoint(Checkpoint::kAlways)),
+                    join(), DataParallelOptions().bucket_bytes(64));
+    } else {
+      model.emplace(seq, join(), DataParallelOptions().bucket_bytes(64));
+    }
+    DataParallel& dp = *model;
+    torch::optim::Adam adam(dp->parameters(), torch::optim::AdamOptions(0.01).weight_decay(0.1));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = gated_batch(step);
+      clear_grads(dp->parameters());
+      torch::nn::functional::mse_loss(dp->forward(shard(x, rank)), shard(y, rank)).backward();
+      CATCH_CAPTURE(step);
+      // Rank 1 never passes a row to the branch, and still gets rank 0's half in step 1.
+      for (const at::Tensor& p : branch_params(*dp)) CATCH_CHECK(p.grad().defined() == branch_used(step));
+      adam.step();
+    }
+    save_state(*dp);
+    return;
+  }
+  const std::string wrap = GENERATE(as<std::string>(), "module", "gpipe");
+  CATCH_INFO("a DataParallel of a " << wrap);
+  const std::vector<at::Tensor> states =
+      replicas(kUnused, "unused_" + wrap, {{"GPIPE_TEST_WRAP", wrap}});
+  nn::Sequential plain = gated_model(0);
+  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(0.01).weight_decay(0.1));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = gated_batch(step);
+    clear_grads(plain->parameters());
+    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+    for (const at::Tensor& p : branch_params(*plain)) {
+      CATCH_REQUIRE(p.grad().defined() == branch_used(step));
+    }
+    adam.step();
+  }
+  check_states(states, flat(state_of(*plain)));
+}
+
+constexpr const char* kMoreMicrobatches =
+    "replicas of a GPipe train to the plain model when a step has more micro-batches than the "
+    "step before";
+
+CATCH_TEST_CASE(kMoreMicrobatches, "[distributed][dynamic]") {
+  // Rows of each step's whole mini-batch: 1, 4, 4 and 2 per replica, so 1, 4, 4 and 2
+  // checkpointed micro-batches, each accumulating every gradient once.
+  const std::vector<int64_t> rows{2, 8, 8, 4};
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    DataParallel model(GPipe(make_model(false, rank),
+                             GPipeOptions({2, 2, 1}).chunks(4).checkpoint(Checkpoint::kAlways)),
+                       join(), DataParallelOptions().bucket_bytes(256));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step, rows[static_cast<size_t>(step)]);
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+      const ReductionStats stats = model->last_reduction();
+      CATCH_CAPTURE(step);
+      // Step 1 accumulates 4 times what step 0 counted once: buckets started after the first are
+      // reduced again. Step 2 is step 1 again: counted right, nothing again.
+      if (step == 1) CATCH_CHECK(stats.reduced_again >= 1);
+      if (step == 2) CATCH_CHECK(stats.reduced_again == 0);
+      if (step == 2) CATCH_CHECK(stats.started_during_backward >= 1);
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kMoreMicrobatches, "more_microbatches");
+  nn::Sequential plain = make_model(false, 0);
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step, rows[static_cast<size_t>(step)]);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+    sgd.step();
+  }
+  check_states(states, flat(state_of(*plain)));
+}
+
+constexpr const char* kFrozenMismatch =
+    "replicas that freeze different parameters are refused at construction";
+
+CATCH_TEST_CASE(kFrozenMismatch, "[distributed][errors]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    nn::Sequential model = make_model(false, rank);
+    // As many frozen on each, not the same ones.
+    model[rank == 0 ? 0 : 2]->named_parameters()["weight"].requires_grad_(false);
+    CATCH_CHECK_THROWS_WITH(DataParallel(model, join()),
+                            gpipe_test::contains("rank 1's replica differs from rank 0's") &&
+                                gpipe_test::contains("names of the frozen parameters (hash)") &&
+                                gpipe_test::contains("freeze the same parameters"));
+    return;
+  }
+  const std::string folder = folder_for("frozen_mismatch");
+  const auto results = run_ranks(kFrozenMismatch, kWorld, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kWrappedAgain =
+    "a DataParallel destroyed after a newer one wraps the same GPipe leaves the newer one "
+    "merging the replicas' batch norm statistics";
+
+CATCH_TEST_CASE(kWrappedAgain, "[distributed][batchnorm]") {
+  const auto options = [] {
+    return GPipeOptions({2, 4}).chunks(2).checkpoint(Checkpoint::kNever).deferred_batch_norm(true);
+  };
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    GPipe pipe(make_model(true, rank), options());
+    const ProcessGroup group = join();
+    std::optional<DataParallel> first(std::in_place, pipe, group);
+    DataParallel model(pipe, group);
+    first.reset();  // must not take the newer wrapper's combiner with it
+    CATCH_CHECK(static_cast<bool>(pipe->statistics_combiner()));
+    torch::optim::SGD sgd(model->parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kWrappedAgain, "wrapped_again");
+  // One GPipe on the whole batch: the same micro-batches, the running statistics of all of them.
+  GPipe one(make_model(true, 0), options().chunks(2 * kWorld));
+  torch::optim::SGD sgd(one->parameters(), 0.1);
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(one->forward(x), y).backward();
+    sgd.step();
+  }
+  check_states(states, flat(state_of(*one)));
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe
