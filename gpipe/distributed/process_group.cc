@@ -1,10 +1,12 @@
 // The process group; see process_group.h.
 #include "gpipe/distributed/process_group.h"
 
-#include <atomic>
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <map>
+#include <set>
+#include <utility>
 
 #include <ATen/ops/empty_like.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -16,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 
 #ifdef GPIPE_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -69,7 +72,8 @@ GroupOptions options_from_env() {
 
 namespace {
 
-// Meets the others at options' TCPStore (rank 0 serves it unless the launcher does).
+// Meets the others at options' TCPStore (rank 0 serves it unless the launcher does); called once
+// per store (store_and_name).
 c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
   TORCH_CHECK(options.world_size() >= 1 && options.rank() >= 0 &&
                   options.rank() < options.world_size(),
@@ -107,6 +111,42 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
                 (options.rank() == 0 ? "; is the port already in use?"
                                      : "; is rank 0 running, and MASTER_ADDR/MASTER_PORT right?"));
   }
+}
+
+// This process's connection to a store and the names of the groups it made there (Note [One store
+// per process]).
+struct StoreEntry {
+  c10::intrusive_ptr<c10d::Store> store;
+  int unnamed = 0;
+  std::set<std::string> names;
+};
+
+// The store of `options` (connected at the first call for its address, rank and world) and the
+// key prefix of the group being made there.
+std::pair<c10::intrusive_ptr<c10d::Store>, std::string> store_and_name(
+    const GroupOptions& options) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* stores = new std::map<std::string, StoreEntry>();  // for the process's life
+  const std::string key = absl::StrFormat(
+      "%s:%d rank %d of %d%s attempt %s", options.master_addr(), options.master_port(),
+      options.rank(), options.world_size(), options.launcher_store() ? " (launcher's)" : "",
+      env("TORCHELASTIC_RESTART_COUNT", false));
+  absl::MutexLock lock(&mu);
+  auto it = stores->find(key);
+  if (it == stores->end()) {
+    it = stores->emplace(key, StoreEntry{connect_store(options)}).first;
+  }
+  StoreEntry& entry = it->second;
+  entry.store->setTimeout(options.timeout());
+  if (options.name().empty()) {
+    return {entry.store, absl::StrCat("gpipe/", entry.unnamed++)};
+  }
+  TORCH_CHECK(entry.names.insert(options.name()).second, "gpipe::distributed: rank ",
+              options.rank(), " made a group named '", options.name(), "' at ",
+              options.master_addr(), ":", options.master_port(), " already; its keys are still "
+              "in the store, so each group needs a name of its own (e.g. with a number that "
+              "counts the attempts)");
+  return {entry.store, absl::StrCat("gpipe/named/", options.name())};
 }
 
 // The Gloo group of `size` processes that meet in `store`; this one is `rank`.
@@ -154,7 +194,8 @@ ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store,
                 " met the others at ", options.master_addr(), ":", options.master_port(),
                 " but could not connect to the others of its group ('", prefix, "') with ",
                 nccl ? "NCCL" : "Gloo", " (timeout ", options.timeout().count(), " ms): ",
-                e.what());
+                e.what(), "; every process must make the same groups, its unnamed ones in the "
+                "same order (a group that only some processes make needs GroupOptions::name)");
   }
 }
 
@@ -196,23 +237,16 @@ c10::Device wire_device(const ProcessGroup& group, c10::Device local) {
   return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
 }
 
-// Every group this process makes gets keys of its own in the store (the processes make their
-// groups in the same order, so the same number names the same group everywhere).
-std::string next_prefix() {
-  static std::atomic<int> groups{0};
-  return absl::StrCat("gpipe/", groups++);
-}
-
 ProcessGroup new_gloo_group(const GroupOptions& options) {
-  const auto store = connect_store(options);
-  return backend_group(store, next_prefix(), options.rank(), options.world_size(),
+  const auto [store, prefix] = store_and_name(options);
+  return backend_group(store, prefix, options.rank(), options.world_size(),
                        GroupOptions(options).backend("gloo"));
 }
 
 ProcessGroup new_process_group(const GroupOptions& options) {
   check_backend(options);
-  const auto store = connect_store(options);
-  return backend_group(store, next_prefix(), options.rank(), options.world_size(), options);
+  const auto [store, prefix] = store_and_name(options);
+  return backend_group(store, prefix, options.rank(), options.world_size(), options);
 }
 
 PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
@@ -220,8 +254,7 @@ PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages) {
               "gpipe::distributed: ", options.world_size(), " processes cannot form pipelines of ",
               stages, " stages; the number of processes must be a multiple of the stages");
   check_backend(options);
-  const auto store = connect_store(options);
-  const std::string prefix = next_prefix();
+  const auto [store, prefix] = store_and_name(options);
   PipelineGroups groups;
   groups.stages = stages;
   groups.replicas = options.world_size() / stages;

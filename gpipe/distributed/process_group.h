@@ -52,7 +52,25 @@ struct GroupOptions {
   /// every process must use a GPU of its own, and gpipe must be built with NCCL: built_with_nccl()).
   /// Note [Point-to-point order].
   TORCH_ARG(std::string, backend) = "gloo";
+  /// The group's name, under which its processes meet in the store (Note [One store per
+  /// process]): every process must give the same one, and no other group of this run may have it.
+  /// Empty (the default): the k-th unnamed group this process makes on this store, so every
+  /// process must make its unnamed groups in the same order.
+  TORCH_ARG(std::string, name) = "";
 };
+
+// Note [One store per process]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The processes of a run meet in one TCPStore (served by rank 0, or by torchrun), and each group
+// they make has keys of its own there: "gpipe/<k>" for the k-th unnamed group, "gpipe/named/<name>"
+// for a named one. A process connects to a store once and keeps the connection for its life, for
+// every group it makes there: so rank 0 serves the store once, and a group made after others (a
+// pipeline made anew after a failed step, Note [Failing fast across processes]) meets in the same
+// store instead of starting a second server on a port the first still holds. The k of an unnamed
+// group counts this process's unnamed groups on that store; a group made by some processes only
+// would shift the k of every later one on them, so such a group needs a name (named groups do not
+// count). A name is refused when this process used it on that store already: the earlier group's
+// keys are still there.
 
 /// Whether this build of gpipe can make NCCL groups (a CUDA LibTorch with c10d's NCCL backend,
 /// and NCCL's headers, found when gpipe was built).

@@ -4,6 +4,7 @@
 // dies or is configured differently makes the others fail with a clear error.
 #include <torch/optim/sgd.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full.h>
 
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/gpipe.h"
@@ -324,6 +325,34 @@ CATCH_TEST_CASE("a group's backend is gloo or nccl and gloo takes every tensor o
   CATCH_CHECK_FALSE(carries_device_tensors(group));
   CATCH_CHECK(wire_device(group, c10::Device("cuda:1")) == c10::Device(c10::kCPU));
   CATCH_CHECK(wire_device(group, c10::Device(c10::kCPU)) == c10::Device(c10::kCPU));
+}
+
+constexpr const char* kNamedGroups =
+    "groups made by name meet under it beside the unnamed ones and a name used twice is refused";
+
+CATCH_TEST_CASE(kNamedGroups, "[distributed][errors]") {
+  if (test_rank() >= 0) {
+    const GroupOptions options = options_from_env().timeout(std::chrono::seconds(60));
+    // Named, unnamed, named: each a group of its own in the one store (rank 0 serves it once).
+    std::vector<ProcessGroup> groups{new_gloo_group(GroupOptions(options).name("first")),
+                                     new_gloo_group(options),
+                                     new_gloo_group(GroupOptions(options).name("second"))};
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::vector<at::Tensor> t{at::full({1}, static_cast<double>(g + test_rank()), at::kDouble)};
+      groups[g]->allreduce(t)->wait();
+      CATCH_CHECK(t[0].item<double>() == static_cast<double>(2 * g + 1));
+    }
+    CATCH_CHECK_THROWS_WITH(new_gloo_group(GroupOptions(options).name("first")),
+                            gpipe_test::contains("made a group named 'first' at 127.0.0.1:") &&
+                                gpipe_test::contains("each group needs a name of its own"));
+    return;
+  }
+  const std::string folder = folder_for("named_groups");
+  const auto results = run_ranks(kNamedGroups, kWorld, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  CATCH_CHECK(results[0].exit_code == 0);
+  CATCH_CHECK(results[1].exit_code == 0);
+  std::filesystem::remove_all(folder);
 }
 
 CATCH_TEST_CASE("one replica is the module itself", "[distributed]") {

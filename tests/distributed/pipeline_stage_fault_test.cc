@@ -144,6 +144,55 @@ CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
   check_ranks_pass(kGradModes, "grad_modes");
 }
 
+
+constexpr const char* kRecovery =
+    "after a failed step the same processes make new groups and stages and train on to the plain "
+    "model's parameters and losses";
+
+CATCH_TEST_CASE(kRecovery, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const PipelineStageOptions options =
+        PipelineStageOptions(kBalance).chunks(kChunks).loss(mse).checkpoint(Checkpoint::kExceptLast);
+    nn::Sequential model = make_model();
+    // The failed stage and its group stay alive beside the new ones, as in a program that keeps
+    // them in scope; rank 0 serves the store once for both groups (Note [One store per process]).
+    std::vector<PipelineStage> stages;
+    stages.emplace_back(model, options, join());
+    torch::optim::SGD sgd(stages.back()->parameters(),
+                          torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::vector<at::Tensor> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      if (step == 1 && stages.size() == 1) {
+        // Stage 0 gives no mini-batch: its step fails, stage 1 hears it, and both make anew.
+        PipelineStage& failed = stages.back();
+        CATCH_CHECK_THROWS_WITH(failed->is_first() ? failed->step(no_input())
+                                                   : failed->step(no_input(), y),
+                                gpipe_test::contains("stage 0 needs the mini-batch as input"));
+        mark_done(rank);
+        wait_for_others(2, rank);
+        stages.emplace_back(model, options, join());
+        // The new stage holds the same layers, so the optimizer goes on with it.
+        const auto before = stages.front()->parameters(), after = stages.back()->parameters();
+        CATCH_REQUIRE(before.size() == after.size());
+        for (size_t k = 0; k < before.size(); ++k) CATCH_REQUIRE(before[k].is_same(after[k]));
+      }
+      PipelineStage& stage = stages.back();
+      sgd.zero_grad();
+      at::Tensor loss = stage->is_first() ? stage->step(Batch(x)) : stage->step(no_input(), y);
+      if (loss.defined()) losses.push_back(loss.detach());
+      sgd.step();
+    }
+    const std::string folder = gpipe_test::test_folder();
+    gpipe_test::write_doubles(folder + "/state" + std::to_string(rank) + ".bin",
+                              stages.back()->parameters());
+    if (stages.back()->is_last()) gpipe_test::write_doubles(folder + "/loss.bin", losses);
+    return;
+  }
+  check_stages(kRecovery, folder_for("recovery"), {}, /*loss_tolerance=*/1e-12);
+}
+
 }  // namespace
 }  // namespace distributed
 }  // namespace gpipe
