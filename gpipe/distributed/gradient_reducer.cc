@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "absl/strings/str_join.h"
 #include "gpipe/end_of_backward.h"
 
 namespace gpipe {
@@ -26,8 +27,9 @@ struct GradientReducer::State {
     bool started = false;
     bool late = false;  // a parameter of it accumulated after it started (this backward)
     // The parameters' gradients, then one flag each (1: this rank has a gradient), then, in the
-    // last bucket, one flag per bucket (1: late on this rank); divided by the world size and
-    // summed over the ranks (Note [Graphs that change between backwards]).
+    // last bucket, one flag per bucket (1: late on this rank) and one per rank (1: its backward
+    // failed); divided by the world size and summed over the ranks (Notes [Graphs that change
+    // between backwards], [A backward that fails on some replicas]).
     at::Tensor flat;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -42,6 +44,7 @@ struct GradientReducer::State {
   std::mutex mu;
   bool armed = false;    // a backward is running (begin_backward .. finish)
   bool learned = false;  // accumulation counts are known (from the last backward)
+  bool failed_here = false;  // this rank's backward failed (abandon)
   std::vector<int64_t> expected, seen;
   size_t next_bucket = 0;
   ReductionStats stats;
@@ -89,9 +92,12 @@ struct GradientReducer::State {
     const at::TensorOptions options = params[bucket.params[0]].options();
     pieces.push_back(at::tensor(has_grad, at::kDouble).to(options));
     if (b + 1 == buckets.size()) {
-      std::vector<double> late_here;
-      for (const Bucket& other : buckets) late_here.push_back(other.late ? 1 : 0);
-      pieces.push_back(at::tensor(late_here, at::kDouble).to(options));
+      std::vector<double> flags;
+      for (const Bucket& other : buckets) flags.push_back(other.late ? 1 : 0);
+      for (int r = 0; r < group->getSize(); ++r) {
+        flags.push_back(r == group->getRank() && failed_here ? 1 : 0);
+      }
+      pieces.push_back(at::tensor(flags, at::kDouble).to(options));
     }
     bucket.flat = at::cat(pieces).div_(group->getSize());
     std::vector<at::Tensor> tensors{bucket.flat};
@@ -102,17 +108,60 @@ struct GradientReducer::State {
     stats.bytes += bucket.flat.numel() * bucket.flat.element_size();
   }
 
-  // A backward that failed before finish(): the next one starts afresh. The all-reduces started
-  // go on in the background (they hold their tensors); every rank that failed alike started the
-  // same ones, so its next collectives still match, and a rank whose backward went on waits for
-  // buckets this one never starts and fails with the group's timeout.
+  // A backward that failed before finish() (Note [A backward that fails on some replicas]): this
+  // rank runs the collectives the others run in finish(), its failure marked in the last bucket,
+  // and drops the results; the next backward starts afresh.
   void abandon() {
     std::lock_guard<std::mutex> lock(mu);
-    armed = false;
+    if (!armed) return;
+    failed_here = true;
+    try {
+      if (!buckets.empty()) settle();
+    } catch (const std::exception&) {
+      // A collective failed (a peer died or timed out): the group is broken, and the next
+      // backward's collectives fail with the cause.
+    }
     for (Bucket& bucket : buckets) {
       bucket.work.reset();
       bucket.flat.reset();
+      bucket.late = false;
     }
+    armed = false;
+  }
+
+  // Starts every bucket not started yet, waits for them all, and all-reduces again the buckets
+  // late on any rank: the same collectives on every rank, whether its backward finished or failed.
+  // Returns the ranks whose backward failed. Called with mu held.
+  std::vector<int> settle() {
+    for (Bucket& bucket : buckets) {
+      bucket.pending = 0;
+    }
+    start_ready(/*during_backward=*/false);  // the last bucket, with the flags, among them
+    at::NoGradGuard no_grad;
+    for (Bucket& bucket : buckets) {
+      wait(group, bucket.work, "the all-reduce of a gradient bucket");
+      bucket.work.reset();
+    }
+    // Buckets late on any rank are reduced again from the final gradients, in index order on
+    // every rank (Note [Graphs that change between backwards]).
+    const Bucket& last = buckets.back();
+    const int64_t nb = static_cast<int64_t>(buckets.size());
+    const int64_t flags_at = gradient_elements(last) + static_cast<int64_t>(last.params.size());
+    const at::Tensor flags =
+        last.flat.narrow(0, flags_at, nb + group->getSize()).to(at::kCPU, at::kDouble);
+    for (int64_t b = 0; b + 1 < nb; ++b) {
+      if (flags[b].item<double>() > 0) {
+        start(static_cast<size_t>(b), /*during_backward=*/false);
+        wait(group, buckets[static_cast<size_t>(b)].work, "the all-reduce of a gradient bucket");
+        buckets[static_cast<size_t>(b)].work.reset();
+        ++stats.reduced_again;
+      }
+    }
+    std::vector<int> failed;
+    for (int r = 0; r < group->getSize(); ++r) {
+      if (flags[nb + r].item<double>() > 0) failed.push_back(r);
+    }
+    return failed;
   }
 
   // The number of elements of bucket `b`'s gradients.
@@ -130,28 +179,19 @@ struct GradientReducer::State {
       ~Disarm() { s.armed = false; }
     } disarm{*this};
     if (buckets.empty()) return;  // nothing requires grad
-    for (Bucket& bucket : buckets) {
-      bucket.pending = 0;
-    }
-    start_ready(/*during_backward=*/false);  // the last bucket, with the late flags, among them
+    const std::vector<int> failed = settle();
     at::NoGradGuard no_grad;
-    for (Bucket& bucket : buckets) {
-      wait(group, bucket.work, "the all-reduce of a gradient bucket");
-      bucket.work.reset();
-    }
-    // Buckets late on any rank are reduced again from the final gradients, in index order on
-    // every rank (Note [Graphs that change between backwards]).
-    const Bucket& last = buckets.back();
-    const int64_t flags_at = gradient_elements(last) + static_cast<int64_t>(last.params.size());
-    const at::Tensor late_anywhere =
-        last.flat.narrow(0, flags_at, static_cast<int64_t>(buckets.size())).to(at::kCPU, at::kDouble);
-    for (size_t b = 0; b + 1 < buckets.size(); ++b) {
-      if (late_anywhere[static_cast<int64_t>(b)].item<double>() > 0) {
-        start(b, /*during_backward=*/false);
-        wait(group, buckets[b].work, "the all-reduce of a gradient bucket");
-        buckets[b].work.reset();
-        ++stats.reduced_again;
+    if (!failed.empty()) {
+      for (Bucket& bucket : buckets) {
+        bucket.flat.reset();
+        bucket.late = false;
       }
+      TORCH_CHECK(false, "gpipe::DataParallel: the backward failed on rank",
+                  failed.size() > 1 ? "s " : " ", absl::StrJoin(failed, ", "), " of ",
+                  group->getSize(), " (", failed.size() > 1 ? "their" : "its", " own error is "
+                  "raised there), so this step's gradients were not averaged on rank ",
+                  group->getRank(), " (they are its own); every replica's all-reduces still pair: "
+                  "zero the gradients and go on with the next step");
     }
     for (Bucket& bucket : buckets) {
       const int64_t elements = gradient_elements(bucket);
@@ -259,6 +299,7 @@ void GradientReducer::begin_backward() {
       return;  // already reducing this backward
     }
     s->armed = true;
+    s->failed_here = false;
     s->next_bucket = 0;
     s->stats = ReductionStats{};
     s->stats.buckets = static_cast<int64_t>(s->buckets.size());

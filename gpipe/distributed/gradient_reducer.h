@@ -29,7 +29,8 @@ namespace distributed {
 // wrapper's output node calls begin_backward()), the buckets not started yet are started, every
 // all-reduce is waited for, and the averages are written into the gradients. The callback runs
 // after every other end-of-backward callback (Note [The reduction's end] in gradient_reducer.cc),
-// and a backward that fails before it leaves the reducer ready for the next.
+// and a backward that fails before it leaves the reducer ready for the next (Note [A backward that
+// fails on some replicas]).
 //
 // Note [Graphs that change between backwards]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -42,6 +43,19 @@ namespace distributed {
 // collectives still pair. A graph that changes costs those extra all-reduces (ReductionStats::
 // reduced_again) and that step's overlap; the counts are learned again at every backward. This
 // is what PyTorch's DistributedDataParallel does without static_graph, by other means.
+//
+// Note [A backward that fails on some replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A backward may fail on one replica (a hook, the user's loss, a layer) and succeed on the
+// others. Left alone, the failed one would start fewer all-reduces than the others wait for: they
+// would hang until the group's timeout, or pair their next step's all-reduces with this step's.
+// So the failed rank, when the engine drops its end-of-backward callback, runs every collective
+// the others run at their end (the buckets not started yet, the late ones again), with its
+// failure marked in the last bucket (one flag per rank). The others then know at once: their
+// backward throws "the backward failed on rank r of n", without writing averages; the failed
+// rank's backward throws its own error. Every rank ran the same collectives, so the next step is
+// clean on all of them: zero the gradients and go on. A rank that fails in forward (no backward)
+// is not covered: the others' backward waits for it until the timeout, as under PyTorch's DDP.
 //
 // Note [Parameters that no replica used]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

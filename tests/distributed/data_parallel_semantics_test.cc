@@ -3,9 +3,12 @@
 // steps (a branch used later, more micro-batches), replicas must freeze the same parameters, and a
 // GPipe wrapped again keeps merging its replicas' batch norm statistics; each against the plain
 // model on the whole batch.
+#include <chrono>
+#include <cstdio>
 #include <optional>
 
 #include <ATen/ops/nonzero.h>
+#include <ATen/ops/ones.h>
 #include <torch/nn/cloneable.h>
 #include <torch/optim/adam.h>
 
@@ -176,6 +179,61 @@ CATCH_TEST_CASE(kMoreMicrobatches, "[distributed][dynamic]") {
     sgd.step();
   }
   check_states(states, flat(state_of(*plain)));
+}
+
+constexpr const char* kFailsOnOne =
+    "a backward that fails on one replica makes the others throw at once naming it and every "
+    "replica then trains on to the plain model";
+
+CATCH_TEST_CASE(kFailsOnOne, "[distributed][errors]") {
+  // Six rows split evenly over two or three replicas.
+  constexpr int64_t kRows = 6;
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const int world = std::stoi(std::getenv("WORLD_SIZE"));
+    DataParallel model(GPipe(make_model(false, rank),
+                             GPipeOptions({2, 2, 1}).chunks(2).checkpoint(Checkpoint::kExceptLast)),
+                       join(), DataParallelOptions().bucket_bytes(256));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    const auto mine = [&](const at::Tensor& t) { return t.chunk(world)[rank]; };
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step, kRows);
+      if (step == 2) {
+        // Rank 1's own hook fails after the pipeline's backward, when some buckets have started.
+        const at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
+        at::Tensor z = w * 2;
+        if (rank == 1) {
+          z.register_hook([](const at::Tensor& grad) {
+            TORCH_CHECK(false, "rank 1's backward failed on purpose");
+            return grad;
+          });
+        }
+        at::Tensor loss = torch::nn::functional::mse_loss(model->forward(mine(x)), mine(y));
+        const auto start = std::chrono::steady_clock::now();
+        if (rank == 1) {
+          CATCH_CHECK_THROWS_WITH((loss + z.sum()).backward(),
+                                  gpipe_test::contains("rank 1's backward failed on purpose"));
+        } else {
+          CATCH_CHECK_THROWS_WITH(
+              (loss + z.sum()).backward(),
+              gpipe_test::contains("the backward failed on rank 1 of " + std::to_string(world)) &&
+                  gpipe_test::contains("zero the gradients and go on"));
+        }
+        std::printf("rank %d threw after %.3f s\n", rank,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                        .count());
+      }
+      sgd.zero_grad();
+      torch::nn::functional::mse_loss(model->forward(mine(x)), mine(y)).backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const int world = GENERATE(2, 3);
+  CATCH_INFO(world << " replicas");
+  dp_test::check_plain_training(
+      replicas(kFailsOnOne, "fails_on_one_" + std::to_string(world), {}, world), kRows);
 }
 
 constexpr const char* kFrozenMismatch =

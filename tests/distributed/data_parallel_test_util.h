@@ -70,13 +70,14 @@ inline ProcessGroup join() {
   return new_gloo_group(options_from_env().timeout(std::chrono::seconds(60)));
 }
 
-// Runs `test` in kWorld ranks (with `env`) and returns what each rank wrote to "state<r>.bin".
+// Runs `test` in `world` ranks (with `env`) and returns what each rank wrote to "state<r>.bin".
 inline std::vector<at::Tensor> replicas(const std::string& test, const std::string& key,
-                                        const std::map<std::string, std::string>& env = {}) {
+                                        const std::map<std::string, std::string>& env = {},
+                                        int world = kWorld) {
   const std::string folder = folder_for(key);
-  const auto results = run_ranks(test, kWorld, folder, env);
+  const auto results = run_ranks(test, world, folder, env);
   std::vector<at::Tensor> states;
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < world; ++r) {
     CATCH_INFO(gpipe_test::outputs(results));
     CATCH_REQUIRE(results[r].exit_code == 0);
     states.push_back(gpipe_test::read_doubles(folder + "/state" + std::to_string(r) + ".bin"));
@@ -94,12 +95,12 @@ inline void check_states(const std::vector<at::Tensor>& states, const at::Tensor
 }
 
 // Checks each replica's `states` against the plain model after kSteps SGD steps on the whole
-// batches (1e-10).
-inline void check_plain_training(const std::vector<at::Tensor>& states) {
+// batches of `rows` (1e-10).
+inline void check_plain_training(const std::vector<at::Tensor>& states, int64_t rows = kBatch) {
   nn::Sequential plain = make_model(false, 0);
   torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
+    auto [x, y] = batch(step, rows);
     sgd.zero_grad();
     torch::nn::functional::mse_loss(plain->forward(x), y).backward();
     sgd.step();
