@@ -223,6 +223,10 @@ class PipelineStageImpl : public torch::nn::Module {
   /// where step() runs only the forward.
   const Batch& output() const { return output_; }
 
+  /// The pipeline's group (one rank per stage) and the stage's replica group (null when the
+  /// stage is not replicated).
+  const ProcessGroup& group() const { return group_; }
+  const ProcessGroup& replica_group() const { return replica_group_; }
   /// This process's stage and the number of stages.
   int64_t stage() const { return stage_; }
   int64_t stages() const {

@@ -3,7 +3,20 @@
 // result is compared with the plain Sequential doing the same.
 #include "tests/gpipe/test_util.h"
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/optim/adam.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/saved_training.h"
 
 namespace gpipe {
 namespace testing {
@@ -358,6 +371,73 @@ CATCH_TEST_CASE("An output that needs no gradient in the plain model needs none 
   y1.sum().backward();
   y2.sum().backward();
   check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+}
+
+
+// A GPipe with dropout (random numbers, replayed by checkpointed micro-batches) and batch norm
+// (buffers), under Adam: `steps` steps from step `first` on, returning the losses.
+std::vector<at::Tensor> train_steps(GPipe& model, torch::optim::Adam& adam, int first, int steps) {
+  std::vector<at::Tensor> losses;
+  for (int step = first; step < first + steps; ++step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+    const at::Tensor x = at::randn({8, 6}, gen, at::kDouble);
+    const at::Tensor y = at::randn({8, 3}, gen, at::kDouble);
+    adam.zero_grad();
+    at::Tensor loss = nn::functional::mse_loss(model->forward(x), y);
+    loss.backward();
+    adam.step();
+    losses.push_back(loss.detach());
+  }
+  return losses;
+}
+
+GPipe resumable_model(int seed) {
+  at::manual_seed(seed);
+  nn::Sequential seq(nn::Linear(6, 8), nn::Dropout(0.3), nn::Tanh(), nn::Linear(8, 8),
+                     nn::BatchNorm1d(8), nn::Tanh(), nn::Linear(8, 3));
+  seq->to(at::kDouble);
+  return GPipe(seq, GPipeOptions({3, 4}).chunks(2).checkpoint(Checkpoint::kExceptLast));
+}
+
+std::vector<at::Tensor> state_of(nn::Module& module) {
+  std::vector<at::Tensor> out = module.parameters();
+  for (const at::Tensor& b : module.buffers()) out.push_back(b);
+  return out;
+}
+
+CATCH_TEST_CASE("A run resumed from save_training takes the saved run's next steps bit for bit",
+                "[training][save]") {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / absl::StrCat("gpipe_resume_", ::getpid(), ".pt"))
+          .string();
+  GPipe first = resumable_model(1);
+  torch::optim::Adam adam(first->parameters(), torch::optim::AdamOptions(0.01));
+  train_steps(first, adam, 0, 3);
+  save_training(path, *first, &adam, 3);
+  const std::vector<at::Tensor> losses = train_steps(first, adam, 3, 3);
+
+  // Another model, other random numbers drawn meanwhile: the load puts back all of it.
+  GPipe second = resumable_model(2);
+  torch::optim::Adam adam2(second->parameters(), torch::optim::AdamOptions(0.01));
+  at::manual_seed(99);
+  at::randn({10});
+  CATCH_CHECK(load_training(path, *second, &adam2) == 3);
+  const std::vector<at::Tensor> resumed = train_steps(second, adam2, 3, 3);
+  for (size_t k = 0; k < losses.size(); ++k) CATCH_CHECK(at::equal(losses[k], resumed[k]));
+  const auto a = state_of(*first), b = state_of(*second);
+  CATCH_REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(at::equal(a[k], b[k]));
+
+  // Refused, naming what differs: another model, a file that is not there.
+  at::manual_seed(3);
+  nn::Sequential other(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 4));
+  other->to(at::kDouble);
+  CATCH_CHECK_THROWS_WITH(load_training(path, *other, nullptr),
+                          gpipe_test::contains("'" + path + "' has no '0.weight', which the "
+                                               "module has"));
+  CATCH_CHECK_THROWS_WITH(load_training(path + ".missing", *second, nullptr),
+                          gpipe_test::contains("cannot read '" + path + ".missing'"));
+  std::remove(path.c_str());
 }
 
 }  // namespace
