@@ -12,8 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/data/dataloader.h>
 #include <torch/data/datasets/map.h>
-#include <torch/data/samplers/random.h>
-#include <torch/data/samplers/sequential.h>
+#include <torch/data/samplers/distributed.h>
 #include <torch/data/transforms/stack.h>
 #include <torch/optim/adam.h>
 
@@ -23,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "examples/training/common.h"
 #include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/saved_training.h"
 #include "gpipe/trace.h"
 #include "gpipe/worker.h"
 
@@ -44,6 +44,8 @@ ABSL_DECLARE_FLAG(std::string, trace);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(bool, amp);
 ABSL_DECLARE_FLAG(int64_t, stage_partitions);
+ABSL_DECLARE_FLAG(std::string, save);
+ABSL_DECLARE_FLAG(std::string, resume);
 ABSL_DECLARE_FLAG(std::string, backend);
 
 namespace gpipe {
@@ -174,35 +176,56 @@ int train_distributed(const TrainerModel& trainer) {
 
   torch::optim::Adam optimizer(stage->parameters(),
                                torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
-  auto train_loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
-      data.train.map(torch::data::transforms::Stack<>()),
-      torch::data::DataLoaderOptions(batch_size).drop_last(true));
-  auto test_loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      data.test.map(torch::data::transforms::Stack<>()),
-      torch::data::DataLoaderOptions(batch_size).drop_last(true));
-  const auto shard = [&](const at::Tensor& t) {
-    return t.chunk(groups.replicas)[groups.replica].to(device);
+  // Sharded data: each replica reads only its shard of every epoch (the stages of a replica the
+  // same one), batch_size / replicas images a step. The shards are the same size on every rank:
+  // the samples that do not divide evenly over the replicas are dropped each epoch
+  // (allow_duplicates false), and so is each shard's last, partial batch.
+  const int64_t local_batch = batch_size / groups.replicas;
+  const auto train_sampler = [&](int64_t epoch) {
+    torch::data::samplers::DistributedRandomSampler sampler(
+        static_cast<size_t>(data.train.images().size(0)), static_cast<size_t>(groups.replicas),
+        static_cast<size_t>(groups.replica), /*allow_duplicates=*/false);
+    sampler.set_epoch(static_cast<size_t>(epoch));  // the order of each epoch, in every process
+    return sampler;
   };
+  auto test_loader = torch::data::make_data_loader(
+      data.test.map(torch::data::transforms::Stack<>()),
+      torch::data::samplers::DistributedSequentialSampler(
+          static_cast<size_t>(data.test.images().size(0)), static_cast<size_t>(groups.replicas),
+          static_cast<size_t>(groups.replica), /*allow_duplicates=*/false),
+      torch::data::DataLoaderOptions(local_batch).drop_last(true));
   const auto run = [&](const at::Tensor& images, const at::Tensor& labels) {
-    return stage->step(stage->is_first() ? Batch(shard(images)) : dist::no_input(),
-                       stage->is_last() ? shard(labels) : at::Tensor());
+    return stage->step(stage->is_first() ? Batch(images.to(device)) : dist::no_input(),
+                       stage->is_last() ? labels.to(device) : at::Tensor());
   };
 
   const int64_t epochs = absl::GetFlag(FLAGS_epochs);
-  const int64_t steps_per_epoch = data.train.images().size(0) / batch_size;
+  const int64_t steps_per_epoch = data.train.images().size(0) / groups.replicas / local_batch;
   const int64_t steps = absl::GetFlag(FLAGS_steps) > 0
                             ? std::min(absl::GetFlag(FLAGS_steps), steps_per_epoch)
                             : steps_per_epoch;
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   const double lr = absl::GetFlag(FLAGS_lr);
   int64_t global_step = 0;
+  int64_t first_epoch = 1;
+  const std::string save = absl::GetFlag(FLAGS_save);
+  if (!absl::GetFlag(FLAGS_resume).empty()) {
+    // Saves come at the ends of epochs: the next epoch is where the saved run went on.
+    global_step = dist::load_training(absl::GetFlag(FLAGS_resume), *stage, &optimizer);
+    first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
+    if (reporter) {
+      std::printf("resumed from %s at step %lld: epoch %lld\n",
+                  absl::GetFlag(FLAGS_resume).c_str(), static_cast<long long>(global_step),
+                  static_cast<long long>(first_epoch));
+    }
+  }
   double throughput = 0, accuracy = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t epoch = 1; epoch <= epochs; ++epoch) {
+  for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
     stage->train();
-    // The same order of samples in every process (the sampler draws from the global generator,
-    // which a stage's layers may also draw from): seeded alike just before each epoch.
-    at::manual_seed(absl::GetFlag(FLAGS_seed) + epoch);
+    auto train_loader = torch::data::make_data_loader(
+        data.train.map(torch::data::transforms::Stack<>()), train_sampler(epoch),
+        torch::data::DataLoaderOptions(local_batch).drop_last(true));
     Progress progress(epoch, steps * batch_size);
     int64_t step = 0;
     double loss_sum = 0;
@@ -222,7 +245,7 @@ int train_distributed(const TrainerModel& trainer) {
     if (reporter) progress.finish();
     throughput = step * batch_size / progress.seconds();
 
-    // Test accuracy: forward only, every replica on its shard of the same batches.
+    // Test accuracy: forward only, every replica on its shard of the test set.
     stage->eval();
     at::NoGradGuard no_grad;
     int64_t correct = 0, seen = 0, batches = 0;
@@ -232,12 +255,21 @@ int train_distributed(const TrainerModel& trainer) {
       }
       run(batch.data, batch.target);
       if (stage->is_last()) {
-        correct += stage->output().tensor().argmax(1).eq(shard(batch.target)).sum().item<int64_t>();
-        seen += shard(batch.target).size(0);
+        const at::Tensor labels = batch.target.to(device);
+        correct += stage->output().tensor().argmax(1).eq(labels).sum().item<int64_t>();
+        seen += labels.size(0);
       }
       ++batches;
     }
     accuracy = 100.0 * correct / std::max<int64_t>(seen, 1);
+    if (!save.empty()) {
+      const std::string folder = absl::StrCat(save, "/epoch_", epoch);
+      dist::save_training(folder, *stage, &optimizer, global_step);
+      if (reporter) {
+        std::printf("saved in %s (step %lld)\n", folder.c_str(),
+                    static_cast<long long>(global_step));
+      }
+    }
     if (reporter) {
       std::printf("epoch %lld: train loss %.4f, %.1f samples/s (%s, all replicas); test "
                   "accuracy %.2f%% (replica 0: %lld images)\n",
@@ -252,6 +284,9 @@ int train_distributed(const TrainerModel& trainer) {
   // forwards since then recorded their own timelines: one more training step, not counted).
   if (!absl::GetFlag(FLAGS_svg).empty() || !absl::GetFlag(FLAGS_trace).empty()) {
     stage->train();
+    auto train_loader = torch::data::make_data_loader(
+        data.train.map(torch::data::transforms::Stack<>()), train_sampler(epochs + 1),
+        torch::data::DataLoaderOptions(local_batch).drop_last(true));
     auto batch = train_loader->begin();
     optimizer.zero_grad();
     run((*batch).data, (*batch).target);

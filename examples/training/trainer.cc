@@ -36,6 +36,7 @@
 #include "gpipe/gpipe.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/partition.h"
+#include "gpipe/saved_training.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
@@ -92,6 +93,13 @@ ABSL_FLAG(int64_t, stage_partitions, 1,
 ABSL_FLAG(bool, stage_local_backward, true,
           "on CPU partitions, run each partition's backward on its own worker "
           "(GPipeOptions::stage_local_backward)");
+ABSL_FLAG(std::string, save, "",
+          "save the training (parameters, optimizer, step, random generators) at the end of every "
+          "epoch k in the folder <this>/epoch_k (gpipe::save_training; with --distributed, a file "
+          "per stage)");
+ABSL_FLAG(std::string, resume, "",
+          "resume the training saved in this folder (one epoch_k of --save), with the epoch after "
+          "it; give the flags of the saved run");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
@@ -304,7 +312,16 @@ int train(const TrainerModel& trainer) {
   const double lr = absl::GetFlag(FLAGS_lr);
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   int64_t global_step = 0;
-  for (int64_t epoch = 1; epoch <= epochs; ++epoch) {
+  int64_t first_epoch = 1;
+  const std::string save = absl::GetFlag(FLAGS_save);
+  if (!absl::GetFlag(FLAGS_resume).empty()) {
+    // Saves come at the ends of epochs: the next epoch is where the saved run went on.
+    global_step = load_training(absl::GetFlag(FLAGS_resume) + "/model.pt", *pipe, &optimizer);
+    first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
+    std::printf("resumed from %s at step %lld: epoch %lld\n", absl::GetFlag(FLAGS_resume).c_str(),
+                static_cast<long long>(global_step), static_cast<long long>(first_epoch));
+  }
+  for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
     pipe->train();
     Progress progress(epoch, steps * batch_size);
     int64_t step = 0;
@@ -384,6 +401,13 @@ int train(const TrainerModel& trainer) {
                 static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step, 1),
                 last_throughput, duration(train_seconds).c_str(), last_accuracy,
                 static_cast<long long>(seen));
+    if (!save.empty()) {
+      const std::string folder = absl::StrCat(save, "/epoch_", epoch);
+      std::filesystem::create_directories(folder);
+      save_training(folder + "/model.pt", *pipe, &optimizer, global_step);
+      std::printf("saved in %s (step %lld)\n", folder.c_str(),
+                  static_cast<long long>(global_step));
+    }
     std::fflush(stdout);
   }
 
