@@ -57,6 +57,9 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
               "got ", options_.bucket_bytes());
   register_module("module", module_ptr_);
   if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
+    forward_tuple_ = [pipe](const std::vector<at::Tensor>& inputs) {
+      return pipe->forward(inputs);
+    };
     if (pipe->options().deferred_batch_norm()) {
       combined_statistics_ = true;
       pipe->set_statistics_combiner(ReplicaStatistics{group_, device(), this});
@@ -141,21 +144,46 @@ void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {
   broadcast_from_rank0(group_, tensors, "rank 0's parameters and buffers", device());
 }
 
-at::Tensor DataParallelImpl::forward(const at::Tensor& input) {
+void DataParallelImpl::before_forward() {
   if (is_training() && options_.broadcast_buffers() && !combined_statistics_) {
     broadcast_state(/*parameters=*/false, /*buffers=*/true);
   }
-  at::Tensor out = forward_(input);
-  if (!at::GradMode::is_enabled() || !out.requires_grad() || no_sync_ > 0 ||
-      group_->getSize() == 1) {
-    return out;
+}
+
+std::vector<at::Tensor> DataParallelImpl::reducing(std::vector<at::Tensor> outputs) {
+  std::vector<at::Tensor> with_grad;
+  for (const at::Tensor& out : outputs) {
+    if (out.defined() && out.requires_grad()) with_grad.push_back(out);
   }
+  if (!at::GradMode::is_enabled() || with_grad.empty() || no_sync_ > 0 ||
+      group_->getSize() == 1) {
+    return outputs;
+  }
+  // One node before every output that needs a gradient: whichever a backward goes through
+  // first starts the reduction (once per backward: begin_backward ignores the others).
   auto node = std::shared_ptr<BeginReduction>(new BeginReduction(reducer_),
                                               torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(out));
-  at::Tensor result = out.detach();
-  torch::autograd::set_history(result, node);
-  return result;
+  node->set_next_edges(torch::autograd::collect_next_edges(with_grad));
+  for (at::Tensor& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    at::Tensor result = out.detach();
+    torch::autograd::set_history(result, node);
+    out = std::move(result);
+  }
+  return outputs;
+}
+
+at::Tensor DataParallelImpl::forward(const at::Tensor& input) {
+  before_forward();
+  return reducing({forward_(input)})[0];
+}
+
+std::vector<at::Tensor> DataParallelImpl::forward(const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(forward_tuple_, "gpipe::DataParallel: forward of ", inputs.size(), " tensors "
+              "needs a module that takes a tuple (a GPipe); this one takes one tensor: call "
+              "forward(tensor)");
+  before_forward();
+  return reducing(forward_tuple_(inputs));
 }
 
 DataParallelImpl::NoSync DataParallelImpl::no_sync() {

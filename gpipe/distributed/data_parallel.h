@@ -69,6 +69,10 @@ class DataParallelImpl : public torch::nn::Module {
   /// Runs the replica on this process's shard; a backward through the result averages the
   /// gradients over the replicas (unless under no_sync()).
   at::Tensor forward(const at::Tensor& input);
+  /// The same for a tuple: the shards of several tensors (the same samples of each), for a GPipe
+  /// whose first layer takes them (GPipe::forward of a vector); its outputs, each of which a
+  /// backward may go through.
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs);
 
   /// While the returned guard lives, backward only accumulates this replica's gradients
   /// (gradient accumulation); the next backward outside it averages the accumulated gradients.
@@ -100,9 +104,15 @@ class DataParallelImpl : public torch::nn::Module {
   c10::Device device() const;
   void check_same_configuration();
   void broadcast_state(bool parameters, bool buffers);
+  // Before a training forward: rank 0's buffers, where statistics are not combined.
+  void before_forward();
+  // `outputs`, each that needs a gradient behind one node whose backward starts the reduction.
+  std::vector<at::Tensor> reducing(std::vector<at::Tensor> outputs);
 
   std::shared_ptr<torch::nn::Module> module_ptr_;
   std::function<at::Tensor(const at::Tensor&)> forward_;
+  // A GPipe's forward of a tuple (null for other modules).
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward_tuple_;
   ProcessGroup group_;
   DataParallelOptions options_;
   bool combined_statistics_ = false;

@@ -134,7 +134,9 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> store_and_name(
   absl::MutexLock lock(&mu);
   auto it = stores->find(key);
   if (it == stores->end()) {
-    it = stores->emplace(key, StoreEntry{connect_store(options)}).first;
+    StoreEntry entry;
+    entry.store = connect_store(options);
+    it = stores->emplace(key, std::move(entry)).first;
   }
   StoreEntry& entry = it->second;
   entry.store->setTimeout(options.timeout());

@@ -110,6 +110,10 @@ detail::Activation RemoteUpstream::receive() {
               "stage ", wire_.group->getRank(), " ", grad_enabled_ ? "with" : "without", " it; "
               "call step() under the same grad mode (torch::NoGradGuard for inference) on every "
               "stage");
+  TORCH_CHECK(r.header.training == wire_.training, "gpipe::distributed::PipelineStage::step: "
+              "stage ", peer_, " is in ", r.header.training ? "train" : "eval", " mode but stage ",
+              wire_.group->getRank(), " in ", wire_.training ? "train" : "eval", " mode; call "
+              "train() or eval() on every stage alike");
   std::vector<at::Tensor> values;
   for (size_t t = 0; t < r.tensors.size(); ++t) {
     at::Tensor v = r.tensors[t].to(device_);
@@ -193,8 +197,15 @@ void RemoteDownstream::post_in_turn() {
 void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                             bool grad_enabled) {
   // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
-  at::Tensor header =
-      BatchHeader::of(output, microbatches, grad_enabled).encode().to(wire_.device);
+  at::Tensor header;
+  try {
+    BatchHeader of = BatchHeader::of(output, microbatches, grad_enabled);
+    of.training = wire_.training;
+    header = of.encode().to(wire_.device);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "on rank ", wire_.group->getRank(), ", to rank ", peer_, ": ",
+                e.what_without_backtrace());
+  }
   std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
   if (when_ == GradientReceives::kInTurn) {
     if (turns_.empty()) turns_ = turns_of_(microbatches);

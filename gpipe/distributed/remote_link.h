@@ -33,6 +33,9 @@ struct Wire {
   Worker* courier = nullptr;
   /// The step's (may be null): aborts its transfers when another stage failed (fault.h).
   std::shared_ptr<Cancellation> cancellation;
+  /// This stage's train or eval mode this step, which its neighbours' must equal (sent in each
+  /// activation's header, checked by the receiver).
+  bool training = true;
 
   /// Queues `operations` of `transfer` on the courier; returns the transfer.
   std::shared_ptr<Transfer> post(std::shared_ptr<Transfer> transfer,

@@ -91,7 +91,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
       !layers_->buffers().empty()) {
     broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
   }
-  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation)};
+  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation),
+                  is_training()};
   // On a group that matches in posting order, schedules that interleave forwards and backwards
   // post each pair's transfers in turn (Note [When gradients' receives are posted]).
   const bool in_turn = options_.schedule() != ScheduleKind::kGPipe && !matches_by_tag(group_);

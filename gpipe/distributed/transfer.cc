@@ -3,8 +3,12 @@
 
 #include <pthread.h>
 
+#include <chrono>
+#include <thread>
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
@@ -152,6 +156,7 @@ at::Tensor BatchHeader::encode() const {
   *p++ = microbatches;
   *p++ = atomic ? 1 : 0;
   *p++ = grad_enabled ? 1 : 0;
+  *p++ = training ? 1 : 0;
   *p++ = static_cast<int64_t>(entries.size());
   for (const Entry& e : entries) {
     *p++ = static_cast<int64_t>(e.dtype);
@@ -169,6 +174,7 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
   header.microbatches = *p++;
   header.atomic = *p++ != 0;
   header.grad_enabled = *p++ != 0;
+  header.training = *p++ != 0;
   const int64_t count = *p++;
   TORCH_CHECK(count >= 0 && count <= kMaxTensors && header.microbatches > 0,
               "gpipe::distributed: a malformed activation header arrived (", count,
@@ -252,6 +258,23 @@ void ActivationReceiver::run() {
     in_flight_.reset();
     return !stopping_;
   };
+  // On a GPU (NCCL), a receive's wait only orders `stream` after it: copying the header to the CPU
+  // would block this thread until the header arrives, which it never does when the sender
+  // failed, and a stopping stage (Note [Failing fast across processes]) could not end the wait
+  // (LibTorch 1.x cannot abort NCCL's work). So the thread polls an event recorded after the
+  // receive, and gives up when stopping; false then.
+  const auto arrived = [&](const c10::Stream& on) {
+    c10::Event done(on.device_type());
+    done.record(on);
+    while (!done.query()) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    return true;
+  };
   // Receives the step's micro-batches; returns early when stopping.
   const auto receive_all = [&] {
     int64_t m = 1;  // known from the first header
@@ -263,8 +286,14 @@ void ActivationReceiver::run() {
       c10::OptionalStreamGuard guard(stream);
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::dtype(at::kLong).device(device_));
       if (!receive(encoded, Message::kHeader, i, 0)) return;
+      if (stream && !arrived(*stream)) return;
       Received r;
-      r.header = BatchHeader::decode(encoded.to(at::kCPU));
+      try {
+        r.header = BatchHeader::decode(encoded.to(at::kCPU));
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
+                    e.what_without_backtrace());
+      }
       m = r.header.microbatches;
       r.tensors = r.header.empty_tensors(device_);
       r.stream = stream;
@@ -295,8 +324,8 @@ ActivationReceiver::Received ActivationReceiver::next() {
       this));
   if (ready_.empty()) {
     if (error_) std::rethrow_exception(error_);
-    TORCH_CHECK(false, "gpipe::distributed: the previous stage sent fewer micro-batches than "
-                "its header announced");
+    TORCH_CHECK(false, "gpipe::distributed: the previous stage (rank ", peer_, ") sent rank ",
+                group_->getRank(), " fewer micro-batches than its header announced");
   }
   Received r = std::move(ready_.front());
   ready_.pop_front();

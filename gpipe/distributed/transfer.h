@@ -94,6 +94,7 @@ struct BatchHeader {
   int64_t microbatches = 0;
   bool atomic = true;
   bool grad_enabled = true;  // whether the sender runs backward (it waits for gradients)
+  bool training = true;      // the sender's train (or eval) mode
   struct Entry {
     at::ScalarType dtype = at::kFloat;
     bool requires_grad = false;

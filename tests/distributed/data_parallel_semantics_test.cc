@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <optional>
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/nonzero.h>
 #include <ATen/ops/ones.h>
 #include <torch/nn/cloneable.h>
@@ -234,6 +235,71 @@ CATCH_TEST_CASE(kFailsOnOne, "[distributed][errors]") {
   CATCH_INFO(world << " replicas");
   dp_test::check_plain_training(
       replicas(kFailsOnOne, "fails_on_one_" + std::to_string(world), {}, world), kRows);
+}
+
+// A tuple model: (x, k) -> (tanh(lin(x)) * (1 + k / 8), k) -> its first -> Linear(8, 3); k is an
+// integer tensor that needs no gradient.
+struct PairInImpl : nn::Module {
+  PairInImpl() : lin(register_module("lin", nn::Linear(6, 8))) {}
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& xs) {
+    return {at::tanh(lin(xs[0])) * (1 + xs[1].unsqueeze(1).to(at::kDouble) / 8), xs[1]};
+  }
+  nn::Linear lin;
+};
+TORCH_MODULE(PairIn);
+
+struct FirstOfImpl : nn::Module {
+  at::Tensor forward(const std::vector<at::Tensor>& xs) { return xs[0]; }
+};
+TORCH_MODULE(FirstOf);
+
+nn::Sequential tuple_model(int seed_offset) {
+  torch::manual_seed(300 + seed_offset);
+  nn::Sequential seq(PairIn(), FirstOf(), nn::Tanh(), nn::Linear(8, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
+
+at::Tensor labels_of(int step) { return at::arange(dp_test::kBatch, at::kLong).remainder(3 + step); }
+
+constexpr const char* kTuple =
+    "replicas of a GPipe fed a tuple of shards train to the plain model on the whole batch";
+
+CATCH_TEST_CASE(kTuple, "[distributed]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    DataParallel model(GPipe(tuple_model(rank), GPipeOptions({2, 2}).chunks(2)), join(),
+                       DataParallelOptions().bucket_bytes(256));
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step);
+      sgd.zero_grad();
+      const std::vector<at::Tensor> out =
+          model->forward(std::vector<at::Tensor>{shard(x, rank), shard(labels_of(step), rank)});
+      CATCH_REQUIRE(out.size() == 1);
+      torch::nn::functional::mse_loss(out[0], shard(y, rank)).backward();
+      sgd.step();
+    }
+    // A module that takes one tensor is refused a tuple, naming what it takes.
+    DataParallel plain(nn::Sequential(nn::Linear(6, 3)), join());
+    CATCH_CHECK_THROWS_WITH(plain->forward(std::vector<at::Tensor>{at::ones({2, 6})}),
+                            gpipe_test::contains("forward of 1 tensors needs a module that takes "
+                                                 "a tuple (a GPipe)"));
+    save_state(*model);
+    return;
+  }
+  const std::vector<at::Tensor> states = replicas(kTuple, "tuple");
+  nn::Sequential plain = tuple_model(0);
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    const at::Tensor out =
+        plain->forward<at::Tensor>(std::vector<at::Tensor>{x, labels_of(step)});
+    torch::nn::functional::mse_loss(out, y).backward();
+    sgd.step();
+  }
+  check_states(states, flat(state_of(*plain)));
 }
 
 constexpr const char* kFrozenMismatch =

@@ -145,6 +145,30 @@ CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
 }
 
 
+constexpr const char* kTrainEval =
+    "stages in train and eval modes that differ fail with an error naming both on every stage";
+
+CATCH_TEST_CASE(kTrainEval, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    auto [x, y] = batch(0);
+    // Seen by stage 1, which receives stage 0's activations with its mode.
+    const char* mismatch = "stage 0 is in train mode but stage 1 in eval mode";
+    if (stage->is_first()) {
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("stage 1 of 2 failed: ") &&
+                                  gpipe_test::contains(mismatch));
+      mark_done(0);
+    } else {
+      stage->eval();
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y), gpipe_test::contains(mismatch));
+      wait_for_others(2, 1);
+    }
+    return;
+  }
+  check_ranks_pass(kTrainEval, "train_eval");
+}
+
 constexpr const char* kRecovery =
     "after a failed step the same processes make new groups and stages and train on to the plain "
     "model's parameters and losses";
