@@ -218,6 +218,21 @@ class PipelineStageImpl : public torch::nn::Module {
   /// from several threads run one at a time.
   at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {});
 
+  /// What evaluate() returns on every stage.
+  struct Evaluation {
+    Batch output;     // the last stage's output of the whole mini-batch, on this stage's device
+    at::Tensor loss;  // the last stage's loss (a double scalar on the CPU), given a target there
+  };
+  /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
+  /// only; the last stage calls the loss when given a target), then the last stage's output and
+  /// loss broadcast to every stage of the pipeline. A collective: every stage calls it, e.g. to
+  /// log the loss or count accuracy on any rank.
+  ///
+  ///   stage->eval();
+  ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y);
+  ///   double accuracy = result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
+  Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {});
+
   /// On the last stage, the last step's output of the whole mini-batch (gathered from the
   /// micro-batches, without history): for accuracy, or for inference under torch::NoGradGuard,
   /// where step() runs only the forward.

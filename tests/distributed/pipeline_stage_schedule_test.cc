@@ -111,6 +111,41 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
   check_ranks_pass(kInference, "inference_" + schedule, {{"GPIPE_TEST_SCHEDULE", schedule}});
 }
 
+constexpr const char* kEvaluate =
+    "evaluate gives every stage the last stage's output and loss of the plain model";
+
+CATCH_TEST_CASE(kEvaluate, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    const bool interleaved = std::string(std::getenv("GPIPE_TEST_SCHEDULE")) == "interleaved";
+    PipelineStage stage(make_model(),
+                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
+                                                         : kBalance)
+                            .chunks(interleaved ? 4 : kChunks)
+                            .virtual_stages(interleaved ? 2 : 1)
+                            .loss(mse)
+                            .schedule(interleaved ? ScheduleKind::kInterleaved
+                                                  : ScheduleKind::kGPipe),
+                        join());
+    nn::Sequential plain = make_model();
+    auto [x, y] = batch(0);
+    stage->eval();
+    // With a target (on every rank: only the last stage's counts), and without.
+    const auto with = stage->evaluate(stage->is_first() ? Batch(x) : no_input(), y);
+    const at::Tensor expected = plain->forward(x);
+    CATCH_CHECK(at::allclose(with.output.tensor(), expected, 0, 1e-12));
+    CATCH_REQUIRE(with.loss.defined());
+    CATCH_CHECK(std::abs(with.loss.item<double>() -
+                         nn::functional::mse_loss(expected, y).item<double>()) < 1e-12);
+    const auto without = stage->evaluate(stage->is_first() ? Batch(x) : no_input());
+    CATCH_CHECK(at::allclose(without.output.tensor(), expected, 0, 1e-12));
+    CATCH_CHECK(!without.loss.defined());
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "interleaved");
+  CATCH_INFO("schedule " << schedule);
+  check_ranks_pass(kEvaluate, "evaluate_" + schedule, {{"GPIPE_TEST_SCHEDULE", schedule}});
+}
+
 constexpr const char* kScheduleInOrder =
     "1F1B and zero bubble on a group that matches transfers in posting order as NCCL does train "
     "to the plain model's parameters and losses";

@@ -1,0 +1,58 @@
+// PipelineStage::evaluate: inference across the stages whose output, and loss, every stage gets
+// (for logging and accuracy on any rank); see pipeline_stage.h.
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/transfer.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+// Broadcasts `tensor` (the same size and dtype on every rank) from `root` over `group`, on the
+// group's wire; returns it on `local`.
+at::Tensor broadcast(const ProcessGroup& group, at::Tensor tensor, int root, c10::Device local,
+                     const std::string& what) {
+  std::vector<at::Tensor> one{tensor.to(wire_device(group, local))};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  check_collective(group, what, [&] { group->broadcast(one, options)->wait(); });
+  return one[0].to(local);
+}
+
+}  // namespace
+
+PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
+                                                          const at::Tensor& target) {
+  at::Tensor last_loss;
+  {
+    at::NoGradGuard no_grad;
+    last_loss = step(input, target);
+  }
+  const int last = static_cast<int>(stages()) - 1;
+  const std::string what = "the broadcast of the last stage's output";
+  // The last stage's output (its header first: the others learn the sizes from it), then its
+  // loss, if it computed one.
+  at::Tensor header = is_last() ? BatchHeader::of(output_, 1, false).encode()
+                                : at::empty({BatchHeader::size()}, at::kLong);
+  const BatchHeader shape =
+      BatchHeader::decode(broadcast(group_, header, last, c10::Device(c10::kCPU), what));
+  std::vector<at::Tensor> values = is_last() ? output_.values()
+                                             : shape.empty_tensors(local_);
+  for (at::Tensor& v : values) v = broadcast(group_, v, last, local_, what);
+  Evaluation result{shape.atomic ? Batch(std::move(values[0])) : Batch(std::move(values)),
+                    at::Tensor()};
+  const bool has_loss = is_last() && last_loss.defined();
+  at::Tensor loss = at::tensor({has_loss ? 1.0 : 0.0, has_loss ? last_loss.item<double>() : 0.0},
+                               at::kDouble);
+  loss = broadcast(group_, loss, last, c10::Device(c10::kCPU), "the broadcast of the loss");
+  if (loss[0].item<double>() > 0) result.loss = loss[1];
+  return result;
+}
+
+}  // namespace distributed
+}  // namespace gpipe
