@@ -7,7 +7,8 @@
 namespace gpipe {
 namespace training {
 
-/// Trains `model` with one pipeline stage per process: --partitions stages per pipeline (default:
+/// Trains `model` with one pipeline stage per process (in builds with gpipe::distributed:
+/// GPIPE_WITH_DISTRIBUTED): --partitions stages per pipeline (default:
 /// every process), WORLD_SIZE / stages replicas, each on its shard of every mini-batch. Returns
 /// the exit code.
 int train_distributed(const TrainerModel& model);

@@ -32,7 +32,7 @@
 #include "balancing/balance.h"
 #include "examples/training/common.h"
 #include "examples/training/data.h"
-#include "examples/training/distributed_trainer.h"
+#include "examples/training/distributed_trainer.h"  // built with GPIPE_WITH_DISTRIBUTED
 #include "gpipe/gpipe.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/partition.h"
@@ -214,7 +214,13 @@ Data load_data_from_flags() {
 
 int train(const TrainerModel& trainer) {
   if (absl::GetFlag(FLAGS_distributed)) {
+#if GPIPE_WITH_DISTRIBUTED
     return train_distributed(trainer);
+#else
+    TORCH_CHECK(false, "--distributed: this build has no gpipe::distributed (Gloo's headers, "
+                "gloo/algorithm.h, were not found when it was built: install libgloo-dev and "
+                "build again)");
+#endif
   }
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   Data data = load_data_from_flags();

@@ -10,8 +10,10 @@ Which LibTorch:
     CUDA Toolkit's headers and runtime are taken from CUDA_HOME (default /usr/local/cuda).
 
 The generated repository has one target, @libtorch//:libtorch, and a file @libtorch//:config.bzl
-with LIBTORCH_CUDA = True/False, LIBTORCH_CXX_STANDARD ("17" or "20") and GPIPE_COPTS (the
--std= flag every gpipe rule compiles with). The standard is the lowest one the LibTorch's headers
+with LIBTORCH_CUDA = True/False, LIBTORCH_CXX_STANDARD ("17" or "20"), GPIPE_COPTS (the
+-std= flag every gpipe rule compiles with), and HAS_DISTRIBUTED / DISTRIBUTED_TAGS (whether
+gpipe/distributed can be built: Gloo's headers found, and GPIPE_DISTRIBUTED not 0; its targets
+are tagged manual otherwise). The standard is the lowest one the LibTorch's headers
 accept: C++17, or C++20 for the LibTorch versions whose headers refuse anything older (their
 c10/util/C++17.h, ATen/ATen.h or torch/all.h test `__cplusplus < 202002L`). GPIPE_CXX_STANDARD=20
 (or 17, 23) overrides it.
@@ -111,8 +113,29 @@ cc_library(
 )
 """.format(libdir = libdir, hdrs = hdrs, includes = includes, defines = defines, linkopts = linkopts))
     standard = _cxx_standard(rctx, (root + "/include") if root else _SYSTEM_INCLUDE)
+
+    # gpipe/distributed includes LibTorch's c10d headers, which include Gloo's (gloo/algorithm.h):
+    # Debian's libgloo-dev, or a LibTorch folder that has them. Without them (or with
+    # GPIPE_DISTRIBUTED=0) the distributed targets are tagged manual and `bazel build //...`
+    # leaves them out.
+    gloo = (rctx.path(_SYSTEM_INCLUDE + "/gloo/algorithm.h").exists or
+            (root and rctx.path(root + "/include/gloo/algorithm.h").exists))
+    wanted = rctx.os.environ.get("GPIPE_DISTRIBUTED", "auto")
+    if wanted not in ["auto", "0", "1"]:
+        fail("gpipe: GPIPE_DISTRIBUTED=%s; use auto (the default), 1 or 0" % wanted)
+    if wanted == "1" and not gloo:
+        fail("gpipe: GPIPE_DISTRIBUTED=1, but Gloo's headers (gloo/algorithm.h), which LibTorch's " +
+             "c10d headers include, are in neither /usr/include nor the LibTorch's include/: " +
+             "install them (Debian: libgloo-dev)")
+    has_gloo = bool(gloo) and wanted != "0"
+    if not has_gloo:
+        print("gpipe: gpipe/distributed, its tests and benchmarks and the trainers' --distributed " +
+              "are left out (" + ("GPIPE_DISTRIBUTED=0" if wanted == "0" else
+                                  "no Gloo headers, gloo/algorithm.h: install libgloo-dev") + ")")
     rctx.file("config.bzl", "\n".join([
         "LIBTORCH_CUDA = %s" % cuda,
+        "HAS_DISTRIBUTED = %s" % has_gloo,
+        "DISTRIBUTED_TAGS = %s" % ([] if has_gloo else ["manual"]),
         "LIBTORCH_LIBDIR = %r" % libdir,
         "LIBTORCH_CXX_STANDARD = %r" % standard,
         "GPIPE_COPTS = [%r, \"-Wall\", \"-Wextra\"]" % ("-std=c++" + standard),
@@ -121,6 +144,6 @@ cc_library(
 
 libtorch_repository = repository_rule(
     implementation = _libtorch_repository_impl,
-    environ = ["GPIPE_LIBTORCH", "CUDA_HOME", "GPIPE_CXX_STANDARD"],
+    environ = ["GPIPE_LIBTORCH", "CUDA_HOME", "GPIPE_CXX_STANDARD", "GPIPE_DISTRIBUTED"],
     local = True,
 )
