@@ -23,21 +23,7 @@ namespace gpipe {
 namespace distributed {
 namespace {
 
-namespace nn = torch::nn;
-using dp_test::batch;
-using dp_test::check_states;
-using dp_test::flat;
-using dp_test::folder_for;
-using dp_test::join;
-using dp_test::kSteps;
-using dp_test::kWorld;
-using dp_test::make_model;
-using dp_test::replicas;
-using dp_test::run_ranks;
-using dp_test::save_state;
-using dp_test::shard;
-using dp_test::state_of;
-using dp_test::test_rank;
+using namespace dp_test;  // NOLINT: the shared helpers of the data-parallel tests
 
 // y = lin(x), plus branch(x) on the rows whose first feature is positive: in a step (or on a
 // shard, or in a micro-batch) where no row is, the branch's parameters get no gradient.
@@ -341,27 +327,10 @@ CATCH_TEST_CASE(kWrappedAgain, "[distributed][batchnorm]") {
     DataParallel model(pipe, group);
     first.reset();  // must not take the newer wrapper's combiner with it
     CATCH_CHECK(static_cast<bool>(pipe->statistics_combiner()));
-    torch::optim::SGD sgd(model->parameters(), 0.1);
-    for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = batch(step);
-      sgd.zero_grad();
-      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
-      sgd.step();
-    }
-    save_state(*model);
+    train_and_save(model, rank);
     return;
   }
-  const std::vector<at::Tensor> states = replicas(kWrappedAgain, "wrapped_again");
-  // One GPipe on the whole batch: the same micro-batches, the running statistics of all of them.
-  GPipe one(make_model(true, 0), options().chunks(2 * kWorld));
-  torch::optim::SGD sgd(one->parameters(), 0.1);
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    sgd.zero_grad();
-    torch::nn::functional::mse_loss(one->forward(x), y).backward();
-    sgd.step();
-  }
-  check_states(states, flat(state_of(*one)));
+  check_one_gpipe(replicas(kWrappedAgain, "wrapped_again"), options());
 }
 
 }  // namespace

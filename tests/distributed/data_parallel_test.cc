@@ -16,21 +16,7 @@ namespace gpipe {
 namespace distributed {
 namespace {
 
-namespace nn = torch::nn;
-using dp_test::batch;
-using dp_test::check_plain_training;
-using dp_test::flat;
-using dp_test::folder_for;
-using dp_test::join;
-using dp_test::kSteps;
-using dp_test::kWorld;
-using dp_test::make_model;
-using dp_test::replicas;
-using dp_test::run_ranks;
-using dp_test::save_state;
-using dp_test::shard;
-using dp_test::state_of;
-using dp_test::test_rank;
+using namespace dp_test;  // NOLINT: the shared helpers of the data-parallel tests
 
 // Rank `rank`'s replica of `pipe`: kSteps SGD steps on its shards, with buckets of 256 bytes (so
 // that several start during backward), and the state saved. With `failed_backward`, step 1 first
@@ -150,38 +136,15 @@ constexpr const char* kBatchNorm =
 CATCH_TEST_CASE(kBatchNorm, "[distributed][batchnorm]") {
   // Each replica runs 2 micro-batches of its 4 samples; the one GPipe runs the same 4 micro-batches
   // of 2 samples, so every layer sees the same micro-batches.
+  const GPipeOptions options =
+      GPipeOptions({2, 4}).chunks(2).checkpoint(Checkpoint::kNever).deferred_batch_norm(true);
   if (test_rank() >= 0) {
-    const int rank = test_rank();
-    GPipe pipe(make_model(true, rank),
-               GPipeOptions({2, 4}).chunks(2).checkpoint(Checkpoint::kNever).deferred_batch_norm(
-                   true));
-    DataParallel model(pipe, join());
-    torch::optim::SGD sgd(model->parameters(), 0.1);
-    for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = batch(step);
-      sgd.zero_grad();
-      torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
-      sgd.step();
-    }
-    save_state(*model);
+    DataParallel model(GPipe(make_model(true, test_rank()), options), join());
+    train_and_save(model, test_rank());
     return;
   }
   const std::vector<at::Tensor> states = replicas(kBatchNorm, "batchnorm");
-  GPipe one(make_model(true, 0),
-            GPipeOptions({2, 4}).chunks(2 * kWorld).checkpoint(Checkpoint::kNever)
-                .deferred_batch_norm(true));
-  torch::optim::SGD sgd(one->parameters(), 0.1);
-  for (int step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    sgd.zero_grad();
-    torch::nn::functional::mse_loss(one->forward(x), y).backward();
-    sgd.step();
-  }
-  const at::Tensor expected = flat(state_of(*one));
-  for (const at::Tensor& state : states) {
-    CATCH_REQUIRE(state.sizes() == expected.sizes());
-    CATCH_CHECK(at::allclose(state, expected, 0, 1e-10));
-  }
+  check_one_gpipe(states, options);
   CATCH_CHECK(at::equal(states[0], states[1]));  // identical replicas, bit for bit
 }
 

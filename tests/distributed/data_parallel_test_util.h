@@ -18,6 +18,7 @@
 #include <torch/optim/sgd.h>
 
 #include "gpipe/distributed/data_parallel.h"
+#include "gpipe/gpipe.h"
 #include "tests/catch.h"
 #include "tests/distributed/multiprocess.h"
 
@@ -112,6 +113,33 @@ inline void save_state(nn::Module& module) {
   gpipe_test::write_doubles(gpipe_test::test_folder() + "/state" + std::to_string(test_rank()) +
                                 ".bin",
                             state_of(module));
+}
+
+// Replica `rank`: kSteps steps of plain SGD (0.1) on its shards, then its state saved.
+inline void train_and_save(DataParallel& model, int rank) {
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(model->forward(shard(x, rank)), shard(y, rank)).backward();
+    sgd.step();
+  }
+  save_state(*model);
+}
+
+// Checks the replicas' `states` against one GPipe (`options`, kWorld times the chunks) of the
+// batch-norm model trained as train_and_save on the whole batches: the same micro-batches, the
+// running statistics of all of them.
+inline void check_one_gpipe(const std::vector<at::Tensor>& states, const GPipeOptions& options) {
+  GPipe one(make_model(true, 0), GPipeOptions(options).chunks(options.chunks() * kWorld));
+  torch::optim::SGD sgd(one->parameters(), 0.1);
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    torch::nn::functional::mse_loss(one->forward(x), y).backward();
+    sgd.step();
+  }
+  check_states(states, flat(state_of(*one)));
 }
 
 }  // namespace dp_test

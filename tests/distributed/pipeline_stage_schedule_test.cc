@@ -74,6 +74,20 @@ CATCH_TEST_CASE(kManyStages, "[distributed][stage][schedule]") {
                /*loss_tolerance=*/1e-12, /*frozen=*/"", balance);
 }
 
+// This process's stage of the test model over two processes under `schedule` (interleaved: two
+// virtual stages each), with `loss`.
+PipelineStage two_stages(const std::string& schedule, LossFunction loss) {
+  const bool interleaved = schedule == "interleaved";
+  return PipelineStage(make_model(),
+                       PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
+                                                        : kBalance)
+                           .chunks(interleaved ? 4 : kChunks)
+                           .virtual_stages(interleaved ? 2 : 1)
+                           .loss(std::move(loss))
+                           .schedule(schedule_kind(schedule)),
+                       join());
+}
+
 constexpr const char* kInference =
     "under NoGradGuard a step without a target gives the last stage the plain model's output and "
     "never calls the loss";
@@ -85,15 +99,7 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
       TORCH_CHECK(false, "the loss was called");
       return at::Tensor();
     };
-    const bool interleaved = std::string(name) == "interleaved";
-    PipelineStage stage(make_model(),
-                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
-                                                         : kBalance)
-                            .chunks(interleaved ? 4 : kChunks)
-                            .virtual_stages(interleaved ? 2 : 1)
-                            .loss(never)
-                            .schedule(schedule_kind(name)),
-                        join());
+    PipelineStage stage = two_stages(name, never);
     nn::Sequential plain = make_model();
     auto [x, y] = batch(0);
     at::NoGradGuard no_grad;
@@ -116,16 +122,7 @@ constexpr const char* kEvaluate =
 
 CATCH_TEST_CASE(kEvaluate, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    const bool interleaved = std::string(std::getenv("GPIPE_TEST_SCHEDULE")) == "interleaved";
-    PipelineStage stage(make_model(),
-                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
-                                                         : kBalance)
-                            .chunks(interleaved ? 4 : kChunks)
-                            .virtual_stages(interleaved ? 2 : 1)
-                            .loss(mse)
-                            .schedule(interleaved ? ScheduleKind::kInterleaved
-                                                  : ScheduleKind::kGPipe),
-                        join());
+    PipelineStage stage = two_stages(std::getenv("GPIPE_TEST_SCHEDULE"), mse);
     nn::Sequential plain = make_model();
     auto [x, y] = batch(0);
     stage->eval();
