@@ -14,6 +14,7 @@
 #include <torch/optim/adam.h>
 
 #include "gpipe/distributed/data_parallel.h"
+#include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/gpipe.h"
 #include "tests/catch.h"
 #include "tests/distributed/data_parallel_test_util.h"
@@ -124,6 +125,62 @@ CATCH_TEST_CASE(kUnused, "[distributed][unused]") {
     adam.step();
   }
   check_states(states, flat(state_of(*plain)));
+}
+
+constexpr const char* kUnusedInStages =
+    "replicated pipeline stages keep undefined gradients for parameters that no replica used and "
+    "average the others so Adam with weight decay trains to the plain model";
+
+CATCH_TEST_CASE(kUnusedInStages, "[distributed][unused][stage]") {
+  if (test_rank() >= 0) {
+    // 2 stages x 2 replicas: stage 0 holds the gated branch (Note [Parameters that no replica
+    // used]: the replicas' average after each step).
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    const auto loss = [](const Batch& out, const at::Tensor& y) {
+      return torch::nn::functional::mse_loss(out.tensor(), y);
+    };
+    PipelineStage stage(gated_model(groups.replica),
+                        PipelineStageOptions({1, 2}).chunks(2).loss(loss), groups.pipeline,
+                        groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(),
+                            torch::optim::AdamOptions(0.01).weight_decay(0.1));
+    // The plain model, trained alongside on the whole batches: the oracle of this stage's layers.
+    nn::Sequential plain = gated_model(0);
+    torch::optim::Adam plain_adam(plain->parameters(),
+                                  torch::optim::AdamOptions(0.01).weight_decay(0.1));
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = gated_batch(step);
+      const at::Tensor xs = x.chunk(2)[groups.replica];
+      const at::Tensor ys = y.chunk(2)[groups.replica];
+      clear_grads(stage->parameters());
+      if (stage->is_first()) {
+        stage->step(Batch(xs));
+      } else {
+        stage->step(no_input(), ys);
+      }
+      CATCH_CAPTURE(step);
+      for (const at::Tensor& p : branch_params(*stage)) {
+        CATCH_CHECK(p.grad().defined() == branch_used(step));
+      }
+      adam.step();
+      clear_grads(plain->parameters());
+      torch::nn::functional::mse_loss(plain->forward(x), y).backward();
+      plain_adam.step();
+    }
+    std::vector<at::Tensor> expected;
+    const int64_t first = stage->is_first() ? 0 : 1, end = stage->is_first() ? 1 : 3;
+    for (int64_t k = first; k < end; ++k) {
+      for (const at::Tensor& p : plain[k]->parameters()) expected.push_back(p);
+    }
+    CATCH_CHECK(at::allclose(flat(stage->parameters()), flat(expected), 0, 1e-10));
+    return;
+  }
+  const std::string folder = folder_for("unused_in_stages");
+  const auto results = run_ranks(kUnusedInStages, 4, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < 4; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  std::filesystem::remove_all(folder);
 }
 
 constexpr const char* kMoreMicrobatches =
