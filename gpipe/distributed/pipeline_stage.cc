@@ -205,6 +205,10 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     std::vector<at::Tensor> state = layers_->parameters();
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
     broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers", local_);
+    if (FaultChannel::can_hear_any(replica_group_)) {
+      replica_faults_ =
+          std::make_unique<FaultChannel>(replica_group_, "gpipe::distributed::PipelineStage::step");
+    }
   }
   if (FaultChannel::can_hear_any(group_)) {
     faults_ = std::make_unique<FaultChannel>(group_, "gpipe::distributed::PipelineStage::step");

@@ -303,6 +303,9 @@ class PipelineStageImpl : public torch::nn::Module {
   // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
   // fault.h). Null on groups that cannot have one (NCCL).
   std::unique_ptr<FaultChannel> faults_;
+  // The same over the replica group: a replica's failed step reaches the other replicas' stages,
+  // which wait for its gradients' all-reduce (Note [Failing fast across processes]).
+  std::unique_ptr<FaultChannel> replica_faults_;
   std::shared_ptr<Cancellation> abandoned_;  // a failed step's transfers, kept (see step())
 };
 

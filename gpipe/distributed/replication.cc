@@ -1,7 +1,10 @@
 // Keeping replicas equal; see replication.h.
 #include "gpipe/distributed/replication.h"
 
+#include <chrono>
+#include <functional>
 #include <map>
+#include <thread>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/cat.h>
@@ -34,7 +37,7 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
 }
 
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
-                       c10::Device local) {
+                       c10::Device local, const std::function<void()>& check) {
   if (group->getSize() == 1) {
     return;
   }
@@ -60,8 +63,14 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
     }
     pieces.push_back(at::tensor(has_grad, at::kDouble).to(pieces[0].options()));
     std::vector<at::Tensor> flat{at::cat(pieces)};
-    check_collective(group, "the all-reduce of the replicas' gradients",
-                     [&] { group->allreduce(flat)->wait(); });
+    check_collective(group, "the all-reduce of the replicas' gradients", [&] {
+      const c10::intrusive_ptr<c10d::Work> work = group->allreduce(flat);
+      while (check && !work->isCompleted()) {
+        check();
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      work->wait();
+    });
     flat[0].div_(group->getSize());
     const at::Tensor anyone = flat[0].narrow(0, elements, static_cast<int64_t>(ps.size()))
                                   .to(at::kCPU, at::kDouble);

@@ -27,8 +27,11 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
 /// `local` for NCCL). A parameter without a gradient on some ranks counts as zeros there and gets
 /// the average; one without a gradient on any rank keeps it undefined (Note [Parameters that no
 /// replica used] in gradient_reducer.h).
+/// `check` (if given) is called while the all-reduce is waited for and may throw to stop waiting
+/// (another replica's failure heard: the all-reduce is then left to the broken group).
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
-                       c10::Device local = c10::Device(c10::kCPU));
+                       c10::Device local = c10::Device(c10::kCPU),
+                       const std::function<void()>& check = nullptr);
 
 /// Merges every rank's deferred batch norm statistics (one entry per BatchNorm layer, the same
 /// layers in every rank) into `stats`, in place: per layer, the counts, means and sums of squared

@@ -39,8 +39,9 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
-  if (faults_) {
-    if (std::optional<std::string> heard = faults_->heard()) {
+  for (FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
+    if (channel == nullptr) continue;
+    if (std::optional<std::string> heard = channel->heard()) {
       failed_ = true;
       TORCH_CHECK(false, *heard);
     }
@@ -69,10 +70,17 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     // Its transfers in flight stay posted in the group: kept until the stage goes (Note
     // [Failing fast across processes]).
     abandoned_ = cancellation;
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = error ? error->what_without_backtrace() : e.what();
     if (faults_ && !cancellation->cancelled()) {
-      const auto* error = dynamic_cast<const c10::Error*>(&e);
-      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ",
-                                  error ? error->what_without_backtrace() : e.what()));
+      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ", what));
+    }
+    // The other replicas' same stage waits for this one's gradients: told too, unless the failure
+    // came from them.
+    if (replica_faults_ && !replica_faults_->heard()) {
+      replica_faults_->raise(absl::StrCat("stage ", stage_, " of replica ",
+                                          replica_group_->getRank(), " of ",
+                                          replica_group_->getSize(), " failed: ", what));
     }
     throw;
   }
@@ -228,7 +236,12 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     commit_deferred(batch_norms, combine);
   }
   if (grad_enabled && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters(), local_);
+    average_gradients(replica_group_, layers_->parameters(), local_, [this] {
+      if (std::optional<std::string> heard = replica_faults_ ? replica_faults_->heard()
+                                                             : std::nullopt) {
+        TORCH_CHECK(false, *heard);
+      }
+    });
   }
   if (sink) {
     output_ = sink->output();

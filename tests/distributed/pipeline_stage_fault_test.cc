@@ -169,6 +169,50 @@ CATCH_TEST_CASE(kTrainEval, "[distributed][stage][errors]") {
   check_ranks_pass(kTrainEval, "train_eval");
 }
 
+constexpr const char* kReplicaFails =
+    "a stage that fails in one replica makes the other replicas' stages throw its error at once";
+
+CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    torch::manual_seed(7);
+    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 8), Fault(false),
+                       nn::Linear(8, 3));
+    seq->to(at::kDouble);
+    PipelineStage stage(seq, PipelineStageOptions({2, 3}).chunks(2).loss(mse), groups.pipeline,
+                        groups.replica_group);
+    const auto step = [&] {
+      auto [x, y] = batch(0);
+      const at::Tensor xs = x.chunk(2)[groups.replica], ys = y.chunk(2)[groups.replica];
+      return stage->is_first() ? stage->step(Batch(xs)) : stage->step(no_input(), ys);
+    };
+    step();  // a step that works first
+    // Stage 1 of replica 1 (rank 3) fails in forward; its stage 0 hears it from the pipeline, and
+    // replica 0's stages, waiting for their gradients' all-reduce, from their replicas.
+    if (rank == 3) armed = true;
+    const char* broke = "the layer broke in forward";
+    if (rank == 3) {
+      CATCH_CHECK_THROWS_WITH(step(), gpipe_test::contains(broke));
+    } else if (rank == 2) {
+      CATCH_CHECK_THROWS_WITH(step(), gpipe_test::contains("stage 1 of 2 failed: ") &&
+                                          gpipe_test::contains(broke));
+    } else {
+      CATCH_CHECK_THROWS_WITH(step(), gpipe_test::contains("of replica 1 of 2 failed: ") &&
+                                          gpipe_test::contains(broke));
+    }
+    mark_done(rank);
+    wait_for_others(4, rank);
+    return;
+  }
+  const std::string folder = folder_for("replica_fails");
+  const auto results = run_ranks(kReplicaFails, 4, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
 constexpr const char* kRecovery =
     "after a failed step the same processes make new groups and stages and train on to the plain "
     "model's parameters and losses";
