@@ -42,9 +42,12 @@ namespace distributed {
 // same time waits up to 5 s for it to take its message, then gives up; and a failure sent to a
 // rank whose stage is already destroyed (it finished its steps first) lands in a receive whose
 // buffer is gone, which stops that connection (a stage made later on the same group then fails
-// at the group's timeout). Groups that cannot receive from any source (NCCL, or a group gpipe does not know)
-// have no channel, and their peers wait for the group's timeout as before
-// (docs/distributed.md).
+// at the group's timeout). A replicated stage keeps a second channel on its replica group: a
+// failed step is told there too (unless that is where it came from), and the other replicas' same
+// stage, waiting for the gradients' all-reduce, polls its channel and throws the error instead
+// of waiting for the timeout (the all-reduce is left to the broken group). Groups that cannot
+// receive from any source (NCCL, or a group gpipe does not know) have no channel, and their peers
+// wait for the group's timeout as before (docs/distributed.md).
 
 /// Aborts `work` on the way out of a failed step; where the backend cannot (NCCL in LibTorch 1.x
 /// throws), the work is left to the backend's timeout.
