@@ -84,7 +84,8 @@ struct GradientReducer::State {
     for (size_t p : bucket.params) {
       const at::Tensor& grad = params[p].grad();
       TORCH_CHECK(!grad.defined() || !grad.is_sparse(), "gpipe::DataParallel: parameter ",
-                  names[p], " has a sparse gradient, which is not supported");
+                  names[p], " has a sparse gradient on rank ", group->getRank(), ", which is not "
+                  "supported");
       pieces.push_back(grad.defined() ? grad.detach().reshape(-1)
                                       : at::zeros({params[p].numel()}, params[p].options()));
       has_grad.push_back(grad.defined() ? 1 : 0);
@@ -254,7 +255,8 @@ GradientReducer::GradientReducer(std::vector<at::Tensor> parameters,
   for (size_t k = 0; k < parameters.size(); ++k) {
     if (parameters[k].requires_grad()) {
       TORCH_CHECK(!carries_device_tensors(s.group) || parameters[k].is_cuda(),
-                  "gpipe::DataParallel: the parameter '", names[k], "' is on ",
+                  "gpipe::DataParallel: rank ", s.group->getRank(), "'s parameter '", names[k],
+                  "' is on ",
                   parameters[k].device(), ", but the group's backend (",
                   s.group->getBackendName(), ") all-reduces only GPU tensors; move the module to "
                   "its GPU first, or use a Gloo group");
