@@ -7,14 +7,13 @@
 #include <tuple>
 
 #include <ATen/ops/cat.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "absl/strings/str_join.h"
+#include "gpipe/distributed/replication.h"
 #include "gpipe/end_of_backward.h"
 
 namespace gpipe {
@@ -76,31 +75,31 @@ struct GradientReducer::State {
     }
   }
 
+  // Bucket `b`'s parameters.
+  std::vector<at::Tensor> params_of(const Bucket& bucket) const {
+    std::vector<at::Tensor> out;
+    for (size_t p : bucket.params) out.push_back(params[p]);
+    return out;
+  }
+
   void start(size_t b, bool during_backward) {
     Bucket& bucket = buckets[b];
-    std::vector<at::Tensor> pieces;
-    pieces.reserve(bucket.params.size() + 2);
-    std::vector<double> has_grad;
     for (size_t p : bucket.params) {
       const at::Tensor& grad = params[p].grad();
       TORCH_CHECK(!grad.defined() || !grad.is_sparse(), "gpipe::DataParallel: parameter ",
                   names[p], " has a sparse gradient on rank ", group->getRank(), ", which is not "
                   "supported");
-      pieces.push_back(grad.defined() ? grad.detach().reshape(-1)
-                                      : at::zeros({params[p].numel()}, params[p].options()));
-      has_grad.push_back(grad.defined() ? 1 : 0);
     }
-    const at::TensorOptions options = params[bucket.params[0]].options();
-    pieces.push_back(at::tensor(has_grad, at::kDouble).to(options));
+    std::vector<double> flags;  // the last bucket's: late buckets, failed ranks
     if (b + 1 == buckets.size()) {
-      std::vector<double> flags;
       for (const Bucket& other : buckets) flags.push_back(other.late ? 1 : 0);
       for (int r = 0; r < group->getSize(); ++r) {
         flags.push_back(r == group->getRank() && failed_here ? 1 : 0);
       }
-      pieces.push_back(at::tensor(flags, at::kDouble).to(options));
     }
-    bucket.flat = at::cat(pieces).div_(group->getSize());
+    const at::Tensor& first = params[bucket.params[0]];
+    bucket.flat = pack_gradients(params_of(bucket), first.device(), flags)
+                      .div_(group->getSize());
     std::vector<at::Tensor> tensors{bucket.flat};
     check_collective(group, "the all-reduce of a gradient bucket",
                      [&] { bucket.work = group->allreduce(tensors); });
@@ -195,26 +194,9 @@ struct GradientReducer::State {
                   "zero the gradients and go on with the next step");
     }
     for (Bucket& bucket : buckets) {
-      const int64_t elements = gradient_elements(bucket);
-      const at::Tensor anyone = bucket.flat.narrow(0, elements,
-                                                   static_cast<int64_t>(bucket.params.size()))
-                                    .to(at::kCPU, at::kDouble);
-      int64_t offset = 0;
-      for (size_t k = 0; k < bucket.params.size(); ++k) {
-        const size_t p = bucket.params[k];
-        at::Tensor average = bucket.flat.narrow(0, offset, params[p].numel()).view_as(params[p]);
-        offset += params[p].numel();
-        // No replica has a gradient: it stays undefined, as in one process (an optimizer then
-        // skips the parameter). Some have one: every replica gets the average, in which the
-        // others count as zeros (Note [Parameters that no replica used]).
-        if (anyone[static_cast<int64_t>(k)].item<double>() <= 0) continue;
-        at::Tensor& grad = params[p].mutable_grad();
-        if (grad.defined()) {
-          grad.copy_(average);
-        } else {
-          grad = average.clone();
-        }
-      }
+      // Parameters no replica has a gradient for keep it undefined, as in one process (Note
+      // [Parameters that no replica used]).
+      unpack_averages(params_of(bucket), bucket.flat);
       bucket.flat.reset();
       bucket.late = false;
     }

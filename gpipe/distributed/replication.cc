@@ -36,6 +36,40 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
   }
 }
 
+at::Tensor pack_gradients(const std::vector<at::Tensor>& params, c10::Device wire,
+                          const std::vector<double>& extra) {
+  std::vector<at::Tensor> pieces;
+  std::vector<double> flags;
+  for (const at::Tensor& p : params) {
+    const at::Tensor& grad = p.grad();
+    pieces.push_back(grad.defined() ? grad.detach().reshape(-1).to(wire)
+                                    : at::zeros({p.numel()}, p.options().device(wire)));
+    flags.push_back(grad.defined() ? 1 : 0);
+  }
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  pieces.push_back(at::tensor(flags, at::kDouble).to(pieces[0].options()));
+  return at::cat(pieces);
+}
+
+void unpack_averages(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
+  int64_t elements = 0;
+  for (const at::Tensor& p : params) elements += p.numel();
+  const at::Tensor anyone = flat.narrow(0, elements, static_cast<int64_t>(params.size()))
+                                .to(at::kCPU, at::kDouble);
+  int64_t offset = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& p = params[k];
+    const at::Tensor average = flat.narrow(0, offset, p.numel()).view_as(p);
+    offset += p.numel();
+    if (anyone[static_cast<int64_t>(k)].item<double>() <= 0) continue;  // stays undefined
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(average);
+    } else {
+      p.mutable_grad() = average.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
+}
+
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
                        c10::Device local, const std::function<void()>& check) {
   if (group->getSize() == 1) {
@@ -48,21 +82,8 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
     by_dtype[p.scalar_type()].push_back(p);
   }
   for (auto& [dtype, ps] : by_dtype) {
-    // The gradients (zeros where this rank has none), then one flag each: whether this rank has
-    // one (Note [Parameters that no replica used] in gradient_reducer.h).
-    std::vector<at::Tensor> pieces;
-    std::vector<double> has_grad;
-    int64_t elements = 0;
     const c10::Device wire = wire_device(group, ps[0].is_cuda() ? ps[0].device() : local);
-    for (const at::Tensor& p : ps) {
-      const at::Tensor& grad = p.grad();
-      pieces.push_back(grad.defined() ? grad.reshape(-1).to(wire)
-                                      : at::zeros({p.numel()}, p.options().device(wire)));
-      has_grad.push_back(grad.defined() ? 1 : 0);
-      elements += p.numel();
-    }
-    pieces.push_back(at::tensor(has_grad, at::kDouble).to(pieces[0].options()));
-    std::vector<at::Tensor> flat{at::cat(pieces)};
+    std::vector<at::Tensor> flat{pack_gradients(ps, wire)};
     check_collective(group, "the all-reduce of the replicas' gradients", [&] {
       const c10::intrusive_ptr<c10d::Work> work = group->allreduce(flat);
       while (check && !work->isCompleted()) {
@@ -72,21 +93,7 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
       work->wait();
     });
     flat[0].div_(group->getSize());
-    const at::Tensor anyone = flat[0].narrow(0, elements, static_cast<int64_t>(ps.size()))
-                                  .to(at::kCPU, at::kDouble);
-    int64_t offset = 0;
-    for (size_t k = 0; k < ps.size(); ++k) {
-      const at::Tensor& p = ps[k];
-      const int64_t n = p.numel();
-      const at::Tensor average = flat[0].narrow(0, offset, n).view_as(p);
-      offset += n;
-      if (anyone[static_cast<int64_t>(k)].item<double>() <= 0) continue;  // stays undefined
-      if (p.grad().defined()) {
-        p.mutable_grad().copy_(average);
-      } else {
-        p.mutable_grad() = average.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
-      }
-    }
+    unpack_averages(ps, flat[0]);
   }
 }
 

@@ -22,6 +22,17 @@ namespace distributed {
 void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tensor>& tensors,
                           const std::string& what, c10::Device local = c10::Device(c10::kCPU));
 
+/// The gradients of `params` flattened into one tensor on `wire` for an all-reduce: each
+/// parameter's gradient (zeros where it has none), then one flag each (1: it has one; Note
+/// [Parameters that no replica used] in gradient_reducer.h), then `extra`, in the first
+/// parameter's dtype.
+at::Tensor pack_gradients(const std::vector<at::Tensor>& params, c10::Device wire,
+                          const std::vector<double>& extra = {});
+/// Writes the averages in `flat` (pack_gradients' layout, all-reduced and divided by the ranks)
+/// into the gradients of `params`, except for the parameters no rank had a gradient for, which
+/// keep theirs undefined.
+void unpack_averages(const std::vector<at::Tensor>& params, const at::Tensor& flat);
+
 /// Replaces the gradient of each parameter that requires grad by its average over the ranks of
 /// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU, or on
 /// `local` for NCCL). A parameter without a gradient on some ranks counts as zeros there and gets
