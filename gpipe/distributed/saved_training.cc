@@ -34,73 +34,78 @@ void barrier(const ProcessGroup& group, const std::string& what) {
   check_collective(group, what, [&] { group->barrier()->wait(); });
 }
 
-std::string stage_layout(const PipelineStageImpl& stage) {
+// Where a save across processes goes in its folder: the module's file (written by one rank) and
+// this rank's generators, both marked with the layout.
+struct SaveFiles {
+  std::string layout;
+  std::string module;  // relative to the folder
+  std::string random;
+  bool writer;             // this rank writes the module's file
+  ProcessGroup readers;    // the ranks that read it, met at a barrier after saving (may be null)
+};
+
+SaveFiles stage_files(const PipelineStageImpl& stage) {
   const auto& options = stage.options();
-  return absl::StrCat("stage ", stage.stage(), " of ", stage.stages(), " (balance {",
-                      absl::StrJoin(options.balance(), ", "), "}, ", options.virtual_stages(),
-                      " virtual stage(s) each, ",
-                      stage.replica_group() ? stage.replica_group()->getSize() : 1,
-                      " replica(s))");
+  const ProcessGroup& replicas = stage.replica_group();
+  const int replica = replicas ? replicas->getRank() : 0;
+  return {absl::StrCat("stage ", stage.stage(), " of ", stage.stages(), " (balance {",
+                       absl::StrJoin(options.balance(), ", "), "}, ", options.virtual_stages(),
+                       " virtual stage(s) each, ", replicas ? replicas->getSize() : 1,
+                       " replica(s))"),
+          absl::StrCat("stage", stage.stage(), ".pt"),
+          absl::StrCat("random_stage", stage.stage(), "_replica", replica, ".pt"), replica == 0,
+          replicas};
 }
 
-std::string stage_random_file(const std::string& dir, const PipelineStageImpl& stage) {
-  const int replica = stage.replica_group() ? stage.replica_group()->getRank() : 0;
-  return absl::StrCat(dir, "/random_stage", stage.stage(), "_replica", replica, ".pt");
+SaveFiles replica_files(const DataParallelImpl& model) {
+  const int rank = model.group()->getRank();
+  return {absl::StrCat("a DataParallel of ", model.group()->getSize(), " replicas"),
+          "replicas.pt", absl::StrCat("random_rank", rank, ".pt"), rank == 0, model.group()};
+}
+
+void save(const std::string& dir, const SaveFiles& files, const torch::nn::Module& module,
+          const torch::optim::Optimizer* optimizer, int64_t step) {
+  make_folders(dir);
+  if (files.writer) {
+    detail::save_file(dir + "/" + files.module, files.layout, &module, optimizer, step,
+                      /*random=*/false);
+  }
+  detail::save_file(dir + "/" + files.random, files.layout, nullptr, nullptr, step,
+                    /*random=*/true);
+  barrier(files.readers, "the barrier after saving");
+}
+
+int64_t load(const std::string& dir, const SaveFiles& files, torch::nn::Module& module,
+             torch::optim::Optimizer* optimizer) {
+  const int64_t step = detail::load_file(dir + "/" + files.module, files.layout, &module,
+                                         optimizer, /*random=*/false);
+  const int64_t random_step = detail::load_file(dir + "/" + files.random, files.layout, nullptr,
+                                                nullptr, /*random=*/true);
+  TORCH_CHECK(step == random_step, "gpipe::load_training: '", dir, "' mixes saves of steps ",
+              step, " and ", random_step, "; load a folder one save_training wrote");
+  return step;
 }
 
 }  // namespace
 
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
                    const torch::optim::Optimizer* optimizer, int64_t step) {
-  make_folders(dir);
-  const std::string layout = stage_layout(stage);
-  const bool writer = !stage.replica_group() || stage.replica_group()->getRank() == 0;
-  if (writer) {
-    detail::save_file(absl::StrCat(dir, "/stage", stage.stage(), ".pt"), layout, &stage,
-                      optimizer, step, /*random=*/false);
-  }
-  detail::save_file(stage_random_file(dir, stage), layout, nullptr, nullptr, step,
-                    /*random=*/true);
-  barrier(stage.replica_group(), "the barrier after saving the stage");
+  save(dir, stage_files(stage), stage, optimizer, step);
 }
 
 int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
                       torch::optim::Optimizer* optimizer) {
-  const std::string layout = stage_layout(stage);
-  const int64_t step = detail::load_file(absl::StrCat(dir, "/stage", stage.stage(), ".pt"),
-                                         layout, &stage, optimizer, /*random=*/false);
-  const int64_t random_step =
-      detail::load_file(stage_random_file(dir, stage), layout, nullptr, nullptr, /*random=*/true);
-  TORCH_CHECK(step == random_step, "gpipe::load_training: '", dir, "' mixes saves of steps ",
-              step, " and ", random_step, "; load a folder one save_training wrote");
-  return step;
+  return load(dir, stage_files(stage), stage, optimizer);
 }
 
 void save_training(const std::string& dir, const DataParallelImpl& model,
                    const torch::optim::Optimizer* optimizer, int64_t step) {
-  make_folders(dir);
-  const std::string layout = absl::StrCat("a DataParallel of ", model.group()->getSize(),
-                                          " replicas");
-  if (model.group()->getRank() == 0) {
-    detail::save_file(dir + "/replicas.pt", layout, &model, optimizer, step, /*random=*/false);
-  }
-  detail::save_file(absl::StrCat(dir, "/random_rank", model.group()->getRank(), ".pt"), layout,
-                    nullptr, nullptr, step, /*random=*/true);
-  barrier(model.group(), "the barrier after saving the replicas");
+  save(dir, replica_files(model), model, optimizer, step);
 }
 
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
                       torch::optim::Optimizer* optimizer) {
-  const std::string layout = absl::StrCat("a DataParallel of ", model.group()->getSize(),
-                                          " replicas");
-  const int64_t step =
-      detail::load_file(dir + "/replicas.pt", layout, &model, optimizer, /*random=*/false);
-  const int64_t random_step =
-      detail::load_file(absl::StrCat(dir, "/random_rank", model.group()->getRank(), ".pt"),
-                        layout, nullptr, nullptr, /*random=*/true);
-  TORCH_CHECK(step == random_step, "gpipe::load_training: '", dir, "' mixes saves of steps ",
-              step, " and ", random_step, "; load a folder one save_training wrote");
-  return step;
+  return load(dir, replica_files(model), model, optimizer);
 }
 
 }  // namespace distributed
