@@ -96,7 +96,15 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   std::vector<c10::Device> devices = choose_devices(options_.devices(), options_.balance().size());
   verify_balance(options_.balance(), static_cast<int64_t>(module->size()), devices.size());
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
-  partitions_ = split_module(module, options_.balance(), devices_);
+  // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
+  ties_ = find_ties(module, options_.tied_parameters(), "GPipe");
+  std::vector<c10::Device> layer_devices;
+  for (const auto j : c10::irange(devices_.size())) {
+    layer_devices.insert(layer_devices.end(), options_.balance()[j], devices_[j]);
+  }
+  partitions_ = split_module(clone_across_devices(module, layer_devices, "GPipe"),
+                             options_.balance(), devices_);
+  tied_ = std::make_shared<TiedCopies>(ties_, partitions_);
   skip_layout_ = SkipLayout(partitions_);
   partition_list_ = register_module("partitions", torch::nn::ModuleList());
   for (const auto& partition : partitions_) {
@@ -248,6 +256,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   }
   std::vector<Batch> batches = scatter(input, options_.chunks());
   absl::MutexLock lock(&forward_mu_);
+  tied_->refresh();
 
   PipelineSpec spec;
   spec.devices = devices_;
@@ -304,6 +313,23 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   Batch result = gather(batches);
   out_atomic = result.atomic();
   out = std::move(result.values());
+  if (tied_->has_copies()) {
+    // The copies' gradients join their owners' once this output's backward is done.
+    for (const at::Tensor& t : out) {
+      if (t.defined() && t.requires_grad()) {
+        t.register_hook([tied = tied_](const at::Tensor&) { sum_tied_gradients_after_backward(tied); });
+        break;
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> GPipeImpl::parameters(bool recurse) const {
+  return named_parameters(recurse).values();
+}
+
+torch::OrderedDict<std::string, at::Tensor> GPipeImpl::named_parameters(bool recurse) const {
+  return unique_parameters(torch::nn::Module::named_parameters(recurse), tied_.get());
 }
 
 void GPipeImpl::set_statistics_combiner(StatisticsCombiner combine) {

@@ -23,6 +23,7 @@
 #include "gpipe/schedule.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
+#include "gpipe/tied_parameters.h"
 #include "gpipe/timeline.h"
 
 namespace gpipe {
@@ -95,6 +96,14 @@ struct GPipeOptions {
   /// A schedule of step() as text (gpipe::parse_schedule's format, one line per rank, stages =
   /// partitions, micro-batches = chunks) instead of `schedule`; checked at construction.
   TORCH_ARG(std::string, schedule_text) = "";
+  /// Pairs of parameters ("<layer name>.<parameter>", as the Sequential's named_parameters()
+  /// names them) that are one parameter of the model (Varuna's shared_weights): the second takes
+  /// the first's value, their gradients are summed and they stay equal (Note [Tied
+  /// parameters]). A tensor held by several layers is tied without being named.
+  ///
+  ///   // The output projection (layer 5) shares the token embedding's (layer 0) weight.
+  ///   gpipe::GPipeOptions({3, 3}).tied_parameters({{"0.weight", "5.weight"}})
+  TORCH_ARG(TiedNames, tied_parameters) = {};
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -186,6 +195,16 @@ class GPipeImpl : public torch::nn::Module {
   /// checkpoint=except_last)" followed by the partitions when printed with `std::cout << *model`.
   void pretty_print(std::ostream& stream) const override;
 
+  /// The parameters, each once: a tied parameter under its first place's name, its copies on
+  /// other devices not at all (Note [Tied parameters]). Give these to an optimizer. (They hide
+  /// torch::nn::Module's, which, through a Module&, list every place and copy.)
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
+  /// The ties of the model (found and named), in the order of their first place.
+  const std::vector<Tie>& ties() const { return ties_; }
+  /// Whether a tie has a copy on another device (or a second tensor named as tied).
+  bool has_tied_copies() const { return tied_ && tied_->has_copies(); }
+
   /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   /// Refused: a GPipe decides where its partitions live (see GPipeOptions::devices).
@@ -219,6 +238,9 @@ class GPipeImpl : public torch::nn::Module {
   // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
   SkipLayout skip_layout_;
+  // The model's ties and this GPipe's copies of them (Note [Tied parameters]).
+  std::vector<Tie> ties_;
+  std::shared_ptr<TiedCopies> tied_;
   // step()'s partitions, lanes' threads (rank 0 runs on the caller) and text schedule.
   std::vector<detail::ExecutorPartition> step_partitions_;
   std::vector<std::unique_ptr<Worker>> lane_workers_;

@@ -53,6 +53,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   const int64_t m = static_cast<int64_t>(microbatches.size());
   const Schedule plan = schedule(m);
   absl::MutexLock lock(&forward_mu_);
+  tied_->refresh();
   const size_t lanes = plan.ranks.size();
   while (lane_workers_.size() + 1 < lanes) {
     lane_workers_.push_back(
@@ -90,6 +91,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   }
   if (deferred) commit_deferred(batch_norms_, statistics_combiner_);
   source.finish();
+  if (grad_enabled) tied_->sum_gradients();  // every backward of the step is done
   last_timeline_ = spec.timeline;
   return sink.loss();
 }

@@ -62,18 +62,7 @@ void verify_module(const torch::nn::Sequential& module) {
                 "object twice: ", describe_layer(module, inserted.first->second), " and ",
                 describe_layer(module, i), " are one object; use two separate modules");
   }
-  std::unordered_map<const c10::TensorImpl*, size_t> owner;
-  for (const auto i : c10::irange(module->size())) {
-    for (const auto& param : module->ptr(i)->named_parameters(/*recurse=*/true)) {
-      auto inserted = owner.emplace(param.value().unsafeGetTensorImpl(), i);
-      TORCH_CHECK(inserted.second || inserted.first->second == i,
-                  "GPipe cannot partition a Sequential whose layers share a parameter: '",
-                  param.key(), "' of ", describe_layer(module, i), " is also a parameter of ",
-                  describe_layer(module, inserted.first->second),
-                  "; partitions may live on different devices, so each layer needs its own "
-                  "parameters");
-    }
-  }
+  // Layers may share parameters: Note [Tied parameters] in tied_parameters.h.
 }
 
 void verify_balance(const std::vector<int64_t>& balance, int64_t layers, size_t devices) {

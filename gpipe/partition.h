@@ -14,8 +14,8 @@
 
 namespace gpipe {
 
-/// Checks that `module` can be partitioned: no module object appears twice and no parameter is
-/// shared between two layers. Throws c10::Error naming the layers.
+/// Checks that `module` can be partitioned: no module object appears twice. Throws c10::Error
+/// naming the layers. (Layers may share parameters: Note [Tied parameters] in tied_parameters.h.)
 void verify_module(const torch::nn::Sequential& module);
 
 /// Checks `balance` against a module of `layers` layers and the available `devices`. Throws

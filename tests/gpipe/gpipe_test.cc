@@ -232,21 +232,6 @@ CATCH_TEST_CASE("a module object used twice is refused", "[gpipe][errors]") {
 }
 
 // A layer that uses another layer's weight.
-struct TiedImpl : nn::Module {
-  explicit TiedImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
-  at::Tensor forward(const at::Tensor& x) { return x.matmul(weight.t()); }
-  at::Tensor weight;
-};
-TORCH_MODULE(Tied);
-
-CATCH_TEST_CASE("a parameter shared between layers is refused", "[gpipe][errors]") {
-  nn::Linear a(4, 4);
-  nn::Sequential seq(a, nn::ReLU(), Tied(a->weight));
-  CATCH_CHECK_THROWS_WITH(GPipe(seq, cpu({2, 1})),
-                          gpipe_test::contains("share a parameter") && gpipe_test::contains("'weight'") &&
-                              gpipe_test::contains("layer 2") && gpipe_test::contains("layer 0"));
-}
-
 // A layer that returns a value of the wrong type.
 struct CountRowsImpl : nn::Module {
   int64_t forward(const at::Tensor& x) { return x.size(0); }
