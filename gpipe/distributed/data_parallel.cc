@@ -57,6 +57,13 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
               "got ", options_.bucket_bytes());
   register_module("module", module_ptr_);
   if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
+    // Its copies' gradients join their owners' at the end of the backward, after the buckets
+    // holding the owners may have been reduced.
+    TORCH_CHECK(!pipe->has_tied_copies(), "gpipe::DataParallel: the GPipe has copies of tied "
+                "parameters (a tie across devices, or named in tied_parameters), which "
+                "DataParallel cannot average yet; put the layers sharing a tensor on one device "
+                "(they then share it, without copies), or replicate the stages of a pipeline "
+                "across processes (PipelineStage with a replica group)");
     forward_tuple_ = [pipe](const std::vector<at::Tensor>& inputs) {
       return pipe->forward(inputs);
     };
@@ -69,12 +76,21 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
   broadcast_state(/*parameters=*/true, /*buffers=*/true);
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
-  for (const auto& item : module_ptr_->named_parameters()) {
+  for (const auto& item : unique_parameters(module_ptr_->named_parameters())) {
     names.push_back(item.key());
     params.push_back(item.value());
   }
   reducer_ = std::make_shared<GradientReducer>(std::move(params), std::move(names), group_,
                                                options_.bucket_bytes());
+}
+
+std::vector<at::Tensor> DataParallelImpl::parameters(bool recurse) const {
+  return named_parameters(recurse).values();
+}
+
+torch::OrderedDict<std::string, at::Tensor> DataParallelImpl::named_parameters(
+    bool recurse) const {
+  return unique_parameters(torch::nn::Module::named_parameters(recurse));
 }
 
 c10::Device DataParallelImpl::device() const {

@@ -14,6 +14,7 @@
 
 #include "gpipe/distributed/gradient_reducer.h"
 #include "gpipe/distributed/process_group.h"
+#include "gpipe/tied_parameters.h"
 
 namespace gpipe {
 namespace distributed {
@@ -90,6 +91,11 @@ class DataParallelImpl : public torch::nn::Module {
     DataParallelImpl* owner_;
   };
   NoSync no_sync();
+
+  /// The parameters, each once (a tensor that several layers share, a GPipe's tie, is listed
+  /// once); give these to an optimizer. (They hide torch::nn::Module's.)
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
 
   /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_ptr_; }

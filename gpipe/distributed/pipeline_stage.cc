@@ -24,6 +24,7 @@
 #include "gpipe/distributed/fault.h"
 #include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/tied_stages.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/device.h"
 #include "gpipe/executor.h"
@@ -95,7 +96,16 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     const size_t k = static_cast<size_t>(c * ranks + rank);
     if (k < devices.size()) devices[k] = first_device;  // (a wrong balance is refused below)
   }
-  const std::vector<torch::nn::Sequential> parts = split_module(module, balance, devices);
+  // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
+  ties_ = find_ties(module, options_.tied_parameters(), who);
+  std::vector<c10::Device> layer_devices;
+  std::vector<int64_t> stage_of_layer;
+  for (size_t k = 0; k < balance.size(); ++k) {
+    layer_devices.insert(layer_devices.end(), balance[k], devices[k]);
+    stage_of_layer.insert(stage_of_layer.end(), balance[k], static_cast<int64_t>(k) % ranks);
+  }
+  const std::vector<torch::nn::Sequential> parts =
+      split_module(clone_across_devices(module, layer_devices, who), balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
   const char* part = v > 1 ? "virtual stage" : "stage";
@@ -124,7 +134,6 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   } else {
     layers_ = parts[stage_];
   }
-  register_module("layers", layers_);
 
   // This stage's partitions (Note [Partitions within a stage]).
   if (v == 1) {
@@ -150,7 +159,21 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     partition_devices =
         local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
                               : local_devices;
+    std::vector<c10::Device> local_layer_devices;
+    for (size_t j = 0; j < local_balance.size(); ++j) {
+      local_layer_devices.insert(local_layer_devices.end(), local_balance[j],
+                                 partition_devices[j]);
+    }
+    layers_ = clone_across_devices(layers_, local_layer_devices, who);
     local = split_module(layers_, local_balance, partition_devices);
+  }
+  register_module("layers", layers_);
+  tied_ = std::make_shared<TiedCopies>(ties_, local);
+  {
+    const auto whole = module->named_parameters();
+    std::vector<at::Tensor> shapes;
+    for (const Tie& tie : ties_) shapes.push_back(whole[tie.names[0]]);
+    tied_stages_ = std::make_unique<TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
   }
   skip_layout_ = SkipLayout(local);
   // Partitions run at the same time on threads of their own (as a GPipe's with
@@ -201,6 +224,7 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
+  tied_stages_->broadcast(group_, local_);  // Note [Ties across stages]
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
@@ -217,6 +241,19 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
 
 PipelineStageImpl::~PipelineStageImpl() = default;
 
+std::vector<at::Tensor> PipelineStageImpl::parameters(bool recurse) const {
+  return named_parameters(recurse).values();
+}
+
+torch::OrderedDict<std::string, at::Tensor> PipelineStageImpl::named_parameters(
+    bool recurse) const {
+  return unique_parameters(torch::nn::Module::named_parameters(recurse), tied_.get());
+}
+
+std::vector<std::vector<int64_t>> PipelineStageImpl::tied_stages() const {
+  return tied_stages_->holders();
+}
+
 int64_t PipelineStageImpl::partitions() const { return static_cast<int64_t>(partitions_.size()); }
 
 void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole) {
@@ -232,6 +269,9 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
+  std::string tied;
+  for (const auto& [a, b] : options_.tied_parameters()) absl::StrAppend(&tied, a, "=", b, ";");
+  fields.emplace_back("tied_parameters (hash)", static_cast<int64_t>(fingerprint(tied)));
   check_same_fields(group_, fields, "gpipe::distributed::PipelineStage", "stage",
                     "Every process of a pipeline must build the same model with the same options",
                     wire_);

@@ -25,6 +25,7 @@
 #include "gpipe/gpipe.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/skip_layout.h"
+#include "gpipe/tied_parameters.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"
 
@@ -36,6 +37,7 @@ struct ExecutorPartition;
 namespace distributed {
 class Cancellation;  // fault.h
 class FaultChannel;
+class TiedStages;  // tied_stages.h
 
 // Note [Stage-local backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -156,6 +158,10 @@ struct PipelineStageOptions {
   /// as if they had seen it whole, instead of once per micro-batch (GPipeOptions'
   /// deferred_batch_norm; Note [Pipeline stages and batch norm]).
   TORCH_ARG(bool, deferred_batch_norm) = false;
+  /// Pairs of parameter names of the Sequential that are one parameter (GPipeOptions'
+  /// tied_parameters); a tensor held by several layers is tied without being named. Ties across
+  /// stages: Note [Ties across stages] in tied_stages.h.
+  TORCH_ARG(TiedNames, tied_parameters) = {};
 };
 
 // Note [Pipeline stages and batch norm]
@@ -260,6 +266,13 @@ class PipelineStageImpl : public torch::nn::Module {
   /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
   /// (0 when it has one).
   std::shared_ptr<const Timeline> timeline() const { return timeline_; }
+  /// This stage's parameters, each once, without copies of tied parameters (Note [Tied
+  /// parameters]); give these to an optimizer. (They hide torch::nn::Module's.)
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
+  /// The stages holding each tie that spans stages, in the ties' order (Note [Ties across
+  /// stages]).
+  std::vector<std::vector<int64_t>> tied_stages() const;
 
   /// Every stage's timeline of the last step, on one clock (the processes must share a host):
   /// partitions numbered across the whole pipeline (stage s's first partition follows the
@@ -290,6 +303,10 @@ class PipelineStageImpl : public torch::nn::Module {
   std::vector<detail::ExecutorPartition> partitions_;  // Note [Partitions within a stage]
   std::vector<std::unique_ptr<Worker>> workers_;  // per partition; null: the calling thread
   SkipLayout skip_layout_;  // over this stage's partitions
+  // The model's ties, this process's copies of them, and those spanning stages.
+  std::vector<Tie> ties_;
+  std::shared_ptr<TiedCopies> tied_;
+  std::unique_ptr<TiedStages> tied_stages_;
   // This stage's first GPU (else its first partition's device), where groups that carry GPU
   // tensors (NCCL) take them; wire_: where group_'s do (wire_device).
   c10::Device local_{c10::kCPU};

@@ -16,6 +16,7 @@
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/tied_stages.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/executor.h"
 #include "gpipe/microbatch.h"
@@ -91,6 +92,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   const char* who = "gpipe::distributed::PipelineStage::step";
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
   const bool grad_enabled = at::GradMode::is_enabled();
+  tied_->refresh();
   // Note [Pipeline stages and batch norm].
   bool any_batch_norm = false;
   for (const detail::ExecutorPartition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
@@ -234,6 +236,17 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
       };
     }
     commit_deferred(batch_norms, combine);
+  }
+  if (grad_enabled) {
+    // Note [Tied parameters], then Note [Ties across stages].
+    tied_->sum_gradients();
+    if (!tied_stages_->empty()) {
+      tied_stages_->sum_gradients(group_, local_, [this] {
+        if (std::optional<std::string> heard = faults_ ? faults_->heard() : std::nullopt) {
+          TORCH_CHECK(false, *heard);
+        }
+      });
+    }
   }
   if (grad_enabled && replica_group_) {
     average_gradients(replica_group_, layers_->parameters(), local_, [this] {

@@ -1,14 +1,13 @@
 // Tied parameters in one process (Note [Tied parameters]): a weight shared by the first and the
 // last layer, found or named, trained over several optimizer steps against the plain Sequential
 // with the weight truly shared; clones across devices; errors.
+#include "tests/gpipe/tied_model.h"
 #include "tests/gpipe/test_util.h"
 
 #include <unistd.h>
 
 #include <filesystem>
-#include <set>
 
-#include <torch/nn/cloneable.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
@@ -20,53 +19,7 @@ namespace testing {
 namespace {
 
 namespace nn = torch::nn;
-
-constexpr int64_t kVocab = 6;
-constexpr int64_t kWidth = 5;
-
-// x [B, V] -> x W: a dense token embedding of W [V, D].
-struct EmbedImpl : nn::Cloneable<EmbedImpl> {
-  explicit EmbedImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
-  void reset() override {
-    weight = register_parameter("weight", at::empty({kVocab, kWidth}, at::kDouble));
-  }
-  at::Tensor forward(const at::Tensor& x) { return x.matmul(weight); }
-  at::Tensor weight;
-};
-TORCH_MODULE(Embed);
-
-// h [B, D] -> h W^T: the output projection onto the vocabulary.
-struct ProjectImpl : nn::Cloneable<ProjectImpl> {
-  explicit ProjectImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
-  void reset() override {
-    weight = register_parameter("weight", at::empty({kVocab, kWidth}, at::kDouble));
-  }
-  at::Tensor forward(const at::Tensor& h) { return h.matmul(weight.t()); }
-  at::Tensor weight;
-};
-TORCH_MODULE(Project);
-
-// Five layers whose first and last use one weight (`shared`), or two tensors with the same
-// values (a tie to be named).
-nn::Sequential tied_model(bool shared) {
-  at::manual_seed(5);
-  const at::Tensor w = at::randn({kVocab, kWidth}, at::kDouble);
-  nn::Linear a(kWidth, kWidth), b(kWidth, kWidth);
-  a->to(at::kDouble);
-  b->to(at::kDouble);
-  const at::Tensor last = shared ? w : at::randn({kVocab, kWidth}, at::kDouble);
-  return nn::Sequential(Embed(w), a, nn::Tanh(), b, Project(last));
-}
-
-// Each tensor once (an optimizer must see a shared weight once): the oracle's own dedup.
-std::vector<at::Tensor> each_once(const std::vector<at::Tensor>& all) {
-  std::set<const void*> seen;
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : all) {
-    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  }
-  return out;
-}
+using namespace tied_test;  // NOLINT: the tied model
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam,
                                                         const std::vector<at::Tensor>& params) {

@@ -1,0 +1,85 @@
+// Ties across stages; see tied_stages.h.
+#include "gpipe/distributed/tied_stages.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+
+#include "gpipe/distributed/replication.h"
+
+namespace gpipe {
+namespace distributed {
+
+TiedStages::TiedStages(const std::vector<Tie>& ties, const std::vector<int64_t>& stage_of_layer,
+                       const std::vector<at::Tensor>& owners,
+                       const std::vector<at::Tensor>& shapes) {
+  for (size_t k = 0; k < ties.size(); ++k) {
+    std::set<int64_t> stages;
+    for (int64_t layer : ties[k].layers) stages.insert(stage_of_layer[layer]);
+    if (stages.size() < 2) continue;
+    Entry e;
+    e.stages.assign(stages.begin(), stages.end());
+    e.owner = owners[k];
+    e.like = shapes[k];
+    e.requires_grad = shapes[k].requires_grad();
+    entries_.push_back(std::move(e));
+  }
+}
+
+std::vector<std::vector<int64_t>> TiedStages::holders() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const Entry& e : entries_) out.push_back(e.stages);
+  return out;
+}
+
+void TiedStages::broadcast(const ProcessGroup& group, c10::Device local) const {
+  at::NoGradGuard no_grad;
+  for (const Entry& e : entries_) {
+    const c10::Device wire = wire_device(group, e.owner.defined() && e.owner.is_cuda()
+                                                    ? e.owner.device()
+                                                    : local);
+    std::vector<at::Tensor> one{e.owner.defined()
+                                    ? e.owner.detach().to(wire).contiguous()
+                                    : at::empty(e.like.sizes(), e.like.options().device(wire))};
+    c10d::BroadcastOptions options;
+    options.rootRank = static_cast<int>(e.stages.front());
+    check_collective(group, "the broadcast of a tied parameter from the first stage holding it",
+                     [&] { group->broadcast(one, options)->wait(); });
+    if (e.owner.defined() && !one[0].is_same(e.owner)) e.owner.detach().copy_(one[0]);
+  }
+}
+
+void TiedStages::sum_gradients(const ProcessGroup& group, c10::Device local,
+                               const std::function<void()>& check) const {
+  at::NoGradGuard no_grad;
+  // Per dtype, in the ties' order (the same on every stage).
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const Entry& e : entries_) {
+    if (!e.requires_grad) continue;
+    // A stand-in without a gradient where this stage holds none: zeros, flag 0.
+    by_dtype[e.like.scalar_type()].push_back(
+        e.owner.defined() ? e.owner : at::empty(e.like.sizes(), e.like.options()));
+  }
+  for (auto& [dtype, tensors] : by_dtype) {
+    const at::Tensor& first = tensors[0];
+    const c10::Device wire = wire_device(group, first.is_cuda() ? first.device() : local);
+    std::vector<at::Tensor> flat{pack_gradients(tensors, wire)};
+    check_collective(group, "the all-reduce of tied parameters' gradients over the stages", [&] {
+      const c10::intrusive_ptr<c10d::Work> work = group->allreduce(flat);
+      while (check && !work->isCompleted()) {
+        check();
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      work->wait();
+    });
+    unpack_averages(tensors, flat[0]);  // sums: not divided
+  }
+}
+
+}  // namespace distributed
+}  // namespace gpipe

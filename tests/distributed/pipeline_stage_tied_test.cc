@@ -1,0 +1,164 @@
+// Ties across stages (Note [Ties across stages]): a weight shared by the first and the last layer
+// of a model whose stages run in processes of their own, found or named, over 2 and 3 stages,
+// every checkpoint mode, 1F1B, interleaving and replicas, trained with SGD with momentum and Adam
+// with weight decay against the plain Sequential with the weight truly shared.
+#include <torch/optim/adam.h>
+
+#include "tests/distributed/stage_test_util.h"
+#include "tests/gpipe/tied_model.h"
+
+namespace gpipe {
+namespace distributed {
+namespace {
+
+using namespace stage_test;  // NOLINT: the shared helpers
+using tied_test::kVocab;
+
+std::string env_or(const char* name, const std::string& otherwise) {
+  const char* value = std::getenv(name);
+  return value ? value : otherwise;
+}
+
+std::pair<at::Tensor, at::Tensor> tied_batch(int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
+  at::Tensor x = at::randn({kBatch, kVocab}, gen, at::kDouble);
+  at::Tensor y = at::randn({kBatch, kVocab}, gen, at::kDouble);
+  return {x, y};
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
+                                                        const std::vector<at::Tensor>& params) {
+  if (name == "adam") {
+    return std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(0.01).weight_decay(0.1));
+  }
+  return std::make_unique<torch::optim::SGD>(params,
+                                             torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+// The layers of each stage (virtual stage k runs on stage k % stages), in order.
+std::vector<std::vector<int64_t>> stage_layers(const std::vector<int64_t>& balance, int stages) {
+  std::vector<std::vector<int64_t>> out(static_cast<size_t>(stages));
+  int64_t next = 0;
+  for (size_t k = 0; k < balance.size(); ++k) {
+    for (int64_t i = 0; i < balance[k]; ++i) out[k % static_cast<size_t>(stages)].push_back(next++);
+  }
+  return out;
+}
+
+constexpr const char* kTiedStages =
+    "a weight tied between the first and the last stage trains as the plain model's one "
+    "parameter across processes";
+
+CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
+  if (test_rank() >= 0) {
+    const int stages = std::stoi(env_or("GPIPE_TEST_STAGES", "2"));
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), stages);
+    const bool named = env_or("GPIPE_TEST_NAMED", "0") == "1";
+    const std::string schedule = env_or("GPIPE_TEST_SCHEDULE", "gpipe");
+    const std::vector<int64_t> balance = balance_from_env();
+    auto options = PipelineStageOptions(balance).chunks(4).checkpoint(mode_from_env()).loss(mse);
+    if (named) options.tied_parameters({{"0.weight", "4.weight"}});
+    if (schedule == "1f1b") options.schedule(ScheduleKind::k1F1B);
+    if (schedule == "interleaved") options.schedule(ScheduleKind::kInterleaved).virtual_stages(2);
+    // Named: the last place starts apart and must take the first's value.
+    nn::Sequential model = tied_test::tied_model(/*shared=*/!named);
+    PipelineStage stage = groups.replicas > 1
+                              ? PipelineStage(model, options, groups.pipeline, groups.replica_group)
+                              : PipelineStage(model, options, groups.pipeline);
+    // Every layout here puts the tie's places on two stages: the first and the last.
+    CATCH_CHECK(stage->tied_stages() ==
+                std::vector<std::vector<int64_t>>{{0, static_cast<int64_t>(stages) - 1}});
+    auto optimizer = make_optimizer(env_or("GPIPE_TEST_OPT", "sgd"), stage->parameters());
+    std::vector<at::Tensor> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = tied_batch(step);
+      const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
+      const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
+      optimizer->zero_grad();
+      const at::Tensor loss =
+          stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+      if (loss.defined()) losses.push_back(loss.detach());
+      optimizer->step();
+    }
+    const std::string folder = gpipe_test::test_folder();
+    gpipe_test::write_doubles(folder + "/state" + std::to_string(test_rank()) + ".bin",
+                              stage->parameters());
+    if (stage->is_last()) {
+      gpipe_test::write_doubles(folder + "/loss" + std::to_string(groups.replica) + ".bin",
+                                losses);
+    }
+    return;
+  }
+  struct Case {
+    std::string balance, mode, schedule, opt;
+    int stages, replicas;
+    bool named;
+  };
+  const Case c = GENERATE(Case{"2,3", "always", "gpipe", "sgd", 2, 1, false},
+                          Case{"2,3", "except_last", "gpipe", "adam", 2, 1, false},
+                          Case{"2,3", "never", "gpipe", "sgd", 2, 1, true},
+                          Case{"2,3", "except_last", "gpipe", "adam", 2, 1, true},
+                          Case{"2,2,1", "except_last", "gpipe", "adam", 3, 1, false},
+                          Case{"2,2,1", "always", "1f1b", "sgd", 3, 1, true},
+                          Case{"1,1,1,2", "except_last", "interleaved", "adam", 2, 1, false},
+                          Case{"2,3", "except_last", "gpipe", "adam", 2, 2, true});
+  CATCH_INFO("balance " << c.balance << ", checkpoint " << c.mode << ", " << c.schedule << ", "
+                        << c.opt << ", " << c.stages << " stages x " << c.replicas
+                        << " replicas, " << (c.named ? "named" : "found"));
+  const int world = c.stages * c.replicas;
+  const std::string folder = folder_for("tied_" + std::to_string(world) + "_" + c.schedule);
+  const auto results = run_ranks(kTiedStages, world, folder,
+                                 {{"GPIPE_TEST_STAGES", std::to_string(c.stages)},
+                                  {"GPIPE_TEST_BALANCE", c.balance},
+                                  {"GPIPE_TEST_CHECKPOINT", c.mode},
+                                  {"GPIPE_TEST_SCHEDULE", c.schedule},
+                                  {"GPIPE_TEST_OPT", c.opt},
+                                  {"GPIPE_TEST_NAMED", c.named ? "1" : "0"}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < world; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
+
+  // The plain model, its weight shared, on the whole mini-batch.
+  nn::Sequential plain = tied_test::tied_model(/*shared=*/true);
+  const std::vector<at::Tensor> unique = tied_test::each_once(plain->parameters());
+  auto optimizer = make_optimizer(c.opt, unique);
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = tied_batch(step);
+    optimizer->zero_grad();
+    const at::Tensor loss = nn::functional::mse_loss(plain->forward(x), y);
+    loss.backward();
+    optimizer->step();
+    losses.push_back(loss.detach());
+  }
+  std::vector<int64_t> balance;
+  for (char ch : c.balance) {
+    if (ch != ',') balance.push_back(ch - '0');
+  }
+  const auto layers = stage_layers(balance, c.stages);
+  for (int r = 0; r < world; ++r) {
+    std::vector<at::Tensor> expected;
+    for (int64_t layer : layers[static_cast<size_t>(r % c.stages)]) {
+      for (const at::Tensor& p : plain[layer]->parameters()) expected.push_back(p);
+    }
+    const at::Tensor state =
+        gpipe_test::read_doubles(folder + "/state" + std::to_string(r) + ".bin");
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& p : expected) flat.push_back(p.detach().reshape(-1));
+    const at::Tensor want = at::cat(flat);
+    CATCH_REQUIRE(state.sizes() == want.sizes());
+    CATCH_CHECK(at::allclose(state, want, 0, 1e-10));
+  }
+  at::Tensor mean = gpipe_test::read_doubles(folder + "/loss0.bin");
+  for (int q = 1; q < c.replicas; ++q) {
+    mean = mean + gpipe_test::read_doubles(folder + "/loss" + std::to_string(q) + ".bin");
+  }
+  mean = mean / c.replicas;
+  CATCH_CHECK(at::allclose(mean, at::stack(losses), 0, 1e-12));
+  std::filesystem::remove_all(folder);
+}
+
+}  // namespace
+}  // namespace distributed
+}  // namespace gpipe
