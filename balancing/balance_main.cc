@@ -44,11 +44,12 @@ int main(int argc, char** argv) {
     gpipe::models::NamedModel named = gpipe::models::make_model(absl::GetFlag(FLAGS_model));
     int64_t batch = absl::GetFlag(FLAGS_batch);
     if (batch <= 0) {
-      batch = named.sample_shape.size() == 3 && named.sample_shape[1] == 224 ? 1 : 32;
+      const bool large = named.vocabulary > 0 ||  // a sequence of tokens
+                         (named.sample_shape.size() == 3 && named.sample_shape[1] == 224);
+      batch = large ? 1 : 32;
     }
-    std::vector<int64_t> shape{batch};
-    shape.insert(shape.end(), named.sample_shape.begin(), named.sample_shape.end());
-    const at::Tensor sample = at::randn(shape);
+    const at::Tensor sample = gpipe::models::sample_batch(named, batch);
+    const std::vector<int64_t> shape = sample.sizes().vec();
     const c10::Device device(absl::GetFlag(FLAGS_device));
     const int64_t partitions = absl::GetFlag(FLAGS_partitions);
     gpipe::check_partitions(partitions, static_cast<int64_t>(named.model->size()));

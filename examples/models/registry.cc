@@ -1,6 +1,10 @@
 // The bundled example models by name; see registry.h.
 #include "examples/models/registry.h"
 
+#include <algorithm>
+
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/numbers.h"
@@ -8,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "examples/models/amoebanet.h"
+#include "examples/models/gpt.h"
 #include "examples/models/mlp.h"
 #include "examples/models/resnet.h"
 #include "examples/models/unet.h"
@@ -45,7 +50,16 @@ std::vector<std::string> model_names() {
   names.push_back("unet_<B>_<C> (e.g. unet_5_64)");
   names.push_back("unet");
   names.push_back("mlp");
+  names.push_back("gpt_<L>_<D> (e.g. gpt_4_128)");
+  names.push_back("gpt2_small");
+  names.push_back("gpt2_medium");
   return names;
+}
+
+at::Tensor sample_batch(const NamedModel& named, int64_t batch) {
+  std::vector<int64_t> shape{batch};
+  shape.insert(shape.end(), named.sample_shape.begin(), named.sample_shape.end());
+  return named.vocabulary > 0 ? at::randint(named.vocabulary, shape, at::kLong) : at::randn(shape);
 }
 
 NamedModel make_model(const std::string& name, const ModelInput& input) {
@@ -73,6 +87,17 @@ NamedModel make_model(const std::string& name, const ModelInput& input) {
     }
   }
   absl::string_view rest = name;
+  if (name == "gpt2_small" || name == "gpt2_medium") {
+    const GptOptions o = name == "gpt2_small" ? gpt2_small() : gpt2_medium();
+    return {gpt(o), {o.context()}, o.vocabulary()};
+  }
+  if (absl::ConsumePrefix(&rest, "gpt_")) {
+    const auto [layers, width] = two_numbers(
+        rest, name, "gpt_<L>_<D> with numbers L (blocks) and D (width), e.g. gpt_4_128");
+    const GptOptions o =
+        GptOptions(256, 256).layers(layers).width(width).heads(std::max<int64_t>(1, width / 64));
+    return {gpt(o), {o.context()}, o.vocabulary()};
+  }
   if (absl::ConsumePrefix(&rest, "amoebanet_d_")) {
     const auto [layers, filters] = two_numbers(
         rest, name, "amoebanet_d_<L>_<D> with numbers L (normal cells, a multiple of 3) and D "

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
 namespace gpipe {
@@ -15,7 +16,13 @@ namespace models {
 struct NamedModel {
   torch::nn::Sequential model;
   std::vector<int64_t> sample_shape;
+  /// > 0: a sample is token ids in [0, vocabulary) (int64), not a float tensor.
+  int64_t vocabulary = 0;
 };
+
+/// A batch of `batch` samples for `named`: random token ids for a language model, else normal
+/// floats.
+at::Tensor sample_batch(const NamedModel& named, int64_t batch);
 
 /// What the data gives a model: channels and size of its images, number of classes (0 for the
 /// model's own: 1000 for ImageNet models, 10 for CIFAR ones).
@@ -34,7 +41,10 @@ struct ModelInput {
 ///   amoebanet_d_18_256 (224x224, 1000 classes);
 /// - unet_<B>_<C>: the reference's benchmark U-Net (depth 5) with B convolutions per level and C
 ///   base channels, e.g. unet_5_64 (3 x 192 x 192 in, 1 channel out);
-/// - unet (a small U-Net for 1 x 16 x 16), mlp.
+/// - unet (a small U-Net for 1 x 16 x 16), mlp;
+/// - gpt_<L>_<D>: a GPT (examples/models/gpt.h) of L blocks of width D (D / 64 heads, at least
+///   1), byte-level (vocabulary 256, context 256), e.g. gpt_4_128; gpt2_small and gpt2_medium
+///   with GPT-2's shapes (vocabulary 50,257, context 1,024; samples of 1,024 tokens).
 std::vector<std::string> model_names();
 
 /// The model called `name`, for `input` (channels, image size and classes; the model's own where
