@@ -27,6 +27,7 @@ constexpr const char* kRandom = "gpipe_random";
 constexpr const char* kLayout = "gpipe_layout";
 constexpr const char* kStep = "gpipe_step";
 constexpr const char* kOptimizer = "gpipe_optimizer";
+constexpr const char* kScaler = "gpipe_grad_scaler";
 
 }  // namespace
 
@@ -143,7 +144,7 @@ void check_layout(torch::serialize::InputArchive& archive, const std::string& la
 
 void save_file(const std::string& path, const std::string& layout,
                const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
-               int64_t step, bool random) {
+               int64_t step, bool random, const GradScaler* scaler) {
   torch::serialize::OutputArchive archive;
   write_layout(archive, layout);
   if (module != nullptr) write_module(archive, *module);
@@ -154,6 +155,11 @@ void save_file(const std::string& path, const std::string& layout,
   }
   archive.write(kStep, c10::IValue(step));
   if (random) write_random(archive);
+  if (scaler != nullptr) {
+    torch::serialize::OutputArchive state;
+    scaler->save(state);
+    archive.write(kScaler, state);
+  }
   try {
     archive.save_to(path);
   } catch (const std::exception& e) {
@@ -162,7 +168,7 @@ void save_file(const std::string& path, const std::string& layout,
 }
 
 int64_t load_file(const std::string& path, const std::string& layout, torch::nn::Module* module,
-                  torch::optim::Optimizer* optimizer, bool random) {
+                  torch::optim::Optimizer* optimizer, bool random, GradScaler* scaler) {
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path);
@@ -187,19 +193,26 @@ int64_t load_file(const std::string& path, const std::string& layout, torch::nn:
   c10::IValue step;
   archive.read(kStep, step);
   if (random) read_random(archive, what);
+  if (scaler != nullptr) {
+    torch::serialize::InputArchive state;
+    TORCH_CHECK(archive.try_read(kScaler, state), "gpipe::load_training: ", what,
+                " was saved without a GradScaler");
+    scaler->load(state);
+  }
   return step.toInt();
 }
 
 }  // namespace detail
 
 void save_training(const std::string& path, const torch::nn::Module& module,
-                   const torch::optim::Optimizer* optimizer, int64_t step) {
-  detail::save_file(path, "one process", &module, optimizer, step, /*random=*/true);
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler) {
+  detail::save_file(path, "one process", &module, optimizer, step, /*random=*/true, scaler);
 }
 
 int64_t load_training(const std::string& path, torch::nn::Module& module,
-                      torch::optim::Optimizer* optimizer) {
-  return detail::load_file(path, "one process", &module, optimizer, /*random=*/true);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler) {
+  return detail::load_file(path, "one process", &module, optimizer, /*random=*/true, scaler);
 }
 
 }  // namespace gpipe

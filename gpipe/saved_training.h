@@ -8,6 +8,8 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include "gpipe/grad_scaler.h"
+
 namespace gpipe {
 
 // Note [Saving and resuming]
@@ -24,19 +26,22 @@ namespace gpipe {
 // its own file and each rank its own generators.
 
 /// Saves what resuming `module`'s training needs to the file `path`: its parameters and buffers
-/// by name, `optimizer`'s state (if not null), `step`, and this process's random generators.
+/// by name, `optimizer`'s state (if not null), `step`, this process's random generators, and
+/// `scaler`'s state (if not null: gpipe::GradScaler).
 ///
 ///   gpipe::save_training("run/step_1000.pt", *model, &adam, step);
 ///   ...
 ///   step = gpipe::load_training("run/step_1000.pt", *model, &adam);  // continues exactly
 void save_training(const std::string& path, const torch::nn::Module& module,
-                   const torch::optim::Optimizer* optimizer, int64_t step);
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler = nullptr);
 
 /// Loads what save_training saved into `module` (in place: the same names, shapes and dtypes)
 /// and `optimizer` (made over the module's parameters as when saved), restores the random
-/// generators, and returns the step. Throws c10::Error naming what does not match.
+/// generators and `scaler` (if not null), and returns the step. Throws c10::Error naming what
+/// does not match.
 int64_t load_training(const std::string& path, torch::nn::Module& module,
-                      torch::optim::Optimizer* optimizer);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
 namespace detail {
 
@@ -45,10 +50,10 @@ namespace detail {
 // not null) and `step`; this process's random generators when `random`.
 void save_file(const std::string& path, const std::string& layout,
                const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
-               int64_t step, bool random);
+               int64_t step, bool random, const GradScaler* scaler = nullptr);
 // Loads such a file; returns its step.
 int64_t load_file(const std::string& path, const std::string& layout, torch::nn::Module* module,
-                  torch::optim::Optimizer* optimizer, bool random);
+                  torch::optim::Optimizer* optimizer, bool random, GradScaler* scaler = nullptr);
 
 }  // namespace detail
 }  // namespace gpipe

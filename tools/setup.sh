@@ -32,6 +32,8 @@ PACKAGES=(
   libtorch-dev libabsl-dev catch2
   libopenblas0-pthread
   zlib1g-dev dataset-fashion-mnist
+  # //examples:gpt trains on the fortunes' English text.
+  fortunes
   # gpipe/distributed: Gloo's headers (LibTorch has c10d and Gloo compiled in), and torchrun (in
   # PyTorch's Python package) to launch the distributed trainers and benchmarks.
   libgloo-dev python3-torch

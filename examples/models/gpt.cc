@@ -20,11 +20,16 @@ namespace gpipe {
 namespace models {
 
 GptEmbeddingImpl::GptEmbeddingImpl(int64_t vocabulary, int64_t context, int64_t width)
-    : tokens(register_module("tokens", torch::nn::Embedding(vocabulary, width))),
-      positions(register_module("positions", torch::nn::Embedding(context, width))) {
+    : vocabulary(vocabulary), context(context), width(width) {
+  reset();
   torch::NoGradGuard no_grad;
   torch::nn::init::normal_(tokens->weight, 0, 0.02);
   torch::nn::init::normal_(positions->weight, 0, 0.01);
+}
+
+void GptEmbeddingImpl::reset() {
+  tokens = register_module("tokens", torch::nn::Embedding(vocabulary, width));
+  positions = register_module("positions", torch::nn::Embedding(context, width));
 }
 
 at::Tensor GptEmbeddingImpl::forward(const at::Tensor& ids) {
@@ -36,11 +41,15 @@ at::Tensor GptEmbeddingImpl::forward(const at::Tensor& ids) {
 }
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t width, int64_t heads)
-    : qkv(register_module("qkv", torch::nn::Linear(width, 3 * width))),
-      proj(register_module("proj", torch::nn::Linear(width, width))),
-      heads(heads) {
+    : width(width), heads(heads) {
   TORCH_CHECK(heads > 0 && width % heads == 0, "CausalSelfAttention: width ", width,
               " is not a multiple of heads (", heads, ")");
+  reset();
+}
+
+void CausalSelfAttentionImpl::reset() {
+  qkv = register_module("qkv", torch::nn::Linear(width, 3 * width));
+  proj = register_module("proj", torch::nn::Linear(width, width));
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
@@ -57,18 +66,23 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   return proj(y.transpose(1, 2).reshape({batch, time, width}));
 }
 
-GptMlpImpl::GptMlpImpl(int64_t width)
-    : fc(register_module("fc", torch::nn::Linear(width, 4 * width))),
-      proj(register_module("proj", torch::nn::Linear(4 * width, width))),
-      gelu(register_module("gelu",
-                           torch::nn::GELU(torch::nn::GELUOptions().approximate("tanh")))) {}
+GptMlpImpl::GptMlpImpl(int64_t width) : width(width) { reset(); }
+
+void GptMlpImpl::reset() {
+  fc = register_module("fc", torch::nn::Linear(width, 4 * width));
+  proj = register_module("proj", torch::nn::Linear(4 * width, width));
+  gelu = register_module("gelu", torch::nn::GELU(torch::nn::GELUOptions().approximate("tanh")));
+}
 
 at::Tensor GptMlpImpl::forward(const at::Tensor& x) { return proj(gelu(fc(x))); }
 
-PreNormImpl::PreNormImpl(int64_t width, std::string skip)
-    : norm(register_module("norm",
-                           torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})))),
-      skip(std::move(skip)) {}
+PreNormImpl::PreNormImpl(int64_t width, std::string skip) : width(width), skip(std::move(skip)) {
+  reset();
+}
+
+void PreNormImpl::reset() {
+  norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+}
 
 at::Tensor PreNormImpl::forward(const at::Tensor& x) {
   stash(skip, x);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -38,43 +39,51 @@ struct GptOptions {
 };
 
 /// Token and position embeddings: token ids [B, T] (int64) -> [B, T, width].
-struct GptEmbeddingImpl : torch::nn::Module {
+struct GptEmbeddingImpl : torch::nn::Cloneable<GptEmbeddingImpl> {
   GptEmbeddingImpl(int64_t vocabulary, int64_t context, int64_t width);
+  void reset() override;
   at::Tensor forward(const at::Tensor& ids);
+  int64_t vocabulary, context, width;
   torch::nn::Embedding tokens{nullptr}, positions{nullptr};
 };
 TORCH_MODULE(GptEmbedding);
 
 /// Causal multi-head self-attention: [B, T, width] -> [B, T, width].
-struct CausalSelfAttentionImpl : torch::nn::Module {
+struct CausalSelfAttentionImpl : torch::nn::Cloneable<CausalSelfAttentionImpl> {
   CausalSelfAttentionImpl(int64_t width, int64_t heads);
+  void reset() override;
   at::Tensor forward(const at::Tensor& x);
+  int64_t width, heads;
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
-  int64_t heads;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 /// The block's MLP: Linear(width, 4 width), GELU (tanh), Linear(4 width, width).
-struct GptMlpImpl : torch::nn::Module {
+struct GptMlpImpl : torch::nn::Cloneable<GptMlpImpl> {
   explicit GptMlpImpl(int64_t width);
+  void reset() override;
   at::Tensor forward(const at::Tensor& x);
+  int64_t width;
   torch::nn::Linear fc{nullptr}, proj{nullptr};
   torch::nn::GELU gelu{nullptr};
 };
 TORCH_MODULE(GptMlp);
 
 /// LayerNorm that first stashes its input as the residual `skip` (a skippable layer's module).
-struct PreNormImpl : torch::nn::Module {
+struct PreNormImpl : torch::nn::Cloneable<PreNormImpl> {
   PreNormImpl(int64_t width, std::string skip);
+  void reset() override;
   at::Tensor forward(const at::Tensor& x);
-  torch::nn::LayerNorm norm{nullptr};
+  int64_t width;
   std::string skip;
+  torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(PreNorm);
 
 /// Adds the residual `skip` back: x + pop(skip).
-struct AddResidualImpl : torch::nn::Module {
+struct AddResidualImpl : torch::nn::Cloneable<AddResidualImpl> {
   explicit AddResidualImpl(std::string skip) : skip(std::move(skip)) {}
+  void reset() override {}
   at::Tensor forward(const at::Tensor& x);
   std::string skip;
 };

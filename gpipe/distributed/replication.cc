@@ -97,6 +97,15 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   }
 }
 
+bool any_rank(const ProcessGroup& group, bool mine, c10::Device local) {
+  if (group->getSize() == 1) return mine;
+  std::vector<at::Tensor> flag{
+      at::tensor({mine ? 1.0 : 0.0}, at::kFloat).to(wire_device(group, local))};
+  check_collective(group, "the all-reduce of whether a gradient is inf or NaN",
+                   [&] { group->allreduce(flag)->wait(); });
+  return flag[0].item<double>() > 0;
+}
+
 void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
                         c10::Device local) {
   std::vector<at::Tensor> pieces;

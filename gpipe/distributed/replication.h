@@ -44,6 +44,17 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
                        c10::Device local = c10::Device(c10::kCPU),
                        const std::function<void()>& check = nullptr);
 
+/// Whether `mine` holds on any rank of `group`: one all-reduce of one number. GradScaler::step's
+/// `any_rank` across processes (Note [Loss scaling] in gpipe/grad_scaler.h): over a pipeline's
+/// group, then its replica group, it reaches every rank of S x R.
+///
+///   scaler.step(adam, stage->parameters(), [&](bool found) {
+///     found = gpipe::distributed::any_rank(stage->group(), found);
+///     return stage->replica_group() ? gpipe::distributed::any_rank(stage->replica_group(), found)
+///                                   : found;
+///   });
+bool any_rank(const ProcessGroup& group, bool mine, c10::Device local = c10::Device(c10::kCPU));
+
 /// Merges every rank's deferred batch norm statistics (one entry per BatchNorm layer, the same
 /// layers in every rank) into `stats`, in place: per layer, the counts, means and sums of squared
 /// deviations of all ranks combined by Chan's formula, in rank order, in float64 (Note [Replicas

@@ -1,10 +1,16 @@
-// Ties across stages (Note [Ties across stages]): a weight shared by the first and the last layer
-// of a model whose stages run in processes of their own, found or named, over 2 and 3 stages,
-// every checkpoint mode, 1F1B, interleaving and replicas, trained with SGD with momentum and Adam
-// with weight decay against the plain Sequential with the weight truly shared.
+// Transformers' needs across processes: ties across stages (Note [Ties across stages]: a weight
+// shared by the first and the last layer, found or named, over 2 and 3 stages, every checkpoint
+// mode, 1F1B, interleaving and replicas, trained with SGD with momentum and Adam with weight decay
+// against the plain Sequential with the weight truly shared), and loss scaling (Note [Loss
+// scaling]: an inf in one stage's gradients skips the step on every stage).
+#include "tests/distributed/stage_test_util.h"
+
+#include <limits>
+
 #include <torch/optim/adam.h>
 
-#include "tests/distributed/stage_test_util.h"
+#include "gpipe/distributed/replication.h"
+#include "gpipe/grad_scaler.h"
 #include "tests/gpipe/tied_model.h"
 
 namespace gpipe {
@@ -157,6 +163,52 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
   mean = mean / c.replicas;
   CATCH_CHECK(at::allclose(mean, at::stack(losses), 0, 1e-12));
   std::filesystem::remove_all(folder);
+}
+
+
+constexpr const char* kSkipEverywhere =
+    "an inf in the last stage's gradients skips the step on every stage and backs the scale off";
+
+CATCH_TEST_CASE(kSkipEverywhere, "[distributed][stage][grad_scaler]") {
+  if (test_rank() < 0) {
+    check_ranks_pass(kSkipEverywhere, "grad_scaler");
+    return;
+  }
+  GradScaler scaler(GradScalerOptions().init_scale(1024));
+  // The last stage's loss, scaled: every micro-batch's backward starts from it.
+  const auto scaled = [&scaler](const Batch& out, const at::Tensor& y) {
+    return scaler.scale(mse(out, y));
+  };
+  PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks).loss(scaled),
+                      join());
+  torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  bool poison = false;
+  if (stage->is_last()) {
+    stage->parameters()[0].register_hook([&poison](const at::Tensor& g) {
+      return poison ? g * std::numeric_limits<double>::infinity() : g;
+    });
+  }
+  for (int step = 0; step < 3; ++step) {
+    CATCH_INFO("step " << step);
+    poison = step == 1;
+    auto [x, y] = batch(step);
+    sgd.zero_grad();
+    stage->step(stage->is_first() ? Batch(x) : no_input(), y);
+    std::vector<at::Tensor> before;
+    for (const at::Tensor& p : stage->parameters()) before.push_back(p.detach().clone());
+    const double scale = scaler.scale_value();
+    const bool stepped = scaler.step(sgd, stage->parameters(), [&](bool found) {
+      return any_rank(stage->group(), found);
+    });
+    scaler.update();
+    CATCH_CHECK(stepped == (step != 1));
+    double moved = 0;
+    for (size_t k = 0; k < before.size(); ++k) {
+      moved += (before[k] - stage->parameters()[k]).abs().sum().item<double>();
+    }
+    CATCH_CHECK((moved > 0) == stepped);
+    CATCH_CHECK(scaler.scale_value() == (step == 1 ? scale / 2 : scale));
+  }
 }
 
 }  // namespace

@@ -1,0 +1,317 @@
+// Trains a byte-level GPT (examples/models/gpt.h) in a GPipe on real English text: the fortunes
+// that Debian's fortunes package installs (or any text file), with held-out text for validation
+// in bits per byte beside the unigram and bigram entropies of that text, and samples of generated
+// text at the end.
+//
+//   bazel run -c opt //examples:gpt                       # about 4 minutes on 2 cores
+//   bazel run -c opt //examples:gpt -- --data=text:/path/to/book.txt --schedule=1f1b
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "balancing/balance.h"
+#include "examples/models/gpt.h"
+#include "examples/models/registry.h"
+#include "examples/training/text.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/grad_scaler.h"
+#include "gpipe/thread_state.h"
+#include "gpipe/worker.h"
+
+ABSL_FLAG(std::string, data, "fortunes",
+          "fortunes[:<folder>] (Debian's fortunes package) or text:<file>; every tenth fortune "
+          "(or 4 KiB block) is held out for validation");
+ABSL_FLAG(std::string, model, "gpt_4_128", "gpt_<blocks>_<width> (vocabulary 256: bytes)");
+ABSL_FLAG(int64_t, sequence, 64, "bytes per training sequence (at most the context, 256)");
+ABSL_FLAG(std::string, devices, "",
+          "cpu, or a list such as cuda:0,cuda:1 (default: every GPU, else the CPU)");
+ABSL_FLAG(int64_t, partitions, 2, "pipeline partitions");
+ABSL_FLAG(std::string, balance, "auto",
+          "auto or time (balance_by_time), size (balance_by_size), or layers per partition");
+ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
+ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
+ABSL_FLAG(std::string, schedule, "gpipe",
+          "gpipe (forward() and backward()), or 1f1b, interleaved, zb (GPipe::step)");
+ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved: partitions per worker");
+ABSL_FLAG(bool, amp, false,
+          "autocast: bfloat16 on the CPU; float16 on CUDA with dynamic loss scaling "
+          "(gpipe::GradScaler)");
+ABSL_FLAG(int64_t, steps, 1600, "training steps");
+ABSL_FLAG(int64_t, batch_size, 32, "sequences per mini-batch");
+ABSL_FLAG(double, lr, 1e-3, "AdamW's learning rate after warm-up; a cosine down to a tenth");
+ABSL_FLAG(int64_t, eval_every, 200, "validate every this many steps (and at the end)");
+ABSL_FLAG(int64_t, eval_windows, 512, "validation windows of --sequence bytes (0: all)");
+ABSL_FLAG(int64_t, sample_bytes, 400, "bytes of generated text at the end");
+ABSL_FLAG(double, temperature, 0.8, "sampling temperature");
+ABSL_FLAG(int64_t, threads, 0,
+          "intra-op threads on the CPU (default: the cores divided among the partitions)");
+ABSL_FLAG(int64_t, seed, 0, "random seed");
+ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+
+namespace gpipe {
+namespace {
+
+std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitions) {
+  if (spec.empty() && torch::cuda::is_available()) {
+    std::vector<c10::Device> all;
+    for (size_t k = 0; k < torch::cuda::device_count(); ++k) {
+      all.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(k));
+    }
+    std::vector<c10::Device> out;
+    for (int64_t j = 0; j < partitions; ++j) out.push_back(all[j % all.size()]);
+    return out;
+  }
+  if (spec.empty() || spec == "cpu") return std::vector<c10::Device>(partitions, c10::kCPU);
+  std::vector<c10::Device> out;
+  for (absl::string_view d : absl::StrSplit(spec, ',')) out.emplace_back(std::string(d));
+  TORCH_CHECK(static_cast<int64_t>(out.size()) == partitions, "--devices lists ", out.size(),
+              " devices for ", partitions, " partitions (--partitions)");
+  return out;
+}
+
+std::vector<int64_t> parse_balance(const std::string& spec, int64_t partitions,
+                                   const torch::nn::Sequential& model, const at::Tensor& sample,
+                                   int64_t chunks, c10::Device device) {
+  if (spec == "auto" || spec == "time") {
+    return balance_by_time(partitions, model, sample,
+                           BalanceByTimeOptions().timeout(std::chrono::seconds(2)).device(device));
+  }
+  if (spec == "size") {
+    return balance_by_size(partitions, model, sample,
+                           BalanceBySizeOptions().chunks(chunks).device(device));
+  }
+  std::vector<int64_t> balance;
+  for (absl::string_view part : absl::StrSplit(spec, ',')) {
+    int64_t layers = 0;
+    TORCH_CHECK(absl::SimpleAtoi(part, &layers) && layers >= 1, "--balance: '", part,
+                "' is not a positive number of layers; use auto, time, size or e.g. 9,10");
+    balance.push_back(layers);
+  }
+  return balance;
+}
+
+Checkpoint parse_checkpoint(const std::string& name) {
+  if (name == "always") return Checkpoint::kAlways;
+  if (name == "never") return Checkpoint::kNever;
+  TORCH_CHECK(name == "except_last", "--checkpoint must be always, except_last or never, got '",
+              name, "'");
+  return Checkpoint::kExceptLast;
+}
+
+// The mean next-byte loss (nats) over non-overlapping windows of `text`.
+double validate(GPipe& model, const at::Tensor& text, int64_t length, int64_t windows,
+                int64_t batch, bool amp, c10::DeviceType amp_device, c10::ScalarType amp_dtype) {
+  const int64_t available = (text.numel() - 1) / length;
+  const int64_t n = windows > 0 ? std::min(windows, available) : available;
+  at::NoGradGuard no_grad;
+  model->eval();
+  double total = 0;
+  for (int64_t start = 0; start < n; start += batch) {
+    const int64_t rows = std::min(batch, n - start);
+    const at::Tensor span = text.narrow(0, start * length, rows * length + 1);
+    const at::Tensor ids = span.narrow(0, 0, rows * length).view({rows, length});
+    const at::Tensor next = span.narrow(0, 1, rows * length).view({rows, length});
+    std::unique_ptr<Autocast> autocast;
+    if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
+    const at::Tensor logits = model->forward(ids.to(model->devices().front()));
+    total += models::next_token_loss(logits.to(at::kFloat), next).item<double>() * rows;
+  }
+  model->train();
+  return total / static_cast<double>(n);
+}
+
+std::string generate(GPipe& model, const std::string& prompt, int64_t bytes, int64_t context,
+                     double temperature, at::Generator generator) {
+  at::NoGradGuard no_grad;
+  model->eval();
+  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  std::string out = prompt;
+  for (int64_t k = 0; k < bytes; ++k) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
+    const std::vector<int64_t> window(ids.begin() + start, ids.end());
+    const at::Tensor input =
+        at::tensor(window, at::kLong).unsqueeze(0).to(model->devices().front());
+    const at::Tensor logits = model->forward(input).select(1, -1).squeeze(0).to(at::kCPU);
+    const at::Tensor p = (logits.to(at::kDouble) / temperature).softmax(0);
+    const int64_t next = at::multinomial(p, 1, false, generator).item<int64_t>();
+    ids.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  model->train();
+  return out;
+}
+
+int run() {
+  at::manual_seed(absl::GetFlag(FLAGS_seed));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1);
+  const training::TextCorpus corpus = training::load_text(absl::GetFlag(FLAGS_data));
+  const auto [unigram, bigram] = training::unigram_bigram_entropy(corpus.validation);
+  const int64_t partitions = absl::GetFlag(FLAGS_partitions);
+  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
+  const int64_t chunks = absl::GetFlag(FLAGS_chunks);
+  const int64_t length = absl::GetFlag(FLAGS_sequence);
+  TORCH_CHECK(partitions >= 1, "--partitions must be positive, got ", partitions);
+  TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
+  const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
+  const bool on_cpu = std::all_of(devices.begin(), devices.end(),
+                                  [](const c10::Device& d) { return d.is_cpu(); });
+  if (on_cpu) {
+    const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+    const int64_t threads = absl::GetFlag(FLAGS_threads) > 0
+                                ? absl::GetFlag(FLAGS_threads)
+                                : std::max<int64_t>(cores / partitions, 1);
+    set_intra_op_threads(static_cast<int>(threads));
+  }
+  models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
+  TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>, got '",
+              absl::GetFlag(FLAGS_model), "'");
+  TORCH_CHECK(length >= 1 && length <= named.sample_shape[0], "--sequence must be in 1 .. ",
+              named.sample_shape[0], " (the context), got ", length);
+  const auto [sample, unused] = training::random_windows(corpus.train, batch, length, generator);
+  const std::vector<int64_t> balance =
+      parse_balance(absl::GetFlag(FLAGS_balance), partitions, named.model, sample, chunks,
+                    devices.front());
+  const std::string schedule = absl::GetFlag(FLAGS_schedule);
+  GPipe model(named.model,
+              GPipeOptions(balance)
+                  .devices(devices)
+                  .chunks(chunks)
+                  .checkpoint(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                  .worker_per_partition(on_cpu && partitions > 1)
+                  .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
+                  .schedule(schedule_kind(schedule))
+                  .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
+                  .record_timeline(!absl::GetFlag(FLAGS_svg).empty()));
+  int64_t parameters = 0;
+  for (const at::Tensor& p : model->parameters()) parameters += p.numel();
+  const bool amp = absl::GetFlag(FLAGS_amp);
+  const c10::DeviceType amp_device = on_cpu ? c10::kCPU : c10::kCUDA;
+  const c10::ScalarType amp_dtype = on_cpu ? c10::kBFloat16 : c10::kHalf;
+  std::printf("%s: %lld training and %lld validation bytes; validation unigram entropy %.3f, "
+              "bigram %.3f bits per byte\n",
+              corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
+              static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+  std::printf("%s: %lld layers, %.2fM parameters (the head tied to the token embedding: %zu "
+              "tie)\n",
+              absl::GetFlag(FLAGS_model).c_str(), static_cast<long long>(named.model->size()),
+              parameters / 1e6, model->ties().size());
+  std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of %lld sequences of "
+              "%lld bytes, checkpoint %s, schedule %s%s\n",
+              absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
+              absl::StrJoin(devices, ", ",
+                            [](std::string* s, const c10::Device& d) { s->append(d.str()); })
+                  .c_str(),
+              static_cast<long long>(chunks), static_cast<long long>(batch),
+              static_cast<long long>(length), absl::GetFlag(FLAGS_checkpoint).c_str(),
+              schedule.c_str(),
+              amp ? (on_cpu ? ", autocast bfloat16" : ", autocast float16 with loss scaling")
+                  : "");
+
+  const double lr = absl::GetFlag(FLAGS_lr);
+  // Decoupled weight decay (AdamW): Adam's own adds it to the gradient, and for LayerNorm gains,
+  // whose gradients are small, it then dominates and drives them to zero at the learning rate.
+  torch::optim::AdamW optimizer(
+      model->parameters(), torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).weight_decay(0.01));
+  // float16 gradients underflow without loss scaling; bfloat16 has float32's range.
+  GradScaler scaler(GradScalerOptions().enabled(amp && !on_cpu));
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t warmup = std::min<int64_t>(50, steps / 10);
+  const auto loss_fn = [](const Batch& logits, const at::Tensor& targets) {
+    return models::next_token_loss(logits.tensor().to(at::kFloat), targets);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  double loss_sum = 0;
+  int64_t loss_count = 0;
+  double validation = 0;
+  for (int64_t step = 1; step <= steps; ++step) {
+    const double progress = static_cast<double>(step - warmup) / std::max<int64_t>(steps - warmup, 1);
+    const double rate = step <= warmup ? lr * step / std::max<int64_t>(warmup, 1)
+                                       : lr * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
+    for (auto& group : optimizer.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(rate);
+    }
+    const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    optimizer.zero_grad();
+    at::Tensor loss;
+    {
+      std::unique_ptr<Autocast> autocast;
+      if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
+      if (schedule == "gpipe") {
+        loss = loss_fn(Batch(model->forward(ids.to(devices.front()))), targets);
+      } else {
+        loss = model->step(ids.to(devices.front()), targets.to(devices.back()),
+                           [&scaler, &loss_fn](const Batch& logits, const at::Tensor& y) {
+                             return scaler.scale(loss_fn(logits, y));
+                           });
+        loss = loss / scaler.scale_value();
+      }
+    }
+    if (schedule == "gpipe") scaler.scale(loss).backward();
+    scaler.step(optimizer, model->parameters());
+    scaler.update();
+    loss_sum += loss.item<double>();
+    ++loss_count;
+    if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
+      validation = validate(model, corpus.validation, length, absl::GetFlag(FLAGS_eval_windows),
+                            batch, amp, amp_device, amp_dtype);
+      std::printf("step %5lld  %6.1f s  %7.0f bytes/s  train %.3f  validation %.3f bits per "
+                  "byte%s\n",
+                  static_cast<long long>(step), seconds(),
+                  static_cast<double>(step * batch * length) / seconds(),
+                  loss_sum / loss_count / std::log(2.0), validation / std::log(2.0),
+                  scaler.is_enabled() ? absl::StrFormat("  (loss scale %g, %lld steps skipped)",
+                                                        scaler.scale_value(),
+                                                        static_cast<long long>(scaler.skipped()))
+                                            .c_str()
+                                      : "");
+      std::fflush(stdout);
+      loss_sum = 0;
+      loss_count = 0;
+    }
+  }
+  if (!absl::GetFlag(FLAGS_svg).empty()) model->write_timeline_svg(absl::GetFlag(FLAGS_svg));
+  std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
+  for (const char* prompt : {"Q: ", "The ", "A "}) {
+    std::printf("---\n%s\n", generate(model, prompt, absl::GetFlag(FLAGS_sample_bytes), length,
+                                       absl::GetFlag(FLAGS_temperature), generator)
+                                  .c_str());
+  }
+  std::printf("---\nsummary: validation %.3f bits per byte after %lld steps in %.0f s "
+              "(unigram entropy %.3f, bigram %.3f)\n",
+              validation / std::log(2.0), static_cast<long long>(steps), seconds(), unigram,
+              bigram);
+  return 0;
+}
+
+}  // namespace
+}  // namespace gpipe
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Trains a byte-level GPT in a GPipe on real English text.");
+  absl::ParseCommandLine(argc, argv);
+  try {
+    return gpipe::run();
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}

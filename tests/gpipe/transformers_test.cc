@@ -1,0 +1,464 @@
+// Transformers' needs in one process: tied parameters (Note [Tied parameters]: a weight shared by
+// the first and the last layer, found or named, trained over several optimizer steps against the
+// plain Sequential with the weight truly shared; clones across devices; errors), flattening
+// nested models (Note [Flattening nested models]), and dynamic loss scaling (Note [Loss
+// scaling]: the documented growth and back-off, a step with an inf in one partition skipped on
+// every partition, a forced scale, saved state, float16 on CUDA against float32).
+#include "tests/gpipe/tied_model.h"
+#include "tests/gpipe/test_util.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <limits>
+
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "absl/strings/str_cat.h"
+#include "gpipe/flatten.h"
+#include "gpipe/grad_scaler.h"
+#include "gpipe/saved_training.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+using namespace tied_test;  // NOLINT: the tied model
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam,
+                                                        const std::vector<at::Tensor>& params) {
+  if (adam) {
+    return std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(0.01).weight_decay(0.1));
+  }
+  return std::make_unique<torch::optim::SGD>(params,
+                                             torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+enum class Run { kForward, kStageLocal, kStepGPipe, kStep1F1B };
+
+CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in the plain model "
+                "over several steps, found or named, in every checkpoint mode",
+                "[tied]") {
+  const bool named = GENERATE(false, true);
+  const std::vector<int64_t> balance = GENERATE(std::vector<int64_t>{2, 3},
+                                                std::vector<int64_t>{2, 2, 1});
+  const Checkpoint mode =
+      GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
+  const Run run = GENERATE(Run::kForward, Run::kStageLocal, Run::kStepGPipe, Run::kStep1F1B);
+  const bool adam = GENERATE(false, true);
+  CATCH_CAPTURE(named, balance.size(), static_cast<int>(mode), static_cast<int>(run), adam);
+
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  const std::vector<c10::Device> devices(balance.size(), c10::Device(at::kCPU));
+  GPipeOptions options = GPipeOptions(balance).devices(devices).chunks(3).checkpoint(mode);
+  if (named) options.tied_parameters({{"0.weight", "4.weight"}});
+  if (run == Run::kStageLocal) options.worker_per_partition(true).stage_local_backward(true);
+  if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
+  GPipe model(tied_model(/*shared=*/!named), options);
+  CATCH_REQUIRE(model->ties().size() == 1);
+  CATCH_CHECK(model->ties()[0].names == std::vector<std::string>{"0.weight", "4.weight"});
+  CATCH_CHECK(model->has_tied_copies() == named);
+
+  const std::vector<at::Tensor> plain_params = each_once(plain->parameters());
+  CATCH_REQUIRE(plain_params.size() == 5);  // the tie, 2 x (weight, bias)
+  CATCH_REQUIRE(model->parameters().size() == plain_params.size());
+  CATCH_CHECK(model->named_parameters().keys().front() == "partitions.0.0.weight");
+  auto opt1 = make_optimizer(adam, plain_params);
+  auto opt2 = make_optimizer(adam, model->parameters());
+  const at::Tensor last_place = model->partitions().back()->named_parameters()["4.weight"];
+
+  for (int step = 0; step < 4; ++step) {
+    CATCH_INFO("step " << step);
+    const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+    const at::Tensor target = at::randn({6, kVocab}, at::kDouble);
+    const auto loss_fn = [](const Batch& out, const at::Tensor& y) {
+      return (out.tensor() - y).pow(2).mean();  // a mean: split by micro-batch in 1F1B
+    };
+    opt1->zero_grad();
+    opt2->zero_grad();
+    const at::Tensor l1 = (plain->forward(x) - target).pow(2).mean();
+    l1.backward();
+    at::Tensor l2;
+    if (run == Run::kStepGPipe || run == Run::kStep1F1B) {
+      l2 = model->step(x, target, loss_fn);
+    } else {
+      l2 = (model->forward(x) - target).pow(2).mean();
+      l2.backward();
+    }
+    CATCH_CHECK(std::abs(l1.item<double>() - l2.item<double>()) <= 1e-10);
+    check_same_grads(plain_params, model->parameters(), 1e-10);
+    if (named) CATCH_CHECK(!last_place.grad().defined());  // summed into the owner
+    opt1->step();
+    opt2->step();
+    const auto mine = model->parameters();
+    for (size_t k = 0; k < plain_params.size(); ++k) {
+      CATCH_CHECK(max_diff(plain_params[k], mine[k]) <= 1e-10);
+    }
+  }
+  // The copy is brought up to date by the next forward.
+  at::NoGradGuard no_grad;
+  const at::Tensor x = at::randn({4, kVocab}, at::kDouble);
+  CATCH_CHECK(max_diff(plain->forward(x), model->forward(x)) <= 1e-10);
+  CATCH_CHECK(max_diff(last_place, model->parameters()[0]) == 0);
+}
+
+CATCH_TEST_CASE("A tied model saved and loaded takes the same next steps", "[tied][saving]") {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   absl::StrCat("gpipe_tied_", ::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "tied.pt").string();
+  const auto options = GPipeOptions({2, 3})
+                           .devices({at::kCPU, at::kCPU})
+                           .chunks(2)
+                           .tied_parameters({{"0.weight", "4.weight"}});
+  const auto train = [](GPipe& model, torch::optim::Optimizer& opt, int steps) {
+    std::vector<at::Tensor> losses;
+    for (int s = 0; s < steps; ++s) {
+      const at::Tensor x = at::randn({4, kVocab}, at::kDouble);
+      opt.zero_grad();
+      const at::Tensor loss = model->forward(x).pow(2).sum();
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.detach());
+    }
+    return losses;
+  };
+  GPipe first(tied_model(false), options);
+  torch::optim::Adam adam1(first->parameters(), torch::optim::AdamOptions(0.01));
+  train(first, adam1, 2);
+  save_training(path, *first, &adam1, 2);
+  const auto expected = train(first, adam1, 2);
+
+  GPipe second(tied_model(false), options);
+  torch::optim::Adam adam2(second->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(load_training(path, *second, &adam2) == 2);
+  const auto got = train(second, adam2, 2);
+  for (size_t k = 0; k < got.size(); ++k) CATCH_CHECK(max_diff(expected[k], got[k]) == 0);
+  for (size_t k = 0; k < first->parameters().size(); ++k) {
+    CATCH_CHECK(max_diff(first->parameters()[k], second->parameters()[k]) == 0);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+CATCH_TEST_CASE("A layer sharing a weight with a layer on another device is cloned there, with "
+                "a copy of the weight",
+                "[tied]") {
+  nn::Sequential model = tied_model(/*shared=*/true);
+  // Devices only label the layers here: nothing moves.
+  const c10::Device cpu(at::kCPU), gpu("cuda:0");
+  const nn::Sequential same = clone_across_devices(model, {cpu, cpu, cpu, cpu, cpu}, "test");
+  CATCH_CHECK(same.ptr() == model.ptr());
+  const nn::Sequential split = clone_across_devices(model, {cpu, cpu, cpu, gpu, gpu}, "test");
+  CATCH_REQUIRE(split->size() == 5);
+  for (size_t i = 0; i < 4; ++i) CATCH_CHECK(split->ptr(i).get() == model->ptr(i).get());
+  CATCH_CHECK(split->ptr(4).get() != model->ptr(4).get());
+  CATCH_CHECK(split->named_children()[4].key() == "4");
+  const at::Tensor original = model->named_parameters()["4.weight"];
+  const at::Tensor copy = split->named_parameters()["4.weight"];
+  CATCH_CHECK(!copy.is_same(original));
+  CATCH_CHECK(max_diff(copy, original) == 0);
+}
+
+// Not Cloneable.
+struct PlainProjectImpl : nn::Module {
+  explicit PlainProjectImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& h) { return h.matmul(weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(PlainProject);
+
+CATCH_TEST_CASE("Ties that cannot work are refused, naming the parameter", "[tied][errors]") {
+  const auto cpu2 = GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU});
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(tied_model(false), GPipeOptions(cpu2).tied_parameters({{"0.weight", "9.weight"}})),
+      gpipe_test::contains("'9.weight'") && gpipe_test::contains("is not a parameter") &&
+          gpipe_test::contains("'0.weight'"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(tied_model(false), GPipeOptions(cpu2).tied_parameters({{"0.weight", "1.weight"}})),
+      gpipe_test::contains("differ in shape") && gpipe_test::contains("[6, 5]") &&
+          gpipe_test::contains("[5, 5]"));
+  nn::Sequential frozen = tied_model(false);
+  frozen->named_parameters()["4.weight"].set_requires_grad(false);
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(frozen, GPipeOptions(cpu2).tied_parameters({{"0.weight", "4.weight"}})),
+      gpipe_test::contains("only '0.weight' requires grad"));
+  const at::Tensor w = at::randn({kVocab, kWidth}, at::kDouble);
+  nn::Sequential plain{Embed(w), nn::Tanh(), PlainProject(w)};
+  CATCH_CHECK_THROWS_WITH(
+      clone_across_devices(plain, {at::kCPU, at::kCPU, c10::Device("cuda:0")}, "GPipe"),
+      gpipe_test::contains("layer 2 ('2'") && gpipe_test::contains("cannot be cloned") &&
+          gpipe_test::contains("tied_parameters"));
+}
+
+CATCH_TEST_CASE("A weight tied across a CPU and a GPU partition trains as in the plain model",
+                "[tied][cuda]") {
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  GPipe model(tied_model(/*shared=*/true),
+              GPipeOptions({2, 3}).devices({at::kCPU, c10::Device("cuda:0")}).chunks(3));
+  CATCH_CHECK(model->has_tied_copies());
+  const std::vector<at::Tensor> plain_params = each_once(plain->parameters());
+  auto opt1 = make_optimizer(true, plain_params);
+  auto opt2 = make_optimizer(true, model->parameters());
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+    opt1->zero_grad();
+    opt2->zero_grad();
+    plain->forward(x).pow(2).sum().backward();
+    model->forward(x).pow(2).sum().backward();
+    check_same_grads(plain_params, model->parameters(), 1e-10);
+    opt1->step();
+    opt2->step();
+  }
+  const at::Tensor copy = model->partitions()[1]->named_parameters()["4.weight"];
+  CATCH_CHECK(copy.is_cuda());
+  at::NoGradGuard no_grad;
+  const at::Tensor x = at::randn({4, kVocab}, at::kDouble);
+  CATCH_CHECK(max_diff(plain->forward(x), model->forward(x).cpu()) <= 1e-10);
+  CATCH_CHECK(max_diff(copy.cpu(), model->parameters()[0]) == 0);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+// A Sequential that can be a layer of another: LibTorch's AnyModule needs a forward of fixed
+// types, which Sequential's templated one is not (torchvision's C++ models do the same).
+struct StackImpl : nn::SequentialImpl {
+  using SequentialImpl::SequentialImpl;
+  at::Tensor forward(const at::Tensor& x) { return SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Stack);
+
+// stem, two blocks (the second holding a nested Stack), head.
+nn::Sequential nested() {
+  at::manual_seed(9);
+  nn::Sequential model;
+  model->push_back("stem", nn::Linear(4, 8));
+  model->push_back("block0", Stack(nn::Linear(8, 8), nn::Tanh()));
+  model->push_back("block1", Stack(nn::Linear(8, 8), Stack(nn::ReLU(), nn::Linear(8, 8))));
+  model->push_back("head", nn::Linear(8, 2));
+  model->to(at::kDouble);
+  return model;
+}
+
+CATCH_TEST_CASE("flatten lists the leaf layers in order, named after their paths, and computes "
+                "the nested model's function",
+                "[flatten]") {
+  nn::Sequential model = nested();
+  nn::Sequential flat = flatten(model);
+  std::vector<std::string> names;
+  for (const auto& item : flat->named_children()) names.push_back(item.key());
+  CATCH_CHECK(names == std::vector<std::string>{"stem", "block0_0", "block0_1", "block1_0",
+                                                "block1_1_0", "block1_1_1", "head"});
+  // The same objects: parameters are shared, not copied.
+  CATCH_CHECK(flat->ptr(5).get() == model[2]->as<Stack>()->ptr(1)->as<Stack>()->ptr(1).get());
+  CATCH_CHECK(flat->parameters().size() == model->parameters().size());
+  const at::Tensor x = at::randn({5, 4}, at::kDouble);
+  CATCH_CHECK(max_diff(flat->forward(x), model->forward(x)) == 0);
+  // A ModuleList of blocks applied in order.
+  nn::ModuleList blocks;
+  blocks->push_back(Stack(nn::Linear(4, 4), nn::Tanh()));
+  blocks->push_back(Stack(nn::Linear(4, 3)));
+  blocks->to(at::kDouble);
+  nn::Sequential from_list = flatten(blocks);
+  CATCH_CHECK(from_list->named_children().keys() ==
+              std::vector<std::string>{"0_0", "0_1", "1_0"});
+  at::Tensor expected = x;
+  for (const auto& block : *blocks) expected = block->as<Stack>()->forward(expected);
+  CATCH_CHECK(max_diff(from_list->forward(x), expected) == 0);
+}
+
+CATCH_TEST_CASE("A flattened model in a GPipe, cut inside a nested block, trains as the nested "
+                "model",
+                "[flatten]") {
+  nn::Sequential plain = nested();
+  GPipe model(flatten(nested()), GPipeOptions({3, 4}).devices({at::kCPU, at::kCPU}).chunks(2));
+  const at::Tensor x = at::randn({6, 4}, at::kDouble);
+  plain->forward(x).pow(2).sum().backward();
+  model->forward(x).pow(2).sum().backward();
+  check_same_grads(plain->parameters(), model->parameters(), 1e-12);
+}
+
+CATCH_TEST_CASE("flatten refuses a ModuleList element whose forward it cannot call",
+                "[flatten][errors]") {
+  nn::ModuleList blocks;
+  blocks->push_back(Stack(nn::Linear(2, 2)));
+  blocks->push_back(nn::Linear(2, 2));
+  CATCH_CHECK_THROWS_WITH(flatten(blocks), gpipe_test::contains("element '1'") &&
+                                               gpipe_test::contains("torch::nn::LinearImpl") &&
+                                               gpipe_test::contains("make each block a Sequential"));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+CATCH_TEST_CASE("The scale backs off after an inf and grows after growth_interval clean steps, "
+                "and an inf skips the optimizer's step",
+                "[grad_scaler]") {
+  GradScaler scaler(GradScalerOptions().init_scale(8).growth_factor(2).backoff_factor(0.5)
+                        .growth_interval(3));
+  at::Tensor p = at::ones({2}, at::kDouble).requires_grad_(true);
+  torch::optim::SGD sgd({p}, 0.5);
+  // (inf this step, the scale after it): GradScaler's documented rule from 8 with interval 3.
+  const std::vector<std::pair<bool, double>> steps{
+      {false, 8}, {false, 8}, {false, 16}, {true, 8}, {false, 8},
+      {false, 8}, {false, 16}, {false, 16}, {true, 8}, {true, 4}};
+  int64_t skipped = 0;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    CATCH_INFO("step " << k);
+    const double s = scaler.scale_value();
+    p.mutable_grad() = at::full({2}, 2.0 * s, at::kDouble);  // a scaled gradient of 2
+    if (steps[k].first) p.mutable_grad()[1] = std::numeric_limits<double>::infinity();
+    const at::Tensor before = p.detach().clone();
+    const bool stepped = scaler.step(sgd, {p});
+    CATCH_CHECK(stepped == !steps[k].first);
+    if (stepped) {
+      CATCH_CHECK(max_diff(p, before - 1.0) == 0);  // lr 0.5 x the unscaled gradient 2
+    } else {
+      ++skipped;
+      CATCH_CHECK(max_diff(p, before) == 0);
+    }
+    scaler.update();
+    CATCH_CHECK(scaler.scale_value() == steps[k].second);
+  }
+  CATCH_CHECK(scaler.skipped() == skipped);
+}
+
+nn::Sequential mlp() {
+  at::manual_seed(4);
+  nn::Sequential seq(nn::Linear(6, 16), nn::Tanh(), nn::Linear(16, 16), nn::Tanh(),
+                     nn::Linear(16, 3));
+  seq->to(at::kDouble);
+  return seq;
+}
+
+CATCH_TEST_CASE("A step with an inf in one partition is skipped on every partition, and training "
+                "with a forced scale equals training without",
+                "[grad_scaler]") {
+  const int64_t bad_partition = GENERATE(0, 1);
+  CATCH_CAPTURE(bad_partition);
+  nn::Sequential plain = mlp();
+  GPipe model(mlp(), GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(3));
+  torch::optim::Adam adam1(plain->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam adam2(model->parameters(), torch::optim::AdamOptions(0.01));
+  GradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+  // An inf in one gradient of the chosen partition at step 2.
+  bool poison = false;
+  const at::Tensor victim = model->partitions()[bad_partition]->parameters()[0];
+  victim.register_hook([&poison](const at::Tensor& g) {
+    return poison ? g * std::numeric_limits<double>::infinity() : g;
+  });
+  for (int step = 0; step < 5; ++step) {
+    CATCH_INFO("step " << step);
+    const at::Tensor x = at::randn({6, 6}, at::kDouble);
+    const at::Tensor y = at::randn({6, 3}, at::kDouble);
+    poison = step == 2;
+    adam1.zero_grad();
+    adam2.zero_grad();
+    (plain->forward(x) - y).pow(2).mean().backward();
+    scaler.scale((model->forward(x) - y).pow(2).mean()).backward();
+    std::vector<at::Tensor> before;
+    for (const at::Tensor& p : model->parameters()) before.push_back(p.detach().clone());
+    const double scale = scaler.scale_value();
+    const bool stepped = scaler.step(adam2, model->parameters());
+    scaler.update();
+    CATCH_CHECK(stepped == !poison);
+    if (poison) {
+      // Every partition's parameters are as they were, and the scale backed off.
+      for (size_t k = 0; k < before.size(); ++k) {
+        CATCH_CHECK(max_diff(before[k], model->parameters()[k]) == 0);
+      }
+      CATCH_CHECK(scaler.scale_value() == scale / 2);
+      continue;  // the plain model skips the step too
+    }
+    adam1.step();
+    for (size_t k = 0; k < before.size(); ++k) {
+      CATCH_CHECK(max_diff(plain->parameters()[k], model->parameters()[k]) <= 1e-12);
+    }
+  }
+  CATCH_CHECK(scaler.skipped() == 1);
+}
+
+CATCH_TEST_CASE("A GradScaler's state is saved and loaded with the model", "[grad_scaler][saving]") {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   absl::StrCat("gpipe_scaler_", ::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "run.pt").string();
+  GPipe model(mlp(), GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}));
+  torch::optim::Adam adam(model->parameters());
+  GradScaler scaler(GradScalerOptions().init_scale(64).growth_interval(5));
+  for (int step = 0; step < 3; ++step) {  // 3 clean steps: tracker 3
+    adam.zero_grad();
+    scaler.scale(model->forward(at::randn({4, 6}, at::kDouble)).sum()).backward();
+    scaler.step(adam, model->parameters());
+    scaler.update();
+  }
+  save_training(path, *model, &adam, 3, &scaler);
+  GradScaler loaded;
+  GPipe other(mlp(), GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}));
+  torch::optim::Adam adam2(other->parameters());
+  CATCH_CHECK(load_training(path, *other, &adam2, &loaded) == 3);
+  CATCH_CHECK(loaded.scale_value() == 64);
+  CATCH_CHECK(loaded.growth_tracker() == 3);
+  CATCH_CHECK(loaded.skipped() == 0);
+  std::filesystem::remove_all(dir);
+}
+
+CATCH_TEST_CASE("float16 training with loss scaling on CUDA follows float32 training",
+                "[grad_scaler][cuda]") {
+  const c10::Device gpu("cuda:0");
+  const auto make = [&] {
+    at::manual_seed(6);
+    nn::Sequential seq(nn::Linear(32, 64), nn::Tanh(), nn::Linear(64, 64), nn::Tanh(),
+                       nn::Linear(64, 4));
+    return seq;
+  };
+  GPipe full(make(), GPipeOptions({2, 3}).devices({gpu, gpu}).chunks(4));
+  GPipe half(make(), GPipeOptions({2, 3}).devices({gpu, gpu}).chunks(4));
+  torch::optim::Adam adam32(full->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam adam16(half->parameters(), torch::optim::AdamOptions(1e-3));
+  GradScaler scaler;
+  const at::Tensor x = at::randn({64, 32}, gpu);
+  const at::Tensor y = at::randn({64, 4}, gpu);
+  double l32 = 0, l16 = 0;
+  for (int step = 0; step < 50; ++step) {
+    adam32.zero_grad();
+    adam16.zero_grad();
+    at::Tensor a = (full->forward(x) - y).pow(2).mean();
+    a.backward();
+    adam32.step();
+    at::Tensor b;
+    {
+      Autocast autocast(c10::kCUDA, c10::kHalf);
+      b = (half->forward(x).to(at::kFloat) - y).pow(2).mean();
+    }
+    scaler.scale(b).backward();
+    scaler.step(adam16, half->parameters());
+    scaler.update();
+    l32 = a.item<double>();
+    l16 = b.item<double>();
+  }
+  CATCH_CHECK(std::abs(l16 - l32) <= 0.05 * l32);
+  CATCH_CHECK(scaler.skipped() < 10);  // the first steps at 65536 may overflow, each halving it
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
