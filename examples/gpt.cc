@@ -28,6 +28,7 @@
 #include "balancing/balance.h"
 #include "examples/models/gpt.h"
 #include "examples/models/registry.h"
+#include "examples/training/choices.h"
 #include "examples/training/text.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/grad_scaler.h"
@@ -83,35 +84,6 @@ std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitio
   TORCH_CHECK(static_cast<int64_t>(out.size()) == partitions, "--devices lists ", out.size(),
               " devices for ", partitions, " partitions (--partitions)");
   return out;
-}
-
-std::vector<int64_t> parse_balance(const std::string& spec, int64_t partitions,
-                                   const torch::nn::Sequential& model, const at::Tensor& sample,
-                                   int64_t chunks, c10::Device device) {
-  if (spec == "auto" || spec == "time") {
-    return balance_by_time(partitions, model, sample,
-                           BalanceByTimeOptions().timeout(std::chrono::seconds(2)).device(device));
-  }
-  if (spec == "size") {
-    return balance_by_size(partitions, model, sample,
-                           BalanceBySizeOptions().chunks(chunks).device(device));
-  }
-  std::vector<int64_t> balance;
-  for (absl::string_view part : absl::StrSplit(spec, ',')) {
-    int64_t layers = 0;
-    TORCH_CHECK(absl::SimpleAtoi(part, &layers) && layers >= 1, "--balance: '", part,
-                "' is not a positive number of layers; use auto, time, size or e.g. 9,10");
-    balance.push_back(layers);
-  }
-  return balance;
-}
-
-Checkpoint parse_checkpoint(const std::string& name) {
-  if (name == "always") return Checkpoint::kAlways;
-  if (name == "never") return Checkpoint::kNever;
-  TORCH_CHECK(name == "except_last", "--checkpoint must be always, except_last or never, got '",
-              name, "'");
-  return Checkpoint::kExceptLast;
 }
 
 // The mean next-byte loss (nats) over non-overlapping windows of `text`.
@@ -185,14 +157,14 @@ int run() {
               named.sample_shape[0], " (the context), got ", length);
   const auto [sample, unused] = training::random_windows(corpus.train, batch, length, generator);
   const std::vector<int64_t> balance =
-      parse_balance(absl::GetFlag(FLAGS_balance), partitions, named.model, sample, chunks,
-                    devices.front());
+      training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model, sample,
+                               chunks, devices.front());
   const std::string schedule = absl::GetFlag(FLAGS_schedule);
   GPipe model(named.model,
               GPipeOptions(balance)
                   .devices(devices)
                   .chunks(chunks)
-                  .checkpoint(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                  .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
                   .worker_per_partition(on_cpu && partitions > 1)
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(schedule_kind(schedule))

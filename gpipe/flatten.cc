@@ -18,42 +18,27 @@ std::string join(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
 
-void add_list(const torch::nn::ModuleList& list, const std::string& prefix,
-              torch::nn::Sequential& out);
-
-void add_sequential(const torch::nn::Sequential& seq, const std::string& prefix,
-                    torch::nn::Sequential& out) {
-  const auto children = seq->named_children();
-  for (const auto i : c10::irange(seq->size())) {
-    const std::string name = join(prefix, children[i].key());
-    const std::shared_ptr<torch::nn::Module> child = seq->ptr(i);
-    if (auto inner = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child)) {
-      add_sequential(torch::nn::Sequential(inner), name, out);
-    } else if (auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(child)) {
-      add_list(torch::nn::ModuleList(list), name, out);
-    } else {
-      out->push_back(absl::StrReplaceAll(name, {{".", "_"}}), *(seq->begin() + i));
+// `child` (at `path`) into `out`: a Sequential's or a ModuleList's elements in order, or itself
+// as the layer `leaf` (null: an element of a ModuleList, which cannot be called).
+void add(const std::shared_ptr<torch::nn::Module>& child, const std::string& path,
+         const torch::nn::AnyModule* leaf, torch::nn::Sequential& out) {
+  if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child)) {
+    const auto children = seq->named_children();
+    for (const auto i : c10::irange(seq->size())) {
+      add(seq->ptr(i), join(path, children[i].key()), &*(seq->begin() + i), out);
     }
-  }
-}
-
-void add_list(const torch::nn::ModuleList& list, const std::string& prefix,
-              torch::nn::Sequential& out) {
-  const auto children = list->named_children();
-  for (const auto i : c10::irange(list->size())) {
-    const std::string name = join(prefix, children[i].key());
-    const std::shared_ptr<torch::nn::Module> child = list->ptr(i);
-    if (auto inner = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child)) {
-      add_sequential(torch::nn::Sequential(inner), name, out);
-    } else if (auto nested = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(child)) {
-      add_list(torch::nn::ModuleList(nested), name, out);
-    } else {
-      TORCH_CHECK(false, "gpipe::flatten: element '", name,
-                  "' (", child->name(), ") of a ModuleList is neither a Sequential nor a "
-                  "ModuleList, so its forward cannot be called as a layer (a ModuleList keeps "
-                  "modules without their forward's type); make each block a Sequential of its "
-                  "layers, e.g. torch::nn::Sequential(ln, attention, ...)");
+  } else if (auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(child)) {
+    const auto children = list->named_children();
+    for (const auto i : c10::irange(list->size())) {
+      add(list->ptr(i), join(path, children[i].key()), nullptr, out);
     }
+  } else {
+    TORCH_CHECK(leaf != nullptr, "gpipe::flatten: element '", path, "' (", child->name(),
+                ") of a ModuleList is neither a Sequential nor a ModuleList, so its forward "
+                "cannot be called as a layer (a ModuleList keeps modules without their "
+                "forward's type); make each block a Sequential of its layers, e.g. "
+                "torch::nn::Sequential(ln, attention, ...)");
+    out->push_back(absl::StrReplaceAll(path, {{".", "_"}}), *leaf);
   }
 }
 
@@ -62,14 +47,14 @@ void add_list(const torch::nn::ModuleList& list, const std::string& prefix,
 torch::nn::Sequential flatten(const torch::nn::Sequential& module) {
   TORCH_CHECK(module, "gpipe::flatten: the Sequential is empty (null)");
   torch::nn::Sequential out;
-  add_sequential(module, "", out);
+  add(module.ptr(), "", nullptr, out);
   return out;
 }
 
 torch::nn::Sequential flatten(const torch::nn::ModuleList& module) {
   TORCH_CHECK(module, "gpipe::flatten: the ModuleList is empty (null)");
   torch::nn::Sequential out;
-  add_list(module, "", out);
+  add(module.ptr(), "", nullptr, out);
   return out;
 }
 

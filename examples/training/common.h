@@ -18,6 +18,7 @@
 #include <torch/optim/adam.h>
 
 #include "absl/strings/str_format.h"
+#include "examples/training/choices.h"
 #include "examples/training/data.h"
 #include "gpipe/gpipe.h"
 
@@ -35,14 +36,6 @@ inline void set_cosine_lr(torch::optim::Adam& optimizer, double lr, int64_t step
         .lr(lr * 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / total)));
   }
 }
-
-/// --checkpoint's mode.
-Checkpoint parse_checkpoint(const std::string& name);
-
-/// --balance: auto or time (balance_by_time), size (balance_by_size), or "4,5,3".
-std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
-                                    const torch::nn::Sequential& model, const at::Tensor& sample,
-                                    int64_t chunks, c10::Device device);
 
 inline std::string duration(double seconds) {
   const int64_t s = static_cast<int64_t>(seconds + 0.5);

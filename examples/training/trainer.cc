@@ -170,38 +170,6 @@ double step_bubble(const std::vector<TimelineEvent>& events, int64_t ranks) {
 
 }  // namespace
 
-Checkpoint parse_checkpoint(const std::string& name) {
-  if (name == "always") return Checkpoint::kAlways;
-  if (name == "never") return Checkpoint::kNever;
-  TORCH_CHECK(name == "except_last", "--checkpoint must be always, except_last or never, got '",
-              name, "'");
-  return Checkpoint::kExceptLast;
-}
-
-std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
-                                    const torch::nn::Sequential& model, const at::Tensor& sample,
-                                    int64_t chunks, c10::Device device) {
-  if (spec == "auto" || spec == "time") {
-    return balance_by_time(partitions, model, sample,
-                           BalanceByTimeOptions().timeout(std::chrono::seconds(2)).device(device));
-  }
-  if (spec == "size") {
-    return balance_by_size(partitions, model, sample,
-                           BalanceBySizeOptions().chunks(chunks).device(device));
-  }
-  std::vector<int64_t> balance;
-  for (absl::string_view part : absl::StrSplit(spec, ',')) {
-    int64_t layers = 0;
-    TORCH_CHECK(absl::SimpleAtoi(part, &layers) && layers >= 1, "--balance: '", part,
-                "' is not a positive number of layers; use auto, time, size or e.g. 4,5,3");
-    balance.push_back(layers);
-  }
-  TORCH_CHECK(static_cast<int64_t>(balance.size()) == partitions, "--balance has ",
-              balance.size(), " partitions but there are ", partitions,
-              " (--partitions / --devices)");
-  return balance;
-}
-
 Data load_data_from_flags() {
   // Keep freed memory instead of returning it to the system above 128 KiB, which costs page
   // faults at every step (see benchmarks/pipeline_efficiency.cc).

@@ -84,25 +84,29 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
   for (auto& [dtype, ps] : by_dtype) {
     const c10::Device wire = wire_device(group, ps[0].is_cuda() ? ps[0].device() : local);
     std::vector<at::Tensor> flat{pack_gradients(ps, wire)};
-    check_collective(group, "the all-reduce of the replicas' gradients", [&] {
-      const c10::intrusive_ptr<c10d::Work> work = group->allreduce(flat);
-      while (check && !work->isCompleted()) {
-        check();
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-      work->wait();
-    });
+    all_reduce_sum(group, flat, "the all-reduce of the replicas' gradients", check);
     flat[0].div_(group->getSize());
     unpack_averages(ps, flat[0]);
   }
+}
+
+void all_reduce_sum(const ProcessGroup& group, std::vector<at::Tensor>& tensors,
+                    const std::string& what, const std::function<void()>& check) {
+  check_collective(group, what, [&] {
+    const c10::intrusive_ptr<c10d::Work> work = group->allreduce(tensors);
+    while (check && !work->isCompleted()) {
+      check();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    work->wait();
+  });
 }
 
 bool any_rank(const ProcessGroup& group, bool mine, c10::Device local) {
   if (group->getSize() == 1) return mine;
   std::vector<at::Tensor> flag{
       at::tensor({mine ? 1.0 : 0.0}, at::kFloat).to(wire_device(group, local))};
-  check_collective(group, "the all-reduce of whether a gradient is inf or NaN",
-                   [&] { group->allreduce(flag)->wait(); });
+  all_reduce_sum(group, flag, "the all-reduce of whether a gradient is inf or NaN");
   return flag[0].item<double>() > 0;
 }
 

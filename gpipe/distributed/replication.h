@@ -44,6 +44,12 @@ void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>&
                        c10::Device local = c10::Device(c10::kCPU),
                        const std::function<void()>& check = nullptr);
 
+/// Sums `tensors` over the ranks of `group` in place (one all-reduce), calling `check` (if given)
+/// while it waits, so that a failure heard elsewhere can end the wait; check_collective's errors
+/// name `what`.
+void all_reduce_sum(const ProcessGroup& group, std::vector<at::Tensor>& tensors,
+                    const std::string& what, const std::function<void()>& check = nullptr);
+
 /// Whether `mine` holds on any rank of `group`: one all-reduce of one number. GradScaler::step's
 /// `any_rank` across processes (Note [Loss scaling] in gpipe/grad_scaler.h): over a pipeline's
 /// group, then its replica group, it reaches every rank of S x R.

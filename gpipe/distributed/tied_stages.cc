@@ -2,10 +2,8 @@
 #include "gpipe/distributed/tied_stages.h"
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <set>
-#include <thread>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
@@ -69,14 +67,8 @@ void TiedStages::sum_gradients(const ProcessGroup& group, c10::Device local,
     const at::Tensor& first = tensors[0];
     const c10::Device wire = wire_device(group, first.is_cuda() ? first.device() : local);
     std::vector<at::Tensor> flat{pack_gradients(tensors, wire)};
-    check_collective(group, "the all-reduce of tied parameters' gradients over the stages", [&] {
-      const c10::intrusive_ptr<c10d::Work> work = group->allreduce(flat);
-      while (check && !work->isCompleted()) {
-        check();
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-      work->wait();
-    });
+    all_reduce_sum(group, flat, "the all-reduce of tied parameters' gradients over the stages",
+                   check);
     unpack_averages(tensors, flat[0]);  // sums: not divided
   }
 }

@@ -1,0 +1,28 @@
+// What the trainers' pipeline flags choose, shared by //examples/training's trainer and
+// //examples:gpt (without flags of its own, so that each program defines its own).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "gpipe/checkpoint.h"
+#include "gpipe/gpipe.h"
+
+namespace gpipe {
+namespace training {
+
+/// --checkpoint's mode: always, except_last or never.
+Checkpoint parse_checkpoint(const std::string& name);
+
+/// --balance: auto or time (balance_by_time), size (balance_by_size), or "4,5,3".
+std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
+                                    const torch::nn::Sequential& model, const at::Tensor& sample,
+                                    int64_t chunks, c10::Device device);
+
+}  // namespace training
+}  // namespace gpipe
