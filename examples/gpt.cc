@@ -5,6 +5,7 @@
 //
 //   bazel run -c opt //examples:gpt                       # about 4 minutes on 2 cores
 //   bazel run -c opt //examples:gpt -- --data=text:/path/to/book.txt --schedule=1f1b
+//   torchrun --no_python --nproc_per_node=2 bazel-bin/examples/gpt --distributed  # 2 stages
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -34,6 +35,10 @@
 #include "gpipe/grad_scaler.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/worker.h"
+#if GPIPE_WITH_DISTRIBUTED
+#include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/replication.h"
+#endif
 
 ABSL_FLAG(std::string, data, "fortunes",
           "fortunes[:<folder>] (Debian's fortunes package) or text:<file>; every tenth fortune "
@@ -64,6 +69,10 @@ ABSL_FLAG(int64_t, threads, 0,
           "intra-op threads on the CPU (default: the cores divided among the partitions)");
 ABSL_FLAG(int64_t, seed, 0, "random seed");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+ABSL_FLAG(bool, distributed, false,
+          "one pipeline stage per process under torchrun (--partitions stages, WORLD_SIZE / "
+          "partitions replicas, each drawing its own sequences); the tie between the first and "
+          "the last stage is summed across them");
 
 namespace gpipe {
 namespace {
@@ -129,11 +138,133 @@ std::string generate(GPipe& model, const std::string& prompt, int64_t bytes, int
   return out;
 }
 
+#if GPIPE_WITH_DISTRIBUTED
+namespace dist = gpipe::distributed;
+
+// Layers per stage for `stages` stages of a GPT of `blocks` blocks: whole blocks, as even as they
+// go, the embedding with the first and ln_f and the head with the last (skips stay in a stage).
+std::vector<int64_t> block_balance(int64_t blocks, int64_t stages) {
+  TORCH_CHECK(stages >= 1 && stages <= std::max<int64_t>(blocks, 1), "--distributed: ", stages,
+              " stages for ", blocks, " blocks; give at most one stage per block");
+  std::vector<int64_t> balance;
+  for (int64_t s = 0; s < stages; ++s) {
+    const int64_t mine = blocks / stages + (s < blocks % stages ? 1 : 0);
+    balance.push_back(6 * mine + (s == 0 ? 1 : 0) + (s == stages - 1 ? 2 : 0));
+  }
+  return balance;
+}
+
+// --distributed: this process's stage of one of the pipelines.
+int run_distributed(const training::TextCorpus& corpus, double unigram, double bigram) {
+  const int64_t stages = absl::GetFlag(FLAGS_partitions);
+  const dist::PipelineGroups groups = dist::new_pipeline_groups(dist::options_from_env(),
+                                                                static_cast<int>(stages));
+  const bool leader = groups.stage == 0 && groups.replica == 0;
+  models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
+  TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>");
+  const int64_t blocks = (static_cast<int64_t>(named.model->size()) - 3) / 6;
+  std::vector<int64_t> balance = block_balance(blocks, stages);
+  if (absl::GetFlag(FLAGS_balance) != "auto") {
+    balance = training::choose_balance(absl::GetFlag(FLAGS_balance), stages, named.model,
+                                       at::Tensor(), absl::GetFlag(FLAGS_chunks), c10::kCPU);
+  }
+  const int64_t batch = absl::GetFlag(FLAGS_batch_size);
+  const int64_t length = absl::GetFlag(FLAGS_sequence);
+  auto options = dist::PipelineStageOptions(balance)
+                     .chunks(absl::GetFlag(FLAGS_chunks))
+                     .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                     .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
+                     .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
+                     .loss([](const Batch& logits, const at::Tensor& targets) {
+                       return models::next_token_loss(logits.tensor(), targets);
+                     });
+  dist::PipelineStage stage =
+      groups.replicas > 1 ? dist::PipelineStage(named.model, options, groups.pipeline,
+                                                groups.replica_group)
+                          : dist::PipelineStage(named.model, options, groups.pipeline);
+  if (leader) {
+    std::printf("%s: %lld training and %lld validation bytes; validation unigram entropy %.3f, "
+                "bigram %.3f bits per byte\n",
+                corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
+                static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+    std::printf("distributed: %d stages x %d replicas, balance {%s}, the tie held by stages "
+                "{%s}, %lld micro-batches of %lld sequences of %lld bytes per replica\n",
+                groups.stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(),
+                stage->tied_stages().empty() ? ""
+                                             : absl::StrJoin(stage->tied_stages()[0], ", ").c_str(),
+                static_cast<long long>(absl::GetFlag(FLAGS_chunks)),
+                static_cast<long long>(batch), static_cast<long long>(length));
+  }
+  const double lr = absl::GetFlag(FLAGS_lr);
+  torch::optim::AdamW optimizer(
+      stage->parameters(), torch::optim::AdamWOptions(lr).betas({0.9, 0.95}).weight_decay(0.01));
+  // Every stage of a replica draws the same sequences (the first needs the inputs, the last the
+  // targets); each replica its own.
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1 +
+                                                            1000 * groups.replica);
+  const int64_t steps = absl::GetFlag(FLAGS_steps);
+  const int64_t warmup = std::min<int64_t>(50, steps / 10);
+  const auto start = std::chrono::steady_clock::now();
+  const auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  double validation = 0;
+  for (int64_t step = 1; step <= steps; ++step) {
+    const double progress =
+        static_cast<double>(step - warmup) / std::max<int64_t>(steps - warmup, 1);
+    const double rate = step <= warmup ? lr * step / std::max<int64_t>(warmup, 1)
+                                       : lr * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
+    for (auto& group : optimizer.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(rate);
+    }
+    const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    optimizer.zero_grad();
+    stage->step(stage->is_first() ? Batch(ids) : dist::no_input(),
+                stage->is_last() ? targets : at::Tensor());
+    optimizer.step();
+    if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
+      const int64_t windows = std::min<int64_t>(
+          absl::GetFlag(FLAGS_eval_windows) > 0 ? absl::GetFlag(FLAGS_eval_windows) : batch,
+          (corpus.validation.numel() - 1) / length);
+      const at::Tensor span = corpus.validation.narrow(0, 0, windows * length + 1);
+      const at::Tensor vids = span.narrow(0, 0, windows * length).view({windows, length});
+      const at::Tensor vnext = span.narrow(0, 1, windows * length).view({windows, length});
+      stage->eval();
+      const auto result = stage->evaluate(stage->is_first() ? Batch(vids) : dist::no_input(),
+                                          stage->is_last() ? vnext : at::Tensor());
+      stage->train();
+      validation = result.loss.item<double>();
+      if (leader) {
+        std::printf("step %5lld  %6.1f s  validation %.3f bits per byte\n",
+                    static_cast<long long>(step), seconds(), validation / std::log(2.0));
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (leader) {
+    std::printf("summary: %d stages x %d replicas: validation %.3f bits per byte after %lld "
+                "steps in %.0f s (unigram entropy %.3f, bigram %.3f)\n",
+                groups.stages, groups.replicas, validation / std::log(2.0),
+                static_cast<long long>(steps), seconds(), unigram, bigram);
+  }
+  return 0;
+}
+#endif
+
 int run() {
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1);
   const training::TextCorpus corpus = training::load_text(absl::GetFlag(FLAGS_data));
   const auto [unigram, bigram] = training::unigram_bigram_entropy(corpus.validation);
+  if (absl::GetFlag(FLAGS_distributed)) {
+#if GPIPE_WITH_DISTRIBUTED
+    return run_distributed(corpus, unigram, bigram);
+#else
+    TORCH_CHECK(false, "--distributed: this build has no gpipe::distributed (Gloo's headers, "
+                "gloo/algorithm.h, were not found when it was built: install libgloo-dev and "
+                "build again)");
+#endif
+  }
   const int64_t partitions = absl::GetFlag(FLAGS_partitions);
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);
   const int64_t chunks = absl::GetFlag(FLAGS_chunks);
