@@ -77,6 +77,20 @@ ABSL_FLAG(bool, distributed, false,
 namespace gpipe {
 namespace {
 
+// AdamW's learning rate at step `step` (from 1) of `steps`: `lr` after a linear warm-up over the
+// first tenth (at most 50 steps), then a cosine down to a tenth of it.
+void set_learning_rate(torch::optim::AdamW& optimizer, double lr, int64_t step, int64_t steps) {
+  const int64_t warmup = std::min<int64_t>(50, steps / 10);
+  const double progress = static_cast<double>(step - warmup) /
+                          static_cast<double>(std::max<int64_t>(steps - warmup, 1));
+  const double warm = static_cast<double>(step) / static_cast<double>(std::max<int64_t>(warmup, 1));
+  const double rate =
+      step <= warmup ? lr * warm : lr * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(rate);
+  }
+}
+
 std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitions) {
   if (spec.empty() && torch::cuda::is_available()) {
     std::vector<c10::Device> all;
@@ -203,20 +217,13 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1 +
                                                             1000 * groups.replica);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
-  const int64_t warmup = std::min<int64_t>(50, steps / 10);
   const auto start = std::chrono::steady_clock::now();
   const auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   double validation = 0;
   for (int64_t step = 1; step <= steps; ++step) {
-    const double progress =
-        static_cast<double>(step - warmup) / std::max<int64_t>(steps - warmup, 1);
-    const double rate = step <= warmup ? lr * step / std::max<int64_t>(warmup, 1)
-                                       : lr * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
-    for (auto& group : optimizer.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(rate);
-    }
+    set_learning_rate(optimizer, lr, step, steps);
     const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
     optimizer.zero_grad();
     stage->step(stage->is_first() ? Batch(ids) : dist::no_input(),
@@ -334,7 +341,6 @@ int run() {
   // float16 gradients underflow without loss scaling; bfloat16 has float32's range.
   GradScaler scaler(GradScalerOptions().enabled(amp && !on_cpu));
   const int64_t steps = absl::GetFlag(FLAGS_steps);
-  const int64_t warmup = std::min<int64_t>(50, steps / 10);
   const auto loss_fn = [](const Batch& logits, const at::Tensor& targets) {
     return models::next_token_loss(logits.tensor().to(at::kFloat), targets);
   };
@@ -346,12 +352,7 @@ int run() {
   int64_t loss_count = 0;
   double validation = 0;
   for (int64_t step = 1; step <= steps; ++step) {
-    const double progress = static_cast<double>(step - warmup) / std::max<int64_t>(steps - warmup, 1);
-    const double rate = step <= warmup ? lr * step / std::max<int64_t>(warmup, 1)
-                                       : lr * (0.1 + 0.45 * (1 + std::cos(M_PI * progress)));
-    for (auto& group : optimizer.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(rate);
-    }
+    set_learning_rate(optimizer, lr, step, steps);
     const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
     optimizer.zero_grad();
     at::Tensor loss;

@@ -24,7 +24,8 @@ namespace gpipe {
 // and every ModuleList is applied element after element, as a Sequential would. A block whose
 // forward is not a chain — a residual, x + attn(ln(x)) — is written as layers with a skip
 // (gpipe::skippable, stash/pop): the layer before the branch stashes x, the layer after it pops
-// x and adds it; examples/models/gpt.h writes each transformer block this way (docs/transformers.md).
+// x and adds it; examples/models/gpt.h writes each transformer block this way
+// (docs/transformers.md).
 // A ModuleList's leaf elements must be Sequentials or ModuleLists: a torch::nn::Module pointer
 // alone does not say what its forward takes, so it cannot be called as a layer.
 

@@ -317,7 +317,8 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     // The copies' gradients join their owners' once this output's backward is done.
     for (const at::Tensor& t : out) {
       if (t.defined() && t.requires_grad()) {
-        t.register_hook([tied = tied_](const at::Tensor&) { sum_tied_gradients_after_backward(tied); });
+        t.register_hook(
+            [tied = tied_](const at::Tensor&) { sum_tied_gradients_after_backward(tied); });
         break;
       }
     }

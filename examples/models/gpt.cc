@@ -109,7 +109,8 @@ torch::nn::Sequential gpt(const GptOptions& o) {
   torch::nn::Sequential seq;
   GptEmbedding embed(o.vocabulary(), o.context(), o.width());
   seq->push_back("embed", embed);
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(1, o.layers())));
+  const double residual_std =
+      0.02 / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(1, o.layers())));
   for (int64_t i = 0; i < o.layers(); ++i) {
     const std::string block = absl::StrCat("block", i);
     const std::string a = block + "_a", b = block + "_b";

@@ -294,9 +294,10 @@ CATCH_TEST_CASE("flatten refuses a ModuleList element whose forward it cannot ca
   nn::ModuleList blocks;
   blocks->push_back(Stack(nn::Linear(2, 2)));
   blocks->push_back(nn::Linear(2, 2));
-  CATCH_CHECK_THROWS_WITH(flatten(blocks), gpipe_test::contains("element '1'") &&
-                                               gpipe_test::contains("torch::nn::LinearImpl") &&
-                                               gpipe_test::contains("make each block a Sequential"));
+  CATCH_CHECK_THROWS_WITH(flatten(blocks),
+                          gpipe_test::contains("element '1'") &&
+                              gpipe_test::contains("torch::nn::LinearImpl") &&
+                              gpipe_test::contains("make each block a Sequential"));
 }
 
 }  // namespace
@@ -396,7 +397,8 @@ CATCH_TEST_CASE("A step with an inf in one partition is skipped on every partiti
   CATCH_CHECK(scaler.skipped() == 1);
 }
 
-CATCH_TEST_CASE("A GradScaler's state is saved and loaded with the model", "[grad_scaler][saving]") {
+CATCH_TEST_CASE("A GradScaler's state is saved and loaded with the model",
+                "[grad_scaler][saving]") {
   const auto dir = std::filesystem::temp_directory_path() /
                    absl::StrCat("gpipe_scaler_", ::getpid());
   std::filesystem::create_directories(dir);
