@@ -34,6 +34,7 @@
 #include "examples/training/data.h"
 #include "examples/training/distributed_trainer.h"  // built with GPIPE_WITH_DISTRIBUTED
 #include "gpipe/gpipe.h"
+#include "gpipe/grad_scaler.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/partition.h"
 #include "gpipe/saved_training.h"
@@ -264,9 +265,9 @@ int train(const TrainerModel& trainer) {
   const bool amp = absl::GetFlag(FLAGS_amp);
   const c10::DeviceType amp_device = on_cpu ? c10::kCPU : c10::kCUDA;
   const c10::ScalarType amp_dtype = on_cpu ? c10::kBFloat16 : c10::kHalf;
-  // float16 gradients underflow without loss scaling: a fixed scale, and a step skipped when a
-  // gradient overflows.
-  const double loss_scale = amp && !on_cpu ? 1024.0 : 1.0;
+  // float16 gradients underflow without loss scaling (gpipe::GradScaler, Note [Loss scaling]);
+  // bfloat16 has float32's range.
+  GradScaler scaler(GradScalerOptions().enabled(amp && !on_cpu));
 
   auto train_loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
       data.train.map(torch::data::transforms::Stack<>()),
@@ -309,30 +310,19 @@ int train(const TrainerModel& trainer) {
         if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
         if (use_step) {
           loss = pipe->step(batch.data.to(in), batch.target.to(out),
-                            [loss_scale](const Batch& logits, const at::Tensor& target) {
-                              return at::cross_entropy_loss(logits.tensor().to(at::kFloat),
-                                                            target) * loss_scale;
-                            }) / loss_scale;
+                            [&scaler](const Batch& logits, const at::Tensor& target) {
+                              return scaler.scale(at::cross_entropy_loss(
+                                  logits.tensor().to(at::kFloat), target));
+                            }) / scaler.scale_value();
         } else {
           at::Tensor logits = pipe->forward(batch.data.to(in));
           loss = at::cross_entropy_loss(logits.to(at::kFloat), batch.target.to(out));
         }
       }
-      if (!use_step) (loss * loss_scale).backward();
-      bool finite = true;
-      if (loss_scale != 1.0) {
-        // One host synchronisation for all gradients, not one per parameter.
-        at::NoGradGuard no_grad;
-        std::vector<at::Tensor> checks;
-        for (auto& p : pipe->parameters()) {
-          if (!p.grad().defined()) continue;
-          p.mutable_grad().div_(loss_scale);
-          checks.push_back(p.grad().isfinite().all().to(in));
-        }
-        finite = checks.empty() || at::stack(checks).all().item<bool>();
-      }
+      if (!use_step) scaler.scale(loss).backward();
       set_cosine_lr(optimizer, lr, global_step, total_steps);
-      if (finite) optimizer.step();
+      scaler.step(optimizer, pipe->parameters());  // skipped when a gradient overflowed
+      scaler.update();
       ++step;
       ++global_step;
       loss_sum += loss.item<double>();
