@@ -279,15 +279,7 @@ int run() {
   TORCH_CHECK(partitions >= 1, "--partitions must be positive, got ", partitions);
   TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
   const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu = std::all_of(devices.begin(), devices.end(),
-                                  [](const c10::Device& d) { return d.is_cpu(); });
-  if (on_cpu) {
-    const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
-    const int64_t threads = absl::GetFlag(FLAGS_threads) > 0
-                                ? absl::GetFlag(FLAGS_threads)
-                                : std::max<int64_t>(cores / partitions, 1);
-    set_intra_op_threads(static_cast<int>(threads));
-  }
+  const bool on_cpu = training::divide_cores(devices, absl::GetFlag(FLAGS_threads));
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>, got '",
               absl::GetFlag(FLAGS_model), "'");

@@ -1,16 +1,31 @@
 // What the trainers' pipeline flags choose; see choices.h.
 #include "examples/training/choices.h"
 
+#include <algorithm>
 #include <chrono>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
+#include "gpipe/worker.h"
 
 namespace gpipe {
 namespace training {
+
+bool divide_cores(const std::vector<c10::Device>& devices, int64_t threads) {
+  const bool on_cpu = std::all_of(devices.begin(), devices.end(),
+                                  [](const c10::Device& d) { return d.is_cpu(); });
+  if (on_cpu) {
+    const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+    const int64_t partitions = std::max<int64_t>(static_cast<int64_t>(devices.size()), 1);
+    set_intra_op_threads(
+        static_cast<int>(threads > 0 ? threads : std::max<int64_t>(cores / partitions, 1)));
+  }
+  return on_cpu;
+}
 
 Checkpoint parse_checkpoint(const std::string& name) {
   if (name == "always") return Checkpoint::kAlways;

@@ -19,6 +19,11 @@ namespace training {
 /// --checkpoint's mode: always, except_last or never.
 Checkpoint parse_checkpoint(const std::string& name);
 
+/// Whether every partition is on the CPU; if so, the CPU as a pipeline of cores: the intra-op
+/// threads set to `threads` (--threads), or when it is 0, the cores divided among the partitions
+/// (each has a worker).
+bool divide_cores(const std::vector<c10::Device>& devices, int64_t threads);
+
 /// --balance: auto or time (balance_by_time), size (balance_by_size), or "4,5,3".
 std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
                                     const torch::nn::Sequential& model, const at::Tensor& sample,

@@ -201,16 +201,7 @@ int train(const TrainerModel& trainer) {
   int64_t partitions = absl::GetFlag(FLAGS_partitions);
   TORCH_CHECK(partitions >= 0, "--partitions must be positive, got ", partitions);
   const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu = std::all_of(devices.begin(), devices.end(),
-                                  [](const c10::Device& d) { return d.is_cpu(); });
-  if (on_cpu) {
-    // The CPU as a pipeline of cores: one worker per partition, the cores divided among them.
-    const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
-    const int64_t threads = absl::GetFlag(FLAGS_threads) > 0
-                                ? absl::GetFlag(FLAGS_threads)
-                                : std::max<int64_t>(cores / partitions, 1);
-    set_intra_op_threads(static_cast<int>(threads));
-  }
+  const bool on_cpu = divide_cores(devices, absl::GetFlag(FLAGS_threads));
 
   torch::nn::Sequential model =
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
