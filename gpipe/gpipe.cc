@@ -98,12 +98,9 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), "GPipe");
-  std::vector<c10::Device> layer_devices;
-  for (const auto j : c10::irange(devices_.size())) {
-    layer_devices.insert(layer_devices.end(), options_.balance()[j], devices_[j]);
-  }
-  partitions_ = split_module(clone_across_devices(module, layer_devices, "GPipe"),
-                             options_.balance(), devices_);
+  partitions_ = split_module(
+      clone_across_devices(module, layer_devices(options_.balance(), devices_), "GPipe"),
+      options_.balance(), devices_);
   tied_ = std::make_shared<TiedCopies>(ties_, partitions_);
   skip_layout_ = SkipLayout(partitions_);
   partition_list_ = register_module("partitions", torch::nn::ModuleList());

@@ -100,6 +100,13 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
   return partitions;
 }
 
+std::vector<c10::Device> layer_devices(const std::vector<int64_t>& balance,
+                                       const std::vector<c10::Device>& devices) {
+  std::vector<c10::Device> out;
+  for (size_t j = 0; j < balance.size(); ++j) out.insert(out.end(), balance[j], devices[j]);
+  return out;
+}
+
 uint64_t requires_grad_key(const torch::nn::Sequential& partition) {
   uint64_t key = 1469598103934665603ull;
   for (const at::Tensor& p : partition->parameters()) {

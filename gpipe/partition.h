@@ -30,6 +30,11 @@ std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& mod
                                                 const std::vector<int64_t>& balance,
                                                 const std::vector<c10::Device>& devices);
 
+/// The device of each layer of a Sequential split by `balance` over `devices` (partition j's
+/// layers on devices[j]).
+std::vector<c10::Device> layer_devices(const std::vector<int64_t>& balance,
+                                       const std::vector<c10::Device>& devices);
+
 /// "layer 3 ('conv', torch::nn::Conv2dImpl)": layer `index` of `module`, for error messages.
 std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 

@@ -2,8 +2,6 @@
 #include "gpipe/tied_parameters.h"
 
 #include <algorithm>
-#include <map>
-#include <numeric>
 #include <set>
 #include <unordered_map>
 
@@ -78,24 +76,20 @@ std::vector<Tie> find_ties(const torch::nn::Sequential& module, const TiedNames&
                 "both or neither");
     parent[root(parent, place[a])] = root(parent, place[b]);
   }
-  std::map<size_t, Tie> by_root;  // keyed by the root; ordered below by first place
-  std::map<size_t, size_t> first_of_root;
+  // One group per root, in the order of its first place; those of one place are no ties.
+  std::unordered_map<size_t, size_t> group_of_root;
+  std::vector<Tie> groups;
   for (size_t k = 0; k < names.size(); ++k) {
-    const size_t r = root(parent, k);
-    Tie& tie = by_root[r];
-    first_of_root.emplace(r, k);
+    const auto inserted = group_of_root.emplace(root(parent, k), groups.size());
+    if (inserted.second) groups.emplace_back();
+    Tie& tie = groups[inserted.first->second];
     tie.names.push_back(names[k]);
     tie.layers.push_back(layer_index.at(names[k].substr(0, names[k].find('.'))));
   }
-  std::vector<std::pair<size_t, Tie>> ordered;
-  for (auto& [r, tie] : by_root) {
-    if (tie.names.size() < 2) continue;
-    ordered.emplace_back(first_of_root[r], std::move(tie));
-  }
-  std::sort(ordered.begin(), ordered.end(),
-            [](const auto& x, const auto& y) { return x.first < y.first; });
   std::vector<Tie> ties;
-  for (auto& item : ordered) ties.push_back(std::move(item.second));
+  for (Tie& tie : groups) {
+    if (tie.names.size() >= 2) ties.push_back(std::move(tie));
+  }
   return ties;
 }
 

@@ -98,14 +98,12 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   }
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), who);
-  std::vector<c10::Device> layer_devices;
   std::vector<int64_t> stage_of_layer;
   for (size_t k = 0; k < balance.size(); ++k) {
-    layer_devices.insert(layer_devices.end(), balance[k], devices[k]);
     stage_of_layer.insert(stage_of_layer.end(), balance[k], static_cast<int64_t>(k) % ranks);
   }
-  const std::vector<torch::nn::Sequential> parts =
-      split_module(clone_across_devices(module, layer_devices, who), balance, devices);
+  const std::vector<torch::nn::Sequential> parts = split_module(
+      clone_across_devices(module, layer_devices(balance, devices), who), balance, devices);
   const SkipLayout across(parts);
   const std::vector<SkipKey> crossing = across.crossing();
   const char* part = v > 1 ? "virtual stage" : "stage";
@@ -159,12 +157,7 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     partition_devices =
         local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
                               : local_devices;
-    std::vector<c10::Device> local_layer_devices;
-    for (size_t j = 0; j < local_balance.size(); ++j) {
-      local_layer_devices.insert(local_layer_devices.end(), local_balance[j],
-                                 partition_devices[j]);
-    }
-    layers_ = clone_across_devices(layers_, local_layer_devices, who);
+    layers_ = clone_across_devices(layers_, layer_devices(local_balance, partition_devices), who);
     local = split_module(layers_, local_balance, partition_devices);
   }
   register_module("layers", layers_);

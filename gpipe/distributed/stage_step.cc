@@ -33,6 +33,12 @@ c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
   return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
 }
 
+// Throws the failure `channel` heard, if any (a collective's check while it waits).
+void throw_if_heard(const FaultChannel* channel) {
+  if (channel == nullptr) return;
+  if (std::optional<std::string> heard = channel->heard()) TORCH_CHECK(false, *heard);
+}
+
 }  // namespace
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
@@ -241,20 +247,12 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     // Note [Tied parameters], then Note [Ties across stages].
     tied_->sum_gradients();
     if (!tied_stages_->empty()) {
-      tied_stages_->sum_gradients(group_, local_, [this] {
-        if (std::optional<std::string> heard = faults_ ? faults_->heard() : std::nullopt) {
-          TORCH_CHECK(false, *heard);
-        }
-      });
+      tied_stages_->sum_gradients(group_, local_, [this] { throw_if_heard(faults_.get()); });
     }
   }
   if (grad_enabled && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters(), local_, [this] {
-      if (std::optional<std::string> heard = replica_faults_ ? replica_faults_->heard()
-                                                             : std::nullopt) {
-        TORCH_CHECK(false, *heard);
-      }
-    });
+    average_gradients(replica_group_, layers_->parameters(), local_,
+                      [this] { throw_if_heard(replica_faults_.get()); });
   }
   if (sink) {
     output_ = sink->output();
