@@ -70,9 +70,9 @@ ABSL_FLAG(int64_t, threads, 0,
 ABSL_FLAG(int64_t, seed, 0, "random seed");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
 ABSL_FLAG(bool, distributed, false,
-          "one pipeline stage per process under torchrun (--partitions stages, WORLD_SIZE / "
-          "partitions replicas, each drawing its own sequences); the tie between the first and "
-          "the last stage is summed across them");
+          "one pipeline stage per process on the CPU under torchrun (--partitions stages, "
+          "WORLD_SIZE / partitions replicas, each drawing its own sequences); the tie between "
+          "the first and the last stage is summed across them");
 
 namespace gpipe {
 namespace {
@@ -109,19 +109,31 @@ std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitio
   return out;
 }
 
-// The mean next-byte loss (nats) over non-overlapping windows of `text`.
-double validate(GPipe& model, const at::Tensor& text, int64_t length, int64_t windows,
-                int64_t batch, bool amp, c10::DeviceType amp_device, c10::ScalarType amp_dtype) {
+// How many validation windows of `length` bytes --eval_windows asks of `text` (0: all).
+int64_t validation_windows(const at::Tensor& text, int64_t length) {
   const int64_t available = (text.numel() - 1) / length;
-  const int64_t n = windows > 0 ? std::min(windows, available) : available;
+  const int64_t asked = absl::GetFlag(FLAGS_eval_windows);
+  return asked > 0 ? std::min(asked, available) : available;
+}
+
+// What the corpus is, with its validation text's entropies.
+void print_corpus(const training::TextCorpus& corpus, double unigram, double bigram) {
+  std::printf("%s: %lld training and %lld validation bytes; validation unigram entropy %.3f, "
+              "bigram %.3f bits per byte\n",
+              corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
+              static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+}
+
+// The mean next-byte loss (nats) over the validation windows of `text`.
+double validate(GPipe& model, const at::Tensor& text, int64_t length, int64_t batch, bool amp,
+                c10::DeviceType amp_device, c10::ScalarType amp_dtype) {
+  const int64_t n = validation_windows(text, length);
   at::NoGradGuard no_grad;
   model->eval();
   double total = 0;
   for (int64_t start = 0; start < n; start += batch) {
     const int64_t rows = std::min(batch, n - start);
-    const at::Tensor span = text.narrow(0, start * length, rows * length + 1);
-    const at::Tensor ids = span.narrow(0, 0, rows * length).view({rows, length});
-    const at::Tensor next = span.narrow(0, 1, rows * length).view({rows, length});
+    const auto [ids, next] = training::consecutive_windows(text, start, rows, length);
     std::unique_ptr<Autocast> autocast;
     if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
     const at::Tensor logits = model->forward(ids.to(model->devices().front()));
@@ -170,6 +182,10 @@ std::vector<int64_t> block_balance(int64_t blocks, int64_t stages) {
 
 // --distributed: this process's stage of one of the pipelines.
 int run_distributed(const training::TextCorpus& corpus, double unigram, double bigram) {
+  TORCH_CHECK(!absl::GetFlag(FLAGS_amp), "--amp is not supported with --distributed yet");
+  const std::string devices = absl::GetFlag(FLAGS_devices);
+  TORCH_CHECK(devices.empty() || devices == "cpu", "--distributed runs each stage on the CPU; "
+              "--devices must be empty or cpu, got '", devices, "'");
   const int64_t stages = absl::GetFlag(FLAGS_partitions);
   const dist::PipelineGroups groups = dist::new_pipeline_groups(dist::options_from_env(),
                                                                 static_cast<int>(stages));
@@ -197,10 +213,7 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                                                 groups.replica_group)
                           : dist::PipelineStage(named.model, options, groups.pipeline);
   if (leader) {
-    std::printf("%s: %lld training and %lld validation bytes; validation unigram entropy %.3f, "
-                "bigram %.3f bits per byte\n",
-                corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
-                static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+    print_corpus(corpus, unigram, bigram);
     std::printf("distributed: %d stages x %d replicas, balance {%s}, the tie held by stages "
                 "{%s}, %lld micro-batches of %lld sequences of %lld bytes per replica\n",
                 groups.stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(),
@@ -230,12 +243,8 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                 stage->is_last() ? targets : at::Tensor());
     optimizer.step();
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
-      const int64_t windows = std::min<int64_t>(
-          absl::GetFlag(FLAGS_eval_windows) > 0 ? absl::GetFlag(FLAGS_eval_windows) : batch,
-          (corpus.validation.numel() - 1) / length);
-      const at::Tensor span = corpus.validation.narrow(0, 0, windows * length + 1);
-      const at::Tensor vids = span.narrow(0, 0, windows * length).view({windows, length});
-      const at::Tensor vnext = span.narrow(0, 1, windows * length).view({windows, length});
+      const auto [vids, vnext] = training::consecutive_windows(
+          corpus.validation, 0, validation_windows(corpus.validation, length), length);
       stage->eval();
       const auto result = stage->evaluate(stage->is_first() ? Batch(vids) : dist::no_input(),
                                           stage->is_last() ? vnext : at::Tensor());
@@ -305,10 +314,7 @@ int run() {
   const bool amp = absl::GetFlag(FLAGS_amp);
   const c10::DeviceType amp_device = on_cpu ? c10::kCPU : c10::kCUDA;
   const c10::ScalarType amp_dtype = on_cpu ? c10::kBFloat16 : c10::kHalf;
-  std::printf("%s: %lld training and %lld validation bytes; validation unigram entropy %.3f, "
-              "bigram %.3f bits per byte\n",
-              corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
-              static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+  print_corpus(corpus, unigram, bigram);
   std::printf("%s: %lld layers, %.2fM parameters (the head tied to the token embedding: %zu "
               "tie)\n",
               absl::GetFlag(FLAGS_model).c_str(), static_cast<long long>(named.model->size()),
@@ -367,8 +373,7 @@ int run() {
     loss_sum += loss.item<double>();
     ++loss_count;
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
-      validation = validate(model, corpus.validation, length, absl::GetFlag(FLAGS_eval_windows),
-                            batch, amp, amp_device, amp_dtype);
+      validation = validate(model, corpus.validation, length, batch, amp, amp_device, amp_dtype);
       std::printf("step %5lld  %6.1f s  %7.0f bytes/s  train %.3f  validation %.3f bits per "
                   "byte%s\n",
                   static_cast<long long>(step), seconds(),

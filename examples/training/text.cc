@@ -120,6 +120,13 @@ std::pair<at::Tensor, at::Tensor> random_windows(const at::Tensor& text, int64_t
   return {windows.narrow(1, 0, length).contiguous(), windows.narrow(1, 1, length).contiguous()};
 }
 
+std::pair<at::Tensor, at::Tensor> consecutive_windows(const at::Tensor& text, int64_t first,
+                                                      int64_t rows, int64_t length) {
+  const at::Tensor span = text.narrow(0, first * length, rows * length + 1);
+  return {span.narrow(0, 0, rows * length).view({rows, length}),
+          span.narrow(0, 1, rows * length).view({rows, length})};
+}
+
 std::pair<double, double> unigram_bigram_entropy(const at::Tensor& text) {
   const at::Tensor unigrams = at::bincount(text, {}, 256);
   const at::Tensor pairs =

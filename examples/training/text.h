@@ -29,6 +29,11 @@ TextCorpus load_text(const std::string& spec, int64_t holdout = 10);
 std::pair<at::Tensor, at::Tensor> random_windows(const at::Tensor& text, int64_t batch,
                                                  int64_t length, at::Generator generator);
 
+/// The `rows` consecutive windows of `text` from window `first` on (window k starts at byte
+/// k * length): the inputs [rows, length] and the next bytes [rows, length]; for validation.
+std::pair<at::Tensor, at::Tensor> consecutive_windows(const at::Tensor& text, int64_t first,
+                                                      int64_t rows, int64_t length);
+
 /// The entropies of `text` in bits per byte: of single bytes (unigram), and of a byte given the
 /// one before it (bigram, H(pair) - H(first)), both under `text`'s own frequencies: what a model
 /// that knows only those counts would reach on it.
