@@ -9,7 +9,7 @@
 # PyTorch's C++11-ABI wheels); logs and the benchmarks' JSON go to OUT_DIR. Environment: JOBS
 # (compile jobs, default: the cores), BUILD (build folder, default build/gpu), SKIP_BENCH=1 (tests
 # only), RESNET_SAMPLES / AMOEBA_SAMPLES (samples per epoch of the speed runs, two epochs each,
-# the first untimed).
+# the first untimed), EXTRA_TARGETS (more CMake targets to build, such as gpt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [PREFIX]}
@@ -30,14 +30,15 @@ python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.vers
 tests=$(grep -l '\[cuda\]' tests/*/*_test.cc | xargs -n 1 basename | sed 's/\.cc$//')
 benches="amoebanetd_memory resnet101_speed unet_memory amoebanetd_speed"
 [[ "${SKIP_BENCH:-0}" == 1 ]] && benches=""
+extra=${EXTRA_TARGETS:-}
 stamp configure
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   "-DCMAKE_PREFIX_PATH=$torch_prefix${prefix:+;$prefix}" > "$out/configure.log" 2>&1 ||
   { tail -n 30 "$out/configure.log"; exit 1; }
 grep -E "^-- gpipe" "$out/configure.log"
-stamp build $tests $benches
+stamp build $tests $benches $extra
 # shellcheck disable=SC2086
-cmake --build "$build" -j "$jobs" --target $tests $benches > "$out/build.log" 2>&1 ||
+cmake --build "$build" -j "$jobs" --target $tests $benches $extra > "$out/build.log" 2>&1 ||
   { grep -E -A 5 "error|FAILED" "$out/build.log" | head -n 60; exit 1; }
 stamp built
 
