@@ -1,10 +1,15 @@
 // The balancing command line: profiles a bundled example model layer by layer and prints the
-// per-layer table, the balance, each partition's predicted cost and the bottleneck.
+// per-layer table, the balance, each partition's predicted cost and the bottleneck; or, with
+// --plan, plans the whole pipeline (balancing/plan.h) and prints the five best plans.
 //
 //   bazel run //balancing:balance -- --model=resnet101 --partitions=4 --by=time --device=cpu
 //   bazel run //balancing:balance -- --model=unet --partitions=3 --by=size --json
+//   bazel run //balancing:balance -- --model=resnet20_cifar --plan --devices=cpu,cpu
+//       --batch=128 --memory_limit=500000000 --plan_out=/tmp/plan.json
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -17,7 +22,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "balancing/balance.h"
+#include "balancing/plan.h"
+#include "gpipe/trace.h"
 #include "examples/models/registry.h"
 
 ABSL_FLAG(std::string, model, "resnet50", "a bundled model: resnet18 ... resnet152, "
@@ -30,9 +39,108 @@ ABSL_FLAG(double, timeout, 1.0, "seconds of timing passes (--by=time)");
 ABSL_FLAG(int, chunks, 8, "micro-batches the GPipe will use (--by=size)");
 ABSL_FLAG(double, param_scale, 2.0, "optimizer bytes per parameter byte (--by=size)");
 ABSL_FLAG(bool, json, false, "print JSON instead of tables");
+ABSL_FLAG(std::string, input, "",
+          "<channels>x<size> of the images and 10 classes, as the trainers' data gives them (1x28 "
+          "for Fashion-MNIST); default: the model's own");
+ABSL_FLAG(bool, plan, false,
+          "plan the pipeline (partitions up to the --devices, balance, micro-batches, checkpoint "
+          "mode, schedule) from one profile and print the five best plans");
+ABSL_FLAG(std::string, devices, "cpu,cpu",
+          "with --plan: the devices a pipeline may use, one per partition (repeats allowed)");
+ABSL_FLAG(int64_t, memory_limit, 0, "with --plan: bytes per device a plan may take (0: no limit)");
+ABSL_FLAG(std::string, optimizer, "momentum", "with --plan: sgd, momentum or adam");
+ABSL_FLAG(int64_t, threads, 0,
+          "with --plan: intra-op threads per CPU worker (0: the cores divided among the devices)");
+ABSL_FLAG(std::string, plan_out, "", "with --plan: write the best plan here (JSON), for the "
+          "trainers' --plan");
+ABSL_FLAG(std::string, profile_out, "", "with --plan: write the profile here (JSON)");
+ABSL_FLAG(std::string, profile_in, "",
+          "with --plan: plan from this profile (JSON, from --profile_out) instead of profiling");
+
+namespace {
+
+// --input: "<channels>x<size>", or the model's own.
+gpipe::models::ModelInput model_input() {
+  gpipe::models::ModelInput input;
+  const std::string spec = absl::GetFlag(FLAGS_input);
+  if (spec.empty()) return input;
+  const std::vector<std::string> parts = absl::StrSplit(spec, 'x');
+  TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &input.channels) &&
+                  absl::SimpleAtoi(parts[1], &input.size) && input.channels > 0 && input.size > 0,
+              "--input must be <channels>x<size> such as 1x28, got '", spec, "'");
+  input.classes = 10;
+  return input;
+}
+
+// --plan: profile (or read a profile), plan, print the best plans, write the best.
+int plan_main(int64_t batch) {
+  std::vector<c10::Device> devices;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',')) {
+    devices.emplace_back(std::string(name));
+  }
+  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
+  TORCH_CHECK(optimizer == "sgd" || optimizer == "momentum" || optimizer == "adam",
+              "--optimizer must be sgd, momentum or adam, got '", optimizer, "'");
+  const gpipe::OptimizerKind kind = optimizer == "sgd"        ? gpipe::OptimizerKind::kSGD
+                                    : optimizer == "momentum" ? gpipe::OptimizerKind::kMomentum
+                                                              : gpipe::OptimizerKind::kAdam;
+  gpipe::PipelineProfile profile;
+  if (!absl::GetFlag(FLAGS_profile_in).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_profile_in));
+    TORCH_CHECK(in, "--profile_in: cannot read ", absl::GetFlag(FLAGS_profile_in));
+    profile = gpipe::PipelineProfile::from_json(
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  } else {
+    gpipe::models::NamedModel named =
+        gpipe::models::make_model(absl::GetFlag(FLAGS_model), model_input());
+    const at::Tensor sample = gpipe::models::sample_batch(named, batch);
+    profile = gpipe::profile_pipeline(
+        named.model, sample, devices,
+        gpipe::PipelineProfileOptions()
+            .timeout(std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout)))
+            .threads(absl::GetFlag(FLAGS_threads)));
+  }
+  if (!absl::GetFlag(FLAGS_profile_out).empty()) {
+    gpipe::write_file(absl::GetFlag(FLAGS_profile_out), profile.to_json());
+  }
+  const std::vector<gpipe::PipelinePlan> plans = gpipe::plan(
+      profile,
+      gpipe::PlanOptions().memory_limit(absl::GetFlag(FLAGS_memory_limit)).optimizer(kind));
+  if (!absl::GetFlag(FLAGS_plan_out).empty()) {
+    gpipe::write_file(absl::GetFlag(FLAGS_plan_out), plans.front().to_json() + "\n");
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", plans.front().to_json().c_str());
+    return 0;
+  }
+  std::vector<int64_t> sizes;
+  for (const gpipe::LayerProfile& p : profile.sizes) sizes.push_back(p.batch);
+  std::printf("model %s, mini-batch %lld, %lld layers, devices %s; profiled at micro-batches of "
+              "%s; CPU capacity %.2f workers of %lld thread(s)\n\n",
+              absl::GetFlag(FLAGS_model).c_str(), static_cast<long long>(profile.batch),
+              static_cast<long long>(profile.layers()), absl::GetFlag(FLAGS_devices).c_str(),
+              absl::StrJoin(sizes, ", ").c_str(), profile.cpu_capacity,
+              static_cast<long long>(profile.threads));
+  std::printf("the %zu best plans%s (predicted step time: forward and backward of a mini-batch; "
+              "peak memory per device):\n",
+              plans.size(),
+              absl::GetFlag(FLAGS_memory_limit) > 0
+                  ? absl::StrCat(" within ", absl::GetFlag(FLAGS_memory_limit), " bytes").c_str()
+                  : "");
+  for (size_t k = 0; k < plans.size(); ++k) {
+    std::printf("%zu. %s\n", k + 1, plans[k].describe().c_str());
+  }
+  if (!absl::GetFlag(FLAGS_plan_out).empty()) {
+    std::printf("\nthe best plan: %s (the trainers take it with --plan=%s)\n",
+                absl::GetFlag(FLAGS_plan_out).c_str(), absl::GetFlag(FLAGS_plan_out).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("Balances a bundled model for gpipe::GPipe.");
+  absl::SetProgramUsageMessage("Balances a bundled model for gpipe::GPipe, or plans its pipeline.");
   absl::ParseCommandLine(argc, argv);
   const std::string by = absl::GetFlag(FLAGS_by);
   if (by != "time" && by != "size") {
@@ -41,13 +149,15 @@ int main(int argc, char** argv) {
   }
   try {
     at::manual_seed(0);
-    gpipe::models::NamedModel named = gpipe::models::make_model(absl::GetFlag(FLAGS_model));
+    gpipe::models::NamedModel named =
+        gpipe::models::make_model(absl::GetFlag(FLAGS_model), model_input());
     int64_t batch = absl::GetFlag(FLAGS_batch);
     if (batch <= 0) {
       const bool large = named.vocabulary > 0 ||  // a sequence of tokens
                          (named.sample_shape.size() == 3 && named.sample_shape[1] == 224);
       batch = large ? 1 : 32;
     }
+    if (absl::GetFlag(FLAGS_plan)) return plan_main(batch);
     const at::Tensor sample = gpipe::models::sample_batch(named, batch);
     const std::vector<int64_t> shape = sample.sizes().vec();
     const c10::Device device(absl::GetFlag(FLAGS_device));

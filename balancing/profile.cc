@@ -4,14 +4,20 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <atomic>
 #include <memory>
+#include <thread>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/container/any.h>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -42,15 +48,18 @@ class AllocationCounter : public c10::MemoryReportingInfoBase {
   void reportOutOfMemory(int64_t, int64_t, int64_t, c10::Device) {}
   void reportOutOfMemory(int64_t, size_t, size_t, c10::Device) {}
   int64_t current() const { return current_; }
+  int64_t peak() const { return peak_; }
 
  private:
   void count(int64_t bytes, c10::Device device) {
     if (device.type() == device_.type()) {
       current_ += bytes;
+      peak_ = std::max(peak_, current_);
     }
   }
   c10::Device device_;
   int64_t current_ = 0;
+  int64_t peak_ = 0;
 };
 
 int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
@@ -74,12 +83,11 @@ class ProfileSkipTracker : public SkipTracker {
     }
     stashed_[key] = std::move(tensor);
   }
+  // Kept after a pop: the profiler runs each layer's forward several times.
   at::Tensor pop(const SkipKey& key) override {
     auto it = stashed_.find(key);
     TORCH_CHECK(it != stashed_.end(), "profile_layers: skip '", key.str(), "' was not stashed");
-    at::Tensor tensor = std::move(it->second);
-    stashed_.erase(it);
-    return tensor;
+    return it->second;
   }
 
  private:
@@ -165,7 +173,8 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
   bool warmup = true;
   // Each layer's times over the timed passes: their median is the layer's time, so that a pass
   // slowed by another process (a core taken for a while) does not move it.
-  std::vector<std::vector<double>> forward_times(n), backward_times(n);
+  std::vector<std::vector<double>> forward_times(n), backward_times(n), nograd_times(n),
+      input_times(n), weight_times(n);
   do {
     // One pass: each layer on a fresh copy of the previous layer's output.
     TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
@@ -180,6 +189,12 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
       const Batch input = values_atomic ? Batch(values[0]) : Batch(values);
       auto counter = std::make_shared<AllocationCounter>(device);
       std::vector<at::Tensor> outputs;
+      // Who keeps the input: references to its storage that the forward adds (autograd's saved
+      // tensors, a stash).
+      std::vector<size_t> input_refs;
+      for (const at::Tensor& v : values) {
+        input_refs.push_back(v.defined() && v.has_storage() ? v.storage().use_count() : 0);
+      }
       synchronize(device);
       auto tick = std::chrono::steady_clock::now();
       {
@@ -199,25 +214,89 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
       }
       const double forward_us = elapsed_us(tick);
       const int64_t held = counter->current();
+      const int64_t forward_peak = counter->peak();
+      bool saves_input = false, saves_output = false;
+      for (size_t i = 0; i < values.size(); ++i) {
+        saves_input = saves_input || (values[i].defined() && values[i].has_storage() &&
+                                      values[i].storage().use_count() > input_refs[i]);
+      }
+      for (const at::Tensor& o : outputs) {
+        saves_output = saves_output || (o.defined() && o.has_storage() && o.storage().use_count() > 1);
+      }
 
       std::vector<at::Tensor> differentiable;
       for (const at::Tensor& o : outputs) {
         if (o.defined() && o.requires_grad()) differentiable.push_back(o);
       }
+      std::vector<at::Tensor> output_grads;
+      for (const at::Tensor& o : differentiable) output_grads.push_back(at::ones_like(o));
+      auto backward_counter = std::make_shared<AllocationCounter>(device);
       tick = std::chrono::steady_clock::now();
       if (!differentiable.empty()) {
-        std::vector<at::Tensor> grads;
-        for (const at::Tensor& o : differentiable) grads.push_back(at::ones_like(o));
-        torch::autograd::backward(differentiable, grads);
+        c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, backward_counter);
+        torch::autograd::backward(differentiable, output_grads);
         synchronize(device);
       }
       const double backward_us = differentiable.empty() ? 0.0 : elapsed_us(tick);
 
+      // The forward of a checkpointed micro-batch: without autograd.
+      synchronize(device);
+      tick = std::chrono::steady_clock::now();
+      {
+        at::NoGradGuard no_grad;
+        layers[k].any_forward(input.to_any());
+        synchronize(device);
+      }
+      const double nograd_us = elapsed_us(tick);
+
+      // The backward split in two (zero bubble's I and W), on a forward of its own.
+      double input_us = 0, weight_us = 0;
+      if (!differentiable.empty()) {
+        std::vector<at::Tensor> again;
+        Batch out = Batch::from_any(layers[k].any_forward(input.to_any()),
+                                    describe_layer(module, k));
+        for (at::Tensor& o : out.values()) {
+          if (o.defined() && o.requires_grad()) again.push_back(std::move(o));
+        }
+        std::vector<at::Tensor> grads;
+        for (const at::Tensor& o : again) grads.push_back(at::ones_like(o));
+        std::vector<at::Tensor> leaves;
+        for (const at::Tensor& v : values) {
+          if (v.defined() && v.requires_grad()) leaves.push_back(v);
+        }
+        std::vector<at::Tensor> params;
+        for (const at::Tensor& p : layers[k].ptr()->parameters()) {
+          if (p.requires_grad()) params.push_back(p);
+        }
+        synchronize(device);
+        tick = std::chrono::steady_clock::now();
+        if (!leaves.empty()) {
+          torch::autograd::grad(again, leaves, grads, /*retain_graph=*/true,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+          synchronize(device);
+          input_us = elapsed_us(tick);
+        }
+        tick = std::chrono::steady_clock::now();
+        if (!params.empty()) {
+          torch::autograd::backward(again, grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                    params);
+          synchronize(device);
+          weight_us = elapsed_us(tick);
+        }
+      }
+
       if (!warmup) {
         forward_times[k].push_back(forward_us);
         backward_times[k].push_back(backward_us);
+        nograd_times[k].push_back(nograd_us);
+        input_times[k].push_back(input_us);
+        weight_times[k].push_back(weight_us);
       }
       stats.held_bytes = held;
+      stats.saves_input = saves_input;
+      stats.saves_output = saves_output;
+      stats.forward_peak_bytes = forward_peak;
+      stats.backward_peak_bytes = backward_counter->peak();
       stats.input_bytes = bytes_of(input.values());
       stats.output_bytes = bytes_of(outputs);
 
@@ -236,6 +315,9 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
   for (size_t k = 0; k < n; ++k) {
     profile.layers[k].forward_us = median(forward_times[k]);
     profile.layers[k].backward_us = median(backward_times[k]);
+    profile.layers[k].forward_nograd_us = median(nograd_times[k]);
+    profile.layers[k].backward_input_us = median(input_times[k]);
+    profile.layers[k].backward_weight_us = median(weight_times[k]);
   }
   return profile;
 }
@@ -243,6 +325,58 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
 LayerProfile profile_layers(const torch::nn::Sequential& module, const at::Tensor& sample,
                             const ProfileOptions& options) {
   return profile_layers(module, std::vector<at::Tensor>{sample}, options);
+}
+
+double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sample, int64_t workers,
+                    int threads, std::chrono::duration<double> budget) {
+  TORCH_CHECK(workers >= 1 && threads >= 1, "cpu_capacity: workers and threads must be positive, got ",
+              workers, " and ", threads);
+  if (workers == 1) return 1.0;
+  // One copy of the layers per worker: forwards in training mode update BatchNorm statistics.
+  std::vector<std::vector<torch::nn::AnyModule>> copies(workers);
+  for (auto& layers : copies) {
+    for (const torch::nn::AnyModule& layer : *module) layers.push_back(layer.clone(c10::kCPU));
+  }
+  auto pass = [&](std::vector<torch::nn::AnyModule>& layers) {
+    TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+    TaskScope skips(context);
+    at::NoGradGuard no_grad;
+    Batch x(sample.detach());
+    const auto tick = std::chrono::steady_clock::now();
+    for (auto& layer : layers) x = Batch::from_any(layer.any_forward(x.to_any()), "cpu_capacity");
+    return elapsed_us(tick);
+  };
+  // Alone, then together, three times over (a machine whose speed drifts moves both sides of a
+  // round alike); the median of the three ratios. Each side passes for about a sixth of the
+  // budget, at least 3 passes.
+  at::set_num_threads(threads);
+  pass(copies[0]);  // warm-up
+  std::vector<double> ratios;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<double> alone;
+    const auto start = std::chrono::steady_clock::now();
+    do {
+      alone.push_back(pass(copies[0]));
+    } while (alone.size() < 3 || std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                               start) < budget / 6);
+    const size_t count = alone.size();
+    std::vector<std::vector<double>> together(workers);
+    std::vector<std::thread> pool;
+    std::atomic<int64_t> ready{0};
+    for (int64_t w = 0; w < workers; ++w) {
+      pool.emplace_back([&, w] {
+        at::set_num_threads(threads);
+        ++ready;
+        while (ready.load() < workers) std::this_thread::yield();
+        for (size_t k = 0; k < count; ++k) together[w].push_back(pass(copies[w]));
+      });
+    }
+    for (std::thread& t : pool) t.join();
+    std::vector<double> all;
+    for (const auto& times : together) all.insert(all.end(), times.begin(), times.end());
+    ratios.push_back(static_cast<double>(workers) * median(alone) / median(all));
+  }
+  return std::clamp(median(ratios), 1.0, static_cast<double>(workers));
 }
 
 std::string LayerProfile::table() const {
@@ -260,17 +394,129 @@ std::string LayerProfile::table() const {
   return out;
 }
 
-std::string LayerProfile::json() const {
-  std::vector<std::string> rows;
+namespace {
+
+nlohmann::json layers_json(const std::vector<LayerStats>& layers) {
+  nlohmann::json rows = nlohmann::json::array();
   for (const LayerStats& s : layers) {
-    rows.push_back(absl::StrFormat(
-        "{\"name\": \"%s\", \"type\": \"%s\", \"forward_us\": %.2f, \"backward_us\": %.2f, "
-        "\"held_bytes\": %d, \"param_bytes\": %d, \"buffer_bytes\": %d, \"input_bytes\": %d, "
-        "\"output_bytes\": %d}",
-        s.name, s.type, s.forward_us, s.backward_us, s.held_bytes, s.param_bytes, s.buffer_bytes,
-        s.input_bytes, s.output_bytes));
+    rows.push_back({{"name", s.name},
+                    {"type", s.type},
+                    {"forward_us", s.forward_us},
+                    {"backward_us", s.backward_us},
+                    {"forward_nograd_us", s.forward_nograd_us},
+                    {"backward_input_us", s.backward_input_us},
+                    {"backward_weight_us", s.backward_weight_us},
+                    {"held_bytes", s.held_bytes},
+                    {"saves_input", s.saves_input},
+                    {"saves_output", s.saves_output},
+                    {"forward_peak_bytes", s.forward_peak_bytes},
+                    {"backward_peak_bytes", s.backward_peak_bytes},
+                    {"param_bytes", s.param_bytes},
+                    {"buffer_bytes", s.buffer_bytes},
+                    {"input_bytes", s.input_bytes},
+                    {"output_bytes", s.output_bytes}});
   }
-  return absl::StrCat("[", absl::StrJoin(rows, ", "), "]");
+  return rows;
+}
+
+// `object[key]` as T, or a clear error naming `what` and the key.
+template <typename T>
+T field(const nlohmann::json& object, const char* key, const std::string& what) {
+  TORCH_CHECK(object.is_object() && object.contains(key), what, ": no \"", key, "\" in ",
+              object.dump().substr(0, 200));
+  try {
+    return object.at(key).get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, what, ": \"", key, "\" is ", object.at(key).dump(), ", not a ",
+                std::is_same<T, bool>::value ? "boolean"
+                : std::is_arithmetic<T>::value ? "number" : "string", " (", e.what(), ")");
+  }
+}
+
+}  // namespace
+
+std::string LayerProfile::json() const { return layers_json(layers).dump(); }
+
+std::string LayerProfile::to_json() const {
+  return nlohmann::json{{"device", device.str()},
+                        {"passes", passes},
+                        {"batch", batch},
+                        {"layers", layers_json(layers)}}
+      .dump(1);
+}
+
+LayerProfile LayerProfile::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "LayerProfile::from_json: not JSON: ", e.what());
+  }
+  const std::string what = "LayerProfile::from_json";
+  LayerProfile profile;
+  profile.device = c10::Device(field<std::string>(j, "device", what));
+  profile.passes = field<int64_t>(j, "passes", what);
+  profile.batch = field<int64_t>(j, "batch", what);
+  TORCH_CHECK(j.contains("layers") && j["layers"].is_array(), what,
+              ": \"layers\" must be an array of layers");
+  for (const nlohmann::json& row : j["layers"]) {
+    LayerStats s;
+    const std::string at = absl::StrCat(what, ": layer ", profile.layers.size());
+    s.name = field<std::string>(row, "name", at);
+    s.type = field<std::string>(row, "type", at);
+    s.forward_us = field<double>(row, "forward_us", at);
+    s.backward_us = field<double>(row, "backward_us", at);
+    s.forward_nograd_us = field<double>(row, "forward_nograd_us", at);
+    s.backward_input_us = field<double>(row, "backward_input_us", at);
+    s.backward_weight_us = field<double>(row, "backward_weight_us", at);
+    s.held_bytes = field<int64_t>(row, "held_bytes", at);
+    s.saves_input = field<bool>(row, "saves_input", at);
+    s.saves_output = field<bool>(row, "saves_output", at);
+    s.forward_peak_bytes = field<int64_t>(row, "forward_peak_bytes", at);
+    s.backward_peak_bytes = field<int64_t>(row, "backward_peak_bytes", at);
+    s.param_bytes = field<int64_t>(row, "param_bytes", at);
+    s.buffer_bytes = field<int64_t>(row, "buffer_bytes", at);
+    s.input_bytes = field<int64_t>(row, "input_bytes", at);
+    s.output_bytes = field<int64_t>(row, "output_bytes", at);
+    profile.layers.push_back(std::move(s));
+  }
+  return profile;
+}
+
+std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
+  std::vector<c10::Device> distinct;
+  for (const c10::Device& d : devices) {
+    check_device_available(d, "profile_copies");
+    if (std::find(distinct.begin(), distinct.end(), d) == distinct.end()) distinct.push_back(d);
+  }
+  auto copy_us = [](const at::Tensor& x, c10::Device to) {
+    std::vector<double> times;
+    for (int k = 0; k < 6; ++k) {
+      synchronize(x.device());
+      synchronize(to);
+      const auto tick = std::chrono::steady_clock::now();
+      at::Tensor y = x.to(to, /*non_blocking=*/false, /*copy=*/true);
+      synchronize(to);
+      if (k > 0) times.push_back(elapsed_us(tick));  // the first pays allocations
+    }
+    return median(times);
+  };
+  std::vector<CopyStats> out;
+  for (const c10::Device& from : distinct) {
+    for (const c10::Device& to : distinct) {
+      if (from == to) continue;
+      const at::Tensor small = at::zeros({1}, at::TensorOptions().device(from));
+      const at::Tensor large = at::zeros({16 << 20}, at::TensorOptions().device(from));
+      CopyStats c;
+      c.from = from;
+      c.to = to;
+      c.latency_us = copy_us(small, to);
+      const double large_us = copy_us(large, to);
+      c.bytes_per_us = static_cast<double>(large.nbytes()) / std::max(1e-3, large_us - c.latency_us);
+      out.push_back(c);
+    }
+  }
+  return out;
 }
 
 }  // namespace gpipe

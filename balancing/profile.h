@@ -1,6 +1,8 @@
 // Layer profiler: what each layer of a Sequential costs, measured on copies of the layers: time
-// forward and backward, memory it holds from forward to backward, and the sizes of its
-// parameters, buffers, input and output. The balancers turn these into balances.
+// forward (with and without autograd) and backward (whole, and split into the input's and the
+// weights' gradients), memory it holds from forward to backward, and the sizes of its parameters,
+// buffers, input and output; and what a copy between two devices costs. The balancers turn these
+// into balances, the planner (plan.h) into predicted steps. Profiles are saved as JSON.
 #pragma once
 
 #include <chrono>
@@ -33,9 +35,25 @@ struct LayerStats {
   /// microseconds: a pass slowed by something else on the machine does not move it.
   double forward_us = 0;
   double backward_us = 0;
+  /// Forward under no-grad mode (a checkpointed micro-batch's first forward; its recomputation
+  /// is a forward with autograd, forward_us).
+  double forward_nograd_us = 0;
+  /// The backward split as the zero-bubble schedule splits it (Note [One executor]): the gradient
+  /// of the layer's input only (0 where the input needs none: the first layer), and of its
+  /// parameters only (0 without parameters).
+  double backward_input_us = 0;
+  double backward_weight_us = 0;
   /// Bytes allocated by forward and still held when it returns: the output and what autograd
   /// saved for backward. Measured through LibTorch's allocator reports, on CPU as on CUDA.
   int64_t held_bytes = 0;
+  /// Whether what the forward keeps for backward (or stashes) includes its input, and its
+  /// output: in a chain of layers an output that neither it nor the next layer keeps is freed.
+  bool saves_input = false;
+  bool saves_output = false;
+  /// The most bytes its forward had allocated at once (at least held_bytes), and its backward
+  /// (from the backward's start: gradients made less saved tensors freed), on the same reports.
+  int64_t forward_peak_bytes = 0;
+  int64_t backward_peak_bytes = 0;
   int64_t param_bytes = 0;
   int64_t buffer_bytes = 0;
   int64_t input_bytes = 0;
@@ -52,9 +70,45 @@ struct LayerProfile {
 
   /// A fixed-width table, one row per layer.
   std::string table() const;
-  /// The same as a JSON array of objects.
+  /// The layers as a JSON array of objects (one per layer, the fields of LayerStats).
   std::string json() const;
+  /// The whole profile as a JSON object: device, passes, batch and the layers; from_json reads it
+  /// back.
+  std::string to_json() const;
+  /// Reads to_json's text. Throws c10::Error naming what is missing or malformed.
+  static LayerProfile from_json(const std::string& text);
 };
+
+/// How much faster than one worker `workers` CPU workers together run `module`'s layers: each
+/// worker (a thread with `threads` intra-op threads, on a copy of the layers) runs forwards of
+/// `sample` without autograd for about `budget`, alone and then all at once, three times over;
+/// the result is the median of workers x (the time of a pass alone) / (the median time of a pass
+/// together), between 1 and `workers`. Two hyperthreads of one core, or memory-bound layers, give well under 2 for 2.
+///
+///   double capacity = gpipe::cpu_capacity(model, x, 2, 1, std::chrono::seconds(1));
+double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sample, int64_t workers,
+                    int threads, std::chrono::duration<double> budget);
+
+/// What copying a tensor from one device to another costs: `latency_us + bytes / bandwidth`.
+struct CopyStats {
+  c10::Device from = c10::Device(c10::kCPU);
+  c10::Device to = c10::Device(c10::kCPU);
+  double latency_us = 0;
+  /// Bytes per microsecond (= MB/s).
+  double bytes_per_us = 0;
+  /// The predicted time of copying `bytes`.
+  double time_us(int64_t bytes) const {
+    return bytes <= 0 ? 0.0 : latency_us + static_cast<double>(bytes) / bytes_per_us;
+  }
+};
+
+/// Measures a copy between every ordered pair of distinct devices in `devices` (each pair once;
+/// repeats of a device are one device): a 4-byte and a 64 MiB float tensor, the median of 5 copies
+/// each (synchronised on CUDA). A device to itself costs nothing (the pipeline does not copy), so
+/// CPU-only pipelines have no pairs.
+///
+///   auto copies = gpipe::profile_copies({torch::kCPU, torch::Device("cuda:0")});
+std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices);
 
 /// Profiles every layer of `module` on `sample` (a tensor, or a vector of tensors for tuple
 /// layers). Runs on deep copies (LibTorch's clone()), so the user's layers, gradients, BatchNorm

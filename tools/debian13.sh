@@ -42,7 +42,7 @@ mirror=${mirror:-http://deb.debian.org/debian}
 
 # Gloo's headers (gpipe/distributed): libgloo-dev on CPU; the CUDA LibTorch depends on the CUDA
 # build of Gloo, whose headers (libgloo-cuda-dev) conflict with libgloo-dev.
-common="cmake ninja-build g++ libabsl-dev libcatch2-dev"
+common="cmake ninja-build g++ libabsl-dev libcatch2-dev nlohmann-json3-dev"
 cudnn_version="9.0.0.312~cuda12+gpipe1"
 
 # A failure while making a root ends the script: it says why and counts one failure (a variant

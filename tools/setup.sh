@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything gpipe needs to build and test on a fresh Debian 12 machine, from Debian's
 # packages: a C++ compiler, Bazel 4 with Debian's Java rules, CMake and Ninja, LibTorch (CPU),
-# Abseil, Catch2 2, OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
+# Abseil, Catch2 2, nlohmann's JSON (the planner's files), OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
 # times slower), zlib and Fashion-MNIST (the example trainers' data), and the Gloo headers (c10d's CPU
 # process group, compiled into Debian's LibTorch; gpipe/distributed). Idempotent: installs only what
 # is missing.
@@ -32,6 +32,8 @@ PACKAGES=(
   libtorch-dev libabsl-dev catch2
   libopenblas0-pthread
   zlib1g-dev dataset-fashion-mnist
+  # The planner's profiles and plans are JSON files (balancing/plan.h).
+  nlohmann-json3-dev
   # //examples:gpt trains on the fortunes' English text.
   fortunes
   # gpipe/distributed: Gloo's headers (LibTorch has c10d and Gloo compiled in), and torchrun (in

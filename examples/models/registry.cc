@@ -43,7 +43,7 @@ std::vector<std::string> model_names() {
       names.push_back("resnet" + std::to_string(depth) + suffix);
     }
   }
-  for (int depth : {20, 32, 44, 56, 110}) {
+  for (int depth : {8, 20, 32, 44, 56, 110}) {
     names.push_back("resnet" + std::to_string(depth) + "_cifar");
   }
   names.push_back("amoebanet_d_<L>_<D> (e.g. amoebanet_d_18_256)");
@@ -81,7 +81,7 @@ NamedModel make_model(const std::string& name, const ModelInput& input) {
       return {resnet_fine(depth, classes(1000), /*imagenet=*/true, input.channels), shape(224)};
     }
   }
-  for (int depth : {20, 32, 44, 56, 110}) {
+  for (int depth : {8, 20, 32, 44, 56, 110}) {
     if (name == "resnet" + std::to_string(depth) + "_cifar") {
       return {resnet_cifar(depth, classes(10), input.channels), shape(32)};
     }

@@ -36,7 +36,8 @@ struct ModelInput {
 /// - resnet18 ... resnet152: one layer per block (ImageNet, 224x224, 1000 classes);
 ///   resnet18_cifar ... resnet152_cifar: the same with a 3x3 stem (32x32, 10 classes);
 /// - resnet18_fine ... resnet152_fine: split into single layers (resnet101_fine has 370);
-/// - resnet20_cifar, resnet32_cifar, resnet44_cifar, resnet56_cifar, resnet110_cifar: He et al.'s;
+/// - resnet8_cifar, resnet20_cifar, resnet32_cifar, resnet44_cifar, resnet56_cifar,
+///   resnet110_cifar: He et al.'s (resnet8_cifar is the ResNet trainer's default);
 /// - amoebanet_d_<L>_<D>: AmoebaNet-D with L normal cells (a multiple of 3) and D filters, e.g.
 ///   amoebanet_d_18_256 (224x224, 1000 classes);
 /// - unet_<B>_<C>: the reference's benchmark U-Net (depth 5) with B convolutions per level and C

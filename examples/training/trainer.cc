@@ -10,6 +10,10 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <numeric>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -30,6 +34,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
+#include "balancing/plan.h"
 #include "examples/training/common.h"
 #include "examples/training/data.h"
 #include "examples/training/distributed_trainer.h"  // built with GPIPE_WITH_DISTRIBUTED
@@ -60,6 +65,11 @@ ABSL_FLAG(std::string, balance, "auto",
           "auto or time (balance_by_time), size (balance_by_size), or layers per partition "
           "such as 4,5,3");
 ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
+ABSL_FLAG(std::string, plan, "",
+          "a plan from //balancing:balance --plan --plan_out=<file> (JSON): its partitions, "
+          "devices, balance, micro-batches, checkpoint mode, schedule and threads replace "
+          "--partitions, --devices, --balance, --chunks, --checkpoint, --schedule, "
+          "--virtual_stages and --threads");
 ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
 ABSL_FLAG(std::string, schedule, "gpipe",
           "gpipe (forward() and backward(), as always), or a schedule that GPipe::step runs: "
@@ -140,6 +150,18 @@ std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partiti
   return devices;
 }
 
+// --plan's file (//balancing:balance --plan --plan_out=<file>).
+PipelinePlan read_plan(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in, "--plan: cannot read ", path);
+  try {
+    return PipelinePlan::from_json(
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--plan ", path, ": ", e.what_without_backtrace());
+  }
+}
+
 // The forward's bubble: per partition, the share of the forward's span it computed nothing,
 // averaged over the partitions.
 double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partitions) {
@@ -183,6 +205,8 @@ Data load_data_from_flags() {
 
 int train(const TrainerModel& trainer) {
   if (absl::GetFlag(FLAGS_distributed)) {
+    TORCH_CHECK(absl::GetFlag(FLAGS_plan).empty(), "--plan is a plan for one process's "
+                "pipeline (//balancing:balance --plan); it does not apply with --distributed");
 #if GPIPE_WITH_DISTRIBUTED
     return train_distributed(trainer);
 #else
@@ -194,36 +218,55 @@ int train(const TrainerModel& trainer) {
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   Data data = load_data_from_flags();
   const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
-  const int64_t chunks = absl::GetFlag(FLAGS_chunks);
   TORCH_CHECK(batch_size >= 1, "--batch_size must be positive, got ", batch_size);
+  // The pipeline's shape: from --plan, or from the flags.
+  std::optional<PipelinePlan> plan;
+  if (!absl::GetFlag(FLAGS_plan).empty()) plan = read_plan(absl::GetFlag(FLAGS_plan));
+  const int64_t chunks = plan ? plan->chunks : absl::GetFlag(FLAGS_chunks);
   TORCH_CHECK(chunks >= 1, "--chunks must be positive, got ", chunks);
+  const std::string checkpoint =
+      plan ? checkpoint_name(plan->checkpoint) : absl::GetFlag(FLAGS_checkpoint);
+  const std::string schedule =
+      plan ? schedule_kind_name(plan->schedule) : absl::GetFlag(FLAGS_schedule);
+  const int64_t virtual_stages = plan ? plan->virtual_stages : absl::GetFlag(FLAGS_virtual_stages);
+  const std::string balance_from = plan ? "--plan" : absl::GetFlag(FLAGS_balance);
 
-  int64_t partitions = absl::GetFlag(FLAGS_partitions);
+  int64_t partitions =
+      plan ? static_cast<int64_t>(plan->balance.size()) : absl::GetFlag(FLAGS_partitions);
   TORCH_CHECK(partitions >= 0, "--partitions must be positive, got ", partitions);
-  const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu = divide_cores(devices, absl::GetFlag(FLAGS_threads));
+  const std::vector<c10::Device> devices =
+      plan ? plan->devices : parse_devices(absl::GetFlag(FLAGS_devices), partitions);
+  const bool on_cpu = divide_cores(devices, plan ? plan->threads : absl::GetFlag(FLAGS_threads));
 
   torch::nn::Sequential model =
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size);
-  const std::vector<int64_t> balance =
-      choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
-                     devices.front());
+  std::vector<int64_t> balance;
+  if (plan) {
+    const int64_t layers = std::accumulate(plan->balance.begin(), plan->balance.end(), int64_t{0});
+    TORCH_CHECK(layers == static_cast<int64_t>(model->size()), "--plan: its balance {",
+                absl::StrJoin(plan->balance, ", "), "} has ", layers, " layers but ",
+                trainer.name, " has ", model->size(), "; make the plan for this model");
+    balance = plan->balance;
+  } else {
+    balance = choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
+                             devices.front());
+  }
   // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
   // partitions, each with a worker.
   const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
-                        .checkpoint(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                        .checkpoint(parse_checkpoint(checkpoint))
                         .deferred_batch_norm(true)
                         .worker_per_partition(on_cpu && partitions > 1)
                         .stage_local_backward(stage_local)
-                        .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                        .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
+                        .schedule(schedule_kind(schedule))
+                        .virtual_stages(virtual_stages)
                         .record_timeline(true));
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
-  const bool use_step = absl::GetFlag(FLAGS_schedule) != "gpipe";
+  const bool use_step = schedule != "gpipe";
   int64_t parameters = 0;
   for (const auto& p : pipe->parameters()) parameters += p.numel();
   std::printf("%s on %s (%lld training, %lld test images of %lldx%lldx%lld): %lld layers, "
@@ -236,12 +279,12 @@ int train(const TrainerModel& trainer) {
               parameters / 1e6);
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of a %lld-image batch, "
               "checkpoint %s, schedule %s%s%s%s\n",
-              absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
+              absl::StrJoin(balance, ", ").c_str(), balance_from.c_str(),
               absl::StrJoin(devices, ", ", [](std::string* s, const c10::Device& d) {
                 s->append(d.str());
               }).c_str(),
               static_cast<long long>(chunks), static_cast<long long>(batch_size),
-              absl::GetFlag(FLAGS_checkpoint).c_str(), absl::GetFlag(FLAGS_schedule).c_str(),
+              checkpoint.c_str(), schedule.c_str(),
               on_cpu ? absl::StrFormat(", one worker and %d intra-op thread%s per partition",
                                        at::get_num_threads(),
                                        at::get_num_threads() == 1 ? "" : "s").c_str()
@@ -328,7 +371,7 @@ int train(const TrainerModel& trainer) {
       if (!absl::GetFlag(FLAGS_svg).empty()) pipe->write_timeline_svg(absl::GetFlag(FLAGS_svg));
       if (!absl::GetFlag(FLAGS_ideal_svg).empty()) {
         const int64_t stop =
-            checkpoint_stop(parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)), chunks);
+            checkpoint_stop(parse_checkpoint(checkpoint), chunks);
         write_file(absl::GetFlag(FLAGS_ideal_svg),
                    use_step ? schedule_svg(pipe->schedule(chunks))
                             : schedule_svg(chunks, partitions, stop));
@@ -374,7 +417,7 @@ int train(const TrainerModel& trainer) {
           ? absl::StrFormat("last step's bubble %.0f%% (the %s schedule's simulated bubble %.0f%%)",
                             100 * step_bubble(last_forward,
                                               static_cast<int64_t>(pipe->schedule(chunks).ranks.size())),
-                            absl::GetFlag(FLAGS_schedule),
+                            schedule,
                             100 * simulate_schedule(pipe->schedule(chunks)).bubble)
           : absl::StrFormat("last step's forward bubble %.0f%% (ideal clock-cycle schedule "
                             "(n-1)/(m+n-1) = %.0f%%)",

@@ -111,7 +111,16 @@ CATCH_TEST_CASE("the profiler measures memory on the CPU", "[balancing][profile]
   CATCH_CHECK(profile.layers[0].forward_us > 0);
   CATCH_CHECK(profile.layers[0].backward_us > 0);
   CATCH_CHECK(profile.table().find("torch::nn::LinearImpl") != std::string::npos);
-  CATCH_CHECK(profile.json().find("\"held_bytes\": ") != std::string::npos);
+  CATCH_CHECK(profile.json().find("\"held_bytes\":") != std::string::npos);
+  // The whole profile survives JSON.
+  const LayerProfile back = LayerProfile::from_json(profile.to_json());
+  CATCH_REQUIRE(back.layers.size() == 5);
+  CATCH_CHECK(back.layers[2].held_bytes == huge.held_bytes);
+  CATCH_CHECK(back.layers[2].backward_us == huge.backward_us);
+  CATCH_CHECK(back.layers[2].saves_input == huge.saves_input);
+  CATCH_CHECK(back.layers[2].name == huge.name);
+  CATCH_CHECK(back.batch == profile.batch);
+  CATCH_CHECK(back.device == profile.device);
 }
 
 CATCH_TEST_CASE("profiling leaves the model untouched", "[balancing][profile]") {

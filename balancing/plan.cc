@@ -1,0 +1,537 @@
+// The planner; see plan.h.
+#include "balancing/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <thread>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "balancing/partition.h"
+#include "gpipe/schedule.h"
+#include "gpipe/worker.h"
+
+namespace gpipe {
+namespace {
+
+using nlohmann::json;
+
+json parse(const std::string& text, const char* who) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, who, ": not JSON: ", e.what());
+  }
+}
+
+// `object[key]` as T, or an error naming `who` and the key.
+template <typename T>
+T get(const json& object, const char* key, const std::string& who) {
+  TORCH_CHECK(object.is_object() && object.contains(key), who, ": no \"", key, "\" in ",
+              object.dump().substr(0, 200));
+  try {
+    return object.at(key).get<T>();
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, who, ": \"", key, "\" is ", object.at(key).dump().substr(0, 100),
+                ", which does not fit (", e.what(), ")");
+  }
+}
+
+std::vector<c10::Device> parse_devices(const json& names, const std::string& who) {
+  std::vector<c10::Device> out;
+  for (const std::string& name : names.get<std::vector<std::string>>()) {
+    try {
+      out.emplace_back(name);
+    } catch (const c10::Error&) {
+      TORCH_CHECK(false, who, ": '", name, "' is not a device (cpu, cuda:0, ...)");
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> device_names(const std::vector<c10::Device>& devices) {
+  std::vector<std::string> out;
+  for (const c10::Device& d : devices) out.push_back(d.str());
+  return out;
+}
+
+std::vector<c10::Device> distinct(const std::vector<c10::Device>& devices) {
+  std::vector<c10::Device> out;
+  for (const c10::Device& d : devices) {
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+  }
+  return out;
+}
+
+double optimizer_state(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSGD: return 0;
+    case OptimizerKind::kMomentum: return 1;
+    case OptimizerKind::kAdam: return 2;
+  }
+  return 1;
+}
+
+double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
+
+}  // namespace
+
+std::string checkpoint_name(Checkpoint mode) {
+  switch (mode) {
+    case Checkpoint::kAlways: return "always";
+    case Checkpoint::kExceptLast: return "except_last";
+    case Checkpoint::kNever: return "never";
+  }
+  return "except_last";
+}
+
+Checkpoint checkpoint_from_name(const std::string& name) {
+  if (name == "always") return Checkpoint::kAlways;
+  if (name == "except_last") return Checkpoint::kExceptLast;
+  if (name == "never") return Checkpoint::kNever;
+  TORCH_CHECK(false, "unknown checkpoint mode '", name, "'; use always, except_last or never");
+}
+
+LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
+  TORCH_CHECK(!sizes.empty() && k >= 0 && k < layers(), "PipelineProfile::layer: no layer ", k,
+              " in a profile of ", layers());
+  // The two profiled sizes around `batch` (the nearest two beyond them).
+  size_t upper = 1;
+  while (upper + 1 < sizes.size() && sizes[upper].batch < batch) ++upper;
+  const LayerProfile& lo = sizes[sizes.size() == 1 ? 0 : upper - 1];
+  const LayerProfile& hi = sizes[sizes.size() == 1 ? 0 : upper];
+  const LayerStats& a = lo.layers[k];
+  const LayerStats& b = hi.layers[k];
+  // Linear in the micro-batch between two sizes (beyond them too); proportional with one.
+  auto at = [&](double x, double y) {
+    double v;
+    if (hi.batch == lo.batch) {
+      v = x * static_cast<double>(batch) / static_cast<double>(lo.batch);
+    } else {
+      v = x + (y - x) * static_cast<double>(batch - lo.batch) /
+                  static_cast<double>(hi.batch - lo.batch);
+    }
+    return std::max(0.0, v);
+  };
+  auto bytes = [&](int64_t x, int64_t y) {
+    return static_cast<int64_t>(std::llround(at(static_cast<double>(x), static_cast<double>(y))));
+  };
+  LayerStats s = a;
+  s.forward_us = at(a.forward_us, b.forward_us);
+  s.backward_us = at(a.backward_us, b.backward_us);
+  s.forward_nograd_us = at(a.forward_nograd_us, b.forward_nograd_us);
+  s.backward_input_us = at(a.backward_input_us, b.backward_input_us);
+  s.backward_weight_us = at(a.backward_weight_us, b.backward_weight_us);
+  s.held_bytes = bytes(a.held_bytes, b.held_bytes);
+  s.forward_peak_bytes = bytes(a.forward_peak_bytes, b.forward_peak_bytes);
+  s.backward_peak_bytes = bytes(a.backward_peak_bytes, b.backward_peak_bytes);
+  s.input_bytes = bytes(a.input_bytes, b.input_bytes);
+  s.output_bytes = bytes(a.output_bytes, b.output_bytes);
+  return s;
+}
+
+double PipelineProfile::copy_us(c10::Device from, c10::Device to, int64_t bytes) const {
+  if (from == to) return 0;
+  for (const CopyStats& c : copies) {
+    if (c.from == from && c.to == to) return c.time_us(bytes);
+  }
+  TORCH_CHECK(false, "PipelineProfile: no copy from ", from, " to ", to,
+              " was profiled; profile with both devices among profile_pipeline's devices");
+}
+
+std::string PipelineProfile::to_json() const {
+  json j{{"devices", device_names(devices)},
+         {"batch", batch},
+         {"input_bytes", input_bytes},
+         {"cores", cores},
+         {"threads", threads},
+         {"cpu_capacity", cpu_capacity}};
+  j["sizes"] = json::array();
+  for (const LayerProfile& p : sizes) j["sizes"].push_back(json::parse(p.to_json()));
+  j["copies"] = json::array();
+  for (const CopyStats& c : copies) {
+    j["copies"].push_back({{"from", c.from.str()},
+                           {"to", c.to.str()},
+                           {"latency_us", c.latency_us},
+                           {"bytes_per_us", c.bytes_per_us}});
+  }
+  return j.dump(1);
+}
+
+PipelineProfile PipelineProfile::from_json(const std::string& text) {
+  const char* who = "PipelineProfile::from_json";
+  const json j = parse(text, who);
+  PipelineProfile p;
+  p.devices = parse_devices(get<json>(j, "devices", who), who);
+  p.batch = get<int64_t>(j, "batch", who);
+  p.input_bytes = get<int64_t>(j, "input_bytes", who);
+  p.cores = get<int64_t>(j, "cores", who);
+  p.threads = get<int64_t>(j, "threads", who);
+  p.cpu_capacity = get<double>(j, "cpu_capacity", who);
+  TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
+              ": devices must not be empty and batch, cores and threads must be positive");
+  for (const json& s : get<json>(j, "sizes", who)) {
+    p.sizes.push_back(LayerProfile::from_json(s.dump()));
+  }
+  TORCH_CHECK(!p.sizes.empty(), who, ": \"sizes\" holds no profile");
+  for (const LayerProfile& s : p.sizes) {
+    TORCH_CHECK(s.layers.size() == p.sizes[0].layers.size() && s.batch > 0, who,
+                ": the profiles in \"sizes\" must have the same layers and a positive batch");
+  }
+  for (const json& c : get<json>(j, "copies", who)) {
+    CopyStats s;
+    s.from = c10::Device(get<std::string>(c, "from", who));
+    s.to = c10::Device(get<std::string>(c, "to", who));
+    s.latency_us = get<double>(c, "latency_us", who);
+    s.bytes_per_us = get<double>(c, "bytes_per_us", who);
+    TORCH_CHECK(s.bytes_per_us > 0, who, ": a copy's bytes_per_us must be positive");
+    p.copies.push_back(s);
+  }
+  return p;
+}
+
+PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::Tensor& sample,
+                                 const std::vector<c10::Device>& devices,
+                                 const PipelineProfileOptions& options) {
+  const char* who = "gpipe::profile_pipeline";
+  TORCH_CHECK(!devices.empty(), who, ": give at least one device");
+  TORCH_CHECK(sample.defined() && sample.dim() > 0 && sample.size(0) > 0, who,
+              ": the sample must be a mini-batch (a tensor with a batch dimension)");
+  PipelineProfile p;
+  p.devices = devices;
+  p.batch = sample.size(0);
+  p.input_bytes = static_cast<int64_t>(sample.nbytes());
+  p.cores = options.cores() > 0 ? options.cores()
+                                : std::max<int64_t>(1, std::thread::hardware_concurrency());
+  p.threads = options.threads() > 0
+                  ? options.threads()
+                  : std::max<int64_t>(1, p.cores / static_cast<int64_t>(devices.size()));
+  const int64_t high = options.max_batch() > 0 ? options.max_batch() : p.batch;
+  const int64_t low = options.min_batch() > 0 ? options.min_batch() : 1;
+  TORCH_CHECK(low <= high && high <= p.batch, who, ": min_batch ", low, " and max_batch ", high,
+              " must satisfy min_batch <= max_batch <= the sample's batch (", p.batch, ")");
+  // Three sizes: the ends and their geometric mean (time per sample falls fastest at the small
+  // end, so the middle one goes there).
+  const int64_t middle = std::llround(std::sqrt(static_cast<double>(low * high)));
+  // Each CPU worker runs with `threads` intra-op threads (LibTorch's and OpenBLAS's): profile so.
+  const int before = at::get_num_threads();
+  set_intra_op_threads(static_cast<int>(p.threads));
+  try {
+    for (int64_t b : std::vector<int64_t>{low, middle, high}) {
+      if (!p.sizes.empty() && p.sizes.back().batch == b) continue;
+      p.sizes.push_back(profile_layers(
+          model, sample.narrow(0, 0, b),
+          ProfileOptions().timeout(options.timeout()).device(devices.front())));
+    }
+    // With CPU partitions: what their workers give together.
+    const int64_t workers = std::min<int64_t>(
+        static_cast<int64_t>(std::count(devices.begin(), devices.end(), c10::Device(c10::kCPU))),
+        std::max<int64_t>(1, p.cores / p.threads));
+    if (workers > 1) {
+      p.cpu_capacity = cpu_capacity(model, sample.narrow(0, 0, middle), workers,
+                                    static_cast<int>(p.threads), options.timeout());
+    }
+  } catch (...) {
+    set_intra_op_threads(before);
+    throw;
+  }
+  set_intra_op_threads(before);
+  p.copies = profile_copies(devices);
+  return p;
+}
+
+GPipeOptions PipelinePlan::options() const {
+  return GPipeOptions(balance)
+      .devices(devices)
+      .chunks(chunks)
+      .checkpoint(checkpoint)
+      .schedule(schedule)
+      .virtual_stages(virtual_stages);
+}
+
+std::string PipelinePlan::describe() const {
+  std::string out = absl::StrFormat(
+      "balance {%s}, %d micro-batches, checkpoint %s, schedule %s",
+      absl::StrJoin(balance, ", "), chunks, checkpoint_name(checkpoint),
+      schedule_kind_name(schedule));
+  if (virtual_stages > 1) absl::StrAppend(&out, " (", virtual_stages, " stages per worker)");
+  if (step_us > 0) {
+    absl::StrAppendFormat(&out, ": %.2f ms, peak %s MiB", step_us / 1000,
+                          absl::StrJoin(peak_bytes, " + ", [](std::string* s, int64_t b) {
+                            absl::StrAppendFormat(s, "%.1f", mib(b));
+                          }));
+  }
+  return out;
+}
+
+std::string PipelinePlan::to_json() const {
+  json j{{"balance", balance},
+         {"devices", device_names(devices)},
+         {"chunks", chunks},
+         {"checkpoint", checkpoint_name(checkpoint)},
+         {"schedule", schedule_kind_name(schedule)},
+         {"virtual_stages", virtual_stages},
+         {"threads", threads}};
+  if (step_us > 0) {
+    j["predicted"] = {{"step_us", step_us},
+                      {"peak_bytes", peak_bytes},
+                      {"devices", device_names(distinct(devices))}};
+  }
+  return j.dump(1);
+}
+
+PipelinePlan PipelinePlan::from_json(const std::string& text) {
+  const char* who = "PipelinePlan::from_json";
+  const json j = parse(text, who);
+  PipelinePlan p;
+  p.balance = get<std::vector<int64_t>>(j, "balance", who);
+  p.devices = parse_devices(get<json>(j, "devices", who), who);
+  p.chunks = get<int64_t>(j, "chunks", who);
+  p.checkpoint = checkpoint_from_name(get<std::string>(j, "checkpoint", who));
+  p.schedule = schedule_kind(get<std::string>(j, "schedule", who));
+  p.virtual_stages = get<int64_t>(j, "virtual_stages", who);
+  p.threads = get<int64_t>(j, "threads", who);
+  TORCH_CHECK(!p.balance.empty() && p.balance.size() == p.devices.size(), who, ": ",
+              p.balance.size(), " partitions in \"balance\" but ", p.devices.size(),
+              " \"devices\"; give one device per partition");
+  for (int64_t b : p.balance) {
+    TORCH_CHECK(b > 0, who, ": every partition needs at least one layer, got balance {",
+                absl::StrJoin(p.balance, ", "), "}");
+  }
+  TORCH_CHECK(p.chunks >= 1 && p.virtual_stages >= 1 && p.threads >= 1, who,
+              ": chunks, virtual_stages and threads must be positive");
+  TORCH_CHECK(static_cast<int64_t>(p.balance.size()) % p.virtual_stages == 0, who,
+              ": virtual_stages ", p.virtual_stages, " must divide the partitions (",
+              p.balance.size(), ")");
+  if (j.contains("predicted")) {
+    p.step_us = get<double>(j["predicted"], "step_us", who);
+    p.peak_bytes = get<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
+  }
+  return p;
+}
+
+PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                             OptimizerKind optimizer) {
+  const char* who = "gpipe::pipeline_costs";
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  TORCH_CHECK(stages >= 1 && static_cast<int64_t>(plan.devices.size()) == stages, who, ": ",
+              stages, " partitions and ", plan.devices.size(), " devices; give one per partition");
+  int64_t total = 0;
+  for (int64_t b : plan.balance) {
+    TORCH_CHECK(b > 0, who, ": a partition of ", b, " layers in {",
+                absl::StrJoin(plan.balance, ", "), "}");
+    total += b;
+  }
+  TORCH_CHECK(total == profile.layers(), who, ": balance {", absl::StrJoin(plan.balance, ", "),
+              "} has ", total, " layers, the profile ", profile.layers());
+  TORCH_CHECK(plan.virtual_stages >= 1 && stages % plan.virtual_stages == 0, who,
+              ": virtual_stages ", plan.virtual_stages, " must divide ", stages, " partitions");
+  TORCH_CHECK(plan.chunks >= 1, who, ": chunks must be positive, got ", plan.chunks);
+  const int64_t lanes = stages / plan.virtual_stages;
+  const std::vector<c10::Device> places = distinct(plan.devices);
+  const int64_t b = (profile.batch + plan.chunks - 1) / plan.chunks;
+  const double state = 2 + optimizer_state(optimizer);
+
+  PipelineCosts costs;
+  costs.checkpoint_stop = checkpoint_stop(plan.checkpoint, plan.chunks);
+  costs.static_bytes.assign(places.size(), 0);
+  for (const c10::Device& d : places) {
+    const double free = static_cast<double>(profile.cores) /
+                        static_cast<double>(std::max<int64_t>(1, plan.threads));
+    costs.capacity.push_back(!d.is_cpu() ? 1.0
+                             : profile.cpu_capacity > 0 ? std::min(profile.cpu_capacity, free)
+                                                        : free);
+  }
+  auto place = [&](const c10::Device& d) {
+    return static_cast<int64_t>(std::find(places.begin(), places.end(), d) - places.begin());
+  };
+  costs.static_bytes[place(plan.devices.front())] += profile.input_bytes;
+  int64_t first = 0;
+  for (int64_t s = 0; s < stages; ++s) {
+    StageCost c;
+    c.lane = s % lanes;
+    c.device = place(plan.devices[s]);
+    int64_t params = 0;
+    int64_t buffers = 0;
+    int64_t grads_at_outputs = 0;
+    LayerStats last;
+    std::vector<LayerStats> ls;
+    for (int64_t k = first; k < first + plan.balance[s]; ++k) ls.push_back(profile.layer(k, b));
+    // What the stage keeps of each layer (Note [Planning]): what its forward saved beyond its
+    // output, and its output where it or the next layer keeps it (the stage's last output is the
+    // backward's root: the executor keeps it).
+    const size_t count = ls.size();
+    std::vector<int64_t> kept(count);
+    for (size_t k = 0; k < count; ++k) {
+      const LayerStats& l = ls[k];
+      const bool output_kept = k + 1 == count || l.saves_output || ls[k + 1].saves_input;
+      kept[k] = output_kept ? l.held_bytes : std::max<int64_t>(0, l.held_bytes - l.output_bytes);
+    }
+    // Working memory (Note [Simulating a step]): a forward's peak over what it finally keeps,
+    // and a backward's over what it starts with (the later layers' saved tensors freed by then).
+    int64_t so_far = 0, peak_forward = 0;
+    const int64_t kept_total = std::accumulate(kept.begin(), kept.end(), int64_t{0});
+    for (size_t k = 0; k < count; ++k) {
+      const int64_t input_alive = k > 0 && kept[k - 1] < ls[k - 1].held_bytes ? ls[k].input_bytes : 0;
+      peak_forward = std::max(peak_forward, so_far + input_alive +
+                                                std::max(ls[k].forward_peak_bytes, ls[k].held_bytes));
+      so_far += kept[k];
+    }
+    c.forward_workspace_bytes = std::max<int64_t>(0, peak_forward - kept_total);
+    int64_t later = 0;
+    for (size_t k = count; k-- > 0;) {
+      c.backward_workspace_bytes =
+          std::max(c.backward_workspace_bytes, ls[k].backward_peak_bytes - later);
+      later += kept[k];
+    }
+    for (int64_t k = first; k < first + plan.balance[s]; ++k) {
+      const LayerStats& l = ls[k - first];
+      c.forward_us += l.forward_us;
+      c.forward_nograd_us += l.forward_nograd_us;
+      c.backward_us += l.backward_us;
+      c.backward_input_us += l.backward_input_us;
+      c.backward_weight_us += l.backward_weight_us;
+      c.held_bytes += kept[k - first];
+      grads_at_outputs += l.output_bytes;
+      params += l.param_bytes;
+      buffers += l.buffer_bytes;
+      if (k == first && s > 0 && plan.devices[s] != plan.devices[s - 1]) {
+        // The input copied from the previous device stays until the backward.
+        c.held_bytes += l.input_bytes;
+        c.checkpointed_bytes += l.input_bytes;
+      }
+      last = l;
+    }
+    c.recompute_us = c.forward_us;
+    c.checkpointed_bytes += last.output_bytes;
+    c.grad_kept_bytes = grads_at_outputs;
+    if (s + 1 < stages) {
+      c.copy_us = profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
+    }
+    costs.static_bytes[c.device] +=
+        static_cast<int64_t>(std::llround(state * static_cast<double>(params))) + buffers;
+    costs.stages.push_back(c);
+    first += plan.balance[s];
+  }
+  return costs;
+}
+
+PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
+                           OptimizerKind optimizer) {
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  const int64_t lanes = stages / std::max<int64_t>(1, plan.virtual_stages);
+  const Schedule schedule = plan.schedule == ScheduleKind::kInterleaved
+                                ? interleaved_schedule(lanes, plan.chunks, plan.virtual_stages)
+                                : make_schedule(plan.schedule, lanes, plan.chunks);
+  PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, optimizer));
+  plan.step_us = sim.step_us;
+  plan.peak_bytes = sim.peak_bytes;
+  return sim;
+}
+
+std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions& options) {
+  const char* who = "gpipe::plan";
+  TORCH_CHECK(profile.layers() > 0, who, ": the profile has no layers");
+  TORCH_CHECK(options.top() >= 1, who, ": top must be at least 1, got ", options.top());
+  TORCH_CHECK(options.virtual_stages() >= 2, who,
+              ": virtual_stages (of the interleaved schedule) must be at least 2, got ",
+              options.virtual_stages());
+  TORCH_CHECK(options.memory_limit() >= 0, who, ": memory_limit must not be negative");
+  const int64_t layers = profile.layers();
+  const double state = 2 + optimizer_state(options.optimizer());
+  std::vector<PipelinePlan> all;
+  std::vector<int64_t> counts = options.partitions();
+  const int64_t most = static_cast<int64_t>(profile.devices.size());
+  if (counts.empty()) {
+    for (int64_t n = 1; n <= most; ++n) counts.push_back(n);
+  }
+  for (int64_t n : counts) {
+    TORCH_CHECK(n >= 1 && n <= most, who, ": cannot plan ", n, " partitions on ", most,
+                " device(s); give between 1 and ", most, " (one device per partition)");
+    for (ScheduleKind kind : options.schedules()) {
+      const bool interleaved = kind == ScheduleKind::kInterleaved;
+      if (interleaved && n < 2) continue;
+      const int64_t v = interleaved ? options.virtual_stages() : 1;
+      const int64_t stages = n * v;
+      if (stages > layers) continue;
+      for (int64_t m : options.chunks()) {
+        TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
+        if (m > profile.batch || (interleaved && m % n != 0)) continue;
+        const int64_t b = (profile.batch + m - 1) / m;
+        for (Checkpoint mode : options.checkpoints()) {
+          const bool ck = checkpoint_stop(mode, m) > 0;
+          std::vector<double> time(layers), size(layers);
+          for (int64_t k = 0; k < layers; ++k) {
+            const LayerStats l = profile.layer(k, b);
+            time[k] = (ck ? l.forward_nograd_us + l.forward_us : l.forward_us) + l.backward_us;
+            size[k] = static_cast<double>(ck ? l.output_bytes : l.held_bytes * m) +
+                      state * static_cast<double>(l.param_bytes);
+          }
+          std::vector<std::vector<int64_t>> balances{block_partition(time, stages)};
+          std::vector<int64_t> by_size = block_partition(size, stages);
+          if (by_size != balances.front()) balances.push_back(by_size);
+          for (const std::vector<int64_t>& balance : balances) {
+            PipelinePlan p;
+            p.balance = balance;
+            for (int64_t s = 0; s < stages; ++s) p.devices.push_back(profile.devices[s % n]);
+            p.chunks = m;
+            p.checkpoint = mode;
+            p.schedule = kind;
+            p.virtual_stages = v;
+            p.threads = profile.threads;
+            predict(profile, p, options.optimizer());
+            all.push_back(std::move(p));
+          }
+        }
+      }
+    }
+  }
+  TORCH_CHECK(!all.empty(), who, ": no candidate: check PlanOptions' chunks and schedules (",
+              layers, " layers, a mini-batch of ", profile.batch, ")");
+  auto peak = [](const PipelinePlan& p) {
+    return *std::max_element(p.peak_bytes.begin(), p.peak_bytes.end());
+  };
+  std::vector<PipelinePlan> fit;
+  for (const PipelinePlan& p : all) {
+    if (options.memory_limit() == 0 || peak(p) <= options.memory_limit()) fit.push_back(p);
+  }
+  if (fit.empty()) {
+    const PipelinePlan& least = *std::min_element(
+        all.begin(), all.end(),
+        [&](const PipelinePlan& a, const PipelinePlan& b) { return peak(a) < peak(b); });
+    const PipelineCosts costs = pipeline_costs(profile, least, options.optimizer());
+    const int64_t fixed = *std::max_element(costs.static_bytes.begin(), costs.static_bytes.end());
+    const bool params = fixed > options.memory_limit();
+    TORCH_CHECK(false, who, ": no plan fits in ", options.memory_limit(), " bytes (",
+                absl::StrFormat("%.1f", mib(options.memory_limit())), " MiB) per device on ",
+                profile.devices.size(), " device(s): the least memory any needs is ", peak(least),
+                " bytes (", least.describe(), "), of which ", fixed,
+                " bytes are parameters, gradients, optimizer state, buffers and the input. ",
+                params ? "Those alone exceed the limit: give more devices (each then holds fewer "
+                         "layers), a lighter optimizer, or a larger limit"
+                       : "The activations are the excess: give a smaller mini-batch (smaller "
+                         "micro-batches), more chunks in PlanOptions::chunks, more devices, or "
+                         "a larger limit");
+  }
+  std::stable_sort(fit.begin(), fit.end(), [&](const PipelinePlan& a, const PipelinePlan& b) {
+    return a.step_us != b.step_us ? a.step_us < b.step_us : peak(a) < peak(b);
+  });
+  if (static_cast<int64_t>(fit.size()) > options.top()) fit.resize(options.top());
+  return fit;
+}
+
+std::vector<PipelinePlan> plan(const torch::nn::Sequential& model, const at::Tensor& sample,
+                               const std::vector<c10::Device>& devices,
+                               const PlanOptions& options,
+                               const PipelineProfileOptions& profile_options) {
+  return plan(profile_pipeline(model, sample, devices, profile_options), options);
+}
+
+}  // namespace gpipe

@@ -1,0 +1,191 @@
+// The planner: from one profile of a model, predicts the step time and memory of every
+// configuration (partitions, balance, micro-batches, checkpointing, schedule) by simulating it,
+// and picks the fastest that fits in memory. Profiles and plans are JSON files.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "balancing/profile.h"
+#include "balancing/simulate.h"
+#include "gpipe/gpipe.h"
+
+namespace gpipe {
+
+// Note [Planning]
+// ~~~~~~~~~~~~~~~
+// Varuna's auto-configuration, for one process: profile the model once, simulate every candidate,
+// keep those that fit, and take the fastest.
+// - The profile (profile_pipeline) is profile_layers at three micro-batch sizes, the smallest and
+//   the largest a candidate can have and their geometric mean, and profile_copies between the
+//   devices. A layer's time and bytes at any other size are interpolated linearly between the two
+//   profiled sizes around it (a fixed cost per call plus a cost per sample), so no candidate is
+//   profiled again. It is saved as JSON, so a script can
+//   plan without the devices present.
+// - The candidates: for 1 up to the number of devices partitions n (the first n devices), each
+//   schedule (interleaved with PlanOptions::virtual_stages stages per worker, from two workers on
+//   and where the micro-batches are a multiple of n), micro-batch counts m from PlanOptions::chunks,
+//   each checkpoint mode, and two balances: the one of least bottleneck time (forward, backward,
+//   and the recomputation where checkpointed, at the micro-batch size) and the one of least
+//   bottleneck memory.
+// - Each is simulated (Note [Simulating a step] in simulate.h): a stage's times are the sums of
+//   its layers'; what it keeps of a micro-batch is what each layer saved beyond its output, plus
+//   the outputs that the layer itself or the next one keeps (saves_output, saves_input: a Linear
+//   keeps its input, a Tanh its output, a ReLU's input is its mask), plus the stage's output (the
+//   backward's root); parameters cost 2 + the optimizer's state (SGD 0, momentum 1, Adam 2) times
+//   their bytes; a CPU gives the capacity cpu_capacity measured: cores / threads workers of
+//   the model's own forwards at once, against one alone (hyperthreads and memory bandwidth make it
+//   less than cores / threads; on a 2-vCPU VM it measured about 1.4).
+// - Plans are ranked by predicted step time; those over PlanOptions::memory_limit on any device
+//   are left out. When none fits, plan() says by how much the least hungry misses, and whether
+//   the static bytes alone (more devices would help) or the activations (smaller micro-batches)
+//   are the excess.
+// How close this comes is measured by benchmarks/plan_accuracy (docs/balancing.md says where it is
+// wrong).
+
+/// The optimizer a plan trains with: its state per parameter.
+enum class OptimizerKind { kSGD, kMomentum, kAdam };
+
+/// How to plan.
+///
+///   gpipe::PlanOptions().memory_limit(int64_t{2} << 30).optimizer(gpipe::OptimizerKind::kAdam)
+struct PlanOptions {
+  /// The partition counts (workers) to consider; empty: 1 up to the number of devices.
+  TORCH_ARG(std::vector<int64_t>, partitions) = {};
+  /// The micro-batch counts to consider (those above the mini-batch's size are left out).
+  TORCH_ARG(std::vector<int64_t>, chunks) = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32};
+  /// The schedules to consider.
+  TORCH_ARG(std::vector<ScheduleKind>, schedules) = {
+      ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+      ScheduleKind::kZeroBubble};
+  /// The checkpoint modes to consider.
+  TORCH_ARG(std::vector<Checkpoint>, checkpoints) = {Checkpoint::kAlways, Checkpoint::kExceptLast,
+                                                     Checkpoint::kNever};
+  /// Stages per worker of the interleaved schedule.
+  TORCH_ARG(int64_t, virtual_stages) = 2;
+  /// Bytes per device that a plan may hold at its peak; 0: no limit.
+  TORCH_ARG(int64_t, memory_limit) = 0;
+  /// The optimizer's state per parameter.
+  TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kMomentum;
+  /// How many plans plan() returns.
+  TORCH_ARG(int64_t, top) = 5;
+};
+
+/// How to profile for planning.
+struct PipelineProfileOptions {
+  /// Timing passes per micro-batch size last this long (at least one).
+  TORCH_ARG(std::chrono::duration<double>, timeout) = std::chrono::seconds(1);
+  /// The smallest and largest micro-batch to profile (and their geometric mean); 0: 1 and the
+  /// sample's batch.
+  TORCH_ARG(int64_t, min_batch) = 0;
+  TORCH_ARG(int64_t, max_batch) = 0;
+  /// Intra-op threads of each CPU worker, set while profiling and kept in the plans; 0: the cores
+  /// divided among the devices (at least 1), as the trainers' --threads=0.
+  TORCH_ARG(int64_t, threads) = 0;
+  /// The machine's cores; 0: std::thread::hardware_concurrency().
+  TORCH_ARG(int64_t, cores) = 0;
+};
+
+/// What the planner knows of a model on some devices (Note [Planning]).
+struct PipelineProfile {
+  /// The layers profiled at (usually) three micro-batch sizes, ascending.
+  std::vector<LayerProfile> sizes;
+  /// Copies between the distinct devices.
+  std::vector<CopyStats> copies;
+  /// The devices a pipeline may use, one per partition at most.
+  std::vector<c10::Device> devices;
+  /// The mini-batch's size and its bytes (the input the first partition holds).
+  int64_t batch = 0;
+  int64_t input_bytes = 0;
+  /// The machine's cores and each CPU worker's intra-op threads.
+  int64_t cores = 1;
+  int64_t threads = 1;
+  /// How many workers' worth of compute the CPU gives cores / threads workers running at once
+  /// (cpu_capacity); 0: cores / threads, as if each had its own cores.
+  double cpu_capacity = 0;
+
+  int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
+  /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).
+  LayerStats layer(int64_t k, int64_t batch) const;
+  /// What copying `bytes` from `from` to `to` costs (0 on one device).
+  double copy_us(c10::Device from, c10::Device to, int64_t bytes) const;
+
+  std::string to_json() const;
+  /// Reads to_json's text; throws c10::Error naming what is missing or malformed.
+  static PipelineProfile from_json(const std::string& text);
+};
+
+/// Profiles `model` on `sample` (a mini-batch) for planning on `devices` (one per partition at
+/// most; repeats allowed, e.g. three CPUs for three CPU partitions).
+///
+///   auto profile = gpipe::profile_pipeline(model, x, {torch::kCPU, torch::kCPU});
+///   gpipe::write_file("profile.json", profile.to_json());
+PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::Tensor& sample,
+                                 const std::vector<c10::Device>& devices,
+                                 const PipelineProfileOptions& options = {});
+
+/// One configuration and what it is predicted to cost.
+struct PipelinePlan {
+  std::vector<int64_t> balance;
+  /// One device per partition.
+  std::vector<c10::Device> devices;
+  int64_t chunks = 1;
+  Checkpoint checkpoint = Checkpoint::kExceptLast;
+  ScheduleKind schedule = ScheduleKind::kGPipe;
+  int64_t virtual_stages = 1;
+  /// Intra-op threads of each CPU worker.
+  int64_t threads = 1;
+  /// Predicted: the step's time (forward and backward of every micro-batch) and each distinct
+  /// device's peak bytes (in the order of first appearance in `devices`).
+  double step_us = 0;
+  std::vector<int64_t> peak_bytes;
+
+  /// The options to build this pipeline with.
+  ///
+  ///   gpipe::GPipe pipe(model, best.options());
+  GPipeOptions options() const;
+  /// "balance {3, 2}, 8 micro-batches, checkpoint except_last, schedule 1f1b: 12.3 ms, 45.6 MiB".
+  std::string describe() const;
+  std::string to_json() const;
+  /// Reads to_json's text (the predictions may be absent); throws c10::Error naming what is
+  /// missing or malformed.
+  static PipelinePlan from_json(const std::string& text);
+};
+
+/// A checkpoint mode's name ("always", "except_last", "never") and back; the latter throws
+/// c10::Error naming the unknown name.
+std::string checkpoint_name(Checkpoint mode);
+Checkpoint checkpoint_from_name(const std::string& name);
+
+/// The simulation inputs of `plan` (its balance, devices, chunks, checkpoint, schedule and
+/// threads) over `profile`.
+PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                             OptimizerKind optimizer);
+
+/// Simulates `plan` over `profile` and fills its step_us and peak_bytes; returns the simulation
+/// (for its timeline).
+PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
+                           OptimizerKind optimizer = OptimizerKind::kMomentum);
+
+/// The best plans (fastest first) for `profile` that fit options.memory_limit(), at most
+/// options.top(). Throws c10::Error when none fits, saying by how much the least hungry misses
+/// and what would help.
+///
+///   auto plans = gpipe::plan(profile, gpipe::PlanOptions().memory_limit(int64_t{1} << 30));
+///   gpipe::GPipe pipe(model, plans.front().options());
+std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions& options = {});
+
+/// Profiles `model` (profile_pipeline) and plans.
+std::vector<PipelinePlan> plan(const torch::nn::Sequential& model, const at::Tensor& sample,
+                               const std::vector<c10::Device>& devices,
+                               const PlanOptions& options = {},
+                               const PipelineProfileOptions& profile_options = {});
+
+}  // namespace gpipe

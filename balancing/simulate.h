@@ -1,0 +1,102 @@
+// Simulating a pipeline step: a discrete-event run of a schedule's actions over profiled costs,
+// with the engine's rules (one thread per worker, copies between devices, workers sharing a
+// device's cores), predicting the step's time, each device's peak memory and its timeline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include "gpipe/schedule.h"
+#include "gpipe/timeline.h"
+
+namespace gpipe {
+
+// Note [Simulating a step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// The simulation runs what the executor runs (Note [One executor] in gpipe/executor.h): each
+// worker (a rank of the schedule: a thread of its own) takes its actions in order, each when what
+// it needs is done (detail::Plan::needs, the dependencies check_schedule uses):
+//   F i  a stage's forward of micro-batch i: forward_nograd_us when i is checkpointed, else
+//        forward_us; its output reaches the next stage copy_us later when that stage is on another
+//        device (copies run beside compute, as on CUDA's copy streams);
+//   B i  backward_us, after recompute_us (a forward with autograd) when i was checkpointed;
+//   I, W backward_input_us and backward_weight_us; a checkpointed micro-batch is not split (its I
+//        runs the whole backward after the recomputation, its W nothing), as in the executor.
+// Time: workers on one device share it. A device has `capacity` workers' worth of compute (a CPU:
+// its cores divided by the intra-op threads of each worker; a GPU: 1, its kernels serialised on
+// one device); k workers running on it each progress at min(1, capacity / k) (processor sharing).
+// This is what makes three CPU workers on two cores slower than the schedule alone says.
+// Memory, per device: the static bytes (parameters, gradients, optimizer state, buffers, the
+// mini-batch) plus, over time, what each (stage, micro-batch) in flight keeps: from the end of its
+// F to the end of its B (or W) held_bytes (what autograd saved and the output), or
+// checkpointed_bytes when checkpointed (its output, and its input where it was copied from another
+// device); I keeps the gradients at the layers' outputs (grad_kept_bytes) for W. While
+// an action runs, its device also holds its working memory: F forward_workspace_bytes, B and I
+// backward_workspace_bytes (the profiled peaks of the layers' forwards and backwards over what
+// they keep), a checkpointed B its recomputed held_bytes and the larger of the two. The peak is
+// the largest sum at any action's start or end.
+// What it leaves out: the loss (its forward and backward are counted in neither stage), the
+// optimizer step, caches and fragmentation of the allocators, and the engine's own time per task
+// (a few microseconds); copies share nothing (no bandwidth contention).
+
+/// One stage (partition) of a configuration: where it runs and what one micro-batch costs it.
+struct StageCost {
+  /// The worker (schedule rank) that runs it and the index of its device in
+  /// PipelineCosts::capacity.
+  int64_t lane = 0;
+  int64_t device = 0;
+  /// Microseconds per micro-batch (Note [Simulating a step]).
+  double forward_us = 0;
+  double forward_nograd_us = 0;
+  double backward_us = 0;
+  double backward_input_us = 0;
+  double backward_weight_us = 0;
+  /// A forward with autograd again, before a checkpointed micro-batch's backward.
+  double recompute_us = 0;
+  /// Moving the stage's output to the next stage's device, and the gradient back (0 on one
+  /// device).
+  double copy_us = 0;
+  /// Bytes per micro-batch.
+  int64_t held_bytes = 0;
+  int64_t checkpointed_bytes = 0;
+  int64_t grad_kept_bytes = 0;
+  /// Working memory above what the stage keeps: while a forward runs, and while a backward (or
+  /// I) runs, above what it started with.
+  int64_t forward_workspace_bytes = 0;
+  int64_t backward_workspace_bytes = 0;
+};
+
+/// A configuration's costs.
+struct PipelineCosts {
+  std::vector<StageCost> stages;
+  /// Per device: workers' worth of compute (Note [Simulating a step]).
+  std::vector<double> capacity;
+  /// Per device: bytes held throughout (parameters, gradients, optimizer state, buffers, input).
+  std::vector<int64_t> static_bytes;
+  /// Micro-batches before this one are checkpointed.
+  int64_t checkpoint_stop = 0;
+};
+
+/// A simulated step.
+struct PipelineSimulation {
+  /// When the last action ends, microseconds.
+  double step_us = 0;
+  /// Per device: the largest bytes held at once (static bytes included).
+  std::vector<int64_t> peak_bytes;
+  /// The step as a timeline (compute, recomputation, backward halves, copies), partition = stage:
+  /// draw it with timeline_svg like a recorded step.
+  std::vector<TimelineEvent> events;
+};
+
+/// Runs `schedule` (one rank per worker, its stages those of `costs`) over `costs`
+/// (Note [Simulating a step]). Throws c10::Error when the schedule and the costs disagree (stage
+/// counts, a stage on another lane than the schedule's) or a cost is negative.
+///
+///   gpipe::PipelineSimulation sim = gpipe::simulate_pipeline(gpipe::gpipe_schedule(2, 4), costs);
+///   gpipe::write_file("predicted.svg", gpipe::timeline_svg(sim.events, devices));
+PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCosts& costs);
+
+}  // namespace gpipe

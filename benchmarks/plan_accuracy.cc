@@ -1,0 +1,436 @@
+// How close the planner's predictions come (balancing/plan.h): for configurations of ResNet-8,
+// AmoebaNet-D (6, 64) and an MLP on CPU partitions — 2 and 3 of them, several micro-batch
+// counts, every checkpoint mode and every schedule — the predicted and the measured step time
+// and peak memory side by side, from one profile per model; then the planner's pick against the
+// trainers' defaults within the defaults' memory.
+//
+//   bazel run -c opt //benchmarks:plan_accuracy -- --json_out=/tmp/plan_accuracy.json
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "balancing/plan.h"
+#include "benchmarks/memory_meter.h"
+#include "benchmarks/timing.h"
+#include "examples/models/amoebanet.h"
+#include "examples/models/resnet.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/trace.h"
+#include "gpipe/worker.h"
+
+ABSL_FLAG(std::string, models, "resnet8,amoebanet,mlp", "models to check: resnet8, amoebanet, mlp");
+ABSL_FLAG(int, repeats, 5, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(int, rounds, 3,
+          "rounds of profile, predictions and measurements; the summary compares the medians over "
+          "rounds (each round's errors are printed too)");
+ABSL_FLAG(double, timeout, 2.0, "seconds of profiling per micro-batch size");
+ABSL_FLAG(int64_t, cores, 0, "the machine's cores for the planner (0: all)");
+ABSL_FLAG(std::string, json_out, "", "write the results here as JSON");
+ABSL_FLAG(std::string, svg_dir, "",
+          "write each configuration's predicted and measured timelines here (SVG)");
+ABSL_FLAG(bool, detail, false,
+          "print each partition's busy time per kind of work, predicted and measured");
+ABSL_FLAG(std::string, child, "",
+          "(internal) run one model, one round, in this process and write its rows here");
+ABSL_FLAG(bool, compare_defaults, true,
+          "also measure the planner's pick against the trainers' defaults (ResNet-8, AmoebaNet-D)");
+
+namespace {
+
+using gpipe::Checkpoint;
+using gpipe::ScheduleKind;
+using gpipe_benchmarks::MemoryMeter;
+
+struct Model {
+  std::string name;
+  std::string title;
+  std::function<torch::nn::Sequential()> make;
+  std::vector<int64_t> sample;  // one sample's shape
+  int64_t batch = 128;
+};
+
+Model find_model(const std::string& name) {
+  if (name == "resnet8") {
+    return {name, "ResNet-8 (1 x 28 x 28, batch 128)",
+            [] { return gpipe::models::resnet_cifar(8, 10, 1); }, {1, 28, 28}, 128};
+  }
+  if (name == "amoebanet") {
+    return {name, "AmoebaNet-D (6, 64) (1 x 28 x 28, batch 128)",
+            [] { return gpipe::models::amoebanet_d(6, 64, 10, 1); }, {1, 28, 28}, 128};
+  }
+  if (name == "mlp") {
+    return {name, "MLP (8 x Linear 1024 + ReLU, batch 512)",
+            [] {
+              torch::nn::Sequential seq;
+              int64_t in = 512;
+              for (int k = 0; k < 8; ++k) {
+                seq->push_back(torch::nn::Linear(in, 1024));
+                seq->push_back(torch::nn::ReLU());
+                in = 1024;
+              }
+              seq->push_back(torch::nn::Linear(1024, 10));
+              return seq;
+            },
+            {512}, 512};
+  }
+  TORCH_CHECK(false, "--models: unknown model '", name, "'; use resnet8, amoebanet, mlp");
+}
+
+struct Config {
+  int64_t partitions;
+  int64_t chunks;
+  Checkpoint checkpoint;
+  ScheduleKind schedule;
+};
+
+// Every checkpoint mode and every schedule over the three models, 2 and 3 partitions.
+std::vector<Config> configs_of(const std::string& model) {
+  using C = Checkpoint;
+  using S = ScheduleKind;
+  if (model == "resnet8") {  // 5 layers: no 3 x 2 interleaving
+    return {{2, 4, C::kExceptLast, S::kGPipe},
+            {2, 8, C::kNever, S::k1F1B},
+            {3, 4, C::kAlways, S::kGPipe},
+            {2, 8, C::kExceptLast, S::kZeroBubble},
+            {2, 4, C::kNever, S::kInterleaved}};
+  }
+  if (model == "amoebanet") {
+    return {{2, 4, C::kExceptLast, S::kGPipe},
+            {3, 6, C::kNever, S::k1F1B},
+            {2, 8, C::kAlways, S::kZeroBubble},
+            {3, 6, C::kExceptLast, S::kInterleaved},
+            {2, 16, C::kNever, S::kGPipe}};
+  }
+  return {{2, 4, C::kNever, S::kGPipe},
+          {3, 8, C::kExceptLast, S::k1F1B},
+          {2, 8, C::kAlways, S::kInterleaved},
+          {3, 12, C::kNever, S::kZeroBubble},
+          {2, 2, C::kExceptLast, S::kZeroBubble}};
+}
+
+struct Measured {
+  double step_ms = 0;
+  int64_t peak_bytes = 0;
+  std::vector<gpipe::TimelineEvent> events;  // the last step's, with --svg_dir or --detail
+};
+
+// "partition j: F 12.3 ms, B 20.1 ms, ...": the time of each kind of work per partition.
+std::string busy(const std::vector<gpipe::TimelineEvent>& events) {
+  std::map<int64_t, std::map<std::string, double>> sums;
+  for (const gpipe::TimelineEvent& e : events) {
+    using K = gpipe::TimelineEvent::Kind;
+    const char* kind = e.kind == K::kCompute       ? "F"
+                       : e.kind == K::kRecompute   ? "R"
+                       : e.kind == K::kBackward    ? "B"
+                       : e.kind == K::kBackwardInput ? "I"
+                       : e.kind == K::kBackwardWeight ? "W"
+                                                   : "copy";
+    sums[e.partition][kind] += (e.end_us - e.start_us) / 1000;
+  }
+  std::string out;
+  for (const auto& [partition, kinds] : sums) {
+    absl::StrAppend(&out, "    partition ", partition, ":");
+    for (const auto& [kind, ms] : kinds) absl::StrAppendFormat(&out, " %s %.1f ms", kind, ms);
+    absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+// Trains `plan`'s pipeline for a few steps (SGD with momentum) and measures GPipe::step: the
+// median time and the largest peak of CPU tensor bytes over the timed steps.
+Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::Tensor& x,
+                 const at::Tensor& y, int repeats, const std::string& svg) {
+  at::manual_seed(0);
+  torch::nn::Sequential seq = model.make();
+  gpipe::GPipe pipe(seq, plan.options().record_timeline(true));
+  torch::optim::SGD optimizer(pipe->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  gpipe::set_intra_op_threads(static_cast<int>(plan.threads));
+  auto loss = [](const gpipe::Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.tensor(), target);
+  };
+  MemoryMeter& meter = MemoryMeter::install();
+  Measured m;
+  std::vector<double> times;
+  for (int r = 0; r < repeats + 2; ++r) {
+    optimizer.zero_grad();
+    meter.reset_peak();
+    const auto start = std::chrono::steady_clock::now();
+    pipe->step(x, y, loss);
+    const double ms = gpipe_benchmarks::ms_since(start);
+    if (r >= 2) {  // the first steps make the gradients and the optimizer's state
+      times.push_back(ms);
+      m.peak_bytes = std::max(m.peak_bytes, meter.peak());
+    }
+    optimizer.step();
+  }
+  m.step_ms = gpipe_benchmarks::median(times);
+  m.events = pipe->last_timeline();
+  if (!svg.empty()) {
+    gpipe::write_file(svg, gpipe::timeline_svg(pipe->last_timeline(), pipe->devices()));
+  }
+  return m;
+}
+
+double error(double predicted, double measured) { return (predicted - measured) / measured; }
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 == 1 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
+
+double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+// One round of one model in this process: profile, then each configuration predicted and
+// measured (and, with `compare`, the defaults against the planner's pick). Prints a table and
+// returns the rows as JSON.
+nlohmann::json run_model(const std::string& name, bool compare, const std::string& svg_dir) {
+  const int repeats = absl::GetFlag(FLAGS_repeats);
+  const std::vector<c10::Device> devices(3, c10::Device(c10::kCPU));
+  nlohmann::json rows = nlohmann::json::array();
+  const Model model = find_model(name);
+  at::manual_seed(0);
+  std::vector<int64_t> shape{model.batch};
+  shape.insert(shape.end(), model.sample.begin(), model.sample.end());
+  const at::Tensor x = at::randn(shape);
+  const at::Tensor y = at::randint(10, {model.batch});
+  const auto started = std::chrono::steady_clock::now();
+  const gpipe::PipelineProfile profile = gpipe::profile_pipeline(
+      model.make(), x, devices,
+      gpipe::PipelineProfileOptions()
+          .timeout(std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout)))
+          .threads(1)
+          .cores(absl::GetFlag(FLAGS_cores))
+          .min_batch(model.batch / 32));
+  std::vector<int64_t> sizes;
+  for (const gpipe::LayerProfile& p : profile.sizes) sizes.push_back(p.batch);
+  std::printf("%s: %lld layers, profiled at micro-batches of %s in %.1f s; CPU capacity "
+              "%.2f workers\n",
+              model.title.c_str(), static_cast<long long>(profile.layers()),
+              absl::StrJoin(sizes, ", ").c_str(), gpipe_benchmarks::ms_since(started) / 1000,
+              profile.cpu_capacity);
+  int index = 0;
+  for (const Config& c : configs_of(name)) {
+    const gpipe::PipelinePlan plan =
+        gpipe::plan(profile, gpipe::PlanOptions()
+                                 .partitions({c.partitions})
+                                 .chunks({c.chunks})
+                                 .checkpoints({c.checkpoint})
+                                 .schedules({c.schedule})
+                                 .top(1))
+            .front();
+    gpipe::PipelinePlan predicted = plan;
+    const gpipe::PipelineSimulation sim = gpipe::predict(profile, predicted);
+    const std::string stem = svg_dir.empty() ? "" : absl::StrCat(svg_dir, "/", name, "_", index);
+    if (!stem.empty()) {
+      gpipe::write_file(stem + "_predicted.svg", gpipe::timeline_svg(sim.events, plan.devices));
+    }
+    const Measured got =
+        measure(model, plan, x, y, repeats, stem.empty() ? "" : stem + "_measured.svg");
+    const double pred_ms = predicted.step_us / 1000;
+    const int64_t pred_bytes = predicted.peak_bytes.front();
+    std::printf("%-10s %-58s %9.1f %9.1f %+6.1f%% %9.1f %9.1f %+6.1f%%\n", name.c_str(),
+                plan.describe().substr(0, 58).c_str(), pred_ms, got.step_ms,
+                100 * error(pred_ms, got.step_ms), mib(pred_bytes), mib(got.peak_bytes),
+                100 * error(static_cast<double>(pred_bytes), static_cast<double>(got.peak_bytes)));
+    if (absl::GetFlag(FLAGS_detail)) {
+      std::printf("  predicted:\n%s  measured:\n%s", busy(sim.events).c_str(),
+                  busy(got.events).c_str());
+    }
+    rows.push_back({{"model", name},
+                    {"configuration", plan.describe()},
+                    {"plan", nlohmann::json::parse(plan.to_json())},
+                    {"predicted_ms", pred_ms},
+                    {"measured_ms", got.step_ms},
+                    {"predicted_bytes", pred_bytes},
+                    {"measured_bytes", got.peak_bytes},
+                    {"cpu_capacity", profile.cpu_capacity}});
+    ++index;
+  }
+  if (compare && name != "mlp") {
+    // The trainers' defaults: 2 CPU partitions balanced by time, 4 micro-batches, checkpoint
+    // except_last, GPipe's schedule; the planner within the memory they were measured to take,
+    // with at most 2 partitions as they have.
+    const gpipe::PipelinePlan defaults =
+        gpipe::plan(profile, gpipe::PlanOptions()
+                                 .partitions({2})
+                                 .chunks({4})
+                                 .checkpoints({Checkpoint::kExceptLast})
+                                 .schedules({ScheduleKind::kGPipe})
+                                 .top(1))
+            .front();
+    const Measured base = measure(model, defaults, x, y, repeats, "");
+    const gpipe::PipelinePlan pick =
+        gpipe::plan(profile, gpipe::PlanOptions().partitions({1, 2}).memory_limit(base.peak_bytes))
+            .front();
+    const Measured got = measure(model, pick, x, y, repeats, "");
+    rows.push_back({{"model", name},
+                    {"defaults", defaults.describe()},
+                    {"defaults_ms", base.step_ms},
+                    {"defaults_bytes", base.peak_bytes},
+                    {"pick", pick.describe()},
+                    {"pick_plan", nlohmann::json::parse(pick.to_json())},
+                    {"pick_ms", got.step_ms},
+                    {"pick_bytes", got.peak_bytes}});
+  }
+  return rows;
+}
+
+// Runs this program again for one model and one round; returns its rows (its table printed).
+nlohmann::json spawn(const std::string& self, const std::string& name, bool compare) {
+  const std::string rows_path = absl::StrCat("/tmp/gpipe-plan-accuracy-", getpid(), ".json");
+  std::vector<std::string> args{self,
+                                "--child=" + rows_path,
+                                "--models=" + name,
+                                absl::StrCat("--compare_defaults=", compare),
+                                absl::StrCat("--repeats=", absl::GetFlag(FLAGS_repeats)),
+                                absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout)),
+                                absl::StrCat("--cores=", absl::GetFlag(FLAGS_cores)),
+                                absl::StrCat("--detail=", absl::GetFlag(FLAGS_detail)),
+                                "--svg_dir=" + absl::GetFlag(FLAGS_svg_dir)};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), environ);
+  TORCH_CHECK(rc == 0, "cannot start ", self, ": error ", rc);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the run of ", name,
+              " failed (status ", status, ")");
+  std::ifstream in(rows_path);
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  std::remove(rows_path.c_str());
+  return rows;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string child = absl::GetFlag(FLAGS_child);
+  if (!child.empty()) {
+    MemoryMeter::install();  // before any tensor (Note [Counting CPU memory])
+    gpipe_benchmarks::keep_freed_memory();
+    try {
+      const nlohmann::json rows = run_model(absl::GetFlag(FLAGS_models),
+                                            absl::GetFlag(FLAGS_compare_defaults),
+                                            absl::GetFlag(FLAGS_svg_dir));
+      std::ofstream(child) << rows.dump(1);
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "plan_accuracy: %s\n", e.what_without_backtrace());
+      return 1;
+    }
+    return 0;
+  }
+  // Each model and round in a process of its own: a process's earlier work (its heap, the
+  // kernels' caches) moved the next model's profile and steps by 10-20% here.
+  const int rounds = absl::GetFlag(FLAGS_rounds);
+  const std::vector<std::string> names(absl::StrSplit(absl::GetFlag(FLAGS_models), ','));
+  const std::string self = "/proc/self/exe";
+  struct Outcome {
+    std::string model, plan;
+    std::vector<double> pred_ms, meas_ms, pred_mib, meas_mib;
+  };
+  std::vector<Outcome> outcomes;
+  nlohmann::json all = nlohmann::json::array();
+  std::vector<std::string> comparisons;
+  try {
+    for (int round = 0; round < rounds; ++round) {
+      std::printf("round %d\n%-10s %-58s %9s %9s %7s %9s %9s %7s\n", round + 1, "model",
+                  "configuration", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error");
+      std::vector<double> time_errors, memory_errors;
+      size_t slot = 0;
+      for (const std::string& name : names) {
+        const bool last = round + 1 == rounds;
+        nlohmann::json rows = spawn(self, name, last && absl::GetFlag(FLAGS_compare_defaults));
+        for (nlohmann::json& row : rows) {
+          row["round"] = round + 1;
+          all.push_back(row);
+          if (row.contains("defaults")) {
+            const double base = row["defaults_ms"].get<double>();
+            const double pick = row["pick_ms"].get<double>();
+            comparisons.push_back(absl::StrFormat(
+                "%s: defaults (%s) measured %.1f ms, %.1f MiB; the planner's pick within %.1f "
+                "MiB (%s) measured %.1f ms, %.1f MiB: %.2fx the defaults' speed",
+                name, row["defaults"].get<std::string>(), base,
+                mib(row["defaults_bytes"].get<int64_t>()),
+                mib(row["defaults_bytes"].get<int64_t>()), row["pick"].get<std::string>(), pick,
+                mib(row["pick_bytes"].get<int64_t>()), base / pick));
+            continue;
+          }
+          const double pm = row["predicted_ms"], mm = row["measured_ms"];
+          const double pb = mib(row["predicted_bytes"]), mb = mib(row["measured_bytes"]);
+          time_errors.push_back(std::abs(error(pm, mm)));
+          memory_errors.push_back(std::abs(error(pb, mb)));
+          if (slot == outcomes.size()) {
+            outcomes.push_back({name, row["configuration"].get<std::string>(), {}, {}, {}, {}});
+          }
+          Outcome& o = outcomes[slot++];
+          o.pred_ms.push_back(pm);
+          o.meas_ms.push_back(mm);
+          o.pred_mib.push_back(pb);
+          o.meas_mib.push_back(mb);
+        }
+      }
+      std::printf("round %d, %zu configurations: time error median %.1f%%, worst %.1f%%; memory "
+                  "error median %.1f%%, worst %.1f%%\n\n",
+                  round + 1, time_errors.size(), 100 * median_of(time_errors),
+                  100 * *std::max_element(time_errors.begin(), time_errors.end()),
+                  100 * median_of(memory_errors),
+                  100 * *std::max_element(memory_errors.begin(), memory_errors.end()));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "plan_accuracy: %s\n", e.what());
+    return 1;
+  }
+  // The medians over rounds, side by side.
+  std::printf("medians over %d round(s)\n%-10s %-58s %9s %9s %7s %9s %9s %7s\n", rounds, "model",
+              "configuration", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error");
+  std::vector<double> time_errors, memory_errors;
+  for (const Outcome& o : outcomes) {
+    const double pm = median_of(o.pred_ms), mm = median_of(o.meas_ms);
+    const double pb = median_of(o.pred_mib), mb = median_of(o.meas_mib);
+    time_errors.push_back(std::abs(error(pm, mm)));
+    memory_errors.push_back(std::abs(error(pb, mb)));
+    std::printf("%-10s %-58s %9.1f %9.1f %+6.1f%% %9.1f %9.1f %+6.1f%%\n", o.model.c_str(),
+                o.plan.substr(0, 58).c_str(), pm, mm, 100 * error(pm, mm), pb, mb,
+                100 * error(pb, mb));
+  }
+  std::printf("\n%zu configurations: time error median %.1f%%, worst %.1f%%; memory error median "
+              "%.1f%%, worst %.1f%%\n",
+              time_errors.size(), 100 * median_of(time_errors),
+              100 * *std::max_element(time_errors.begin(), time_errors.end()),
+              100 * median_of(memory_errors),
+              100 * *std::max_element(memory_errors.begin(), memory_errors.end()));
+  for (const std::string& line : comparisons) std::printf("%s\n", line.c_str());
+  if (!absl::GetFlag(FLAGS_json_out).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_json_out)) << all.dump(1) << "\n";
+  }
+  return 0;
+}

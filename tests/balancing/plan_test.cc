@@ -1,0 +1,375 @@
+// The planner (balancing/plan.h) and its simulation (balancing/simulate.h): the simulation agrees
+// with the schedules' own simulator where their models meet, shares a device's cores and counts
+// memory as its Note says; plans fit their limit, come fastest first, refuse clearly, survive JSON,
+// and build pipelines that train as the plain model; predicted memory is checked against the
+// bytes a pipeline really allocates.
+#include "tests/gpipe/test_util.h"
+
+#include <numeric>
+
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+
+#include "balancing/plan.h"
+#include "benchmarks/memory_meter.h"
+#include "gpipe/schedule_check.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+Schedule schedule_of(ScheduleKind kind, int64_t n, int64_t m, int64_t v = 1) {
+  return kind == ScheduleKind::kInterleaved ? interleaved_schedule(n, m, v)
+                                            : make_schedule(kind, n, m);
+}
+
+// Stages of equal costs F = 1, I = 1, W = 1 (B = 2), one device per lane unless `device` >= 0.
+PipelineCosts equal_costs(const Schedule& s, double capacity, int64_t device = -1) {
+  PipelineCosts c;
+  const int64_t lanes = s.num_ranks();
+  for (int64_t stage = 0; stage < s.stages; ++stage) {
+    StageCost st;
+    st.lane = s.stage_ranks[stage];
+    st.device = device >= 0 ? device : st.lane;
+    st.forward_us = st.forward_nograd_us = st.recompute_us = 1;
+    st.backward_input_us = st.backward_weight_us = 1;
+    st.backward_us = 2;
+    st.held_bytes = 100;
+    st.checkpointed_bytes = 10;
+    c.stages.push_back(st);
+  }
+  const int64_t devices = device >= 0 ? device + 1 : lanes;
+  c.capacity.assign(devices, capacity);
+  c.static_bytes.assign(devices, 1000);
+  return c;
+}
+
+CATCH_TEST_CASE("The simulation of free workers agrees with simulate_schedule for every schedule",
+                "[balancing][plan][simulate]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B,
+                                     ScheduleKind::kInterleaved, ScheduleKind::kZeroBubble);
+  const int64_t n = GENERATE(2, 3, 4);
+  const int64_t m = GENERATE(4, 8);
+  const int64_t v = kind == ScheduleKind::kInterleaved ? 2 : 1;
+  if (kind == ScheduleKind::kInterleaved && m % n != 0) return;
+  CATCH_CAPTURE(schedule_kind_name(kind), n, m);
+  const Schedule s = schedule_of(kind, n, m, v);
+  const PipelineSimulation sim = simulate_pipeline(s, equal_costs(s, 1.0));
+  const ScheduleSimulation reference = simulate_schedule(s);
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(reference.makespan).epsilon(1e-9));
+  // Memory: each stage on a device of its own keeps its peak of micro-batches in flight.
+  for (int64_t r = 0; r < n; ++r) {
+    CATCH_CHECK(sim.peak_bytes[r] == 1000 + 100 * reference.peak_in_flight[r]);
+  }
+  // The timeline has every compute action once.
+  int64_t forwards = 0;
+  for (const TimelineEvent& e : sim.events) forwards += e.kind == TimelineEvent::Kind::kCompute;
+  CATCH_CHECK(forwards == s.stages * m);
+}
+
+CATCH_TEST_CASE("Workers sharing a device of one core take the sum of their work",
+                "[balancing][plan][simulate]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B,
+                                     ScheduleKind::kZeroBubble);
+  const int64_t n = GENERATE(2, 3);
+  const int64_t m = 6;
+  const Schedule s = schedule_of(kind, n, m);
+  // One device with the capacity of one worker: it is never idle while work remains, and each of
+  // the n * m micro-batch-stages costs F + B = 3.
+  CATCH_CHECK(simulate_pipeline(s, equal_costs(s, 1.0, 0)).step_us ==
+              gpipe_test::Approx(3.0 * n * m).epsilon(1e-9));
+  // More than one worker's capacity, less than n: between the sum and the free schedule.
+  const double shared = simulate_pipeline(s, equal_costs(s, (n + 1) / 2.0, 0)).step_us;
+  CATCH_CHECK(shared > simulate_schedule(s).makespan);
+  CATCH_CHECK(shared < 3.0 * n * m);
+}
+
+CATCH_TEST_CASE("The simulation counts checkpointed micro-batches and recomputation as its Note says",
+                "[balancing][plan][simulate]") {
+  // One stage, GPipe's schedule, 4 micro-batches: all F, then B in reverse.
+  const Schedule s = gpipe_schedule(1, 4);
+  PipelineCosts c = equal_costs(s, 1.0);
+  c.stages[0].forward_workspace_bytes = 7;
+  c.stages[0].backward_workspace_bytes = 3;
+  // Not checkpointed: 4 x held, plus the backward's working memory at the first B's start.
+  c.checkpoint_stop = 0;
+  PipelineSimulation sim = simulate_pipeline(s, c);
+  CATCH_CHECK(sim.peak_bytes[0] == 1000 + 4 * 100 + 7);  // the last F's end, its workspace still on
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(4 * 1 + 4 * 2));
+  // All checkpointed: 4 x checkpointed bytes; each B recomputes (held + the larger workspace).
+  c.checkpoint_stop = 4;
+  sim = simulate_pipeline(s, c);
+  CATCH_CHECK(sim.peak_bytes[0] == 1000 + 4 * 10 + 100 + 7);
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(4 * 1 + 4 * (1 + 2)));
+  int64_t recomputes = 0;
+  for (const TimelineEvent& e : sim.events) recomputes += e.kind == TimelineEvent::Kind::kRecompute;
+  CATCH_CHECK(recomputes == 4);
+}
+
+CATCH_TEST_CASE("The simulation refuses costs that do not match the schedule",
+                "[balancing][plan][simulate][errors]") {
+  const Schedule s = gpipe_schedule(2, 4);
+  PipelineCosts c = equal_costs(s, 1.0);
+  c.stages.pop_back();
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("1 stage costs for a schedule of 2"));
+  c = equal_costs(s, 1.0);
+  c.stages[1].lane = 0;
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
+                          gpipe_test::contains("stage 1 is on lane 0 but the schedule runs it on rank 1"));
+  c = equal_costs(s, 1.0);
+  c.stages[0].backward_us = -1;
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("negative cost"));
+  c = equal_costs(s, 0.0);
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("capacity must be positive"));
+}
+
+// A profile made by hand: `layers` equal layers whose costs grow with the micro-batch b.
+PipelineProfile synthetic(int64_t layers, int64_t devices, int64_t batch = 32,
+                          int64_t param_bytes = 4000) {
+  PipelineProfile p;
+  p.devices.assign(devices, c10::Device(c10::kCPU));
+  p.batch = batch;
+  p.input_bytes = 100 * batch;
+  p.cores = devices;
+  p.threads = 1;
+  for (int64_t b : {int64_t{1}, batch}) {
+    LayerProfile lp;
+    lp.batch = b;
+    for (int64_t k = 0; k < layers; ++k) {
+      LayerStats s;
+      s.name = std::to_string(k);
+      s.type = "Synthetic";
+      s.forward_us = 20 + 10.0 * b;
+      s.forward_nograd_us = 15 + 8.0 * b;
+      s.backward_us = 40 + 20.0 * b;
+      s.backward_input_us = 25 + 10.0 * b;
+      s.backward_weight_us = 25 + 10.0 * b;
+      s.held_bytes = 1000 * b;
+      s.forward_peak_bytes = 1200 * b;
+      s.backward_peak_bytes = 600 * b;
+      s.param_bytes = param_bytes;
+      s.input_bytes = s.output_bytes = 100 * b;
+      lp.layers.push_back(s);
+    }
+    p.sizes.push_back(lp);
+  }
+  return p;
+}
+
+int64_t peak_of(const PipelinePlan& p) {
+  return *std::max_element(p.peak_bytes.begin(), p.peak_bytes.end());
+}
+
+CATCH_TEST_CASE("A profile's layer at an unprofiled micro-batch is interpolated linearly",
+                "[balancing][plan]") {
+  const PipelineProfile p = synthetic(4, 2, 32);
+  CATCH_CHECK(p.layer(0, 1).forward_us == gpipe_test::Approx(30));
+  CATCH_CHECK(p.layer(0, 32).forward_us == gpipe_test::Approx(340));
+  CATCH_CHECK(p.layer(2, 8).forward_us == gpipe_test::Approx(20 + 80));
+  CATCH_CHECK(p.layer(3, 8).held_bytes == 8000);
+  CATCH_CHECK(p.layer(3, 8).param_bytes == 4000);
+  CATCH_CHECK_THROWS_WITH(p.layer(4, 8), gpipe_test::contains("no layer 4"));
+}
+
+CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the limit changes "
+                "the pick", "[balancing][plan]") {
+  const PipelineProfile profile = synthetic(8, 2);
+  const std::vector<PipelinePlan> free = plan(profile, PlanOptions().top(1000));
+  CATCH_REQUIRE(free.size() > 20);
+  for (size_t k = 1; k < free.size(); ++k) CATCH_CHECK(free[k - 1].step_us <= free[k].step_us);
+  // Two cores and equal layers: the fastest splits the model in two.
+  CATCH_CHECK(free.front().balance.size() == 2);
+  // Each plan's numbers are its own simulation's.
+  PipelinePlan again = free[3];
+  predict(profile, again);
+  CATCH_CHECK(again.step_us == free[3].step_us);
+  CATCH_CHECK(again.peak_bytes == free[3].peak_bytes);
+  // A limit below the fastest's peak: every plan fits it, and the first is no longer that one.
+  const int64_t limit = peak_of(free.front()) - 1;
+  const std::vector<PipelinePlan> fit = plan(profile, PlanOptions().top(1000).memory_limit(limit));
+  CATCH_REQUIRE(!fit.empty());
+  for (const PipelinePlan& p : fit) CATCH_CHECK(peak_of(p) <= limit);
+  CATCH_CHECK(fit.front().step_us >= free.front().step_us);
+  CATCH_CHECK(fit.size() < free.size());
+  // top
+  CATCH_CHECK(plan(profile, PlanOptions().top(5)).size() == 5);
+}
+
+CATCH_TEST_CASE("The planner refuses clearly when nothing fits, and says what would help",
+                "[balancing][plan][errors]") {
+  // Parameters of 1 MB per layer: 8 layers, momentum (3x), on at most two devices.
+  const PipelineProfile heavy = synthetic(8, 2, 32, 1 << 20);
+  CATCH_CHECK_THROWS_WITH(plan(heavy, PlanOptions().memory_limit(1 << 20)),
+                          gpipe_test::contains("no plan fits in 1048576 bytes") &&
+                              gpipe_test::contains("more devices"));
+  // Small parameters: the activations are the excess, with a limit between the static bytes and
+  // the least any plan needs.
+  const PipelineProfile light = synthetic(8, 2, 32, 100);
+  const std::vector<PipelinePlan> all = plan(light, PlanOptions().top(100000));
+  const PipelinePlan& least = *std::min_element(
+      all.begin(), all.end(),
+      [](const PipelinePlan& a, const PipelinePlan& b) { return peak_of(a) < peak_of(b); });
+  const PipelineCosts costs = pipeline_costs(light, least, OptimizerKind::kMomentum);
+  const int64_t fixed = *std::max_element(costs.static_bytes.begin(), costs.static_bytes.end());
+  const int64_t limit = (fixed + peak_of(least)) / 2;
+  CATCH_REQUIRE(fixed < limit);
+  CATCH_REQUIRE(limit < peak_of(least));
+  CATCH_CHECK_THROWS_WITH(plan(light, PlanOptions().memory_limit(limit)),
+                          gpipe_test::contains("activations are the excess") &&
+                              gpipe_test::contains("smaller mini-batch"));
+  CATCH_CHECK_THROWS_WITH(plan(light, PlanOptions().partitions({3})),
+                          gpipe_test::contains("cannot plan 3 partitions on 2 device(s)"));
+  CATCH_CHECK_THROWS_WITH(plan(light, PlanOptions().virtual_stages(1)),
+                          gpipe_test::contains("virtual_stages"));
+}
+
+CATCH_TEST_CASE("Profiles and plans survive JSON, and bad JSON is named",
+                "[balancing][plan][json]") {
+  const PipelineProfile profile = synthetic(6, 3);
+  const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
+  const std::vector<PipelinePlan> a = plan(profile), b = plan(back);
+  CATCH_REQUIRE(a.size() == b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    CATCH_CHECK(a[k].describe() == b[k].describe());
+    const PipelinePlan p = PipelinePlan::from_json(a[k].to_json());
+    CATCH_CHECK(p.describe() == a[k].describe());
+    CATCH_CHECK(p.devices == a[k].devices);
+    CATCH_CHECK(p.threads == a[k].threads);
+  }
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json("{\"balance\": [1]}"),
+                          gpipe_test::contains("no \"devices\""));
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json("not json"), gpipe_test::contains("not JSON"));
+  CATCH_CHECK_THROWS_WITH(
+      PipelinePlan::from_json("{\"balance\": [2, 1], \"devices\": [\"cpu\"], \"chunks\": 2, "
+                              "\"checkpoint\": \"never\", \"schedule\": \"gpipe\", "
+                              "\"virtual_stages\": 1, \"threads\": 1}"),
+      gpipe_test::contains("2 partitions in \"balance\" but 1 \"devices\""));
+  CATCH_CHECK_THROWS_WITH(
+      PipelinePlan::from_json("{\"balance\": [1], \"devices\": [\"cpu\"], \"chunks\": 2, "
+                              "\"checkpoint\": \"sometimes\", \"schedule\": \"gpipe\", "
+                              "\"virtual_stages\": 1, \"threads\": 1}"),
+      gpipe_test::contains("unknown checkpoint mode 'sometimes'"));
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json("{\"devices\": [\"cpu\"], \"batch\": 4}"),
+                          gpipe_test::contains("no \"input_bytes\""));
+}
+
+nn::Sequential mlp(int64_t width, int64_t layers) {
+  nn::Sequential seq;
+  for (int64_t k = 0; k < layers; ++k) {
+    seq->push_back(nn::Linear(width, width));
+    seq->push_back(nn::Tanh());
+  }
+  seq->push_back(nn::Linear(width, 4));
+  return seq;
+}
+
+CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the plain model",
+                "[balancing][plan][transparency]") {
+  at::manual_seed(0);
+  nn::Sequential model = mlp(32, 3);
+  const at::Tensor x = at::randn({16, 32});
+  const at::Tensor y = at::randint(4, {16});
+  const PipelineProfile profile =
+      profile_pipeline(model, x, {at::kCPU, at::kCPU},
+                       PipelineProfileOptions().timeout(std::chrono::milliseconds(50)));
+  CATCH_CHECK(profile.sizes.size() == 3);  // 1, 4 and 16
+  CATCH_CHECK(profile.sizes[1].batch == 4);
+  CATCH_CHECK(profile.layers() == 7);
+  CATCH_CHECK(profile.copies.empty());  // one device
+  for (const LayerStats& l : profile.sizes.back().layers) {
+    CATCH_CHECK(l.forward_us > 0);
+    CATCH_CHECK(l.held_bytes >= l.output_bytes);
+    CATCH_CHECK(l.forward_peak_bytes >= l.held_bytes);
+  }
+  CATCH_CHECK(profile.sizes.back().layers[1].backward_input_us > 0);  // a Tanh: no weights
+  CATCH_CHECK(profile.sizes.back().layers[1].backward_weight_us == 0);
+  CATCH_CHECK(profile.sizes.back().layers[0].backward_input_us == 0);  // the input needs none
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B,
+                                     ScheduleKind::kInterleaved, ScheduleKind::kZeroBubble);
+  const PipelinePlan best =
+      plan(profile, PlanOptions().schedules({kind}).partitions({2}).chunks({2, 4})).front();
+  CATCH_CAPTURE(best.describe());
+  nn::Sequential plain = mlp(32, 3);
+  nn::Sequential copy = mlp(32, 3);
+  for (size_t k = 0; k < plain->parameters().size(); ++k) {
+    torch::NoGradGuard no_grad;
+    copy->parameters()[k].copy_(plain->parameters()[k]);
+  }
+  GPipe pipe(copy, best.options());
+  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipe_opt(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto loss = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.tensor(), target);
+  };
+  for (int step = 0; step < 3; ++step) {
+    plain_opt.zero_grad();
+    pipe_opt.zero_grad();
+    // The plain model's loss over the micro-batches as the schedule weighs them: with
+    // cross-entropy's mean and equal micro-batches, the mean over the mini-batch either way.
+    loss(Batch(plain->forward(x)), y).backward();
+    pipe->step(x, y, loss);
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
+    plain_opt.step();
+    pipe_opt.step();
+  }
+}
+
+CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of what it allocates",
+                "[balancing][plan][memory]") {
+  // Tensor bytes as the allocator gives them out (Note [Counting CPU memory]); one partition runs
+  // on one thread, so the peak does not depend on timing.
+  gpipe_benchmarks::MemoryMeter& meter = gpipe_benchmarks::MemoryMeter::install();
+  const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
+  const int64_t chunks = GENERATE(1, 4);
+  CATCH_CAPTURE(static_cast<int>(mode), chunks);
+  at::manual_seed(0);
+  const at::Tensor x = at::randn({512, 256});
+  const at::Tensor y = at::randint(4, {512});
+  const PipelineProfile profile =
+      profile_pipeline(mlp(256, 4), x, {at::kCPU},
+                       PipelineProfileOptions().timeout(std::chrono::milliseconds(20)));
+  PipelinePlan p =
+      plan(profile, PlanOptions().chunks({chunks}).checkpoints({mode}).schedules({ScheduleKind::kGPipe}))
+          .front();
+  CATCH_REQUIRE(p.balance.size() == 1);
+  nn::Sequential model = mlp(256, 4);
+  GPipe pipe(model, p.options());
+  torch::optim::SGD opt(pipe->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto loss = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.tensor(), target);
+  };
+  int64_t peak = 0;
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    meter.reset_peak();
+    pipe->step(x, y, loss);
+    if (step > 0) peak = std::max(peak, meter.peak());
+    opt.step();
+  }
+  CATCH_CAPTURE(p.describe(), peak);
+  const double predicted = static_cast<double>(p.peak_bytes.front());
+  CATCH_CHECK(predicted == gpipe_test::Approx(static_cast<double>(peak)).epsilon(0.15));
+  // And it is not the static bytes alone: the activations count.
+  const PipelineCosts costs = pipeline_costs(profile, p, OptimizerKind::kMomentum);
+  CATCH_CHECK(static_cast<double>(costs.static_bytes.front()) < 0.85 * static_cast<double>(peak));
+}
+
+CATCH_TEST_CASE("profile_copies measures both directions between a CPU and a GPU",
+                "[balancing][plan][cuda]") {
+  const std::vector<CopyStats> copies =
+      profile_copies({at::kCPU, c10::Device("cuda:0"), at::kCPU});
+  CATCH_REQUIRE(copies.size() == 2);
+  for (const CopyStats& c : copies) {
+    CATCH_CHECK(c.from != c.to);
+    CATCH_CHECK(c.latency_us > 0);
+    CATCH_CHECK(c.bytes_per_us > 100);  // over 100 MB/s on any PCIe or NVLink
+    CATCH_CHECK(c.time_us(1 << 20) > c.latency_us);
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
