@@ -115,12 +115,17 @@ int plan_main(int64_t batch) {
   }
   std::vector<int64_t> sizes;
   for (const gpipe::LayerProfile& p : profile.sizes) sizes.push_back(p.batch);
+  const bool cpu = std::any_of(profile.devices.begin(), profile.devices.end(),
+                               [](const c10::Device& d) { return d.is_cpu(); });
   std::printf("model %s, mini-batch %lld, %lld layers, devices %s; profiled at micro-batches of "
-              "%s; CPU capacity %.2f workers of %lld thread(s)\n\n",
+              "%s%s\n\n",
               absl::GetFlag(FLAGS_model).c_str(), static_cast<long long>(profile.batch),
               static_cast<long long>(profile.layers()), absl::GetFlag(FLAGS_devices).c_str(),
-              absl::StrJoin(sizes, ", ").c_str(), profile.cpu_capacity,
-              static_cast<long long>(profile.threads));
+              absl::StrJoin(sizes, ", ").c_str(),
+              cpu ? absl::StrFormat("; CPU capacity %.2f workers of %d thread(s)",
+                                    profile.cpu_capacity, profile.threads)
+                        .c_str()
+                  : "");
   std::printf("the %zu best plans%s (predicted step time: forward and backward of a mini-batch; "
               "peak memory per device):\n",
               plans.size(),

@@ -35,20 +35,10 @@ class MemoryMeter final : public c10::Allocator {
     return *meter;
   }
 
-  c10::DataPtr allocate(size_t bytes) const override {
-    void* data = c10::alloc_cpu(std::max<size_t>(bytes, 1));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      sizes_[data] = bytes;
-    }
-    const int64_t now = add(static_cast<int64_t>(bytes));
-    // As LibTorch's own CPU allocator does, for the profiler's memory reports (the layer
-    // profiler's held bytes among them).
-    c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(bytes), now, now,
-                                     c10::Device(c10::kCPU));
-    // The context is the data (some callers of raw_allocate assert so); sizes_ knows the size.
-    return {data, data, &release, c10::Device(c10::kCPU)};
-  }
+  // allocate is const in LibTorch 1.13's Allocator and not in 2.x's: the one that matches
+  // overrides (no `override` on either).
+  c10::DataPtr allocate(size_t bytes) const { return counted(bytes); }
+  c10::DataPtr allocate(size_t bytes) { return counted(bytes); }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
   // (Pure in LibTorch 2.x's Allocator, absent from 1.13's: no `override`.)
   void copy_data(void* dest, const void* src, std::size_t count) const {
@@ -62,6 +52,20 @@ class MemoryMeter final : public c10::Allocator {
   void reset_peak() { peak_.store(current_.load()); }
 
  private:
+  c10::DataPtr counted(size_t bytes) const {
+    void* data = c10::alloc_cpu(std::max<size_t>(bytes, 1));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sizes_[data] = bytes;
+    }
+    const int64_t now = add(static_cast<int64_t>(bytes));
+    // As LibTorch's own CPU allocator does, for the profiler's memory reports (the layer
+    // profiler's held bytes among them).
+    c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(bytes), now, now,
+                                     c10::Device(c10::kCPU));
+    // The context is the data (some callers of raw_allocate assert so); sizes_ knows the size.
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
   static void release(void* data) {
     MemoryMeter& meter = install();
     size_t bytes = 0;
