@@ -42,6 +42,9 @@ ABSL_FLAG(bool, json, false, "print JSON instead of tables");
 ABSL_FLAG(std::string, input, "",
           "<channels>x<size> of the images and 10 classes, as the trainers' data gives them (1x28 "
           "for Fashion-MNIST); default: the model's own");
+ABSL_FLAG(int64_t, sequence, 0,
+          "token models (gpt_*): tokens per sample, as the GPT trainer's --sequence (0: the "
+          "model's context)");
 ABSL_FLAG(bool, plan, false,
           "plan the pipeline (partitions up to the --devices, balance, micro-batches, checkpoint "
           "mode, schedule) from one profile and print the five best plans");
@@ -72,6 +75,19 @@ gpipe::models::ModelInput model_input() {
   return input;
 }
 
+// A mini-batch of `batch` samples for `named`, of --sequence tokens for a token model.
+at::Tensor sample_of(const gpipe::models::NamedModel& named, int64_t batch) {
+  at::Tensor sample = gpipe::models::sample_batch(named, batch);
+  const int64_t sequence = absl::GetFlag(FLAGS_sequence);
+  if (sequence > 0) {
+    TORCH_CHECK(named.vocabulary > 0 && sequence <= sample.size(1), "--sequence is for token "
+                "models (gpt_*), at most their context (", sample.dim() > 1 ? sample.size(1) : 0,
+                "), got ", sequence);
+    sample = sample.narrow(1, 0, sequence).contiguous();
+  }
+  return sample;
+}
+
 // --plan: profile (or read a profile), plan, print the best plans, write the best.
 int plan_main(int64_t batch) {
   std::vector<c10::Device> devices;
@@ -93,7 +109,7 @@ int plan_main(int64_t batch) {
   } else {
     gpipe::models::NamedModel named =
         gpipe::models::make_model(absl::GetFlag(FLAGS_model), model_input());
-    const at::Tensor sample = gpipe::models::sample_batch(named, batch);
+    const at::Tensor sample = sample_of(named, batch);
     profile = gpipe::profile_pipeline(
         named.model, sample, devices,
         gpipe::PipelineProfileOptions()
@@ -163,7 +179,7 @@ int main(int argc, char** argv) {
       batch = large ? 1 : 32;
     }
     if (absl::GetFlag(FLAGS_plan)) return plan_main(batch);
-    const at::Tensor sample = gpipe::models::sample_batch(named, batch);
+    const at::Tensor sample = sample_of(named, batch);
     const std::vector<int64_t> shape = sample.sizes().vec();
     const c10::Device device(absl::GetFlag(FLAGS_device));
     const int64_t partitions = absl::GetFlag(FLAGS_partitions);

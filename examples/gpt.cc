@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,6 +56,10 @@ ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never"
 ABSL_FLAG(std::string, schedule, "gpipe",
           "gpipe (forward() and backward()), or 1f1b, interleaved, zb (GPipe::step)");
 ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved: partitions per worker");
+ABSL_FLAG(std::string, plan, "",
+          "a plan from //balancing:balance --plan --plan_out=<file> (--model=gpt_<L>_<D> "
+          "--batch=<batch_size>): its partitions, devices, balance, micro-batches, checkpoint mode, "
+          "schedule and threads replace those flags");
 ABSL_FLAG(bool, amp, false,
           "autocast: bfloat16 on the CPU; float16 on CUDA with dynamic loss scaling "
           "(gpipe::GradScaler)");
@@ -273,6 +278,8 @@ int run() {
   const training::TextCorpus corpus = training::load_text(absl::GetFlag(FLAGS_data));
   const auto [unigram, bigram] = training::unigram_bigram_entropy(corpus.validation);
   if (absl::GetFlag(FLAGS_distributed)) {
+    TORCH_CHECK(absl::GetFlag(FLAGS_plan).empty(), "--plan is a plan for one process's pipeline "
+                "(//balancing:balance --plan); it does not apply with --distributed");
 #if GPIPE_WITH_DISTRIBUTED
     return run_distributed(corpus, unigram, bigram);
 #else
@@ -281,33 +288,47 @@ int run() {
                 "build again)");
 #endif
   }
-  const int64_t partitions = absl::GetFlag(FLAGS_partitions);
+  // The pipeline's shape: from --plan, or from the flags.
+  std::optional<PipelinePlan> plan;
+  if (!absl::GetFlag(FLAGS_plan).empty()) plan = training::read_plan(absl::GetFlag(FLAGS_plan));
+  const int64_t partitions =
+      plan ? static_cast<int64_t>(plan->balance.size()) : absl::GetFlag(FLAGS_partitions);
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);
-  const int64_t chunks = absl::GetFlag(FLAGS_chunks);
+  const int64_t chunks = plan ? plan->chunks : absl::GetFlag(FLAGS_chunks);
   const int64_t length = absl::GetFlag(FLAGS_sequence);
+  const std::string checkpoint =
+      plan ? checkpoint_name(plan->checkpoint) : absl::GetFlag(FLAGS_checkpoint);
+  const std::string balance_from = plan ? "--plan" : absl::GetFlag(FLAGS_balance);
   TORCH_CHECK(partitions >= 1, "--partitions must be positive, got ", partitions);
   TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
-  const std::vector<c10::Device> devices = parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu = training::divide_cores(devices, absl::GetFlag(FLAGS_threads));
+  const std::vector<c10::Device> devices =
+      plan ? plan->devices : parse_devices(absl::GetFlag(FLAGS_devices), partitions);
+  const bool on_cpu =
+      training::divide_cores(devices, plan ? plan->threads : absl::GetFlag(FLAGS_threads));
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>, got '",
               absl::GetFlag(FLAGS_model), "'");
   TORCH_CHECK(length >= 1 && length <= named.sample_shape[0], "--sequence must be in 1 .. ",
               named.sample_shape[0], " (the context), got ", length);
   const auto [sample, unused] = training::random_windows(corpus.train, batch, length, generator);
+  if (plan) training::check_plan_fits(*plan, static_cast<int64_t>(named.model->size()),
+                                      absl::GetFlag(FLAGS_model));
   const std::vector<int64_t> balance =
-      training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model, sample,
-                               chunks, devices.front());
-  const std::string schedule = absl::GetFlag(FLAGS_schedule);
+      plan ? plan->balance
+           : training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model,
+                                      sample, chunks, devices.front());
+  const std::string schedule =
+      plan ? schedule_kind_name(plan->schedule) : absl::GetFlag(FLAGS_schedule);
   GPipe model(named.model,
               GPipeOptions(balance)
                   .devices(devices)
                   .chunks(chunks)
-                  .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
+                  .checkpoint(training::parse_checkpoint(checkpoint))
                   .worker_per_partition(on_cpu && partitions > 1)
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(schedule_kind(schedule))
-                  .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
+                  .virtual_stages(plan ? plan->virtual_stages
+                                       : absl::GetFlag(FLAGS_virtual_stages))
                   .record_timeline(!absl::GetFlag(FLAGS_svg).empty()));
   int64_t parameters = 0;
   for (const at::Tensor& p : model->parameters()) parameters += p.numel();
@@ -321,12 +342,12 @@ int run() {
               parameters / 1e6, model->ties().size());
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of %lld sequences of "
               "%lld bytes, checkpoint %s, schedule %s%s\n",
-              absl::StrJoin(balance, ", ").c_str(), absl::GetFlag(FLAGS_balance).c_str(),
+              absl::StrJoin(balance, ", ").c_str(), balance_from.c_str(),
               absl::StrJoin(devices, ", ",
                             [](std::string* s, const c10::Device& d) { s->append(d.str()); })
                   .c_str(),
               static_cast<long long>(chunks), static_cast<long long>(batch),
-              static_cast<long long>(length), absl::GetFlag(FLAGS_checkpoint).c_str(),
+              static_cast<long long>(length), checkpoint.c_str(),
               schedule.c_str(),
               amp ? (on_cpu ? ", autocast bfloat16" : ", autocast float16 with loss scaling")
                   : "");

@@ -2,12 +2,16 @@
 #include "examples/training/choices.h"
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <numeric>
 #include <chrono>
 #include <thread>
 
 #include <c10/util/Exception.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
 #include "gpipe/worker.h"
@@ -57,6 +61,24 @@ std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
               balance.size(), " partitions but there are ", partitions,
               " (--partitions / --devices)");
   return balance;
+}
+
+PipelinePlan read_plan(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in, "--plan: cannot read ", path);
+  try {
+    return PipelinePlan::from_json(
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "--plan ", path, ": ", e.what_without_backtrace());
+  }
+}
+
+void check_plan_fits(const PipelinePlan& plan, int64_t layers, const std::string& model) {
+  const int64_t planned = std::accumulate(plan.balance.begin(), plan.balance.end(), int64_t{0});
+  TORCH_CHECK(planned == layers, "--plan: its balance {", absl::StrJoin(plan.balance, ", "),
+              "} has ", planned, " layers but ", model, " has ", layers,
+              "; make the plan for this model");
 }
 
 }  // namespace training

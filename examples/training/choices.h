@@ -10,6 +10,7 @@
 #include <c10/core/Device.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "balancing/plan.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/gpipe.h"
 
@@ -28,6 +29,13 @@ bool divide_cores(const std::vector<c10::Device>& devices, int64_t threads);
 std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
                                     const torch::nn::Sequential& model, const at::Tensor& sample,
                                     int64_t chunks, c10::Device device);
+
+/// --plan's file (//balancing:balance --plan --plan_out=<file>); throws c10::Error naming the file
+/// when it cannot be read or is not a plan.
+PipelinePlan read_plan(const std::string& path);
+
+/// Refuses a plan whose balance does not cover `layers` layers (a plan made for another model).
+void check_plan_fits(const PipelinePlan& plan, int64_t layers, const std::string& model);
 
 }  // namespace training
 }  // namespace gpipe

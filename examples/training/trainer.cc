@@ -10,9 +10,6 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <numeric>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -150,18 +147,6 @@ std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partiti
   return devices;
 }
 
-// --plan's file (//balancing:balance --plan --plan_out=<file>).
-PipelinePlan read_plan(const std::string& path) {
-  std::ifstream in(path);
-  TORCH_CHECK(in, "--plan: cannot read ", path);
-  try {
-    return PipelinePlan::from_json(
-        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "--plan ", path, ": ", e.what_without_backtrace());
-  }
-}
-
 // The forward's bubble: per partition, the share of the forward's span it computed nothing,
 // averaged over the partitions.
 double measured_bubble(const std::vector<TimelineEvent>& events, int64_t partitions) {
@@ -243,10 +228,7 @@ int train(const TrainerModel& trainer) {
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size);
   std::vector<int64_t> balance;
   if (plan) {
-    const int64_t layers = std::accumulate(plan->balance.begin(), plan->balance.end(), int64_t{0});
-    TORCH_CHECK(layers == static_cast<int64_t>(model->size()), "--plan: its balance {",
-                absl::StrJoin(plan->balance, ", "), "} has ", layers, " layers but ",
-                trainer.name, " has ", model->size(), "; make the plan for this model");
+    check_plan_fits(*plan, static_cast<int64_t>(model->size()), trainer.name);
     balance = plan->balance;
   } else {
     balance = choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
