@@ -152,7 +152,8 @@ std::string PipelineProfile::to_json() const {
          {"input_bytes", input_bytes},
          {"cores", cores},
          {"threads", threads},
-         {"cpu_capacity", cpu_capacity}};
+         {"cpu_capacity", cpu_capacity},
+         {"handoff_us", handoff_us}};
   j["sizes"] = json::array();
   for (const LayerProfile& p : sizes) j["sizes"].push_back(json::parse(p.to_json()));
   j["copies"] = json::array();
@@ -175,6 +176,7 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
   p.cores = get<int64_t>(j, "cores", who);
   p.threads = get<int64_t>(j, "threads", who);
   p.cpu_capacity = get<double>(j, "cpu_capacity", who);
+  p.handoff_us = get<double>(j, "handoff_us", who);
   TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
               ": devices must not be empty and batch, cores and threads must be positive");
   for (const json& s : get<json>(j, "sizes", who)) {
@@ -244,6 +246,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   }
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
+  if (devices.size() > 1) p.handoff_us = handoff_us();
   return p;
 }
 
@@ -341,6 +344,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
 
   PipelineCosts costs;
   costs.checkpoint_stop = checkpoint_stop(plan.checkpoint, plan.chunks);
+  costs.handoff_us = profile.handoff_us;
   costs.static_bytes.assign(places.size(), 0);
   for (const c10::Device& d : places) {
     const double free = static_cast<double>(profile.cores) /

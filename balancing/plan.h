@@ -110,6 +110,8 @@ struct PipelineProfile {
   /// How many workers' worth of compute the CPU gives cores / threads workers running at once
   /// (cpu_capacity); 0: cores / threads, as if each had its own cores.
   double cpu_capacity = 0;
+  /// A hand-over between two workers' threads (handoff_us), microseconds.
+  double handoff_us = 0;
 
   int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
   /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).

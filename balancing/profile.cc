@@ -5,6 +5,8 @@
 #include <chrono>
 #include <map>
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <memory>
 #include <thread>
 
@@ -377,6 +379,35 @@ double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sampl
     ratios.push_back(static_cast<double>(workers) * median(alone) / median(all));
   }
   return std::clamp(median(ratios), 1.0, static_cast<double>(workers));
+}
+
+double handoff_us(int rounds) {
+  TORCH_CHECK(rounds >= 1, "handoff_us: rounds must be positive, got ", rounds);
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t turn = 0;  // even: the main thread's, odd: the other's
+  std::vector<double> times;
+  std::chrono::steady_clock::time_point sent;
+  std::thread other([&] {
+    for (int r = 0; r < rounds; ++r) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return turn % 2 == 1; });
+      times.push_back(std::chrono::duration<double, std::micro>(
+                          std::chrono::steady_clock::now() - sent)
+                          .count());
+      ++turn;
+      cv.notify_all();
+    }
+  });
+  for (int r = 0; r < rounds; ++r) {
+    std::unique_lock<std::mutex> lock(mu);
+    sent = std::chrono::steady_clock::now();
+    ++turn;
+    cv.notify_all();
+    cv.wait(lock, [&] { return turn % 2 == 0; });
+  }
+  other.join();
+  return median(times);
 }
 
 std::string LayerProfile::table() const {

@@ -48,7 +48,8 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
                     c.backward_input_us >= 0 && c.backward_weight_us >= 0 &&
                     c.recompute_us >= 0 && c.copy_us >= 0 && c.held_bytes >= 0 &&
                     c.checkpointed_bytes >= 0 && c.grad_kept_bytes >= 0 &&
-                    c.forward_workspace_bytes >= 0 && c.backward_workspace_bytes >= 0,
+                    c.forward_workspace_bytes >= 0 && c.backward_workspace_bytes >= 0 &&
+                    costs.handoff_us >= 0,
                 "simulate_pipeline: stage ", s, " has a negative cost");
   }
   detail::Plan plan(schedule);
@@ -112,7 +113,7 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
       if (d < 0) return std::nullopt;
       // A forward's input comes from the stage before, a backward's gradient from the one after.
       const int64_t from = a.type == ActionType::kForward ? a.stage - 1 : a.stage;
-      t = std::max(t, d + costs.stages[from].copy_us);
+      t = std::max(t, d + costs.stages[from].copy_us + costs.handoff_us);
     }
     return t;
   };

@@ -25,6 +25,8 @@ namespace gpipe {
 //   B i  backward_us, after recompute_us (a forward with autograd) when i was checkpointed;
 //   I, W backward_input_us and backward_weight_us; a checkpointed micro-batch is not split (its I
 //        runs the whole backward after the recomputation, its W nothing), as in the executor.
+// What a worker needs from another worker reaches it handoff_us after it is done (a thread woken
+// by another: tens of microseconds on a quiet machine, more on a busy VM), plus the copy.
 // Time: workers on one device share it. A device has `capacity` workers' worth of compute (a CPU:
 // its cores divided by the intra-op threads of each worker; a GPU: 1, its kernels serialised on
 // one device); k workers running on it each progress at min(1, capacity / k) (processor sharing).
@@ -78,6 +80,9 @@ struct PipelineCosts {
   std::vector<int64_t> static_bytes;
   /// Micro-batches before this one are checkpointed.
   int64_t checkpoint_stop = 0;
+  /// What a worker waits, beyond the data, for what another worker finished (a hand-over
+  /// between threads: handoff_us in profile.h), microseconds.
+  double handoff_us = 0;
 };
 
 /// A simulated step.

@@ -229,10 +229,10 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
   std::vector<int64_t> sizes;
   for (const gpipe::LayerProfile& p : profile.sizes) sizes.push_back(p.batch);
   std::printf("%s: %lld layers, profiled at micro-batches of %s in %.1f s; CPU capacity "
-              "%.2f workers\n",
+              "%.2f workers; hand-over %.0f us\n",
               model.title.c_str(), static_cast<long long>(profile.layers()),
               absl::StrJoin(sizes, ", ").c_str(), gpipe_benchmarks::ms_since(started) / 1000,
-              profile.cpu_capacity);
+              profile.cpu_capacity, profile.handoff_us);
   int index = 0;
   for (const Config& c : configs_of(name)) {
     const gpipe::PipelinePlan plan =

@@ -109,6 +109,20 @@ CATCH_TEST_CASE("The simulation counts checkpointed micro-batches and recomputat
   CATCH_CHECK(recomputes == 4);
 }
 
+CATCH_TEST_CASE("A hand-over between workers delays what crosses them, and is measured",
+                "[balancing][plan][simulate]") {
+  // Two stages, one micro-batch: F0, F1, B1, B0 in a chain crossing the workers twice.
+  const Schedule s = gpipe_schedule(2, 1);
+  PipelineCosts c = equal_costs(s, 1.0);
+  c.handoff_us = 5;
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(1 + 5 + 1 + 2 + 5 + 2));
+  c.handoff_us = -1;
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("negative cost"));
+  const double measured = handoff_us(20);
+  CATCH_CHECK(measured > 0);
+  CATCH_CHECK(measured < 1e6);  // a thread woken within a second
+}
+
 CATCH_TEST_CASE("The simulation refuses costs that do not match the schedule",
                 "[balancing][plan][simulate][errors]") {
   const Schedule s = gpipe_schedule(2, 4);
