@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "balancing/partition.h"
 #include "gpipe/schedule.h"
+#include "gpipe/stream.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -137,6 +138,22 @@ LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
   return s;
 }
 
+double PipelineProfile::time_scale(int64_t batch) const {
+  if (calibration.empty()) return 1.0;
+  if (batch <= calibration.front().batch) return calibration.front().ratio;
+  if (batch >= calibration.back().batch) return calibration.back().ratio;
+  for (size_t k = 1; k < calibration.size(); ++k) {
+    const Calibration& a = calibration[k - 1];
+    const Calibration& b = calibration[k];
+    if (batch <= b.batch) {
+      const double f = std::log(static_cast<double>(batch) / static_cast<double>(a.batch)) /
+                       std::log(static_cast<double>(b.batch) / static_cast<double>(a.batch));
+      return a.ratio + f * (b.ratio - a.ratio);
+    }
+  }
+  return calibration.back().ratio;
+}
+
 double PipelineProfile::copy_us(c10::Device from, c10::Device to, int64_t bytes) const {
   if (from == to) return 0;
   for (const CopyStats& c : copies) {
@@ -156,6 +173,10 @@ std::string PipelineProfile::to_json() const {
          {"handoff_us", handoff_us}};
   j["sizes"] = json::array();
   for (const LayerProfile& p : sizes) j["sizes"].push_back(json::parse(p.to_json()));
+  j["calibration"] = json::array();
+  for (const Calibration& c : calibration) {
+    j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}});
+  }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
     j["copies"].push_back({{"from", c.from.str()},
@@ -187,6 +208,13 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
     TORCH_CHECK(s.layers.size() == p.sizes[0].layers.size() && s.batch > 0, who,
                 ": the profiles in \"sizes\" must have the same layers and a positive batch");
   }
+  for (const json& c : get<json>(j, "calibration", who)) {
+    Calibration k;
+    k.batch = get<int64_t>(c, "batch", who);
+    k.ratio = get<double>(c, "ratio", who);
+    TORCH_CHECK(k.batch > 0 && k.ratio > 0, who, ": a calibration needs a positive batch and ratio");
+    p.calibration.push_back(k);
+  }
   for (const json& c : get<json>(j, "copies", who)) {
     CopyStats s;
     s.from = c10::Device(get<std::string>(c, "from", who));
@@ -198,6 +226,70 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
   }
   return p;
 }
+
+namespace {
+
+// Note [Planning]'s calibration: the whole model as one partition on the first device, GPipe's
+// schedule, no checkpointing, a step of micro-batches of about `low` and `middle` samples:
+// measured (the median of 3 after one untimed step) over simulated.
+void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at::Tensor& sample,
+               int64_t low, int64_t middle) {
+  const c10::Device device = p.devices.front();
+  std::vector<PipelineProfile::Calibration> found;
+  p.calibration.clear();  // the simulations below without one
+  const int before = at::get_num_threads();
+  set_intra_op_threads(static_cast<int>(p.threads));
+  for (int64_t b : std::vector<int64_t>{low, middle}) {
+    const int64_t chunks = std::max<int64_t>(1, p.batch / b);
+    const int64_t size = (p.batch + chunks - 1) / chunks;
+    if (!found.empty() && found.back().batch == size) continue;
+    PipelinePlan one;
+    one.balance = {p.layers()};
+    one.devices = {device};
+    one.chunks = chunks;
+    one.checkpoint = Checkpoint::kNever;
+    one.threads = p.threads;
+    const double simulated = predict(p, one).step_us;
+    try {
+      torch::nn::Sequential layers;
+      const auto names = model->named_children();
+      for (size_t k = 0; k < model->size(); ++k) {
+        layers->push_back(names[k].key(), (*(model->begin() + k)).clone(device));
+      }
+      GPipe pipe(layers, GPipeOptions({p.layers()})
+                             .devices({device})
+                             .chunks(chunks)
+                             .checkpoint(Checkpoint::kNever));
+      const at::Tensor x = sample.detach().to(device);
+      const at::Tensor target = at::zeros({sample.size(0)}, at::TensorOptions().device(device));
+      auto loss = [](const Batch& out, const at::Tensor&) {
+        return out.values().front().to(at::kFloat).mean();
+      };
+      std::vector<double> times;
+      for (int k = 0; k < 4; ++k) {
+        synchronize(device);
+        const auto tick = std::chrono::steady_clock::now();
+        pipe->step(x, target, loss);
+        synchronize(device);
+        if (k > 0) {
+          times.push_back(std::chrono::duration<double, std::micro>(
+                              std::chrono::steady_clock::now() - tick)
+                              .count());
+        }
+        pipe->zero_grad();
+      }
+      std::sort(times.begin(), times.end());
+      found.push_back({size, times[1] / std::max(1e-9, simulated)});
+    } catch (const c10::Error&) {
+      // Out of memory, or a model whose whole-batch step cannot run here: no calibration at this
+      // size.
+    }
+  }
+  set_intra_op_threads(before);
+  p.calibration = found;
+}
+
+}  // namespace
 
 PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::Tensor& sample,
                                  const std::vector<c10::Device>& devices,
@@ -247,6 +339,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
+  if (options.calibrate()) calibrate(p, model, sample, low, middle);
   return p;
 }
 
@@ -413,6 +506,13 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
       }
       last = l;
     }
+    // Note [Planning]'s calibration at this micro-batch size.
+    const double scale = profile.time_scale(b);
+    c.forward_us *= scale;
+    c.forward_nograd_us *= scale;
+    c.backward_us *= scale;
+    c.backward_input_us *= scale;
+    c.backward_weight_us *= scale;
     c.recompute_us = c.forward_us;
     c.checkpointed_bytes += last.output_bytes;
     c.grad_kept_bytes = grads_at_outputs;

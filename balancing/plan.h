@@ -35,6 +35,12 @@ namespace gpipe {
 //   each checkpoint mode, and two balances: the one of least bottleneck time (forward, backward,
 //   and the recomputation where checkpointed, at the micro-batch size) and the one of least
 //   bottleneck memory.
+// - Calibration: layers timed one at a time miss what the engine adds around them (a micro-batch's
+//   graph and its backward call, the loss per micro-batch, caches that activations of other
+//   micro-batches have since filled). So the profile also runs the whole model as one partition,
+//   GPipe's schedule, no checkpointing, at the smallest and the middle micro-batch size, and keeps
+//   measured / simulated per size; a candidate's times are scaled by the ratio at its micro-batch
+//   size (interpolated in log size, clamped at the ends).
 // - Each is simulated (Note [Simulating a step] in simulate.h): a stage's times are the sums of
 //   its layers'; what it keeps of a micro-batch is what each layer saved beyond its output, plus
 //   the outputs that the layer itself or the next one keeps (saves_output, saves_input: a Linear
@@ -91,6 +97,9 @@ struct PipelineProfileOptions {
   TORCH_ARG(int64_t, threads) = 0;
   /// The machine's cores; 0: std::thread::hardware_concurrency().
   TORCH_ARG(int64_t, cores) = 0;
+  /// Whether to calibrate against whole-model steps (Note [Planning]); they hold the activations
+  /// of the whole mini-batch at once (a step that does not fit is left out).
+  TORCH_ARG(bool, calibrate) = true;
 };
 
 /// What the planner knows of a model on some devices (Note [Planning]).
@@ -112,6 +121,15 @@ struct PipelineProfile {
   double cpu_capacity = 0;
   /// A hand-over between two workers' threads (handoff_us), microseconds.
   double handoff_us = 0;
+  /// The engine against the layers alone: for micro-batches of `batch` samples, a whole-model
+  /// step in one partition measured over its simulation (Note [Planning]); empty: none (1).
+  struct Calibration {
+    int64_t batch = 0;
+    double ratio = 1;
+  };
+  std::vector<Calibration> calibration;
+  /// The calibration's ratio at micro-batches of `batch` (interpolated; 1 without one).
+  double time_scale(int64_t batch) const;
 
   int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
   /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).

@@ -229,10 +229,15 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
   std::vector<int64_t> sizes;
   for (const gpipe::LayerProfile& p : profile.sizes) sizes.push_back(p.batch);
   std::printf("%s: %lld layers, profiled at micro-batches of %s in %.1f s; CPU capacity "
-              "%.2f workers; hand-over %.0f us\n",
+              "%.2f workers; hand-over %.0f us; calibration %s\n",
               model.title.c_str(), static_cast<long long>(profile.layers()),
               absl::StrJoin(sizes, ", ").c_str(), gpipe_benchmarks::ms_since(started) / 1000,
-              profile.cpu_capacity, profile.handoff_us);
+              profile.cpu_capacity, profile.handoff_us,
+              absl::StrJoin(profile.calibration, ", ",
+                            [](std::string* out, const gpipe::PipelineProfile::Calibration& c) {
+                              absl::StrAppendFormat(out, "x%.2f at %d", c.ratio, c.batch);
+                            })
+                  .c_str());
   int index = 0;
   for (const Config& c : configs_of(name)) {
     const gpipe::PipelinePlan plan =

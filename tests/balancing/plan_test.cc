@@ -5,6 +5,7 @@
 // bytes a pipeline really allocates.
 #include "tests/gpipe/test_util.h"
 
+#include <cmath>
 #include <numeric>
 
 #include <torch/cuda.h>
@@ -188,6 +189,28 @@ CATCH_TEST_CASE("A profile's layer at an unprofiled micro-batch is interpolated 
   CATCH_CHECK_THROWS_WITH(p.layer(4, 8), gpipe_test::contains("no layer 4"));
 }
 
+CATCH_TEST_CASE("A calibration scales a candidate's times by its ratio at the micro-batch size",
+                "[balancing][plan]") {
+  PipelineProfile p = synthetic(4, 2, 32);
+  PipelinePlan plan;
+  plan.balance = {2, 2};
+  plan.devices = p.devices;
+  plan.chunks = 32;  // micro-batches of 1
+  plan.checkpoint = Checkpoint::kNever;
+  const double plain = predict(p, plan).step_us;
+  p.calibration = {{1, 2.0}, {32, 1.0}};
+  CATCH_CHECK(p.time_scale(1) == gpipe_test::Approx(2.0));
+  CATCH_CHECK(p.time_scale(32) == gpipe_test::Approx(1.0));
+  CATCH_CHECK(p.time_scale(64) == gpipe_test::Approx(1.0));
+  CATCH_CHECK(p.time_scale(4) == gpipe_test::Approx(2.0 - std::log(4.0) / std::log(32.0)));
+  CATCH_CHECK(predict(p, plan).step_us == gpipe_test::Approx(2 * plain));
+  // And it survives JSON.
+  const PipelineProfile back = PipelineProfile::from_json(p.to_json());
+  CATCH_REQUIRE(back.calibration.size() == 2);
+  CATCH_CHECK(back.calibration[0].batch == 1);
+  CATCH_CHECK(back.calibration[0].ratio == 2.0);
+}
+
 CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the limit changes "
                 "the pick", "[balancing][plan]") {
   const PipelineProfile profile = synthetic(8, 2);
@@ -293,6 +316,10 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
   CATCH_CHECK(profile.sizes[1].batch == 4);
   CATCH_CHECK(profile.layers() == 7);
   CATCH_CHECK(profile.copies.empty());  // one device
+  CATCH_REQUIRE(profile.calibration.size() == 2);  // whole-model steps at micro-batches of 1 and 4
+  CATCH_CHECK(profile.calibration[0].batch == 1);
+  CATCH_CHECK(profile.calibration[1].batch == 4);
+  for (const auto& c : profile.calibration) CATCH_CHECK(c.ratio > 0);
   for (const LayerStats& l : profile.sizes.back().layers) {
     CATCH_CHECK(l.forward_us > 0);
     CATCH_CHECK(l.held_bytes >= l.output_bytes);
