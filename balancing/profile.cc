@@ -339,13 +339,22 @@ double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sampl
   for (auto& layers : copies) {
     for (const torch::nn::AnyModule& layer : *module) layers.push_back(layer.clone(c10::kCPU));
   }
+  // A training pass: forward, then backward from the outputs (the mix a pipeline's workers run).
   auto pass = [&](std::vector<torch::nn::AnyModule>& layers) {
     TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
     TaskScope skips(context);
-    at::NoGradGuard no_grad;
     Batch x(sample.detach());
     const auto tick = std::chrono::steady_clock::now();
     for (auto& layer : layers) x = Batch::from_any(layer.any_forward(x.to_any()), "cpu_capacity");
+    std::vector<at::Tensor> roots, grads;
+    for (const at::Tensor& o : x.values()) {
+      if (o.defined() && o.requires_grad()) {
+        roots.push_back(o);
+        grads.push_back(at::ones_like(o));
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    for (auto& layer : layers) layer.ptr()->zero_grad();
     return elapsed_us(tick);
   };
   // Alone, then together, three times over (a machine whose speed drifts moves both sides of a

@@ -80,8 +80,8 @@ struct LayerProfile {
 };
 
 /// How much faster than one worker `workers` CPU workers together run `module`'s layers: each
-/// worker (a thread with `threads` intra-op threads, on a copy of the layers) runs forwards of
-/// `sample` without autograd for about `budget`, alone and then all at once, three times over;
+/// worker (a thread with `threads` intra-op threads, on a copy of the layers) runs forwards and
+/// backwards of `sample` for about `budget`, alone and then all at once, three times over;
 /// the result is the median of workers x (the time of a pass alone) / (the median time of a pass
 /// together), between 1 and `workers`. Two hyperthreads of one core, or memory-bound layers, give well under 2 for 2.
 ///
