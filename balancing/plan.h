@@ -47,8 +47,9 @@ namespace gpipe {
 //   keeps its input, a Tanh its output, a ReLU's input is its mask), plus the stage's output (the
 //   backward's root); parameters cost 2 + the optimizer's state (SGD 0, momentum 1, Adam 2) times
 //   their bytes; a CPU gives the capacity cpu_capacity measured: cores / threads workers of
-//   the model's own forwards at once, against one alone (hyperthreads and memory bandwidth make it
-//   less than cores / threads; on the project's 2-vCPU VM it measured 1.4 to 2.0 for two).
+//   the model's own training passes at once, against one alone (hyperthreads and memory
+//   bandwidth make it less than cores / threads; on the project's 2-vCPU VM it measured 1.4 to
+//   2.0 for two).
 // - Plans are ranked by predicted step time; those over PlanOptions::memory_limit on any device
 //   are left out. When none fits, plan() says by how much the least hungry misses, and whether
 //   the static bytes alone (more devices would help) or the activations (smaller micro-batches)
