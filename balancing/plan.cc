@@ -9,11 +9,11 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "balancing/detail.h"
 #include "balancing/partition.h"
 #include "gpipe/schedule.h"
 #include "gpipe/stream.h"
@@ -23,31 +23,14 @@ namespace gpipe {
 namespace {
 
 using nlohmann::json;
+using detail::distinct_devices;
+using detail::json_field;
+using detail::parse_json;
 
-json parse(const std::string& text, const char* who) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, who, ": not JSON: ", e.what());
-  }
-}
-
-// `object[key]` as T, or an error naming `who` and the key.
-template <typename T>
-T get(const json& object, const char* key, const std::string& who) {
-  TORCH_CHECK(object.is_object() && object.contains(key), who, ": no \"", key, "\" in ",
-              object.dump().substr(0, 200));
-  try {
-    return object.at(key).get<T>();
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, who, ": \"", key, "\" is ", object.at(key).dump().substr(0, 100),
-                ", which does not fit (", e.what(), ")");
-  }
-}
-
-std::vector<c10::Device> parse_devices(const json& names, const std::string& who) {
+// The devices named by `object`'s "devices".
+std::vector<c10::Device> parse_devices(const json& object, const std::string& who) {
   std::vector<c10::Device> out;
-  for (const std::string& name : names.get<std::vector<std::string>>()) {
+  for (const std::string& name : json_field<std::vector<std::string>>(object, "devices", who)) {
     try {
       out.emplace_back(name);
     } catch (const c10::Error&) {
@@ -63,14 +46,6 @@ std::vector<std::string> device_names(const std::vector<c10::Device>& devices) {
   return out;
 }
 
-std::vector<c10::Device> distinct(const std::vector<c10::Device>& devices) {
-  std::vector<c10::Device> out;
-  for (const c10::Device& d : devices) {
-    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
-  }
-  return out;
-}
-
 double optimizer_state(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kSGD: return 0;
@@ -83,22 +58,6 @@ double optimizer_state(OptimizerKind kind) {
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 }  // namespace
-
-std::string checkpoint_name(Checkpoint mode) {
-  switch (mode) {
-    case Checkpoint::kAlways: return "always";
-    case Checkpoint::kExceptLast: return "except_last";
-    case Checkpoint::kNever: return "never";
-  }
-  return "except_last";
-}
-
-Checkpoint checkpoint_from_name(const std::string& name) {
-  if (name == "always") return Checkpoint::kAlways;
-  if (name == "except_last") return Checkpoint::kExceptLast;
-  if (name == "never") return Checkpoint::kNever;
-  TORCH_CHECK(false, "unknown checkpoint mode '", name, "'; use always, except_last or never");
-}
 
 LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
   TORCH_CHECK(!sizes.empty() && k >= 0 && k < layers(), "PipelineProfile::layer: no layer ", k,
@@ -172,7 +131,7 @@ std::string PipelineProfile::to_json() const {
          {"cpu_capacity", cpu_capacity},
          {"handoff_us", handoff_us}};
   j["sizes"] = json::array();
-  for (const LayerProfile& p : sizes) j["sizes"].push_back(json::parse(p.to_json()));
+  for (const LayerProfile& p : sizes) j["sizes"].push_back(detail::layer_profile_json(p));
   j["calibration"] = json::array();
   for (const Calibration& c : calibration) {
     j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}});
@@ -189,38 +148,38 @@ std::string PipelineProfile::to_json() const {
 
 PipelineProfile PipelineProfile::from_json(const std::string& text) {
   const char* who = "PipelineProfile::from_json";
-  const json j = parse(text, who);
+  const json j = parse_json(text, who);
   PipelineProfile p;
-  p.devices = parse_devices(get<json>(j, "devices", who), who);
-  p.batch = get<int64_t>(j, "batch", who);
-  p.input_bytes = get<int64_t>(j, "input_bytes", who);
-  p.cores = get<int64_t>(j, "cores", who);
-  p.threads = get<int64_t>(j, "threads", who);
-  p.cpu_capacity = get<double>(j, "cpu_capacity", who);
-  p.handoff_us = get<double>(j, "handoff_us", who);
+  p.devices = parse_devices(j, who);
+  p.batch = json_field<int64_t>(j, "batch", who);
+  p.input_bytes = json_field<int64_t>(j, "input_bytes", who);
+  p.cores = json_field<int64_t>(j, "cores", who);
+  p.threads = json_field<int64_t>(j, "threads", who);
+  p.cpu_capacity = json_field<double>(j, "cpu_capacity", who);
+  p.handoff_us = json_field<double>(j, "handoff_us", who);
   TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
               ": devices must not be empty and batch, cores and threads must be positive");
-  for (const json& s : get<json>(j, "sizes", who)) {
-    p.sizes.push_back(LayerProfile::from_json(s.dump()));
+  for (const json& s : json_field<json>(j, "sizes", who)) {
+    p.sizes.push_back(detail::layer_profile_from_json(s, who));
   }
   TORCH_CHECK(!p.sizes.empty(), who, ": \"sizes\" holds no profile");
   for (const LayerProfile& s : p.sizes) {
     TORCH_CHECK(s.layers.size() == p.sizes[0].layers.size() && s.batch > 0, who,
                 ": the profiles in \"sizes\" must have the same layers and a positive batch");
   }
-  for (const json& c : get<json>(j, "calibration", who)) {
+  for (const json& c : json_field<json>(j, "calibration", who)) {
     Calibration k;
-    k.batch = get<int64_t>(c, "batch", who);
-    k.ratio = get<double>(c, "ratio", who);
+    k.batch = json_field<int64_t>(c, "batch", who);
+    k.ratio = json_field<double>(c, "ratio", who);
     TORCH_CHECK(k.batch > 0 && k.ratio > 0, who, ": a calibration needs a positive batch and ratio");
     p.calibration.push_back(k);
   }
-  for (const json& c : get<json>(j, "copies", who)) {
+  for (const json& c : json_field<json>(j, "copies", who)) {
     CopyStats s;
-    s.from = c10::Device(get<std::string>(c, "from", who));
-    s.to = c10::Device(get<std::string>(c, "to", who));
-    s.latency_us = get<double>(c, "latency_us", who);
-    s.bytes_per_us = get<double>(c, "bytes_per_us", who);
+    s.from = c10::Device(json_field<std::string>(c, "from", who));
+    s.to = c10::Device(json_field<std::string>(c, "to", who));
+    s.latency_us = json_field<double>(c, "latency_us", who);
+    s.bytes_per_us = json_field<double>(c, "bytes_per_us", who);
     TORCH_CHECK(s.bytes_per_us > 0, who, ": a copy's bytes_per_us must be positive");
     p.copies.push_back(s);
   }
@@ -378,22 +337,22 @@ std::string PipelinePlan::to_json() const {
   if (step_us > 0) {
     j["predicted"] = {{"step_us", step_us},
                       {"peak_bytes", peak_bytes},
-                      {"devices", device_names(distinct(devices))}};
+                      {"devices", device_names(distinct_devices(devices))}};
   }
   return j.dump(1);
 }
 
 PipelinePlan PipelinePlan::from_json(const std::string& text) {
   const char* who = "PipelinePlan::from_json";
-  const json j = parse(text, who);
+  const json j = parse_json(text, who);
   PipelinePlan p;
-  p.balance = get<std::vector<int64_t>>(j, "balance", who);
-  p.devices = parse_devices(get<json>(j, "devices", who), who);
-  p.chunks = get<int64_t>(j, "chunks", who);
-  p.checkpoint = checkpoint_from_name(get<std::string>(j, "checkpoint", who));
-  p.schedule = schedule_kind(get<std::string>(j, "schedule", who));
-  p.virtual_stages = get<int64_t>(j, "virtual_stages", who);
-  p.threads = get<int64_t>(j, "threads", who);
+  p.balance = json_field<std::vector<int64_t>>(j, "balance", who);
+  p.devices = parse_devices(j, who);
+  p.chunks = json_field<int64_t>(j, "chunks", who);
+  p.checkpoint = checkpoint_from_name(json_field<std::string>(j, "checkpoint", who));
+  p.schedule = schedule_kind(json_field<std::string>(j, "schedule", who));
+  p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
+  p.threads = json_field<int64_t>(j, "threads", who);
   TORCH_CHECK(!p.balance.empty() && p.balance.size() == p.devices.size(), who, ": ",
               p.balance.size(), " partitions in \"balance\" but ", p.devices.size(),
               " \"devices\"; give one device per partition");
@@ -407,8 +366,8 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
               ": virtual_stages ", p.virtual_stages, " must divide the partitions (",
               p.balance.size(), ")");
   if (j.contains("predicted")) {
-    p.step_us = get<double>(j["predicted"], "step_us", who);
-    p.peak_bytes = get<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
+    p.step_us = json_field<double>(j["predicted"], "step_us", who);
+    p.peak_bytes = json_field<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
   }
   return p;
 }
@@ -431,7 +390,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
               ": virtual_stages ", plan.virtual_stages, " must divide ", stages, " partitions");
   TORCH_CHECK(plan.chunks >= 1, who, ": chunks must be positive, got ", plan.chunks);
   const int64_t lanes = stages / plan.virtual_stages;
-  const std::vector<c10::Device> places = distinct(plan.devices);
+  const std::vector<c10::Device> places = distinct_devices(plan.devices);
   const int64_t b = (profile.batch + plan.chunks - 1) / plan.chunks;
   const double state = 2 + optimizer_state(optimizer);
 
@@ -458,7 +417,6 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     int64_t params = 0;
     int64_t buffers = 0;
     int64_t grads_at_outputs = 0;
-    LayerStats last;
     std::vector<LayerStats> ls;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) ls.push_back(profile.layer(k, b));
     // What the stage keeps of each layer (Note [Planning]): what its forward saved beyond its
@@ -504,7 +462,6 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
         c.held_bytes += l.input_bytes;
         c.checkpointed_bytes += l.input_bytes;
       }
-      last = l;
     }
     // Note [Planning]'s calibration at this micro-batch size.
     const double scale = profile.time_scale(b);
@@ -514,6 +471,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     c.backward_input_us *= scale;
     c.backward_weight_us *= scale;
     c.recompute_us = c.forward_us;
+    const LayerStats& last = ls.back();
     c.checkpointed_bytes += last.output_bytes;
     c.grad_kept_bytes = grads_at_outputs;
     if (s + 1 < stages) {

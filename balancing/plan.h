@@ -180,11 +180,6 @@ struct PipelinePlan {
   static PipelinePlan from_json(const std::string& text);
 };
 
-/// A checkpoint mode's name ("always", "except_last", "never") and back; the latter throws
-/// c10::Error naming the unknown name.
-std::string checkpoint_name(Checkpoint mode);
-Checkpoint checkpoint_from_name(const std::string& name);
-
 /// The simulation inputs of `plan` (its balance, devices, chunks, checkpoint, schedule and
 /// threads) over `profile`.
 PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,

@@ -19,11 +19,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/container/any.h>
 
-#include <nlohmann/json.hpp>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "balancing/detail.h"
 #include "gpipe/device.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
@@ -459,76 +458,70 @@ nlohmann::json layers_json(const std::vector<LayerStats>& layers) {
   return rows;
 }
 
-// `object[key]` as T, or a clear error naming `what` and the key.
-template <typename T>
-T field(const nlohmann::json& object, const char* key, const std::string& what) {
-  TORCH_CHECK(object.is_object() && object.contains(key), what, ": no \"", key, "\" in ",
-              object.dump().substr(0, 200));
-  try {
-    return object.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, what, ": \"", key, "\" is ", object.at(key).dump(), ", not a ",
-                std::is_same<T, bool>::value ? "boolean"
-                : std::is_arithmetic<T>::value ? "number" : "string", " (", e.what(), ")");
-  }
-}
-
 }  // namespace
 
 std::string LayerProfile::json() const { return layers_json(layers).dump(); }
 
-std::string LayerProfile::to_json() const {
-  return nlohmann::json{{"device", device.str()},
-                        {"passes", passes},
-                        {"batch", batch},
-                        {"layers", layers_json(layers)}}
-      .dump(1);
-}
+std::string LayerProfile::to_json() const { return detail::layer_profile_json(*this).dump(1); }
 
 LayerProfile LayerProfile::from_json(const std::string& text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "LayerProfile::from_json: not JSON: ", e.what());
-  }
-  const std::string what = "LayerProfile::from_json";
+  const std::string who = "LayerProfile::from_json";
+  return detail::layer_profile_from_json(detail::parse_json(text, who), who);
+}
+
+namespace detail {
+
+nlohmann::json layer_profile_json(const LayerProfile& profile) {
+  return nlohmann::json{{"device", profile.device.str()},
+                        {"passes", profile.passes},
+                        {"batch", profile.batch},
+                        {"layers", layers_json(profile.layers)}};
+}
+
+LayerProfile layer_profile_from_json(const nlohmann::json& j, const std::string& what) {
   LayerProfile profile;
-  profile.device = c10::Device(field<std::string>(j, "device", what));
-  profile.passes = field<int64_t>(j, "passes", what);
-  profile.batch = field<int64_t>(j, "batch", what);
+  profile.device = c10::Device(json_field<std::string>(j, "device", what));
+  profile.passes = json_field<int64_t>(j, "passes", what);
+  profile.batch = json_field<int64_t>(j, "batch", what);
   TORCH_CHECK(j.contains("layers") && j["layers"].is_array(), what,
               ": \"layers\" must be an array of layers");
   for (const nlohmann::json& row : j["layers"]) {
     LayerStats s;
     const std::string at = absl::StrCat(what, ": layer ", profile.layers.size());
-    s.name = field<std::string>(row, "name", at);
-    s.type = field<std::string>(row, "type", at);
-    s.forward_us = field<double>(row, "forward_us", at);
-    s.backward_us = field<double>(row, "backward_us", at);
-    s.forward_nograd_us = field<double>(row, "forward_nograd_us", at);
-    s.backward_input_us = field<double>(row, "backward_input_us", at);
-    s.backward_weight_us = field<double>(row, "backward_weight_us", at);
-    s.held_bytes = field<int64_t>(row, "held_bytes", at);
-    s.saves_input = field<bool>(row, "saves_input", at);
-    s.saves_output = field<bool>(row, "saves_output", at);
-    s.forward_peak_bytes = field<int64_t>(row, "forward_peak_bytes", at);
-    s.backward_peak_bytes = field<int64_t>(row, "backward_peak_bytes", at);
-    s.param_bytes = field<int64_t>(row, "param_bytes", at);
-    s.buffer_bytes = field<int64_t>(row, "buffer_bytes", at);
-    s.input_bytes = field<int64_t>(row, "input_bytes", at);
-    s.output_bytes = field<int64_t>(row, "output_bytes", at);
+    s.name = json_field<std::string>(row, "name", at);
+    s.type = json_field<std::string>(row, "type", at);
+    s.forward_us = json_field<double>(row, "forward_us", at);
+    s.backward_us = json_field<double>(row, "backward_us", at);
+    s.forward_nograd_us = json_field<double>(row, "forward_nograd_us", at);
+    s.backward_input_us = json_field<double>(row, "backward_input_us", at);
+    s.backward_weight_us = json_field<double>(row, "backward_weight_us", at);
+    s.held_bytes = json_field<int64_t>(row, "held_bytes", at);
+    s.saves_input = json_field<bool>(row, "saves_input", at);
+    s.saves_output = json_field<bool>(row, "saves_output", at);
+    s.forward_peak_bytes = json_field<int64_t>(row, "forward_peak_bytes", at);
+    s.backward_peak_bytes = json_field<int64_t>(row, "backward_peak_bytes", at);
+    s.param_bytes = json_field<int64_t>(row, "param_bytes", at);
+    s.buffer_bytes = json_field<int64_t>(row, "buffer_bytes", at);
+    s.input_bytes = json_field<int64_t>(row, "input_bytes", at);
+    s.output_bytes = json_field<int64_t>(row, "output_bytes", at);
     profile.layers.push_back(std::move(s));
   }
   return profile;
 }
 
-std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
-  std::vector<c10::Device> distinct;
+std::vector<c10::Device> distinct_devices(const std::vector<c10::Device>& devices) {
+  std::vector<c10::Device> out;
   for (const c10::Device& d : devices) {
-    check_device_available(d, "profile_copies");
-    if (std::find(distinct.begin(), distinct.end(), d) == distinct.end()) distinct.push_back(d);
+    if (std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
   }
+  return out;
+}
+
+}  // namespace detail
+
+std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
+  for (const c10::Device& d : devices) check_device_available(d, "profile_copies");
+  const std::vector<c10::Device> distinct = detail::distinct_devices(devices);
   auto copy_us = [](const at::Tensor& x, c10::Device to) {
     std::vector<double> times;
     for (int k = 0; k < 6; ++k) {

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -288,37 +287,43 @@ int run() {
                 "build again)");
 #endif
   }
-  // The pipeline's shape: from --plan, or from the flags.
-  std::optional<PipelinePlan> plan;
-  if (!absl::GetFlag(FLAGS_plan).empty()) plan = training::read_plan(absl::GetFlag(FLAGS_plan));
-  const int64_t partitions =
-      plan ? static_cast<int64_t>(plan->balance.size()) : absl::GetFlag(FLAGS_partitions);
+  // The pipeline's shape: from the flags, or from --plan.
+  training::PipelineShape flags;
+  flags.partitions = absl::GetFlag(FLAGS_partitions);
+  flags.chunks = absl::GetFlag(FLAGS_chunks);
+  flags.checkpoint = absl::GetFlag(FLAGS_checkpoint);
+  flags.schedule = absl::GetFlag(FLAGS_schedule);
+  flags.virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  flags.threads = absl::GetFlag(FLAGS_threads);
+  flags.balance_from = absl::GetFlag(FLAGS_balance);
+  const training::PipelineShape shape = training::apply_plan(flags, absl::GetFlag(FLAGS_plan));
+  const int64_t partitions = shape.partitions;
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);
-  const int64_t chunks = plan ? plan->chunks : absl::GetFlag(FLAGS_chunks);
+  const int64_t chunks = shape.chunks;
   const int64_t length = absl::GetFlag(FLAGS_sequence);
-  const std::string checkpoint =
-      plan ? checkpoint_name(plan->checkpoint) : absl::GetFlag(FLAGS_checkpoint);
-  const std::string balance_from = plan ? "--plan" : absl::GetFlag(FLAGS_balance);
+  const std::string& checkpoint = shape.checkpoint;
   TORCH_CHECK(partitions >= 1, "--partitions must be positive, got ", partitions);
   TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
   const std::vector<c10::Device> devices =
-      plan ? plan->devices : parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu =
-      training::divide_cores(devices, plan ? plan->threads : absl::GetFlag(FLAGS_threads));
+      shape.devices.empty() ? parse_devices(absl::GetFlag(FLAGS_devices), partitions)
+                            : shape.devices;
+  const bool on_cpu = training::divide_cores(devices, shape.threads);
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>, got '",
               absl::GetFlag(FLAGS_model), "'");
   TORCH_CHECK(length >= 1 && length <= named.sample_shape[0], "--sequence must be in 1 .. ",
               named.sample_shape[0], " (the context), got ", length);
   const auto [sample, unused] = training::random_windows(corpus.train, batch, length, generator);
-  if (plan) training::check_plan_fits(*plan, static_cast<int64_t>(named.model->size()),
-                                      absl::GetFlag(FLAGS_model));
+  if (!shape.balance.empty()) {
+    training::check_plan_fits(shape.balance, static_cast<int64_t>(named.model->size()),
+                              absl::GetFlag(FLAGS_model));
+  }
   const std::vector<int64_t> balance =
-      plan ? plan->balance
-           : training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model,
-                                      sample, chunks, devices.front());
-  const std::string schedule =
-      plan ? schedule_kind_name(plan->schedule) : absl::GetFlag(FLAGS_schedule);
+      !shape.balance.empty()
+          ? shape.balance
+          : training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model,
+                                     sample, chunks, devices.front());
+  const std::string& schedule = shape.schedule;
   GPipe model(named.model,
               GPipeOptions(balance)
                   .devices(devices)
@@ -327,8 +332,7 @@ int run() {
                   .worker_per_partition(on_cpu && partitions > 1)
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(schedule_kind(schedule))
-                  .virtual_stages(plan ? plan->virtual_stages
-                                       : absl::GetFlag(FLAGS_virtual_stages))
+                  .virtual_stages(shape.virtual_stages)
                   .record_timeline(!absl::GetFlag(FLAGS_svg).empty()));
   int64_t parameters = 0;
   for (const at::Tensor& p : model->parameters()) parameters += p.numel();
@@ -342,7 +346,7 @@ int run() {
               parameters / 1e6, model->ties().size());
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of %lld sequences of "
               "%lld bytes, checkpoint %s, schedule %s%s\n",
-              absl::StrJoin(balance, ", ").c_str(), balance_from.c_str(),
+              absl::StrJoin(balance, ", ").c_str(), shape.balance_from.c_str(),
               absl::StrJoin(devices, ", ",
                             [](std::string* s, const c10::Device& d) { s->append(d.str()); })
                   .c_str(),

@@ -26,18 +26,6 @@
 namespace gpipe {
 namespace {
 
-const char* checkpoint_name(Checkpoint mode) {
-  switch (mode) {
-    case Checkpoint::kAlways:
-      return "always";
-    case Checkpoint::kExceptLast:
-      return "except_last";
-    case Checkpoint::kNever:
-      return "never";
-  }
-  return "?";
-}
-
 // `cuda` means the current CUDA device, as everywhere in LibTorch; the CPU has no index. The
 // device is available (check_device_available).
 c10::Device normalize(const c10::Device& device) {
@@ -73,6 +61,22 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
 }
 
 }  // namespace
+
+std::string checkpoint_name(Checkpoint mode) {
+  switch (mode) {
+    case Checkpoint::kAlways: return "always";
+    case Checkpoint::kExceptLast: return "except_last";
+    case Checkpoint::kNever: return "never";
+  }
+  return "?";
+}
+
+Checkpoint checkpoint_from_name(const std::string& name) {
+  if (name == "always") return Checkpoint::kAlways;
+  if (name == "except_last") return Checkpoint::kExceptLast;
+  if (name == "never") return Checkpoint::kNever;
+  TORCH_CHECK(false, "unknown checkpoint mode '", name, "'; use always, except_last or never");
+}
 
 int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
   switch (mode) {

@@ -49,6 +49,11 @@ enum class Checkpoint {
 /// chunks, chunks - 1 or 0.
 int64_t checkpoint_stop(Checkpoint mode, int64_t chunks);
 
+/// A checkpoint mode's name ("always", "except_last", "never") and back; the latter throws
+/// c10::Error naming the unknown name.
+std::string checkpoint_name(Checkpoint mode);
+Checkpoint checkpoint_from_name(const std::string& name);
+
 /// Options of a GPipe.
 ///
 ///   gpipe::GPipeOptions({2, 3})

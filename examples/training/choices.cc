@@ -32,11 +32,11 @@ bool divide_cores(const std::vector<c10::Device>& devices, int64_t threads) {
 }
 
 Checkpoint parse_checkpoint(const std::string& name) {
-  if (name == "always") return Checkpoint::kAlways;
-  if (name == "never") return Checkpoint::kNever;
-  TORCH_CHECK(name == "except_last", "--checkpoint must be always, except_last or never, got '",
-              name, "'");
-  return Checkpoint::kExceptLast;
+  try {
+    return checkpoint_from_name(name);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "--checkpoint must be always, except_last or never, got '", name, "'");
+  }
 }
 
 std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
@@ -63,22 +63,35 @@ std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
   return balance;
 }
 
-PipelinePlan read_plan(const std::string& path) {
-  std::ifstream in(path);
-  TORCH_CHECK(in, "--plan: cannot read ", path);
+PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
+  if (plan_path.empty()) return flags;
+  std::ifstream in(plan_path);
+  TORCH_CHECK(in, "--plan: cannot read ", plan_path);
+  PipelinePlan plan;
   try {
-    return PipelinePlan::from_json(
+    plan = PipelinePlan::from_json(
         std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "--plan ", path, ": ", e.what_without_backtrace());
+    TORCH_CHECK(false, "--plan ", plan_path, ": ", e.what_without_backtrace());
   }
+  PipelineShape shape;
+  shape.partitions = static_cast<int64_t>(plan.balance.size());
+  shape.devices = plan.devices;
+  shape.chunks = plan.chunks;
+  shape.checkpoint = checkpoint_name(plan.checkpoint);
+  shape.schedule = schedule_kind_name(plan.schedule);
+  shape.virtual_stages = plan.virtual_stages;
+  shape.threads = plan.threads;
+  shape.balance = plan.balance;
+  shape.balance_from = "--plan";
+  return shape;
 }
 
-void check_plan_fits(const PipelinePlan& plan, int64_t layers, const std::string& model) {
-  const int64_t planned = std::accumulate(plan.balance.begin(), plan.balance.end(), int64_t{0});
-  TORCH_CHECK(planned == layers, "--plan: its balance {", absl::StrJoin(plan.balance, ", "),
-              "} has ", planned, " layers but ", model, " has ", layers,
-              "; make the plan for this model");
+void check_plan_fits(const std::vector<int64_t>& balance, int64_t layers,
+                     const std::string& model) {
+  const int64_t planned = std::accumulate(balance.begin(), balance.end(), int64_t{0});
+  TORCH_CHECK(planned == layers, "--plan: its balance {", absl::StrJoin(balance, ", "), "} has ",
+              planned, " layers but ", model, " has ", layers, "; make the plan for this model");
 }
 
 }  // namespace training

@@ -30,12 +30,30 @@ std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
                                     const torch::nn::Sequential& model, const at::Tensor& sample,
                                     int64_t chunks, c10::Device device);
 
-/// --plan's file (//balancing:balance --plan --plan_out=<file>); throws c10::Error naming the file
-/// when it cannot be read or is not a plan.
-PipelinePlan read_plan(const std::string& path);
+/// The pipeline's shape as a trainer's flags give it, or as a plan (--plan) replaces them.
+struct PipelineShape {
+  int64_t partitions = 0;
+  /// Empty: the program parses its --devices (each its own way).
+  std::vector<c10::Device> devices;
+  int64_t chunks = 1;
+  std::string checkpoint = "except_last";
+  std::string schedule = "gpipe";
+  int64_t virtual_stages = 1;
+  int64_t threads = 0;
+  /// The plan's balance; empty: choose_balance with --balance.
+  std::vector<int64_t> balance;
+  /// Where the balance comes from, for the trainers' summaries: --balance's value or "--plan".
+  std::string balance_from = "auto";
+};
 
-/// Refuses a plan whose balance does not cover `layers` layers (a plan made for another model).
-void check_plan_fits(const PipelinePlan& plan, int64_t layers, const std::string& model);
+/// `flags` with the plan in --plan's file (//balancing:balance --plan --plan_out=<file>) in their
+/// place when `plan_path` is not empty. Throws c10::Error naming the file when it cannot be read
+/// or is not a plan.
+PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path);
+
+/// Refuses a planned balance that does not cover `layers` layers (a plan made for another model).
+void check_plan_fits(const std::vector<int64_t>& balance, int64_t layers,
+                     const std::string& model);
 
 }  // namespace training
 }  // namespace gpipe

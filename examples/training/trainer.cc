@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <optional>
 #include <thread>
 #include <vector>
 
@@ -204,32 +203,34 @@ int train(const TrainerModel& trainer) {
   Data data = load_data_from_flags();
   const int64_t batch_size = absl::GetFlag(FLAGS_batch_size);
   TORCH_CHECK(batch_size >= 1, "--batch_size must be positive, got ", batch_size);
-  // The pipeline's shape: from --plan, or from the flags.
-  std::optional<PipelinePlan> plan;
-  if (!absl::GetFlag(FLAGS_plan).empty()) plan = read_plan(absl::GetFlag(FLAGS_plan));
-  const int64_t chunks = plan ? plan->chunks : absl::GetFlag(FLAGS_chunks);
+  // The pipeline's shape: from the flags, or from --plan.
+  PipelineShape flags;
+  flags.partitions = absl::GetFlag(FLAGS_partitions);
+  flags.chunks = absl::GetFlag(FLAGS_chunks);
+  flags.checkpoint = absl::GetFlag(FLAGS_checkpoint);
+  flags.schedule = absl::GetFlag(FLAGS_schedule);
+  flags.virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  flags.threads = absl::GetFlag(FLAGS_threads);
+  flags.balance_from = absl::GetFlag(FLAGS_balance);
+  const PipelineShape shape = apply_plan(flags, absl::GetFlag(FLAGS_plan));
+  const int64_t chunks = shape.chunks;
   TORCH_CHECK(chunks >= 1, "--chunks must be positive, got ", chunks);
-  const std::string checkpoint =
-      plan ? checkpoint_name(plan->checkpoint) : absl::GetFlag(FLAGS_checkpoint);
-  const std::string schedule =
-      plan ? schedule_kind_name(plan->schedule) : absl::GetFlag(FLAGS_schedule);
-  const int64_t virtual_stages = plan ? plan->virtual_stages : absl::GetFlag(FLAGS_virtual_stages);
-  const std::string balance_from = plan ? "--plan" : absl::GetFlag(FLAGS_balance);
+  const std::string& checkpoint = shape.checkpoint;
+  const std::string& schedule = shape.schedule;
 
-  int64_t partitions =
-      plan ? static_cast<int64_t>(plan->balance.size()) : absl::GetFlag(FLAGS_partitions);
+  int64_t partitions = shape.partitions;
   TORCH_CHECK(partitions >= 0, "--partitions must be positive, got ", partitions);
   const std::vector<c10::Device> devices =
-      plan ? plan->devices : parse_devices(absl::GetFlag(FLAGS_devices), partitions);
-  const bool on_cpu = divide_cores(devices, plan ? plan->threads : absl::GetFlag(FLAGS_threads));
+      shape.devices.empty() ? parse_devices(absl::GetFlag(FLAGS_devices), partitions)
+                            : shape.devices;
+  const bool on_cpu = divide_cores(devices, shape.threads);
 
   torch::nn::Sequential model =
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size);
-  std::vector<int64_t> balance;
-  if (plan) {
-    check_plan_fits(*plan, static_cast<int64_t>(model->size()), trainer.name);
-    balance = plan->balance;
+  std::vector<int64_t> balance = shape.balance;
+  if (!balance.empty()) {
+    check_plan_fits(balance, static_cast<int64_t>(model->size()), trainer.name);
   } else {
     balance = choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
                              devices.front());
@@ -245,7 +246,7 @@ int train(const TrainerModel& trainer) {
                         .worker_per_partition(on_cpu && partitions > 1)
                         .stage_local_backward(stage_local)
                         .schedule(schedule_kind(schedule))
-                        .virtual_stages(virtual_stages)
+                        .virtual_stages(shape.virtual_stages)
                         .record_timeline(true));
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
   const bool use_step = schedule != "gpipe";
@@ -261,7 +262,7 @@ int train(const TrainerModel& trainer) {
               parameters / 1e6);
   std::printf("GPipe: balance {%s} (%s), devices {%s}, %lld micro-batches of a %lld-image batch, "
               "checkpoint %s, schedule %s%s%s%s\n",
-              absl::StrJoin(balance, ", ").c_str(), balance_from.c_str(),
+              absl::StrJoin(balance, ", ").c_str(), shape.balance_from.c_str(),
               absl::StrJoin(devices, ", ", [](std::string* s, const c10::Device& d) {
                 s->append(d.str());
               }).c_str(),
