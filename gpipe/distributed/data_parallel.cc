@@ -1,6 +1,8 @@
 // Data-parallel replicas; see data_parallel.h and Note [Replicas and batch norm].
 #include "gpipe/distributed/data_parallel.h"
 
+#include <atomic>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -30,16 +32,39 @@ struct BeginReduction : torch::autograd::Node {
   std::weak_ptr<GradientReducer> reducer;
 };
 
+}  // namespace
+}  // namespace distributed
+
+namespace detail {
+struct StatisticsMerge {
+  std::atomic<bool> entered{false};
+  std::atomic<bool> done{false};
+};
+}  // namespace detail
+
+namespace distributed {
+namespace {
+
 // The statistics combiner a DataParallel installs on its GPipe (Note [Replicas and batch norm]);
-// `owner` tells a DataParallel's destructor whether the combiner in place is still its own.
+// `owner` tells a DataParallel's destructor whether the combiner in place is still its own, and
+// `merge` its forward how far the merge got (Note [A forward that fails on some replicas]).
 struct ReplicaStatistics {
   void operator()(std::vector<BatchNormStatistics>& stats) const {
+    merge->entered = true;
     combine_statistics(group, stats, device);
+    merge->done = true;
   }
   ProcessGroup group;
   c10::Device device;
   const DataParallelImpl* owner;
+  std::shared_ptr<detail::StatisticsMerge> merge;
 };
+
+// Whether `pipe` merges its statistics with ReplicaStatistics of `owner`.
+bool merges_for(const GPipeImpl& pipe, const DataParallelImpl* owner) {
+  const auto* mine = pipe.statistics_combiner().target<ReplicaStatistics>();
+  return mine != nullptr && mine->owner == owner;
+}
 
 }  // namespace
 
@@ -49,7 +74,8 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
     : module_ptr_(std::move(module)),
       forward_(std::move(forward)),
       group_(std::move(group)),
-      options_(std::move(options)) {
+      options_(std::move(options)),
+      merge_(std::make_shared<detail::StatisticsMerge>()) {
   TORCH_CHECK(module_ptr_ != nullptr, "gpipe::DataParallel: the module is null");
   TORCH_CHECK(group_, "gpipe::DataParallel: the process group is null; make one with "
               "gpipe::distributed::new_gloo_group");
@@ -69,7 +95,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
     };
     if (pipe->options().deferred_batch_norm()) {
       combined_statistics_ = true;
-      pipe->set_statistics_combiner(ReplicaStatistics{group_, device(), this});
+      pipe->set_statistics_combiner(ReplicaStatistics{group_, device(), this, merge_});
     }
   }
   check_same_configuration();
@@ -110,8 +136,7 @@ DataParallelImpl::~DataParallelImpl() {
   // its own in place, which must go on merging the replicas' statistics.
   if (combined_statistics_) {
     if (auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_)) {
-      const auto* mine = pipe->statistics_combiner().target<ReplicaStatistics>();
-      if (mine != nullptr && mine->owner == this) pipe->set_statistics_combiner(nullptr);
+      if (merges_for(*pipe, this)) pipe->set_statistics_combiner(nullptr);
     }
   }
 }
@@ -189,17 +214,58 @@ std::vector<at::Tensor> DataParallelImpl::reducing(std::vector<at::Tensor> outpu
   return outputs;
 }
 
-at::Tensor DataParallelImpl::forward(const at::Tensor& input) {
+std::vector<at::Tensor> DataParallelImpl::run_forward(
+    const std::function<std::vector<at::Tensor>()>& run) {
   before_forward();
-  return reducing({forward_(input)})[0];
+  merge_->entered = false;
+  merge_->done = false;
+  std::vector<at::Tensor> outputs;
+  try {
+    outputs = run();
+  } catch (...) {
+    after_failed_forward();
+    throw;
+  }
+  return reducing(std::move(outputs));
+}
+
+void DataParallelImpl::after_failed_forward() {
+  // Note [A forward that fails on some replicas].
+  if (group_->getSize() == 1) return;
+  try {
+    auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_);
+    if (pipe && pipe->options().deferred_batch_norm() && pipe->is_training() &&
+        merges_for(*pipe, this) && !merge_->done) {
+      // The merge itself failed (another replica's failure, or the group's): nothing to join.
+      if (merge_->entered) return;
+      // The others wait in the statistics' all-gather: this replica's failure goes there, with
+      // statistics of the sizes they expect (zeros: it is not merged).
+      std::vector<BatchNormStatistics> zeros;
+      for (const torch::nn::Sequential& partition : pipe->partitions()) {
+        for (BatchNormStatistics& s :
+             BatchNormLayers(partition->modules(/*include_self=*/false)).statistics()) {
+          zeros.push_back(std::move(s));
+        }
+      }
+      combine_statistics(group_, zeros, device(), nullptr, /*failed_here=*/true);
+      return;
+    }
+    if (at::GradMode::is_enabled() && no_sync_ == 0) reducer_->fail_forward();
+  } catch (const std::exception&) {
+    // The collective failed too (the other replicas' own failure, or a broken group): the
+    // caller throws its own error either way.
+  }
+}
+
+at::Tensor DataParallelImpl::forward(const at::Tensor& input) {
+  return run_forward([&] { return std::vector<at::Tensor>{forward_(input)}; })[0];
 }
 
 std::vector<at::Tensor> DataParallelImpl::forward(const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(forward_tuple_, "gpipe::DataParallel: forward of ", inputs.size(), " tensors "
               "needs a module that takes a tuple (a GPipe); this one takes one tensor: call "
               "forward(tensor)");
-  before_forward();
-  return reducing(forward_tuple_(inputs));
+  return run_forward([&] { return forward_tuple_(inputs); });
 }
 
 DataParallelImpl::NoSync DataParallelImpl::no_sync() {

@@ -17,6 +17,11 @@
 #include "gpipe/tied_parameters.h"
 
 namespace gpipe {
+namespace detail {
+// How far a DataParallel forward's merge of batch norm statistics got (data_parallel.cc).
+struct StatisticsMerge;
+}  // namespace detail
+
 namespace distributed {
 
 // Note [Replicas and batch norm]
@@ -29,6 +34,22 @@ namespace distributed {
 // and all replicas identically. Any other module's buffers (a plain BatchNorm's, or a GPipe's
 // without deferred batch norm) are broadcast from rank 0 before each training forward, as
 // PyTorch's DistributedDataParallel does (broadcast_buffers): replicas then all use rank 0's.
+//
+// Note [A forward that fails on some replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A forward may fail on one replica (a layer throws, a bad shard) and work on the others, which
+// then wait in a collective that replica never joins: the batch norm statistics' all-gather
+// (deferred batch norm), or their backward's all-reduces. Left alone they would wait for the
+// group's timeout. So the failed replica, before it throws its own error, joins the collective
+// the others are in: when they merge batch norm statistics and it failed before its own merge,
+// the all-gather, its failure flagged there (every replica's forward then throws, the others'
+// naming it: "the forward failed on rank r of n"; no replica updates its running statistics);
+// otherwise, when their forward will be followed by a reducing backward (grad mode on, outside
+// no_sync), the all-reduces of the backward's end, with its failure marked (Note [A backward that
+// fails on some replicas] in gradient_reducer.h: their backward throws naming it). Either way
+// every replica ran the same collectives, and the next step pairs: zero the gradients and go on.
+// This assumes, as PyTorch's DDP does, that a training forward is followed by a backward on
+// every replica. A collective that fails itself (a peer died) leaves the group broken.
 
 struct DataParallelOptions {
   /// The size of a gradient bucket (Note [Buckets that start during backward]).
@@ -114,6 +135,11 @@ class DataParallelImpl : public torch::nn::Module {
   void before_forward();
   // `outputs`, each that needs a gradient behind one node whose backward starts the reduction.
   std::vector<at::Tensor> reducing(std::vector<at::Tensor> outputs);
+  // The module's forward by `run`, between before_forward() and reducing(), and after a failure
+  // the collectives the other replicas wait in (Note [A forward that fails on some replicas]).
+  std::vector<at::Tensor> run_forward(const std::function<std::vector<at::Tensor>()>& run);
+  void after_failed_forward();
+
 
   std::shared_ptr<torch::nn::Module> module_ptr_;
   std::function<at::Tensor(const at::Tensor&)> forward_;
@@ -122,6 +148,7 @@ class DataParallelImpl : public torch::nn::Module {
   ProcessGroup group_;
   DataParallelOptions options_;
   bool combined_statistics_ = false;
+  std::shared_ptr<detail::StatisticsMerge> merge_;
   int no_sync_ = 0;
   std::shared_ptr<GradientReducer> reducer_;
 };

@@ -1,7 +1,9 @@
 // The gradient reducer; see Note [Buckets that start during backward] in gradient_reducer.h.
 #include "gpipe/distributed/gradient_reducer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -26,9 +28,9 @@ struct GradientReducer::State {
     bool started = false;
     bool late = false;  // a parameter of it accumulated after it started (this backward)
     // The parameters' gradients, then one flag each (1: this rank has a gradient), then, in the
-    // last bucket, one flag per bucket (1: late on this rank) and one per rank (1: its backward
-    // failed); divided by the world size and summed over the ranks (Notes [Graphs that change
-    // between backwards], [A backward that fails on some replicas]).
+    // last bucket, one flag per bucket (1: late on this rank) and one per rank (its Failure:
+    // 1 its backward failed, 2 its forward); divided by the world size and summed over the ranks
+    // (Notes [Graphs that change between backwards], [A backward that fails on some replicas]).
     at::Tensor flat;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -43,7 +45,9 @@ struct GradientReducer::State {
   std::mutex mu;
   bool armed = false;    // a backward is running (begin_backward .. finish)
   bool learned = false;  // accumulation counts are known (from the last backward)
-  bool failed_here = false;  // this rank's backward failed (abandon)
+  // Whether this rank's step failed, and where (abandon), as its flag in the last bucket.
+  enum Failure { kNone = 0, kBackward = 1, kForward = 2 };
+  Failure failed_here = kNone;
   std::vector<int64_t> expected, seen;
   size_t next_bucket = 0;
   ReductionStats stats;
@@ -94,7 +98,7 @@ struct GradientReducer::State {
     if (b + 1 == buckets.size()) {
       for (const Bucket& other : buckets) flags.push_back(other.late ? 1 : 0);
       for (int r = 0; r < group->getSize(); ++r) {
-        flags.push_back(r == group->getRank() && failed_here ? 1 : 0);
+        flags.push_back(r == group->getRank() ? static_cast<double>(failed_here) : 0);
       }
     }
     const at::Tensor& first = params[bucket.params[0]];
@@ -108,13 +112,40 @@ struct GradientReducer::State {
     stats.bytes += bucket.flat.numel() * bucket.flat.element_size();
   }
 
-  // A backward that failed before finish() (Note [A backward that fails on some replicas]): this
-  // rank runs the collectives the others run in finish(), its failure marked in the last bucket,
-  // and drops the results; the next backward starts afresh.
-  void abandon() {
-    std::lock_guard<std::mutex> lock(mu);
+  // Readies the buckets for a backward: none started, each waiting for its parameters' counted
+  // accumulations (all of them, in the first backward). Called with mu held.
+  void arm() {
+    armed = true;
+    failed_here = kNone;
+    next_bucket = 0;
+    stats = ReductionStats{};
+    stats.buckets = static_cast<int64_t>(buckets.size());
+    std::fill(seen.begin(), seen.end(), 0);
+    for (Bucket& bucket : buckets) {
+      bucket.started = false;
+      bucket.late = false;
+      bucket.pending = 0;
+      for (size_t p : bucket.params) {
+        bucket.pending += learned && expected[p] > 0 ? 1 : 0;
+      }
+      if (!learned) {
+        bucket.pending = 1;  // started at the end of the first backward
+      }
+    }
+    // The last bucket carries every bucket's late flag, so it starts at the end.
+    if (!buckets.empty()) buckets.back().pending += 1;
+    if (learned) {
+      start_ready(/*during_backward=*/true);  // buckets whose parameters get no gradient
+    }
+  }
+
+  // A step that failed before finish() (Note [A backward that fails on some replicas]; in
+  // forward, Note [A forward that fails on some replicas] in data_parallel.h): this rank runs the
+  // collectives the others run in finish(), its failure marked in the last bucket, and drops the
+  // results; the next backward starts afresh. Called with mu held.
+  void abandon(Failure how) {
     if (!armed) return;
-    failed_here = true;
+    failed_here = how;
     try {
       if (!buckets.empty()) settle();
     } catch (const std::exception&) {
@@ -131,8 +162,8 @@ struct GradientReducer::State {
 
   // Starts every bucket not started yet, waits for them all, and all-reduces again the buckets
   // late on any rank: the same collectives on every rank, whether its backward finished or failed.
-  // Returns the ranks whose backward failed. Called with mu held.
-  std::vector<int> settle() {
+  // Returns the ranks whose step failed, and where. Called with mu held.
+  std::vector<std::pair<int, Failure>> settle() {
     for (Bucket& bucket : buckets) {
       bucket.pending = 0;
     }
@@ -157,9 +188,11 @@ struct GradientReducer::State {
         ++stats.reduced_again;
       }
     }
-    std::vector<int> failed;
+    std::vector<std::pair<int, Failure>> failed;
     for (int r = 0; r < group->getSize(); ++r) {
-      if (flags[nb + r].item<double>() > 0) failed.push_back(r);
+      // (Each rank's flag is its Failure divided by the number of ranks.)
+      const long how = std::lround(flags[nb + r].item<double>() * group->getSize());
+      if (how > 0) failed.emplace_back(r, how == kForward ? kForward : kBackward);
     }
     return failed;
   }
@@ -179,15 +212,23 @@ struct GradientReducer::State {
       ~Disarm() { s.armed = false; }
     } disarm{*this};
     if (buckets.empty()) return;  // nothing requires grad
-    const std::vector<int> failed = settle();
+    const std::vector<std::pair<int, Failure>> failed = settle();
     at::NoGradGuard no_grad;
     if (!failed.empty()) {
       for (Bucket& bucket : buckets) {
         bucket.flat.reset();
         bucket.late = false;
       }
-      TORCH_CHECK(false, "gpipe::DataParallel: the backward failed on rank",
-                  failed.size() > 1 ? "s " : " ", absl::StrJoin(failed, ", "), " of ",
+      bool forward = false, backward = false;
+      std::vector<int> ranks;
+      for (const auto& [rank, how] : failed) {
+        (how == kForward ? forward : backward) = true;
+        ranks.push_back(rank);
+      }
+      TORCH_CHECK(false, "gpipe::DataParallel: the ",
+                  forward && backward ? "forward or backward" : forward ? "forward" : "backward",
+                  " failed on rank", failed.size() > 1 ? "s " : " ", absl::StrJoin(ranks, ", "),
+                  " of ",
                   group->getSize(), " (", failed.size() > 1 ? "their" : "its", " own error is "
                   "raised there), so this step's gradients were not averaged on rank ",
                   group->getRank(), " (they are its own); every replica's all-reduces still pair: "
@@ -282,28 +323,7 @@ void GradientReducer::begin_backward() {
     if (s->armed) {
       return;  // already reducing this backward
     }
-    s->armed = true;
-    s->failed_here = false;
-    s->next_bucket = 0;
-    s->stats = ReductionStats{};
-    s->stats.buckets = static_cast<int64_t>(s->buckets.size());
-    std::fill(s->seen.begin(), s->seen.end(), 0);
-    for (State::Bucket& bucket : s->buckets) {
-      bucket.started = false;
-      bucket.late = false;
-      bucket.pending = 0;
-      for (size_t p : bucket.params) {
-        bucket.pending += s->learned && s->expected[p] > 0 ? 1 : 0;
-      }
-      if (!s->learned) {
-        bucket.pending = 1;  // started at the end of the first backward
-      }
-    }
-    // The last bucket carries every bucket's late flag, so it starts at the end.
-    if (!s->buckets.empty()) s->buckets.back().pending += 1;
-    if (s->learned) {
-      s->start_ready(/*during_backward=*/true);  // buckets whose parameters get no gradient
-    }
+    s->arm();
   }
   // Note [The reduction's end]: finish() runs after every other end-of-backward callback queued
   // during the backward (the first callback queues it again), so that a stage-local GPipe's,
@@ -311,9 +331,19 @@ void GradientReducer::begin_backward() {
   // final (and have started their buckets). When the backward fails before finish() ran, the
   // engine drops the callback and abandon() disarms the reducer (Note [A callback the failed
   // backward drops] in gpipe/end_of_backward.h).
-  queue_end_of_backward(
-      [s] { queue_end_of_backward([s] { s->finish(); }, [s] { s->abandon(); }); },
-      [s] { s->abandon(); });
+  const auto abandon = [s] {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->abandon(State::kBackward);
+  };
+  queue_end_of_backward([s, abandon] { queue_end_of_backward([s] { s->finish(); }, abandon); },
+                        abandon);
+}
+
+void GradientReducer::fail_forward() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->armed) return;  // inside a reducing backward, whose own end runs the collectives
+  state_->arm();
+  state_->abandon(State::kForward);
 }
 
 size_t GradientReducer::bucket_count() const { return state_->buckets.size(); }

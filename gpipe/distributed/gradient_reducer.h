@@ -54,8 +54,10 @@ namespace distributed {
 // failure marked in the last bucket (one flag per rank). The others then know at once: their
 // backward throws "the backward failed on rank r of n", without writing averages; the failed
 // rank's backward throws its own error. Every rank ran the same collectives, so the next step is
-// clean on all of them: zero the gradients and go on. A rank that fails in forward (no backward)
-// is not covered: the others' backward waits for it until the timeout, as under PyTorch's DDP.
+// clean on all of them: zero the gradients and go on. A rank that fails in forward, and so never
+// runs a backward, does the same from the wrapper's forward (fail_forward(); Note [A forward that
+// fails on some replicas] in data_parallel.h), its flag saying so: the others' backward throws
+// "the forward failed on rank r of n".
 //
 // Note [Parameters that no replica used]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -92,6 +94,13 @@ class GradientReducer {
   /// Called from the outermost backward as it starts: arms the hooks and queues the end-of-
   /// backward callback on it.
   void begin_backward();
+
+  /// Called by a rank whose forward failed, where the others' forward worked and their backward
+  /// will reduce: runs the collectives they run at its end, this rank's failure marked, so that
+  /// theirs throws naming it and the next step's collectives pair (Note [A backward that fails on
+  /// some replicas]). Never throws: a collective that fails leaves the group broken, and the
+  /// next one fails with the cause.
+  void fail_forward();
 
   /// The number of buckets.
   size_t bucket_count() const;

@@ -1,11 +1,13 @@
 // The process group; see process_group.h.
 #include "gpipe/distributed/process_group.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <exception>
 #include <functional>
 #include <map>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include <ATen/ops/empty_like.h>
@@ -286,11 +288,19 @@ void check_collective(const ProcessGroup& group, const std::string& what,
 }
 
 std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
-                                   c10::Device local, const std::string& what) {
+                                   c10::Device local, const std::string& what,
+                                   const std::function<void()>& check) {
   std::vector<at::Tensor> input{mine.to(wire_device(group, local))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) all[0].push_back(at::empty_like(input[0]));
-  check_collective(group, what, [&] { group->allgather(all, input)->wait(); });
+  check_collective(group, what, [&] {
+    const c10::intrusive_ptr<c10d::Work> work = group->allgather(all, input);
+    while (check && !work->isCompleted()) {
+      check();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    work->wait();
+  });
   for (at::Tensor& theirs : all[0]) theirs = theirs.to(at::kCPU);
   return all[0];
 }

@@ -146,9 +146,11 @@ void check_collective(const ProcessGroup& group, const std::string& what,
 
 /// Every rank's `mine` (a CPU tensor of the same size and dtype on every rank), in rank order, on
 /// the CPU: one all-gather on wire_device(group, local), with check_collective's errors naming
-/// `what`.
+/// `what`. `check` (if given) is called while it waits and may throw to stop waiting (another
+/// rank's failure heard: the all-gather is then left to the broken group).
 std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
-                                   c10::Device local, const std::string& what);
+                                   c10::Device local, const std::string& what,
+                                   const std::function<void()>& check = nullptr);
 
 /// Waits for `work`, with check_collective's errors.
 void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,

@@ -12,6 +12,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace gpipe {
 namespace distributed {
@@ -111,16 +112,27 @@ bool any_rank(const ProcessGroup& group, bool mine, c10::Device local) {
 }
 
 void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
-                        c10::Device local) {
-  std::vector<at::Tensor> pieces;
+                        c10::Device local, const std::function<void()>& check, bool failed_here) {
+  // First whether this rank's forward failed, then each layer's count, mean and m2.
+  std::vector<at::Tensor> pieces{at::tensor({failed_here ? 1.0 : 0.0}, at::kDouble)};
   for (const BatchNormStatistics& s : stats) {
     pieces.push_back(at::tensor({s.count}, at::kDouble));
     pieces.push_back(s.mean.to(at::kCPU, at::kDouble).reshape(-1));
     pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
   }
-  const std::vector<at::Tensor> all =
-      all_gather(group, at::cat(pieces), local, "the all-gather of batch norm statistics");
-  int64_t offset = 0;
+  const std::vector<at::Tensor> all = all_gather(group, at::cat(pieces), local,
+                                                 "the all-gather of batch norm statistics", check);
+  std::vector<int> failed;
+  for (int r = 0; r < group->getSize(); ++r) {
+    if (all[static_cast<size_t>(r)][0].item<double>() > 0) failed.push_back(r);
+  }
+  TORCH_CHECK(failed.empty(), "gpipe::DataParallel: the forward failed on rank",
+              failed.size() > 1 ? "s " : " ", absl::StrJoin(failed, ", "), " of ",
+              group->getSize(), " (", failed.size() > 1 ? "their" : "its", " own error is raised "
+              "there), so no replica updated its batch norm statistics in this step and rank ",
+              group->getRank(), "'s forward stops too; every replica's collectives still pair: "
+              "go on with the next step");
+  int64_t offset = 1;
   for (BatchNormStatistics& s : stats) {
     const int64_t channels = s.mean.numel();
     BatchNormStatistics merged;  // in rank order, on the CPU

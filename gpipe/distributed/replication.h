@@ -64,9 +64,14 @@ bool any_rank(const ProcessGroup& group, bool mine, c10::Device local = c10::Dev
 /// Merges every rank's deferred batch norm statistics (one entry per BatchNorm layer, the same
 /// layers in every rank) into `stats`, in place: per layer, the counts, means and sums of squared
 /// deviations of all ranks combined by Chan's formula, in rank order, in float64 (Note [Replicas
-/// and batch norm] in data_parallel.h). A layer no rank saw stays as it is.
+/// and batch norm] in data_parallel.h). A layer no rank saw stays as it is. `check` (if given) is
+/// called while the all-gather is waited for and may throw to stop waiting. A rank whose forward
+/// failed before its statistics were complete passes `failed_here` (and any statistics of the
+/// right sizes): every rank then throws, the others naming it, and none merges anything (Note
+/// [A forward that fails on some replicas] in data_parallel.h).
 void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
-                        c10::Device local = c10::Device(c10::kCPU));
+                        c10::Device local = c10::Device(c10::kCPU),
+                        const std::function<void()>& check = nullptr, bool failed_here = false);
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -237,8 +237,11 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   if (deferred) {
     StatisticsCombiner combine;
     if (replica_group_) {
+      // A replica that failed tells this one over the replica group's channel (Note [Failing
+      // fast across processes]): the all-gather waits no longer.
       combine = [this](std::vector<BatchNormStatistics>& statistics) {
-        combine_statistics(replica_group_, statistics, local_);
+        combine_statistics(replica_group_, statistics, local_,
+                           [this] { throw_if_heard(replica_faults_.get()); });
       };
     }
     commit_deferred(batch_norms, combine);

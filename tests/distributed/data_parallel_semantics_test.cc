@@ -5,6 +5,7 @@
 // model on the whole batch.
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <optional>
 
 #include <ATen/ops/arange.h>
@@ -278,6 +279,79 @@ CATCH_TEST_CASE(kFailsOnOne, "[distributed][errors]") {
   CATCH_INFO(world << " replicas");
   dp_test::check_plain_training(
       replicas(kFailsOnOne, "fails_on_one_" + std::to_string(world), {}, world), kRows);
+}
+
+constexpr const char* kForwardFails =
+    "a forward that fails on one replica makes the others throw at once naming it (with and "
+    "without deferred batch norm) and every replica then trains on as before";
+
+CATCH_TEST_CASE(kForwardFails, "[distributed][errors]") {
+  // Without batch norm: six rows split evenly over two or three replicas, checked against the
+  // plain model. With deferred batch norm: two replicas, checked against one GPipe.
+  constexpr int64_t kRows = 6;
+  const auto options = [](bool batch_norm) {
+    return batch_norm
+               ? GPipeOptions({3, 3}).chunks(2).deferred_batch_norm(true)
+               : GPipeOptions({2, 2, 1}).chunks(2).checkpoint(Checkpoint::kExceptLast);
+  };
+  if (test_rank() >= 0) {
+    const int rank = test_rank();
+    const int world = std::stoi(std::getenv("WORLD_SIZE"));
+    const bool batch_norm = std::getenv("GPIPE_TEST_BATCH_NORM") != nullptr;
+    DataParallel model(GPipe(make_model(batch_norm, rank), options(batch_norm)), join(),
+                       DataParallelOptions().bucket_bytes(256));
+    torch::optim::SGD sgd(model->parameters(),
+                          torch::optim::SGDOptions(0.1).momentum(batch_norm ? 0 : 0.9));
+    const auto mine = [&](const at::Tensor& t) { return t.chunk(world)[rank]; };
+    const auto mse = [](const at::Tensor& a, const at::Tensor& b) {
+      return torch::nn::functional::mse_loss(a, b);
+    };
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = batch(step, batch_norm ? kBatch : kRows);
+      if (step == 2) {
+        // Rank 1's shard has 5 features where its first layer takes 6: its forward throws.
+        const at::Tensor bad = rank == 1 ? mine(x).narrow(1, 0, 5) : mine(x);
+        const std::string failed = "the forward failed on rank 1 of " + std::to_string(world);
+        const auto start = std::chrono::steady_clock::now();
+        if (rank == 1) {
+          CATCH_CHECK_THROWS_WITH(model->forward(bad), !gpipe_test::contains("failed on rank"));
+        } else if (batch_norm) {
+          // The others' forward, merging the statistics, hears it.
+          CATCH_CHECK_THROWS_WITH(model->forward(bad),
+                                  gpipe_test::contains(failed) &&
+                                      gpipe_test::contains("go on with the next step"));
+        } else {
+          // The others' forward worked; their backward's all-reduces hear it.
+          at::Tensor loss = mse(model->forward(bad), mine(y));
+          CATCH_CHECK_THROWS_WITH(loss.backward(),
+                                  gpipe_test::contains(failed) &&
+                                      gpipe_test::contains("zero the gradients and go on"));
+        }
+        std::printf("rank %d threw after %.3f s\n", rank,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                        .count());
+      }
+      sgd.zero_grad();
+      mse(model->forward(mine(x)), mine(y)).backward();
+      sgd.step();
+    }
+    save_state(*model);
+    return;
+  }
+  const auto [world, batch_norm] =
+      GENERATE(table<int, bool>({{2, false}, {3, false}, {2, true}}));
+  CATCH_INFO(world << " replicas" << (batch_norm ? ", deferred batch norm" : ""));
+  const std::map<std::string, std::string> env =
+      batch_norm ? std::map<std::string, std::string>{{"GPIPE_TEST_BATCH_NORM", "1"}}
+                 : std::map<std::string, std::string>{};
+  const std::vector<at::Tensor> states =
+      replicas(kForwardFails,
+               "forward_fails_" + std::to_string(world) + (batch_norm ? "_bn" : ""), env, world);
+  if (batch_norm) {
+    check_one_gpipe(states, options(true));
+  } else {
+    dp_test::check_plain_training(states, kRows);
+  }
 }
 
 // A tuple model: (x, k) -> (tanh(lin(x)) * (1 + k / 8), k) -> its first -> Linear(8, 3); k is an

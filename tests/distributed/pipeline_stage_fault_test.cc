@@ -3,8 +3,10 @@
 // gpipe/distributed/fault.h), under each schedule, wherever the failure is.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "tests/distributed/stage_test_util.h"
@@ -170,7 +172,8 @@ CATCH_TEST_CASE(kTrainEval, "[distributed][stage][errors]") {
 }
 
 constexpr const char* kReplicaFails =
-    "a stage that fails in one replica makes the other replicas' stages throw its error at once";
+    "a stage that fails in one replica makes the other replicas' stages throw its error at once "
+    "(with and without deferred batch norm)";
 
 CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
@@ -178,11 +181,19 @@ CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
     const PipelineGroups groups =
         new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
     torch::manual_seed(7);
-    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 8), Fault(false),
-                       nn::Linear(8, 3));
+    // With deferred batch norm, stage 1 of replica 0 waits for the statistics' all-gather
+    // before the gradients' all-reduce.
+    const bool batch_norm = std::getenv("GPIPE_TEST_BATCH_NORM") != nullptr;
+    nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), nn::Linear(8, 8), Fault(false));
+    if (batch_norm) seq->push_back(nn::BatchNorm1d(8));
+    seq->push_back(nn::Linear(8, 3));
     seq->to(at::kDouble);
-    PipelineStage stage(seq, PipelineStageOptions({2, 3}).chunks(2).loss(mse), groups.pipeline,
-                        groups.replica_group);
+    PipelineStage stage(seq,
+                        PipelineStageOptions({2, batch_norm ? 4 : 3})
+                            .chunks(2)
+                            .loss(mse)
+                            .deferred_batch_norm(batch_norm),
+                        groups.pipeline, groups.replica_group);
     const auto step = [&] {
       auto [x, y] = batch(0);
       const at::Tensor xs = x.chunk(2)[groups.replica], ys = y.chunk(2)[groups.replica];
@@ -206,8 +217,13 @@ CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
     wait_for_others(4, rank);
     return;
   }
-  const std::string folder = folder_for("replica_fails");
-  const auto results = run_ranks(kReplicaFails, 4, folder);
+  const bool batch_norm = GENERATE(false, true);
+  CATCH_INFO((batch_norm ? "with" : "without") << " deferred batch norm");
+  const std::string folder = folder_for(batch_norm ? "replica_fails_bn" : "replica_fails");
+  const auto results =
+      run_ranks(kReplicaFails, 4, folder,
+                batch_norm ? std::map<std::string, std::string>{{"GPIPE_TEST_BATCH_NORM", "1"}}
+                           : std::map<std::string, std::string>{});
   CATCH_INFO(gpipe_test::outputs(results));
   for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
   std::filesystem::remove_all(folder);
