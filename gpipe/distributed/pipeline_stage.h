@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -317,6 +318,9 @@ class PipelineStageImpl : public torch::nn::Module {
   absl::Mutex step_mu_;
   bool failed_ = false;  // a step left by an exception: the pipeline's transfers are unmatched
   std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (transfer.h)
+  // Per link (its channel), the largest activation data sent and received in the steps so far
+  // (Note [One message per micro-batch] in transfer.h).
+  std::map<int64_t, int64_t> sent_bytes_, received_bytes_;
   // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
   // fault.h). Null on groups that cannot have one (NCCL).
   std::unique_ptr<FaultChannel> faults_;

@@ -1,6 +1,7 @@
 // Remote links; see remote_link.h.
 #include "gpipe/distributed/remote_link.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ops/empty.h>
@@ -42,7 +43,7 @@ std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, i
 }
 
 RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                               TurnsOf turns, int64_t channel)
+                               TurnsOf turns, int64_t channel, int64_t* capacity)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
@@ -54,7 +55,7 @@ RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool gra
                   return sends_before(i, m);
                 })
                           : nullptr,
-                channel) {}
+                channel, capacity) {}
 
 RemoteUpstream::~RemoteUpstream() {
   // Before the receiver's thread is joined: it may wait for a gradient in sends_before.
@@ -155,14 +156,47 @@ void RemoteUpstream::finish() {
 }
 
 RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
-                                   GradientReceives when, TurnsOf turns, int64_t channel)
+                                   GradientReceives when, TurnsOf turns, int64_t channel,
+                                   int64_t* capacity)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
       when_(when),
       turns_of_(std::move(turns)),
-      channel_(channel) {
+      channel_(channel),
+      capacity_(capacity),
+      capacity_at_start_(capacity ? *capacity : 0),
+      largest_sent_(capacity_at_start_) {
   TORCH_INTERNAL_ASSERT(when_ != GradientReceives::kInTurn || turns_of_);
+  TORCH_INTERNAL_ASSERT(capacity_ == nullptr ||
+                        (when_ != GradientReceives::kInTurn && !wire_.device.is_cuda()));
+}
+
+RemoteDownstream::~RemoteDownstream() {
+  if (capacity_ != nullptr) *capacity_ = largest_sent_;
+}
+
+void RemoteDownstream::post_packed(int64_t microbatch, at::Tensor header,
+                                   std::vector<at::Tensor> tensors, int64_t bytes) {
+  largest_sent_ = std::max(largest_sent_, bytes);
+  if (bytes <= capacity_at_start_) {
+    sends_.push_back(wire_.post(
+        std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
+                                   wire_.stream, wire_.cancellation),
+        [message = pack_activations(tensors, header), peer = peer_, microbatch,
+         channel = channel_](Transfer& t) {
+          t.send({message}, peer, Message::kHeader, microbatch, channel);
+        }));
+    return;
+  }
+  sends_.push_back(wire_.post(
+      std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
+                                 wire_.stream, wire_.cancellation),
+      [header = std::move(header), data = pack_activations(tensors), peer = peer_, microbatch,
+       channel = channel_](Transfer& t) {
+        t.send({header}, peer, Message::kHeader, microbatch, channel);
+        t.send({data}, peer, Message::kActivation, microbatch, channel);
+      }));
 }
 
 void RemoteDownstream::post_send(int64_t microbatch, at::Tensor header,
@@ -198,10 +232,12 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
                             bool grad_enabled) {
   // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
   at::Tensor header;
+  int64_t bytes = 0;
   try {
     BatchHeader of = BatchHeader::of(output, microbatches, grad_enabled);
     of.training = wire_.training;
     header = of.encode().to(wire_.device);
+    bytes = packed_data_bytes(of);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "on rank ", wire_.group->getRank(), ", to rank ", peer_, ": ",
                 e.what_without_backtrace());
@@ -210,6 +246,8 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
   if (when_ == GradientReceives::kInTurn) {
     if (turns_.empty()) turns_ = turns_of_(microbatches);
     ready_[microbatch] = {std::move(header), std::move(tensors)};
+  } else if (capacity_ != nullptr) {
+    post_packed(microbatch, std::move(header), std::move(tensors), bytes);
   } else {
     post_send(microbatch, std::move(header), std::move(tensors));
   }

@@ -66,8 +66,10 @@ class RemoteUpstream final : public detail::Upstream {
   /// order, on a group that matches in posting order under a schedule that interleaves forwards
   /// and backwards (null otherwise; Note [When gradients' receives are posted]). `channel`: the
   /// link's, when a pair of stages has several (transfer_tag).
+  /// `capacity` (groups that packs_activations; null otherwise): the link's, kept by the stage
+  /// between steps (Note [One message per micro-batch] in transfer.h).
   RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                 TurnsOf turns = nullptr, int64_t channel = 0);
+                 TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr);
   ~RemoteUpstream() override;
   detail::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
@@ -128,9 +130,12 @@ enum class GradientReceives { kAfterLastSend, kWithSend, kInTurn };
 /// The activations to stage `peer` (the one after); their gradients come back from it.
 class RemoteDownstream final : public detail::Downstream {
  public:
-  /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel` as RemoteUpstream's.
+  /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel` and `capacity` as
+  /// RemoteUpstream's.
   RemoteDownstream(Wire wire, int peer, c10::Device device, GradientReceives when,
-                   TurnsOf turns = nullptr, int64_t channel = 0);
+                   TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr);
+  /// Keeps the largest data sent for the next step's capacity.
+  ~RemoteDownstream() override;
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
@@ -140,6 +145,10 @@ class RemoteDownstream final : public detail::Downstream {
  private:
   void post_receive(int64_t microbatch);
   void post_send(int64_t microbatch, at::Tensor header, std::vector<at::Tensor> tensors);
+  // Note [One message per micro-batch]: header and tensors in one message when `bytes` of data
+  // fit the capacity, else the header alone and then the data.
+  void post_packed(int64_t microbatch, at::Tensor header, std::vector<at::Tensor> tensors,
+                   int64_t bytes);
   // kInTurn: posts every transfer whose turn has come and that is ready.
   void post_in_turn();
 
@@ -149,6 +158,9 @@ class RemoteDownstream final : public detail::Downstream {
   GradientReceives when_;
   TurnsOf turns_of_;
   int64_t channel_;
+  int64_t* capacity_;
+  int64_t capacity_at_start_;
+  int64_t largest_sent_;
   std::vector<PairTurn> turns_;
   size_t next_turn_ = 0;
   bool grad_enabled_ = true;

@@ -144,14 +144,16 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
                 "e.g. a multiple of chunks)");
     source = std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
   }
-  // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h).
+  // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
+  // one message per micro-batch (Note [One message per micro-batch]).
+  const bool packs = packs_activations(group_);
   for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {
     if (c == 0 && is_first()) continue;
     const int64_t peer = (me + stages - 1) % stages;
     const int64_t channel = me == 0 ? c - 1 : c;  // the sending virtual stage's chunk
     remote_upstreams.push_back(std::make_unique<RemoteUpstream>(
         wire, static_cast<int>(peer), partitions_[interleaved ? c : 0].device, grad_enabled,
-        turns_with(peer), channel));
+        turns_with(peer), channel, packs ? &received_bytes_[channel] : nullptr));
   }
   // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
   // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
@@ -186,7 +188,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     const int64_t peer = (me + 1) % stages;
     remote_downstreams.push_back(std::make_unique<RemoteDownstream>(
         wire, static_cast<int>(peer), partitions_[interleaved ? c : k - 1].device, when,
-        turns_with(peer), c));
+        turns_with(peer), c, packs ? &sent_bytes_[c] : nullptr));
   }
 
   detail::ExecutorSpec spec;

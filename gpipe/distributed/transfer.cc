@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -205,11 +206,66 @@ std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {
   return out;
 }
 
+bool packs_activations(const ProcessGroup& group) {
+  return matches_by_tag(group) && !carries_device_tensors(group);
+}
+
+namespace {
+
+constexpr int64_t kPackAlignment = 64;
+
+int64_t aligned(int64_t bytes) { return (bytes + kPackAlignment - 1) / kPackAlignment * kPackAlignment; }
+
+int64_t bytes_of(const BatchHeader::Entry& e) {
+  int64_t numel = 1;
+  for (int64_t s : e.sizes) numel *= s;
+  return numel * static_cast<int64_t>(c10::elementSize(e.dtype));
+}
+
+}  // namespace
+
+int64_t packed_data_bytes(const BatchHeader& header) {
+  int64_t bytes = 0;
+  for (const BatchHeader::Entry& e : header.entries) bytes += aligned(bytes_of(e));
+  return bytes;
+}
+
+at::Tensor pack_activations(const std::vector<at::Tensor>& tensors,
+                            const at::Tensor& encoded_header) {
+  const int64_t header_bytes = encoded_header.defined() ? kHeaderSize * 8 : 0;
+  int64_t bytes = header_bytes;
+  for (const at::Tensor& t : tensors) bytes += aligned(t.numel() * t.element_size());
+  at::Tensor message = at::empty({bytes}, at::kByte);
+  if (encoded_header.defined()) {
+    message.narrow(0, 0, header_bytes).copy_(encoded_header.reshape(-1).view(at::kByte));
+  }
+  int64_t offset = header_bytes;
+  for (const at::Tensor& t : tensors) {
+    const int64_t n = t.numel() * t.element_size();
+    if (n > 0) message.narrow(0, offset, n).copy_(t.reshape(-1).view(at::kByte));
+    offset += aligned(n);
+  }
+  return message;
+}
+
+std::vector<at::Tensor> unpack_activations(const BatchHeader& header, const at::Tensor& data) {
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const BatchHeader::Entry& e : header.entries) {
+    const int64_t n = bytes_of(e);
+    at::Tensor t = at::empty(e.sizes, at::dtype(e.dtype));
+    if (n > 0) t.reshape(-1).view(at::kByte).copy_(data.narrow(0, offset, n));
+    offset += aligned(n);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device device,
                                        c10::optional<c10::Stream> stream,
                                        std::shared_ptr<Cancellation> cancellation,
                                        std::function<bool(int64_t, int64_t)> between,
-                                       int64_t channel)
+                                       int64_t channel, int64_t* capacity)
     : group_(std::move(group)),
       peer_(peer),
       device_(device),
@@ -217,7 +273,10 @@ ActivationReceiver::ActivationReceiver(ProcessGroup group, int peer, c10::Device
       cancellation_(std::move(cancellation)),
       between_(std::move(between)),
       channel_(channel),
-      thread_([this] { run(); }) {}
+      capacity_(capacity),
+      thread_([this] { run(); }) {
+  TORCH_INTERNAL_ASSERT(capacity_ == nullptr || !device_.is_cuda());
+}
 
 ActivationReceiver::~ActivationReceiver() {
   {
@@ -275,6 +334,41 @@ void ActivationReceiver::run() {
     }
     return true;
   };
+  // Note [One message per micro-batch]: each micro-batch's header and (when they fit) tensors in
+  // one receive as large as the header and the link's capacity.
+  const auto receive_all_packed = [&] {
+    const int64_t capacity = *capacity_;
+    int64_t largest = capacity;
+    const int64_t header_bytes = BatchHeader::size() * 8;
+    int64_t m = 1;  // known from the first header
+    for (int64_t i = 0; i < m; ++i) {
+      if (i > 0 && between_ && !between_(i, m)) return;
+      at::Tensor message = at::empty({header_bytes + capacity}, at::kByte);
+      if (!receive(message, Message::kHeader, i, 0)) return;
+      Received r;
+      try {
+        r.header = BatchHeader::decode(message.narrow(0, 0, header_bytes).view(at::kLong));
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
+                    e.what_without_backtrace());
+      }
+      m = r.header.microbatches;
+      const int64_t bytes = packed_data_bytes(r.header);
+      at::Tensor data;
+      if (bytes <= capacity) {
+        data = message.narrow(0, header_bytes, bytes);
+      } else {
+        data = at::empty({bytes}, at::kByte);
+        if (!receive(data, Message::kActivation, i, 0)) return;
+      }
+      largest = std::max(largest, bytes);
+      r.tensors = unpack_activations(r.header, data);
+      absl::MutexLock lock(&mu_);
+      ready_.push_back(std::move(r));
+    }
+    if (between_) between_(m, m);
+    *capacity_ = largest;
+  };
   // Receives the step's micro-batches; returns early when stopping.
   const auto receive_all = [&] {
     int64_t m = 1;  // known from the first header
@@ -306,7 +400,11 @@ void ActivationReceiver::run() {
     if (between_) between_(m, m);
   };
   try {
-    receive_all();
+    if (capacity_ != nullptr) {
+      receive_all_packed();
+    } else {
+      receive_all();
+    }
   } catch (...) {
     absl::MutexLock lock(&mu_);
     if (!stopping_) error_ = std::current_exception();

@@ -131,6 +131,35 @@ struct BatchHeader {
 // sends and its gradients' receives from a second thread of its own, the courier, and the
 // computing thread only queues them and, when it needs a result, waits for it.
 
+// Note [One message per micro-batch]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Even received ahead, a micro-batch's activations cost two trips across processes beyond their
+// header's: the receive for the tensors is posted only once the header has told their sizes, so
+// the sender's tensors wait for the receiver's "ready" before they move. Under the interleaved
+// schedule, which crosses processes v times as often, these round trips were most of a task's
+// overhead (docs/benchmarks.md). Over Gloo a message may land in any posted receive at least as
+// large. So there a micro-batch travels as one message, its header and then each tensor's bytes
+// (at 64-byte offsets), into a receive posted with the header's, as large as the header plus the
+// largest data of the link's micro-batches in the earlier steps (its capacity, which both sides
+// know: each keeps the largest it sent or received per link, between steps). When the data fits,
+// it arrives with its header, in one hop; when it does not (every micro-batch of the first step,
+// or a larger one later), the header travels alone and the data follows as a second message,
+// whose receive is posted once the header is read. NCCL needs exact sizes: a GPU wire keeps one
+// message per tensor. (The bytes are copied in and out of the message: a memcpy of each
+// activation on each side, small beside the trip it saves.)
+
+/// Whether activations between the stages of `group` travel as one message per micro-batch (Note
+/// [One message per micro-batch]): over Gloo.
+bool packs_activations(const ProcessGroup& group);
+/// The bytes of the data part of a packed micro-batch with `header`'s tensors.
+int64_t packed_data_bytes(const BatchHeader& header);
+/// `tensors` (on the CPU, contiguous: to_wire) packed as one uint8 message: `encoded_header`'s
+/// bytes first when it is defined, then the tensors' at 64-byte offsets.
+at::Tensor pack_activations(const std::vector<at::Tensor>& tensors,
+                            const at::Tensor& encoded_header = at::Tensor());
+/// `header`'s tensors, copied out of `data` (the data part of a packed micro-batch).
+std::vector<at::Tensor> unpack_activations(const BatchHeader& header, const at::Tensor& data);
+
 /// Receives one step's activations from `peer` on a thread of its own (Note [Receiving ahead]):
 /// the header and tensors of micro-batch 0, 1, … until the step's last, each queued as it
 /// arrives.
@@ -146,12 +175,14 @@ class ActivationReceiver {
   /// as Transfer's. `between` (may be null) runs on the receiving thread before each micro-batch
   /// i = 1 .. m - 1 is received and once after the last (i = m), with the step's m; it returns
   /// false to stop (Note [When gradients' receives are posted] in remote_link.h). `channel`:
-  /// the link's (transfer_tag).
+  /// the link's (transfer_tag). `capacity` (packs_activations groups; null otherwise): the link's
+  /// largest data received in earlier steps, updated at the end of this one (Note [One message
+  /// per micro-batch]).
   ActivationReceiver(ProcessGroup group, int peer, c10::Device device = c10::Device(c10::kCPU),
                      c10::optional<c10::Stream> stream = c10::nullopt,
                      std::shared_ptr<Cancellation> cancellation = nullptr,
                      std::function<bool(int64_t i, int64_t m)> between = nullptr,
-                     int64_t channel = 0);
+                     int64_t channel = 0, int64_t* capacity = nullptr);
   /// Stops receiving (aborting a receive in flight) and joins the thread.
   ~ActivationReceiver();
   ActivationReceiver(const ActivationReceiver&) = delete;
@@ -174,6 +205,7 @@ class ActivationReceiver {
   std::shared_ptr<Cancellation> cancellation_;
   std::function<bool(int64_t, int64_t)> between_;
   int64_t channel_;
+  int64_t* capacity_;
   absl::Mutex mu_;
   std::deque<Received> ready_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
