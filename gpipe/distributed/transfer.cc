@@ -283,6 +283,8 @@ ActivationReceiver::~ActivationReceiver() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     if (in_flight_) abort_quietly(in_flight_);
+    if (data_in_flight_) abort_quietly(data_in_flight_);
+    for (auto& [i, posted] : posted_) abort_quietly(posted.work);
   }
   thread_.join();
 }
@@ -334,41 +336,6 @@ void ActivationReceiver::run() {
     }
     return true;
   };
-  // Note [One message per micro-batch]: each micro-batch's header and (when they fit) tensors in
-  // one receive as large as the header and the link's capacity.
-  const auto receive_all_packed = [&] {
-    const int64_t capacity = *capacity_;
-    int64_t largest = capacity;
-    const int64_t header_bytes = BatchHeader::size() * 8;
-    int64_t m = 1;  // known from the first header
-    for (int64_t i = 0; i < m; ++i) {
-      if (i > 0 && between_ && !between_(i, m)) return;
-      at::Tensor message = at::empty({header_bytes + capacity}, at::kByte);
-      if (!receive(message, Message::kHeader, i, 0)) return;
-      Received r;
-      try {
-        r.header = BatchHeader::decode(message.narrow(0, 0, header_bytes).view(at::kLong));
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
-                    e.what_without_backtrace());
-      }
-      m = r.header.microbatches;
-      const int64_t bytes = packed_data_bytes(r.header);
-      at::Tensor data;
-      if (bytes <= capacity) {
-        data = message.narrow(0, header_bytes, bytes);
-      } else {
-        data = at::empty({bytes}, at::kByte);
-        if (!receive(data, Message::kActivation, i, 0)) return;
-      }
-      largest = std::max(largest, bytes);
-      r.tensors = unpack_activations(r.header, data);
-      absl::MutexLock lock(&mu_);
-      ready_.push_back(std::move(r));
-    }
-    if (between_) between_(m, m);
-    *capacity_ = largest;
-  };
   // Receives the step's micro-batches; returns early when stopping.
   const auto receive_all = [&] {
     int64_t m = 1;  // known from the first header
@@ -401,7 +368,7 @@ void ActivationReceiver::run() {
   };
   try {
     if (capacity_ != nullptr) {
-      receive_all_packed();
+      post_packed();
     } else {
       receive_all();
     }
@@ -413,7 +380,109 @@ void ActivationReceiver::run() {
   finished_ = true;
 }
 
+// Note [One message per micro-batch]: this thread only posts each micro-batch's receive, a few
+// ahead of the one taken (kPostedAhead), each as large as the header and the link's capacity;
+// next() waits for it on the consuming thread, which Gloo's own thread then wakes directly.
+void ActivationReceiver::post_packed() {
+  const std::string what = "receiving activations from the previous stage";
+  const int64_t header_bytes = BatchHeader::size() * 8;
+  const auto may_post = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Micro-batch 0 first; the rest once its header told how many (m), kPostedAhead beyond the
+    // one next() takes.
+    const int64_t limit = microbatches_ < 0 ? 1 : std::min(microbatches_, taken_ + kPostedAhead);
+    return stopping_ || next_post_ < limit || next_post_ == microbatches_;
+  };
+  for (;;) {
+    int64_t i;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&may_post));
+      if (stopping_ || next_post_ == microbatches_) return;
+      i = next_post_++;
+    }
+    at::Tensor message = at::empty({header_bytes + *capacity_}, at::kByte);
+    c10::intrusive_ptr<c10d::Work> work;
+    check_collective(group_, what, [&] {
+      work = post_receive(group_, message, peer_, transfer_tag(Message::kHeader, i, 0, channel_));
+    });
+    // Kept by the cancellation: Gloo wedges the connection when a message comes for a receive
+    // whose buffer is gone (Note [Failing fast across processes]).
+    if (cancellation_) cancellation_->add(work);
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      abort_quietly(work);
+      return;
+    }
+    posted_[i] = {std::move(message), std::move(work)};
+  }
+}
+
+ActivationReceiver::Received ActivationReceiver::next_packed() {
+  const std::string what = "receiving activations from the previous stage";
+  const int64_t header_bytes = BatchHeader::size() * 8;
+  int64_t i;
+  Posted posted;
+  {
+    absl::MutexLock lock(&mu_);
+    i = taken_;
+    mu_.Await(absl::Condition(
+        +[](ActivationReceiver* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+          return self->posted_.count(self->taken_) > 0 || self->finished_;
+        },
+        this));
+    auto it = posted_.find(i);
+    if (it == posted_.end()) {
+      if (error_) std::rethrow_exception(error_);
+      TORCH_CHECK(false, "gpipe::distributed: the previous stage (rank ", peer_, ") sent rank ",
+                  group_->getRank(), " fewer micro-batches than its header announced");
+    }
+    posted = std::move(it->second);
+    posted_.erase(it);
+    ++taken_;
+  }
+  wait_unless_cancelled(group_, posted.work, what, cancellation_.get());
+  Received r;
+  try {
+    r.header = BatchHeader::decode(posted.message.narrow(0, 0, header_bytes).view(at::kLong));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
+                e.what_without_backtrace());
+  }
+  int64_t m;
+  {
+    absl::MutexLock lock(&mu_);
+    if (microbatches_ < 0) microbatches_ = r.header.microbatches;
+    m = microbatches_;
+  }
+  const int64_t bytes = packed_data_bytes(r.header);
+  at::Tensor data;
+  if (bytes <= *capacity_) {
+    data = posted.message.narrow(0, header_bytes, bytes);
+  } else {
+    // Larger than any before: the data follows as a message of its own.
+    data = at::empty({bytes}, at::kByte);
+    c10::intrusive_ptr<c10d::Work> work;
+    check_collective(group_, what, [&] {
+      work = post_receive(group_, data, peer_, transfer_tag(Message::kActivation, i, 0, channel_));
+    });
+    if (cancellation_) cancellation_->add(work);
+    {
+      absl::MutexLock lock(&mu_);
+      data_in_flight_ = work;
+    }
+    wait_unless_cancelled(group_, work, what, cancellation_.get());
+    absl::MutexLock lock(&mu_);
+    data_in_flight_.reset();
+  }
+  largest_ = std::max(largest_, bytes);
+  // The link's capacity for the next step, once every micro-batch of this one is here.
+  if (i + 1 == m) *capacity_ = std::max(*capacity_, largest_);
+  r.tensors = unpack_activations(r.header, data);
+  return r;
+}
+
 ActivationReceiver::Received ActivationReceiver::next() {
+  if (capacity_ != nullptr) return next_packed();
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](ActivationReceiver* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <exception>
 #include <functional>
 #include <string>
@@ -189,7 +190,8 @@ class ActivationReceiver {
   ActivationReceiver& operator=(const ActivationReceiver&) = delete;
 
   /// The next micro-batch, once it is here (on a GPU: once it is posted, with the consuming
-  /// stream made to wait for it); throws the receiving thread's c10::Error.
+  /// stream made to wait for it); throws the receiving thread's c10::Error. (With a capacity,
+  /// waits for its receive itself: one consuming thread at a time.)
   Received next();
   /// Waits until the thread is done (the last micro-batch received, `between` run for the end);
   /// throws its c10::Error.
@@ -197,6 +199,11 @@ class ActivationReceiver {
 
  private:
   void run();
+  // With a capacity (Note [One message per micro-batch]): the thread's posting, and next().
+  void post_packed();
+  Received next_packed();
+  // Receives posted ahead of the micro-batch next() takes.
+  static constexpr int64_t kPostedAhead = 4;
 
   ProcessGroup group_;
   int peer_;
@@ -212,6 +219,19 @@ class ActivationReceiver {
   c10::intrusive_ptr<c10d::Work> in_flight_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // With a capacity: each micro-batch's message and its receive, posted and not yet taken; how
+  // many there are (m, once micro-batch 0's header is read; -1 before), the next to post and to
+  // take; a larger micro-batch's data receive in flight; the largest data taken.
+  struct Posted {
+    at::Tensor message;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::map<int64_t, Posted> posted_ ABSL_GUARDED_BY(mu_);
+  int64_t microbatches_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t next_post_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t taken_ ABSL_GUARDED_BY(mu_) = 0;
+  c10::intrusive_ptr<c10d::Work> data_in_flight_ ABSL_GUARDED_BY(mu_);
+  int64_t largest_ = 0;  // the consuming thread's
   std::thread thread_;  // last: starts once the rest is made
 };
 
