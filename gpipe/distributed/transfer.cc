@@ -284,7 +284,7 @@ ActivationReceiver::~ActivationReceiver() {
     stopping_ = true;
     if (in_flight_) abort_quietly(in_flight_);
     if (data_in_flight_) abort_quietly(data_in_flight_);
-    for (auto& [i, posted] : posted_) abort_quietly(posted.work);
+    for (auto& entry : posted_) abort_quietly(entry.second.work);
   }
   thread_.join();
 }

@@ -145,9 +145,13 @@ struct BatchHeader {
 // know: each keeps the largest it sent or received per link, between steps). When the data fits,
 // it arrives with its header, in one hop; when it does not (every micro-batch of the first step,
 // or a larger one later), the header travels alone and the data follows as a second message,
-// whose receive is posted once the header is read. NCCL needs exact sizes: a GPU wire keeps one
-// message per tensor. (The bytes are copied in and out of the message: a memcpy of each
-// activation on each side, small beside the trip it saves.)
+// whose receive is posted once the header is read. Since every receive's size is known before
+// its message comes, the receiving thread only posts them, a few micro-batches ahead of the one
+// the stage takes (after micro-batch 0's header has told how many there are), and the stage's
+// own thread waits for each: Gloo's thread wakes it directly, one thread hop less per hop. NCCL
+// needs exact sizes: a GPU wire keeps one message per tensor and the receiving thread of Note
+// [Receiving ahead]. (The bytes are copied in and out of the message: a memcpy of each activation
+// on each side, small beside the trip it saves.)
 
 /// Whether activations between the stages of `group` travel as one message per micro-batch (Note
 /// [One message per micro-batch]): over Gloo.

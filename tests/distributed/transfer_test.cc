@@ -22,7 +22,6 @@
 #include "gpipe/distributed/transfer.h"
 #include "tests/catch.h"
 #include "tests/distributed/multiprocess.h"
-#include "tests/gpipe/test_util.h"
 
 namespace gpipe {
 namespace distributed {
