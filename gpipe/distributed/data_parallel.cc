@@ -250,7 +250,11 @@ void DataParallelImpl::after_failed_forward() {
       combine_statistics(group_, zeros, device(), nullptr, /*failed_here=*/true);
       return;
     }
-    if (at::GradMode::is_enabled() && no_sync_ == 0) reducer_->fail_forward();
+    // Only a training forward: an eval one (validation with grad on) is followed by no backward
+    // on the others, who would leave this rank's all-reduces unpaired.
+    if (module_ptr_->is_training() && at::GradMode::is_enabled() && no_sync_ == 0) {
+      reducer_->fail_forward();
+    }
   } catch (const std::exception&) {
     // The collective failed too (the other replicas' own failure, or a broken group): the
     // caller throws its own error either way.

@@ -342,7 +342,17 @@ void GradientReducer::begin_backward() {
 void GradientReducer::fail_forward() {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (state_->armed) return;  // inside a reducing backward, whose own end runs the collectives
-  state_->arm();
+  try {
+    state_->arm();  // may start buckets: a collective that fails leaves the group broken
+  } catch (const std::exception&) {
+    for (State::Bucket& bucket : state_->buckets) {
+      bucket.work.reset();
+      bucket.flat.reset();
+      bucket.late = false;
+    }
+    state_->armed = false;
+    return;
+  }
   state_->abandon(State::kForward);
 }
 

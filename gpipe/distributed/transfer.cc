@@ -433,8 +433,11 @@ ActivationReceiver::Received ActivationReceiver::next_packed() {
     auto it = posted_.find(i);
     if (it == posted_.end()) {
       if (error_) std::rethrow_exception(error_);
-      TORCH_CHECK(false, "gpipe::distributed: the previous stage (rank ", peer_, ") sent rank ",
-                  group_->getRank(), " fewer micro-batches than its header announced");
+      // (The thread posts every micro-batch the header announced: only a caller that takes more
+      // gets here.)
+      TORCH_CHECK(false, "gpipe::distributed: rank ", group_->getRank(), " took micro-batch ", i,
+                  " from the previous stage (rank ", peer_, "), whose header announced ",
+                  microbatches_, "; this is a bug in gpipe");
     }
     posted = std::move(it->second);
     posted_.erase(it);

@@ -151,7 +151,8 @@ struct BatchHeader {
 // own thread waits for each: Gloo's thread wakes it directly, one thread hop less per hop. NCCL
 // needs exact sizes: a GPU wire keeps one message per tensor and the receiving thread of Note
 // [Receiving ahead]. (The bytes are copied in and out of the message: a memcpy of each activation
-// on each side, small beside the trip it saves.)
+// on each side, small beside the trip it saves. A link's capacity only grows: after one large
+// step, later ones post receives that large, a few micro-batches at a time.)
 
 /// Whether activations between the stages of `group` travel as one message per micro-batch (Note
 /// [One message per micro-batch]): over Gloo.

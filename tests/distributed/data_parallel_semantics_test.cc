@@ -308,6 +308,18 @@ CATCH_TEST_CASE(kForwardFails, "[distributed][errors]") {
     };
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = batch(step, batch_norm ? kBatch : kRows);
+      if (step == 1) {
+        // A validation forward in eval mode, grad on, that fails on rank 1: the others run no
+        // collective after theirs, so rank 1 joins none, and training goes on.
+        model->eval();
+        const at::Tensor bad = rank == 1 ? mine(x).narrow(1, 0, 5) : mine(x);
+        if (rank == 1) {
+          CATCH_CHECK_THROWS(model->forward(bad));
+        } else {
+          CATCH_CHECK_NOTHROW(model->forward(bad));
+        }
+        model->train();
+      }
       if (step == 2) {
         // Rank 1's shard has 5 features where its first layer takes 6: its forward throws.
         const at::Tensor bad = rank == 1 ? mine(x).narrow(1, 0, 5) : mine(x);
