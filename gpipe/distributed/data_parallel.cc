@@ -234,8 +234,8 @@ void DataParallelImpl::after_failed_forward() {
   if (group_->getSize() == 1) return;
   try {
     auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_);
-    if (pipe && pipe->options().deferred_batch_norm() && pipe->is_training() &&
-        merges_for(*pipe, this) && !merge_->done) {
+    // (This wrapper's combiner is there only for a GPipe with deferred batch norm.)
+    if (pipe && pipe->is_training() && merges_for(*pipe, this) && !merge_->done) {
       // The merge itself failed (another replica's failure, or the group's): nothing to join.
       if (merge_->entered) return;
       // The others wait in the statistics' all-gather: this replica's failure goes there, with

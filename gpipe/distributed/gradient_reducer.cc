@@ -152,6 +152,11 @@ struct GradientReducer::State {
       // A collective failed (a peer died or timed out): the group is broken, and the next
       // backward's collectives fail with the cause.
     }
+    disarm();
+  }
+
+  // Drops whatever the buckets hold; the next backward starts afresh. Called with mu held.
+  void disarm() {
     for (Bucket& bucket : buckets) {
       bucket.work.reset();
       bucket.flat.reset();
@@ -345,12 +350,7 @@ void GradientReducer::fail_forward() {
   try {
     state_->arm();  // may start buckets: a collective that fails leaves the group broken
   } catch (const std::exception&) {
-    for (State::Bucket& bucket : state_->buckets) {
-      bucket.work.reset();
-      bucket.flat.reset();
-      bucket.late = false;
-    }
-    state_->armed = false;
+    state_->disarm();
     return;
   }
   state_->abandon(State::kForward);

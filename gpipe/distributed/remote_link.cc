@@ -179,24 +179,13 @@ RemoteDownstream::~RemoteDownstream() {
 void RemoteDownstream::post_packed(int64_t microbatch, at::Tensor header,
                                    std::vector<at::Tensor> tensors, int64_t bytes) {
   largest_sent_ = std::max(largest_sent_, bytes);
+  // post_send's two messages: the header's (here with the data), then the tensors (none, or the
+  // data).
   if (bytes <= capacity_at_start_) {
-    sends_.push_back(wire_.post(
-        std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
-                                   wire_.stream, wire_.cancellation),
-        [message = pack_activations(tensors, header), peer = peer_, microbatch,
-         channel = channel_](Transfer& t) {
-          t.send({message}, peer, Message::kHeader, microbatch, channel);
-        }));
-    return;
+    post_send(microbatch, pack_activations(tensors, header), {});
+  } else {
+    post_send(microbatch, std::move(header), {pack_activations(tensors)});
   }
-  sends_.push_back(wire_.post(
-      std::make_shared<Transfer>(wire_.group, "sending activations to the next stage",
-                                 wire_.stream, wire_.cancellation),
-      [header = std::move(header), data = pack_activations(tensors), peer = peer_, microbatch,
-       channel = channel_](Transfer& t) {
-        t.send({header}, peer, Message::kHeader, microbatch, channel);
-        t.send({data}, peer, Message::kActivation, microbatch, channel);
-      }));
 }
 
 void RemoteDownstream::post_send(int64_t microbatch, at::Tensor header,

@@ -12,6 +12,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/distributed/fault.h"
@@ -22,6 +23,8 @@ namespace distributed {
 namespace {
 
 constexpr int64_t kHeaderSize = 512;   // int64 values: 4 KiB
+constexpr int64_t kHeaderBytes = kHeaderSize * 8;
+constexpr const char* kReceiving = "receiving activations from the previous stage";
 constexpr int64_t kMaxTensors = 64;    // per batch: tags leave room for this many
 
 // Waits for `work`. When it was aborted (its wait returns false, without its tensors) or failed
@@ -217,9 +220,7 @@ constexpr int64_t kPackAlignment = 64;
 int64_t aligned(int64_t bytes) { return (bytes + kPackAlignment - 1) / kPackAlignment * kPackAlignment; }
 
 int64_t bytes_of(const BatchHeader::Entry& e) {
-  int64_t numel = 1;
-  for (int64_t s : e.sizes) numel *= s;
-  return numel * static_cast<int64_t>(c10::elementSize(e.dtype));
+  return c10::multiply_integers(e.sizes) * static_cast<int64_t>(c10::elementSize(e.dtype));
 }
 
 }  // namespace
@@ -232,7 +233,7 @@ int64_t packed_data_bytes(const BatchHeader& header) {
 
 at::Tensor pack_activations(const std::vector<at::Tensor>& tensors,
                             const at::Tensor& encoded_header) {
-  const int64_t header_bytes = encoded_header.defined() ? kHeaderSize * 8 : 0;
+  const int64_t header_bytes = encoded_header.defined() ? kHeaderBytes : 0;
   int64_t bytes = header_bytes;
   for (const at::Tensor& t : tensors) bytes += aligned(t.numel() * t.element_size());
   at::Tensor message = at::empty({bytes}, at::kByte);
@@ -289,31 +290,36 @@ ActivationReceiver::~ActivationReceiver() {
   thread_.join();
 }
 
+c10::intrusive_ptr<c10d::Work> ActivationReceiver::post(at::Tensor tensor, Message kind,
+                                                        int64_t i, int64_t t) {
+  c10::intrusive_ptr<c10d::Work> work;
+  check_collective(group_, kReceiving, [&] {
+    work = post_receive(group_, std::move(tensor), peer_, transfer_tag(kind, i, t, channel_));
+  });
+  // Kept by the cancellation: Gloo wedges the connection when a message comes for a receive
+  // whose buffer is gone (Note [Failing fast across processes]).
+  if (cancellation_) cancellation_->add(work);
+  return work;
+}
+
 void ActivationReceiver::run() {
   pthread_setname_np(pthread_self(), "gpipe receive");
-  const std::string what = "receiving activations from the previous stage";
+  const std::string what = kReceiving;
   // Posts one receive and waits for it; false when the receiver is stopping.
   const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return false;
     }
-    c10::intrusive_ptr<c10d::Work> work;
-    check_collective(group_, what, [&] {
-      work = post_receive(group_, std::move(tensor), peer_, transfer_tag(kind, i, t, channel_));
-    });
+    c10::intrusive_ptr<c10d::Work> work = post(std::move(tensor), kind, i, t);
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
-        // Kept by the cancellation: Gloo wedges the connection when a message comes for a
-        // receive whose buffer is gone (Note [Failing fast across processes]).
-        if (cancellation_) cancellation_->add(work);
         abort_quietly(work);
         return false;
       }
       in_flight_ = work;
     }
-    if (cancellation_) cancellation_->add(work);
     wait_unless_cancelled(group_, work, what, cancellation_.get());
     absl::MutexLock lock(&mu_);
     in_flight_.reset();
@@ -384,8 +390,6 @@ void ActivationReceiver::run() {
 // ahead of the one taken (kPostedAhead), each as large as the header and the link's capacity;
 // next() waits for it on the consuming thread, which Gloo's own thread then wakes directly.
 void ActivationReceiver::post_packed() {
-  const std::string what = "receiving activations from the previous stage";
-  const int64_t header_bytes = BatchHeader::size() * 8;
   const auto may_post = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // Micro-batch 0 first; the rest once its header told how many (m), kPostedAhead beyond the
     // one next() takes.
@@ -400,14 +404,8 @@ void ActivationReceiver::post_packed() {
       if (stopping_ || next_post_ == microbatches_) return;
       i = next_post_++;
     }
-    at::Tensor message = at::empty({header_bytes + *capacity_}, at::kByte);
-    c10::intrusive_ptr<c10d::Work> work;
-    check_collective(group_, what, [&] {
-      work = post_receive(group_, message, peer_, transfer_tag(Message::kHeader, i, 0, channel_));
-    });
-    // Kept by the cancellation: Gloo wedges the connection when a message comes for a receive
-    // whose buffer is gone (Note [Failing fast across processes]).
-    if (cancellation_) cancellation_->add(work);
+    at::Tensor message = at::empty({kHeaderBytes + *capacity_}, at::kByte);
+    c10::intrusive_ptr<c10d::Work> work = post(message, Message::kHeader, i, 0);
     absl::MutexLock lock(&mu_);
     if (stopping_) {
       abort_quietly(work);
@@ -418,8 +416,6 @@ void ActivationReceiver::post_packed() {
 }
 
 ActivationReceiver::Received ActivationReceiver::next_packed() {
-  const std::string what = "receiving activations from the previous stage";
-  const int64_t header_bytes = BatchHeader::size() * 8;
   int64_t i;
   Posted posted;
   {
@@ -443,10 +439,10 @@ ActivationReceiver::Received ActivationReceiver::next_packed() {
     posted_.erase(it);
     ++taken_;
   }
-  wait_unless_cancelled(group_, posted.work, what, cancellation_.get());
+  wait_unless_cancelled(group_, posted.work, kReceiving, cancellation_.get());
   Received r;
   try {
-    r.header = BatchHeader::decode(posted.message.narrow(0, 0, header_bytes).view(at::kLong));
+    r.header = BatchHeader::decode(posted.message.narrow(0, 0, kHeaderBytes).view(at::kLong));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
                 e.what_without_backtrace());
@@ -460,20 +456,16 @@ ActivationReceiver::Received ActivationReceiver::next_packed() {
   const int64_t bytes = packed_data_bytes(r.header);
   at::Tensor data;
   if (bytes <= *capacity_) {
-    data = posted.message.narrow(0, header_bytes, bytes);
+    data = posted.message.narrow(0, kHeaderBytes, bytes);
   } else {
     // Larger than any before: the data follows as a message of its own.
     data = at::empty({bytes}, at::kByte);
-    c10::intrusive_ptr<c10d::Work> work;
-    check_collective(group_, what, [&] {
-      work = post_receive(group_, data, peer_, transfer_tag(Message::kActivation, i, 0, channel_));
-    });
-    if (cancellation_) cancellation_->add(work);
+    c10::intrusive_ptr<c10d::Work> work = post(data, Message::kActivation, i, 0);
     {
       absl::MutexLock lock(&mu_);
       data_in_flight_ = work;
     }
-    wait_unless_cancelled(group_, work, what, cancellation_.get());
+    wait_unless_cancelled(group_, work, kReceiving, cancellation_.get());
     absl::MutexLock lock(&mu_);
     data_in_flight_.reset();
   }

@@ -204,6 +204,8 @@ class ActivationReceiver {
 
  private:
   void run();
+  // Posts a receive of `tensor` from the peer (kept by the cancellation).
+  c10::intrusive_ptr<c10d::Work> post(at::Tensor tensor, Message kind, int64_t i, int64_t t);
   // With a capacity (Note [One message per micro-batch]): the thread's posting, and next().
   void post_packed();
   Received next_packed();
