@@ -1,9 +1,13 @@
 // Every schedule of GPipe::step on 2 CPU partitions (one worker and one intra-op thread each):
 // step time against the same micro-batches' forward and backward on one thread, as a fraction of
 // the schedule's ideal, and the peak memory of the activations, each configuration in a child
-// process of its own. Results: docs/benchmarks.md.
+// process of its own. With --device=cuda every partition is on cuda:0 (and the one-thread
+// baseline too): the step time against the plain model's and the activations' peak from LibTorch's
+// CUDA allocator. Results: docs/benchmarks.md.
 //
 //   bazel run -c opt //benchmarks:schedule_efficiency -- --microbatches=4,8,16,32
+//   schedule_efficiency --device=cuda --width=2048 --batch=8192
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -21,6 +25,7 @@
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/schedule_check.h"
+#include "gpipe/stream.h"
 #include "gpipe/worker.h"
 
 ABSL_FLAG(std::string, schedules, "gpipe,1f1b,interleaved,zb", "schedules to run");
@@ -28,6 +33,8 @@ ABSL_FLAG(std::string, microbatches, "4,8,16,32", "micro-batches per mini-batch"
 ABSL_FLAG(int64_t, batch, 1024, "samples per mini-batch");
 ABSL_FLAG(int64_t, width, 512, "features of each of the 8 Linear layers");
 ABSL_FLAG(int, steps, 5, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu (2 partitions, a core each) or cuda (every partition on cuda:0)");
 
 namespace {
 
@@ -48,7 +55,14 @@ at::Tensor mse(const gpipe::Batch& out, const at::Tensor& target) {
   return (out[0] - target).pow(2).mean();
 }
 
-// One configuration: prints "ms <median step ms>".
+bool on_cuda() {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  TORCH_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, not '", device,
+              "'");
+  return device == "cuda";
+}
+
+// One configuration: prints "ms <median step ms>" (and on CUDA "peak <bytes allocated>").
 int child(const std::string& config) {
   gpipe_benchmarks::keep_freed_memory();
   const std::vector<std::string> parts = absl::StrSplit(config, ':');
@@ -56,11 +70,13 @@ int child(const std::string& config) {
   TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[1], &m), "bad --child ", config);
   const int64_t batch = absl::GetFlag(FLAGS_batch);
   const int64_t w = absl::GetFlag(FLAGS_width);
+  const c10::Device device = on_cuda() ? c10::Device("cuda:0") : c10::Device(c10::kCPU);
   torch::manual_seed(1);
-  const at::Tensor x = at::randn({batch, w});
-  const at::Tensor y = at::randn({batch, w});
-  gpipe::set_intra_op_threads(1);
+  const at::Tensor x = at::randn({batch, w}).to(device);
+  const at::Tensor y = at::randn({batch, w}).to(device);
+  if (!on_cuda()) gpipe::set_intra_op_threads(1);
   torch::nn::Sequential model = make_model();
+  model->to(device);
   if (parts[0] == "idle") {
     std::printf("ms 0\n");
     return 0;
@@ -84,7 +100,7 @@ int child(const std::string& config) {
         interleaved ? std::vector<int64_t>{4, 4, 4, 4} : std::vector<int64_t>{8, 8};
     pipe = std::make_unique<gpipe::GPipe>(
         model, gpipe::GPipeOptions(balance)
-                   .devices(std::vector<c10::Device>(balance.size(), c10::kCPU))
+                   .devices(std::vector<c10::Device>(balance.size(), device))
                    .chunks(m)
                    .checkpoint(gpipe::Checkpoint::kNever)
                    .schedule(kind)
@@ -95,8 +111,16 @@ int child(const std::string& config) {
       (*pipe)->step(x, y, mse);
     };
   }
-  std::printf("ms %.3f\n", gpipe_benchmarks::median_ms(step, absl::GetFlag(FLAGS_steps),
+  // On CUDA a step ends when the device has finished its work.
+  const std::function<void()> timed = [&] {
+    step();
+    gpipe::synchronize(device);
+  };
+  std::printf("ms %.3f\n", gpipe_benchmarks::median_ms(timed, absl::GetFlag(FLAGS_steps),
                                                   /*warmup=*/true));
+  if (on_cuda()) {
+    std::printf("peak %lld\n", static_cast<long long>(gpipe::peak_memory_allocated(device)));
+  }
   if (pipe) {
     // The last step's bubble on its timeline: the lanes' idle share of the step.
     double first = 1e300, last = 0, busy = 0;
@@ -130,14 +154,27 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args{
       absl::StrCat("--batch=", absl::GetFlag(FLAGS_batch)),
       absl::StrCat("--width=", absl::GetFlag(FLAGS_width)),
-      absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps))};
+      absl::StrCat("--steps=", absl::GetFlag(FLAGS_steps)),
+      absl::StrCat("--device=", absl::GetFlag(FLAGS_device))};
   const auto run = [&](const std::string& config) {
     return gpipe::bench::spawn_child(self, config, args);
   };
-  const int64_t idle = run("idle:1").second;
+  const bool cuda = on_cuda();
+  const int64_t idle = cuda ? 0 : run("idle:1").second;
   const int64_t w = absl::GetFlag(FLAGS_width);
   const double model_mib = 2.0 * kLayers * (w * w + w) * 4 / 1048576.0;  // parameters + grads
-  std::printf("GPipe::step on 2 CPU partitions (one worker, one intra-op thread each), 8 x "
+  // On CUDA the inputs and targets are in the allocator's count too.
+  const double inputs_mib = 2.0 * absl::GetFlag(FLAGS_batch) * w * 4 / 1048576.0;
+  if (cuda) {
+    std::printf("GPipe::step with every partition on cuda:0, 8 x Linear(%lld) + ReLU, batch "
+                "%lld, checkpointing off; LibTorch %s. 1 GPU = the plain model's step on cuda:0 "
+                "(the same micro-batches one after the other); vs 1 GPU = its time / the step's "
+                "(no speed-up is possible: one device); activations = peak allocated - parameters "
+                "and gradients (%.0f MiB) - inputs and targets (%.0f MiB)\n\n",
+                static_cast<long long>(w), static_cast<long long>(absl::GetFlag(FLAGS_batch)),
+                TORCH_VERSION, model_mib, inputs_mib);
+  } else {
+    std::printf("GPipe::step on 2 CPU partitions (one worker, one intra-op thread each), 8 x "
               "Linear(%lld) + ReLU, batch %lld, checkpointing off; LibTorch %s. ideal = one "
               "thread's time / 2 / (1 - the schedule's simulated bubble, F = I = W = 1); "
               "measured bubble = idle share of the lanes in the last step's timeline; activations = peak "
@@ -145,8 +182,10 @@ int main(int argc, char** argv) {
               "\n\n",
               static_cast<long long>(w), static_cast<long long>(absl::GetFlag(FLAGS_batch)),
               TORCH_VERSION, model_mib);
+  }
   std::printf("%-12s %4s %10s %10s %9s %9s %9s %16s\n", "schedule", "m", "step ms",
-              "1 thread", "bubble", "measured", "of ideal", "activations MiB");
+              cuda ? "1 GPU" : "1 thread", "bubble", "measured", cuda ? "vs 1 GPU" : "of ideal",
+              "activations MiB");
   // (--child, from reference_runner.h: one configuration, "schedule:m" or "plain:m".)
   for (const std::string& mb :
        std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_microbatches), ','))) {
@@ -162,12 +201,16 @@ int main(int argc, char** argv) {
       const double bubble = gpipe::simulate_schedule(schedule).bubble;
       const auto [output, peak] = run(absl::StrCat(name, ":", m));
       const double ms = value_of(output, "ms");
-      const double measured = value_of(output, "bubble");
-      const double ideal = one / 2 / (1 - bubble);
+      // (On one GPU the partitions' kernels overlap on their streams: the lanes' busy time then
+      // exceeds the step and says nothing of a bubble.)
+      const double measured = cuda ? std::nan("") : value_of(output, "bubble");
+      const double ideal = cuda ? one : one / 2 / (1 - bubble);
+      const double activations =
+          cuda ? value_of(output, "peak") / 1048576.0 - model_mib - inputs_mib
+               : (peak - idle) / 1048576.0 - model_mib;
       std::printf("%-12s %4lld %10.1f %10.1f %8.1f%% %8.1f%% %8.0f%% %16.1f\n", name.c_str(),
                   static_cast<long long>(m), ms, one, 100 * bubble, 100 * measured,
-                  100 * ideal / ms,
-                  (peak - idle) / 1048576.0 - model_mib);
+                  100 * ideal / ms, activations);
       std::fflush(stdout);
     }
   }
