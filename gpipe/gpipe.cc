@@ -172,6 +172,19 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     TORCH_CHECK(parts == 0 || parts % v == 0, "GPipe virtual_stages ", v, " must divide the "
                 "number of partitions (", parts, ", balance {",
                 absl::StrJoin(options_.balance(), ", "), "}): each rank runs v of them");
+    const int64_t group = options_.microbatch_group();
+    TORCH_CHECK(group >= 0, "GPipe microbatch_group must be 0 (the number of ranks) or more, got ",
+                group);
+    TORCH_CHECK(group == 0 || options_.schedule() == ScheduleKind::kInterleaved,
+                "GPipe microbatch_group is ", group, " but the schedule is ",
+                schedule_kind_name(options_.schedule()), "; micro-batch groups are for "
+                "ScheduleKind::kInterleaved");
+    if (group != 0 && v > 1 && parts > 0) {
+      TORCH_CHECK(group >= parts / v && options_.chunks() % group == 0, "GPipe microbatch_group "
+                  "is ", group, "; it must be at least the number of ranks (", parts / v,
+                  " partitions of ", v, " virtual stages each) and divide chunks (",
+                  options_.chunks(), "), or be 0 for ", parts / v);
+    }
   }
   for (const auto j : c10::irange(partitions_.size())) {
     detail::ExecutorPartition p;

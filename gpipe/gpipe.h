@@ -98,6 +98,11 @@ struct GPipeOptions {
   /// With ScheduleKind::kInterleaved: partitions per rank (v). The balance then has n * v
   /// entries and rank r runs partitions r, r + n, ...; chunks must be a multiple of n.
   TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// With ScheduleKind::kInterleaved and v > 1: the micro-batches that go through a partition
+  /// before the rank's next one starts (Megatron-LM's microbatch_group_size_per_vp_stage): at
+  /// least n, and a divisor of the micro-batches; 0 means n. Larger groups leave the hops between
+  /// ranks more time, for more activations in flight (Note [Micro-batch groups] in schedule.h).
+  TORCH_ARG(int64_t, microbatch_group) = 0;
   /// A schedule of step() as text (gpipe::parse_schedule's format, one line per rank, stages =
   /// partitions, micro-batches = chunks) instead of `schedule`; checked at construction.
   TORCH_ARG(std::string, schedule_text) = "";

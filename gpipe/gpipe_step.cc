@@ -27,7 +27,7 @@ Schedule GPipeImpl::schedule(int64_t microbatches) const {
   const int64_t v = options_.virtual_stages();
   const int64_t ranks = static_cast<int64_t>(partitions_.size()) / v;
   if (options_.schedule() == ScheduleKind::kInterleaved) {
-    return interleaved_schedule(ranks, microbatches, v);
+    return interleaved_schedule(ranks, microbatches, v, options_.microbatch_group());
   }
   return make_schedule(options_.schedule(), ranks, microbatches);
 }

@@ -153,7 +153,8 @@ Schedule one_f_one_b_schedule(int64_t partitions, int64_t microbatches) {
   return schedule;
 }
 
-Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages) {
+Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages,
+                              int64_t microbatch_group) {
   check_counts("interleaved_schedule", partitions, microbatches);
   TORCH_CHECK(virtual_stages >= 1,
               "interleaved_schedule: the number of virtual stages (model chunks per rank) must be "
@@ -166,25 +167,30 @@ Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t 
     schedule.name = "interleaved";
     return schedule;
   }
-  TORCH_CHECK(m % n == 0, "interleaved_schedule: the number of micro-batches (", m,
-              ") must be a multiple of the number of partitions (", n,
-              ") with more than one virtual stage, e.g. ", (m / n + 1) * n);
+  // Note [Micro-batch groups]: g micro-batches go through a chunk before the next chunk starts.
+  const int64_t g = microbatch_group == 0 ? n : microbatch_group;
+  TORCH_CHECK(g >= n, "interleaved_schedule: the micro-batch group (", g, ") must be at least the "
+              "number of partitions (", n, "): with fewer, the first partition's next chunk "
+              "would wait for a micro-batch the last partition has not reached; 0 means ", n);
+  TORCH_CHECK(m % g == 0, "interleaved_schedule: the number of micro-batches (", m,
+              ") must be a multiple of ", g == n ? "the number of partitions (" : "the micro-batch "
+              "group (", g, ") with more than one virtual stage, e.g. ", (m / g + 1) * g);
   Schedule schedule;
   schedule.name = "interleaved";
   schedule.stages = n * v;
   schedule.microbatches = m;
   schedule.ranks.resize(n);
   for (int64_t s = 0; s < n * v; ++s) schedule.stage_ranks.push_back(s % n);
-  // Megatron-LM's order: the k-th forward of a rank runs chunk (k / n) % v on micro-batch
-  // (k / (n v)) n + k % n, so each group of n micro-batches goes through every chunk before the
+  // Megatron-LM's order: the k-th forward of a rank runs chunk (k / g) % v on micro-batch
+  // (k / (g v)) g + k % g, so each group of g micro-batches goes through every chunk before the
   // next group starts; the k-th backward runs the chunks in reverse.
   const int64_t total = v * m;
-  auto microbatch = [&](int64_t k) { return (k / (n * v)) * n + k % n; };
-  auto chunk = [&](int64_t k) { return (k / n) % v; };
+  auto microbatch = [&](int64_t k) { return (k / (g * v)) * g + k % g; };
+  auto chunk = [&](int64_t k) { return (k / g) % v; };
   for (int64_t r = 0; r < n; ++r) {
     auto& actions = schedule.ranks[r];
     warm_up_then_alternate(
-        std::min((n - r - 1) * 2 + (v - 1) * n, total),
+        std::min((n - r - 1) * 2 + (v - 1) * g, total),
         total, [&](int64_t k) { actions.push_back(forward(chunk(k) * n + r, microbatch(k))); },
         [&](int64_t k) {
           actions.push_back({ActionType::kBackward, (v - 1 - chunk(k)) * n + r, microbatch(k)});
@@ -235,15 +241,18 @@ std::string schedule_kind_name(ScheduleKind kind) {
 }
 
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
-                       int64_t virtual_stages) {
+                       int64_t virtual_stages, int64_t microbatch_group) {
   TORCH_CHECK(virtual_stages == 1 || kind == ScheduleKind::kInterleaved,
               "make_schedule: ", virtual_stages, " virtual stages given for the ",
               schedule_kind_name(kind), " schedule; only interleaved takes more than 1");
+  TORCH_CHECK(microbatch_group == 0 || kind == ScheduleKind::kInterleaved,
+              "make_schedule: a micro-batch group of ", microbatch_group, " given for the ",
+              schedule_kind_name(kind), " schedule; only interleaved takes one (0: none)");
   switch (kind) {
     case ScheduleKind::kGPipe: return gpipe_schedule(partitions, microbatches);
     case ScheduleKind::k1F1B: return one_f_one_b_schedule(partitions, microbatches);
     case ScheduleKind::kInterleaved:
-      return interleaved_schedule(partitions, microbatches, virtual_stages);
+      return interleaved_schedule(partitions, microbatches, virtual_stages, microbatch_group);
     case ScheduleKind::kZeroBubble: return zero_bubble_schedule(partitions, microbatches);
   }
   TORCH_CHECK(false, "make_schedule: unknown schedule kind");

@@ -77,10 +77,23 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 //   1F1B         min(n-s-1, m) forwards, then one F and one B in turn, then the remaining B;
 //                backwards in micro-batch order. In flight: min(n-s, m). Bubble as GPipe.
 //   interleaved  Megatron-LM's order over v stages per rank (m a multiple of n): rank r holds
-//                stages r, r+n, ...; in flight on rank r: min((n-r-1)*2 + (v-1)*n + 1, v*m)
-//                stage-micro-batches, each 1/v of a rank's layers. Bubble GPipe's divided by v.
+//                stages r, r+n, ...; in flight on rank r: min((n-r-1)*2 + (v-1)*g + 1, v*m)
+//                stage-micro-batches, each 1/v of a rank's layers, g micro-batches a group (n
+//                unless chosen: Note [Micro-batch groups]). Bubble GPipe's divided by v.
 //   ZB-H1        1F1B with B split into I and W; stage s delays up to s W so that the next I goes
 //                first. In flight: at most n. Bubble (n-1)(F+I-W) in time, 1F1B's (n-1)(F+I+W).
+
+// Note [Micro-batch groups]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Interleaving sends each micro-batch around the ranks v times, and in Megatron-LM's order a
+// rank's next chunk starts on micro-batch i as soon as the group of n micro-batches before it is
+// done: the output it needs left the last rank at most a task earlier. With free communication
+// that costs nothing; where a hop takes time (another process on a busy machine: about 0.2-0.6 ms
+// on the project's 2-core VM, docs/benchmarks.md), each wait for it lands on the critical path.
+// A larger group g (Megatron-LM's microbatch_group_size_per_vp_stage) runs g micro-batches through
+// a chunk before the next: the output then has g - n tasks' time to arrive. The price is memory:
+// (v - 1)(g - n) more stage-micro-batches in flight on every rank during the warm-up. The bubble
+// with free communication is the same.
 
 /// What an action does (Note [Schedules as data]).
 enum class ActionType : uint8_t {
@@ -146,8 +159,15 @@ Schedule one_f_one_b_schedule(int64_t partitions, int64_t microbatches);
 
 /// Interleaved 1F1B (Megatron-LM) with `virtual_stages` chunks per rank: rank r holds stages
 /// r, r + n, ..., the model cut into v * n stages. The bubble is GPipe's divided by v; m must be a
-/// multiple of n (Megatron's rule). With v = 1 it is one_f_one_b_schedule.
-Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages);
+/// multiple of n (Megatron's rule). With v = 1 it is one_f_one_b_schedule. `microbatch_group`
+/// (g, at least n; 0: n): how many micro-batches go through a chunk before the next chunk starts
+/// (Megatron-LM's microbatch_group_size_per_vp_stage; Note [Micro-batch groups]); m must then be
+/// a multiple of g.
+///
+///   auto schedule = gpipe::interleaved_schedule(/*partitions=*/2, /*microbatches=*/16,
+///                                               /*virtual_stages=*/2, /*microbatch_group=*/4);
+Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t virtual_stages,
+                              int64_t microbatch_group = 0);
 
 /// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with each backward split into I
 /// and W, stage s delaying up to s W; bubble (n - 1)(T_F + T_I - T_W), peak in flight n.
@@ -163,6 +183,6 @@ std::string schedule_kind_name(ScheduleKind kind);
 
 /// The schedule of `kind` (`virtual_stages` only for kInterleaved; 1 elsewhere).
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
-                       int64_t virtual_stages = 1);
+                       int64_t virtual_stages = 1, int64_t microbatch_group = 0);
 
 }  // namespace gpipe

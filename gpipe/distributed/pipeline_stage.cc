@@ -60,6 +60,19 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   TORCH_CHECK(v == 1 || interleaved, who, ": virtual_stages is ", v, " but the schedule is ",
               schedule_kind_name(options_.schedule()), "; virtual stages are for "
               "ScheduleKind::kInterleaved");
+  const int64_t mb_group = options_.microbatch_group();
+  TORCH_CHECK(mb_group >= 0, who, ": microbatch_group must be 0 (the number of stages) or more, "
+              "got ", mb_group);
+  TORCH_CHECK(mb_group == 0 || options_.schedule() == ScheduleKind::kInterleaved, who,
+              ": microbatch_group is ", mb_group, " but the schedule is ",
+              schedule_kind_name(options_.schedule()), "; micro-batch groups are for "
+              "ScheduleKind::kInterleaved");
+  const int64_t stage_count = static_cast<int64_t>(balance.size()) / v;
+  TORCH_CHECK(mb_group == 0 || v == 1 ||
+                  (mb_group >= stage_count && options_.chunks() % mb_group == 0),
+              who, ": microbatch_group is ", mb_group, "; it must be at least the number of "
+              "stages (", stage_count, ") and divide chunks (", options_.chunks(), "), or be 0 "
+              "for ", stage_count);
   TORCH_CHECK(options_.chunks() <= kMaxMicrobatches, who, ": chunks is ", options_.chunks(),
               "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
   verify_module(module);
@@ -259,6 +272,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
   fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule()));
   fields.emplace_back("virtual stages", options_.virtual_stages());
+  fields.emplace_back("micro-batch group", options_.microbatch_group());
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);

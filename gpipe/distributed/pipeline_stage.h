@@ -151,6 +151,13 @@ struct PipelineStageOptions {
   ///   PipelineStageOptions({2, 2, 2, 2}).schedule(ScheduleKind::kInterleaved)
   ///       .virtual_stages(2).chunks(4)
   TORCH_ARG(int64_t, virtual_stages) = 1;
+  /// With ScheduleKind::kInterleaved and v > 1: the micro-batches that go through a virtual
+  /// stage before the process's next one starts (Megatron-LM's
+  /// microbatch_group_size_per_vp_stage): at least n, and a divisor of the micro-batches; 0 means
+  /// n. A larger group gives each hop between processes more time to arrive before it is
+  /// needed, for more activations in flight (Note [Micro-batch groups] in schedule.h). The same
+  /// on every stage.
+  TORCH_ARG(int64_t, microbatch_group) = 0;
   /// The last stage's loss function; required there, ignored elsewhere.
   TORCH_ARG(LossFunction, loss) = nullptr;
   /// Record what each step did (forward and backward of each micro-batch); see timeline().

@@ -137,11 +137,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     }
     std::vector<Batch> microbatches = scatter(input, options_.chunks());
     const int64_t m = static_cast<int64_t>(microbatches.size());
-    TORCH_CHECK(!interleaved || m % stages == 0, who, ": the mini-batch of ", input[0].size(0),
-                " samples splits into ", m, " micro-batches (chunks ", options_.chunks(), "), but "
-                "the interleaved schedule needs a multiple of the ", stages, " stages; give a "
-                "mini-batch that splits into chunks micro-batches (at least chunks samples, "
-                "e.g. a multiple of chunks)");
+    const int64_t group = options_.microbatch_group();
+    TORCH_CHECK(!interleaved || m % (group > 0 ? group : stages) == 0, who, ": the mini-batch of ",
+                input[0].size(0), " samples splits into ", m, " micro-batches (chunks ",
+                options_.chunks(), "), but the interleaved schedule needs a multiple of ",
+                group > 0 ? "the micro-batch group, " : "the stages, ",
+                group > 0 ? group : stages, "; give a mini-batch that splits into chunks "
+                "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
     source = std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
   }
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
@@ -157,8 +159,9 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   }
   // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
   // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
-  const auto plan = [kind, stages, me, k, v, interleaved](int64_t m) {
-    std::vector<Action> mine = make_schedule(kind, stages, m, v).ranks[me];
+  const int64_t group = interleaved ? options_.microbatch_group() : 0;
+  const auto plan = [kind, stages, me, k, v, group, interleaved](int64_t m) {
+    std::vector<Action> mine = make_schedule(kind, stages, m, v, group).ranks[me];
     std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
     for (size_t j = 0; j < lanes.size(); ++j) {
       for (Action a : mine) {
@@ -176,7 +179,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     // a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one micro-batch,
     // where the two losses are the same).
     const bool whole = detail::forwards_before_backwards(
-        make_schedule(kind, stages, options_.chunks(), v).ranks, stages * v - 1);
+        make_schedule(kind, stages, options_.chunks(), v, group).ranks, stages * v - 1);
     sink = std::make_unique<detail::LossSink>(options_.loss(), target, whole, who);
   }
   // Note [When gradients' receives are posted] in remote_link.h.

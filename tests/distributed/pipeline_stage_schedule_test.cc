@@ -188,21 +188,26 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
                     .record_timeline(true));
     return;
   }
-  // (balance of the virtual stages, chunks, checkpoint mode). The skip stays in virtual stage 1;
-  // the tuple crosses from it to virtual stage 2 (with two processes: from the last stage back to
-  // the first).
-  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string>;
-  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "always"},
-                           Run{{1, 2, 1, 1, 1, 1}, 3, "except_last"},
-                           Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never"});
-  const auto& [balance, chunks, mode] = run;
+  // (balance of the virtual stages, chunks, checkpoint mode, micro-batch group). The skip stays
+  // in virtual stage 1; the tuple crosses from it to virtual stage 2 (with two processes: from
+  // the last stage back to the first). The last run groups 4 micro-batches per virtual stage
+  // (Note [Micro-batch groups]).
+  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string, int64_t>;
+  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "always", 0},
+                           Run{{1, 2, 1, 1, 1, 1}, 3, "except_last", 0},
+                           Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never", 0},
+                           Run{{1, 2, 2, 1}, 4, "except_last", 4});
+  const auto& [balance, chunks, mode, group] = run;
   std::string spec;
   for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
-  CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode);
-  const std::string folder = folder_for("interleaved_" + std::to_string(balance.size() / 2));
+  CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode
+                        << ", micro-batch group " << group);
+  const std::string folder = folder_for("interleaved_" + std::to_string(balance.size() / 2) +
+                                        (group > 0 ? "_group" : ""));
   check_stages(kInterleaved, folder,
                {{"GPIPE_TEST_SCHEDULE", "interleaved"}, {"GPIPE_TEST_BALANCE", spec},
-                {"GPIPE_TEST_CHUNKS", std::to_string(chunks)}, {"GPIPE_TEST_CHECKPOINT", mode}},
+                {"GPIPE_TEST_CHUNKS", std::to_string(chunks)}, {"GPIPE_TEST_CHECKPOINT", mode},
+                {"GPIPE_TEST_GROUP", std::to_string(group)}},
                /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
 }
 
@@ -259,6 +264,22 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().virtual_stages(0), gloo),
                             gpipe_test::contains("virtual_stages must be between 1 and 64, got 0"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().microbatch_group(1), gloo),
+        gpipe_test::contains("microbatch_group is 1; it must be at least the number of stages "
+                             "(2) and divide chunks (4), or be 0 for 2"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().microbatch_group(3), gloo),
+        gpipe_test::contains("microbatch_group is 3; it must be at least"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().microbatch_group(-2), gloo),
+        gpipe_test::contains("microbatch_group must be 0 (the number of stages) or more, got -2"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(),
+                      options().balance({3, 3}).virtual_stages(1).schedule(ScheduleKind::k1F1B)
+                          .microbatch_group(2),
+                      gloo),
+        gpipe_test::contains("microbatch_group is 2 but the schedule is 1f1b"));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().balance({1, 1, 2, 2}), gloo),
         gpipe_test::contains("is stashed in one virtual stage and popped in another"));

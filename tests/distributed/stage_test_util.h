@@ -200,6 +200,9 @@ inline void train_stage(PipelineStageOptions options) {
   if (local.size() == 2 && device.is_cuda()) local_devices = {device, c10::Device(c10::kCPU)};
   const char* schedule_name = std::getenv("GPIPE_TEST_SCHEDULE");
   const std::string schedule = schedule_name != nullptr ? schedule_name : "gpipe";
+  if (const char* group = std::getenv("GPIPE_TEST_GROUP")) {
+    options.microbatch_group(std::stoll(group));
+  }
   PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
                                  .local_devices(local_devices)
                                  .schedule(schedule_kind(schedule)), group);
@@ -224,7 +227,8 @@ inline void train_stage(PipelineStageOptions options) {
       // Each virtual stage keeps at most what the schedule's definition says (its simulation).
       const int64_t n = stage->stages(), v = options.virtual_stages();
       const int64_t m = options.chunks();
-      const ScheduleSimulation ideal = simulate_schedule(interleaved_schedule(n, m, v));
+      const ScheduleSimulation ideal =
+          simulate_schedule(interleaved_schedule(n, m, v, options.microbatch_group()));
       const std::map<int64_t, int64_t> peak = gpipe::testing::peak_in_flight(events);
       CATCH_CHECK(peak.size() == static_cast<size_t>(n * v));
       for (const auto& [p, most] : peak) {

@@ -153,6 +153,16 @@ CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedu
                                                "1f1b, interleaved or zb"));
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::k1F1B, 2, 4, 2),
                           gpipe_test::contains("only interleaved takes more than 1"));
+  CATCH_CHECK_THROWS_WITH(interleaved_schedule(3, 6, 2, 2),
+                          gpipe_test::contains("the micro-batch group (2) must be at least the "
+                                               "number of partitions (3)"));
+  CATCH_CHECK_THROWS_WITH(interleaved_schedule(2, 6, 2, 4),
+                          gpipe_test::contains("micro-batches (6) must be a multiple of the "
+                                               "micro-batch group (4) with more than one virtual "
+                                               "stage, e.g. 8"));
+  CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 2, 4, 1, 4),
+                          gpipe_test::contains("a micro-batch group of 4 given for the zb "
+                                               "schedule; only interleaved takes one"));
   for (const char* name : {"gpipe", "1f1b", "interleaved", "zb"}) {
     CATCH_CHECK(schedule_kind_name(schedule_kind(name)) == name);
     CATCH_CHECK(make_schedule(schedule_kind(name), 2, 4).name == name);
@@ -218,6 +228,39 @@ CATCH_TEST_CASE("ZB-H1: bubble (n-1)(F+I-W), a third of 1F1B's, peak in flight a
   costs.backward_weight = 0.5;
   const ScheduleSimulation cheap_w = simulate_schedule(zero_bubble_schedule(n, m), costs);
   CATCH_CHECK(cheap_w.makespan == gpipe_test::Approx(2.5 * m + (n - 1) * (1.0 + 1.0 - 0.5)));
+}
+
+CATCH_TEST_CASE("a larger micro-batch group keeps interleaving's bubble, holds more in flight and "
+                "hides slow hops",
+                "[schedule]") {
+  const int64_t n = GENERATE(2, 3, 4);
+  const int64_t v = GENERATE(2, 3);
+  const int64_t k = GENERATE(2, 4);  // the group: k n micro-batches
+  const int64_t m = 8 * n;
+  const int64_t g = k * n;
+  CATCH_CAPTURE(n, v, g, m);
+  const Schedule grouped = interleaved_schedule(n, m, v, g);
+  const Schedule plain = interleaved_schedule(n, m, v);
+  CATCH_REQUIRE_NOTHROW(check_schedule(grouped));
+  CATCH_REQUIRE_NOTHROW(check_schedule(with_communication(grouped)));
+  CATCH_CHECK(schedule_text(interleaved_schedule(n, m, v, n)) == schedule_text(plain));
+  // Rank 0 warms up with (n - 1) * 2 + (v - 1) * g forwards, the first g micro-batches through
+  // chunk 0 first.
+  for (int64_t i = 0; i < g; ++i) CATCH_CHECK(grouped.ranks[0][i] == (Action{ActionType::kForward, 0, i}));
+  CATCH_CHECK(grouped.ranks[0][g] == (Action{ActionType::kForward, n, 0}));
+  ActionCosts chunk;
+  chunk.forward = chunk.backward_input = chunk.backward_weight = 1.0 / v;
+  const ScheduleSimulation sim = simulate_schedule(grouped, chunk);
+  CATCH_CHECK(sim.bubble == gpipe_test::Approx(simulate_schedule(plain, chunk).bubble));
+  for (int64_t r = 0; r < n; ++r) {
+    CATCH_CHECK(sim.peak_in_flight[r] == std::min((n - r - 1) * 2 + (v - 1) * g + 1, v * m));
+  }
+  // A hop of a whole chunk's forward: the larger group's step is shorter (Note [Micro-batch
+  // groups]).
+  ActionCosts slow = chunk;
+  slow.transfer = 1.0 / v;
+  CATCH_CHECK(simulate_schedule(with_communication(grouped), slow).makespan <
+              simulate_schedule(with_communication(plain), slow).makespan);
 }
 
 CATCH_TEST_CASE("every generated schedule checks, with its transfers too, at the same cost",

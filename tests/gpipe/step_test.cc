@@ -157,6 +157,55 @@ CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer s
   check_same(running_stats(*plain), running_stats(*model), 1e-10);
 }
 
+CATCH_TEST_CASE("Interleaved with a micro-batch group of 4 trains as the plain Sequential",
+                "[gpipe][step][transparency]") {
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_CAPTURE(static_cast<int>(mode));
+  nn::Sequential plain = build(skip_model, 3);
+  const int64_t chunks = 8;
+  GPipe model(build(skip_model, 3), GPipeOptions(balance_of(4))
+                                        .devices(std::vector<c10::Device>(4, at::kCPU))
+                                        .chunks(chunks)
+                                        .checkpoint(mode)
+                                        .schedule(ScheduleKind::kInterleaved)
+                                        .virtual_stages(2)
+                                        .microbatch_group(4));
+  CATCH_CHECK(schedule_text(model->schedule(chunks)) ==
+              schedule_text(interleaved_schedule(2, chunks, 2, 4)));
+  auto plain_opt = optimizer("sgd", plain->parameters());
+  auto pipe_opt = optimizer("sgd", model->parameters());
+  for (int step = 0; step < 4; ++step) {
+    at::manual_seed(300 + step);
+    const at::Tensor x = at::randn({16, 5}, at::kDouble);
+    const at::Tensor y = at::randn({16, 3}, at::kDouble);
+    plain_opt->zero_grad();
+    pipe_opt->zero_grad();
+    const double expected = plain_step(plain, Batch(x), y, chunks, /*whole=*/false);
+    CATCH_CHECK(model->step(x, y, mse).item<double>() ==
+                gpipe_test::Approx(expected).epsilon(1e-12));
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    plain_opt->step();
+    pipe_opt->step();
+  }
+  check_same(plain->parameters(), model->parameters(), 1e-10);
+  // What it refuses, naming the option.
+  const auto options = [] {
+    return GPipeOptions(balance_of(4)).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(8)
+        .schedule(ScheduleKind::kInterleaved).virtual_stages(2);
+  };
+  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(3)),
+                          gpipe_test::contains("GPipe microbatch_group is 3; it must be at least "
+                                               "the number of ranks (2 partitions of 2 virtual "
+                                               "stages each) and divide chunks (8), or be 0 for 2"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(-1)),
+                          gpipe_test::contains("GPipe microbatch_group must be 0 (the number of "
+                                               "ranks) or more, got -1"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 3),
+            options().virtual_stages(1).schedule(ScheduleKind::k1F1B).microbatch_group(4)),
+      gpipe_test::contains("GPipe microbatch_group is 4 but the schedule is 1f1b"));
+}
+
 CATCH_TEST_CASE("step's input gradient reaches layers before the GPipe as in the plain model",
                 "[gpipe][step]") {
   const std::string kind = GENERATE("gpipe", "1f1b", "zb");
