@@ -235,9 +235,9 @@ CATCH_TEST_CASE("a larger micro-batch group keeps interleaving's bubble, holds m
                 "[schedule]") {
   const int64_t n = GENERATE(2, 3, 4);
   const int64_t v = GENERATE(2, 3);
-  const int64_t k = GENERATE(2, 4);  // the group: k n micro-batches
-  const int64_t m = 8 * n;
-  const int64_t g = k * n;
+  const int64_t extra = GENERATE(0, 1, 3);  // the group: n + 1, 2n or 4n micro-batches
+  const int64_t g = extra == 0 ? n + 1 : (extra + 1) * n;
+  const int64_t m = 2 * g * n;  // a multiple of both groups
   CATCH_CAPTURE(n, v, g, m);
   const Schedule grouped = interleaved_schedule(n, m, v, g);
   const Schedule plain = interleaved_schedule(n, m, v);
