@@ -229,8 +229,9 @@ int main(int argc, char** argv) {
   if (rank0) {
     std::printf("two-process pipeline, training step (%s schedule): 2 stages of %d x Linear(%ld, "
                 "%ld) + Tanh, %ld rows per micro-batch, float32, 1 thread per process, median of "
-                "%d steps\n", absl::GetFlag(FLAGS_schedule).c_str(), layers, width, width, rows,
-                absl::GetFlag(FLAGS_steps));
+                "%d steps in each of %d rounds (speed-up: the median of the rounds')\n",
+                absl::GetFlag(FLAGS_schedule).c_str(), layers, width, width, rows,
+                absl::GetFlag(FLAGS_steps), std::max(1, absl::GetFlag(FLAGS_rounds)));
     std::printf("%4s %12s %12s %9s %7s %9s | %18s %9s %9s\n", "m", "serial ms", "2 procs ms",
                 "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }

@@ -152,6 +152,27 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   }
   // step(): the schedule's ranks and their threads (Note [One executor]).
   const int64_t parts = static_cast<int64_t>(partitions_.size());
+  {
+    // Note [Micro-batch groups] in schedule.h.
+    const int64_t group = options_.microbatch_group();
+    const int64_t v = options_.virtual_stages();
+    TORCH_CHECK(group >= 0, "GPipe microbatch_group must be 0 (the number of ranks) or more, got ",
+                group);
+    TORCH_CHECK(group == 0 || options_.schedule_text().empty(), "GPipe microbatch_group is ",
+                group, " but a schedule_text is given, which sets the order itself; leave "
+                "microbatch_group 0");
+    TORCH_CHECK(group == 0 || (options_.schedule() == ScheduleKind::kInterleaved && v > 1),
+                "GPipe microbatch_group is ", group, " but the schedule is ",
+                schedule_kind_name(options_.schedule()), " with ", v, " virtual stage",
+                v == 1 ? "" : "s", "; micro-batch groups are for ScheduleKind::kInterleaved with "
+                "virtual_stages of 2 or more");
+    if (group != 0 && v > 0 && parts > 0 && parts % v == 0) {
+      TORCH_CHECK(group >= parts / v && options_.chunks() % group == 0, "GPipe microbatch_group "
+                  "is ", group, "; it must be at least the number of ranks (", parts / v, ": ",
+                  parts, " partitions, ", v, " virtual stages per rank) and divide chunks (",
+                  options_.chunks(), "), or be 0 for ", parts / v);
+    }
+  }
   if (!options_.schedule_text().empty()) {
     auto parsed = std::make_shared<Schedule>(parse_schedule(options_.schedule_text()));
     TORCH_CHECK(parsed->stages == parts, "GPipe schedule_text has ", parsed->stages,
@@ -172,19 +193,6 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     TORCH_CHECK(parts == 0 || parts % v == 0, "GPipe virtual_stages ", v, " must divide the "
                 "number of partitions (", parts, ", balance {",
                 absl::StrJoin(options_.balance(), ", "), "}): each rank runs v of them");
-    const int64_t group = options_.microbatch_group();
-    TORCH_CHECK(group >= 0, "GPipe microbatch_group must be 0 (the number of ranks) or more, got ",
-                group);
-    TORCH_CHECK(group == 0 || options_.schedule() == ScheduleKind::kInterleaved,
-                "GPipe microbatch_group is ", group, " but the schedule is ",
-                schedule_kind_name(options_.schedule()), "; micro-batch groups are for "
-                "ScheduleKind::kInterleaved");
-    if (group != 0 && v > 1 && parts > 0) {
-      TORCH_CHECK(group >= parts / v && options_.chunks() % group == 0, "GPipe microbatch_group "
-                  "is ", group, "; it must be at least the number of ranks (", parts / v,
-                  " partitions of ", v, " virtual stages each) and divide chunks (",
-                  options_.chunks(), "), or be 0 for ", parts / v);
-    }
   }
   for (const auto j : c10::irange(partitions_.size())) {
     detail::ExecutorPartition p;

@@ -162,6 +162,8 @@ Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t 
   const int64_t n = partitions;
   const int64_t m = microbatches;
   const int64_t v = virtual_stages;
+  TORCH_CHECK(microbatch_group >= 0, "interleaved_schedule: the micro-batch group must be 0 (the "
+              "number of partitions) or more, got ", microbatch_group);
   if (v == 1) {
     Schedule schedule = one_f_one_b_schedule(n, m);
     schedule.name = "interleaved";

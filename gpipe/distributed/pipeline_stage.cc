@@ -63,16 +63,10 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   const int64_t mb_group = options_.microbatch_group();
   TORCH_CHECK(mb_group >= 0, who, ": microbatch_group must be 0 (the number of stages) or more, "
               "got ", mb_group);
-  TORCH_CHECK(mb_group == 0 || options_.schedule() == ScheduleKind::kInterleaved, who,
-              ": microbatch_group is ", mb_group, " but the schedule is ",
-              schedule_kind_name(options_.schedule()), "; micro-batch groups are for "
-              "ScheduleKind::kInterleaved");
-  const int64_t stage_count = static_cast<int64_t>(balance.size()) / v;
-  TORCH_CHECK(mb_group == 0 || v == 1 ||
-                  (mb_group >= stage_count && options_.chunks() % mb_group == 0),
-              who, ": microbatch_group is ", mb_group, "; it must be at least the number of "
-              "stages (", stage_count, ") and divide chunks (", options_.chunks(), "), or be 0 "
-              "for ", stage_count);
+  TORCH_CHECK(mb_group == 0 || (interleaved && v > 1), who, ": microbatch_group is ", mb_group,
+              " but the schedule is ", schedule_kind_name(options_.schedule()), " with ", v,
+              " virtual stage", v == 1 ? "" : "s", "; micro-batch groups are for "
+              "ScheduleKind::kInterleaved with virtual_stages of 2 or more");
   TORCH_CHECK(options_.chunks() <= kMaxMicrobatches, who, ": chunks is ", options_.chunks(),
               "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
   verify_module(module);
@@ -90,9 +84,16 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                 ": with the interleaved schedule each of a stage's virtual stages is a partition "
                 "of its own; local_balance and local_devices cannot split them further (leave "
                 "them empty)");
-    TORCH_CHECK(options_.chunks() % ranks == 0, who, ": the interleaved schedule needs chunks to "
-                "be a multiple of the number of stages (", ranks, "), got ",
-                options_.chunks());
+    if (mb_group == 0) {
+      TORCH_CHECK(options_.chunks() % ranks == 0, who, ": the interleaved schedule needs chunks "
+                  "to be a multiple of the number of stages (", ranks, "), got ",
+                  options_.chunks());
+    } else {
+      TORCH_CHECK(mb_group >= ranks && options_.chunks() % mb_group == 0, who,
+                  ": microbatch_group is ", mb_group, "; it must be at least the number of "
+                  "stages (", ranks, ") and divide chunks (", options_.chunks(), "), or be 0 "
+                  "for ", ranks);
+    }
   }
   // Only this stage's layers move to its device; the others stay on the CPU.
   std::vector<c10::Device> devices(balance.size(), c10::Device(c10::kCPU));

@@ -271,6 +271,9 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().microbatch_group(3), gloo),
         gpipe_test::contains("microbatch_group is 3; it must be at least"));
+    // A group need not be a multiple of the stages: 3 of 2 stages, chunks 3.
+    CATCH_CHECK_NOTHROW(
+        PipelineStage(make_model(), options().microbatch_group(3).chunks(3), gloo));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().microbatch_group(-2), gloo),
         gpipe_test::contains("microbatch_group must be 0 (the number of stages) or more, got -2"));

@@ -16,6 +16,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tanh.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <numeric>
@@ -234,6 +235,30 @@ inline void train_stage(PipelineStageOptions options) {
       for (const auto& [p, most] : peak) {
         CATCH_CAPTURE(p);
         CATCH_CHECK(most <= ideal.stage_peak_in_flight.at(static_cast<size_t>(p)));
+      }
+      // Each process ran its forwards and backwards in the schedule's order (with a micro-batch
+      // group: the group's, Note [Micro-batch groups]).
+      const Schedule planned = interleaved_schedule(n, m, v, options.microbatch_group());
+      for (int64_t r = 0; r < n; ++r) {
+        std::vector<const TimelineEvent*> mine;
+        for (const TimelineEvent& e : events) {
+          const bool step = e.kind == TimelineEvent::Kind::kCompute ||
+                            e.kind == TimelineEvent::Kind::kBackward;
+          if (step && e.partition % n == r) mine.push_back(&e);
+        }
+        std::sort(mine.begin(), mine.end(), [](const TimelineEvent* a, const TimelineEvent* b) {
+          return a->start_us < b->start_us;
+        });
+        std::vector<std::string> ran, order;
+        for (const TimelineEvent* e : mine) {
+          ran.push_back(to_string(Action{e->kind == TimelineEvent::Kind::kCompute
+                                             ? ActionType::kForward
+                                             : ActionType::kBackward,
+                                         e->partition, e->microbatch}));
+        }
+        for (const Action& a : planned.ranks[static_cast<size_t>(r)]) order.push_back(to_string(a));
+        CATCH_CAPTURE(r);
+        CATCH_CHECK(ran == order);
       }
     } else {
       // 1F1B and ZB-H1 keep at most n - s micro-batches in flight on stage s of n = 2 (ZB-H1's

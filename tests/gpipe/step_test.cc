@@ -195,8 +195,20 @@ CATCH_TEST_CASE("Interleaved with a micro-batch group of 4 trains as the plain S
   };
   CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(3)),
                           gpipe_test::contains("GPipe microbatch_group is 3; it must be at least "
-                                               "the number of ranks (2 partitions of 2 virtual "
-                                               "stages each) and divide chunks (8), or be 0 for 2"));
+                                               "the number of ranks (2: 4 partitions, 2 virtual "
+                                               "stages per rank) and divide chunks (8), or be 0 "
+                                               "for 2"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().virtual_stages(1)
+                                                          .microbatch_group(4)),
+                          gpipe_test::contains("GPipe microbatch_group is 4 but the schedule is "
+                                               "interleaved with 1 virtual stage; micro-batch "
+                                               "groups are for ScheduleKind::kInterleaved with "
+                                               "virtual_stages of 2 or more"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 3),
+            options().schedule_text(schedule_text(interleaved_schedule(2, 8, 2)))
+                .microbatch_group(4)),
+      gpipe_test::contains("GPipe microbatch_group is 4 but a schedule_text is given"));
   CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(-1)),
                           gpipe_test::contains("GPipe microbatch_group must be 0 (the number of "
                                                "ranks) or more, got -1"));
