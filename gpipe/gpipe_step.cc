@@ -26,10 +26,7 @@ Schedule GPipeImpl::schedule(int64_t microbatches) const {
   }
   const int64_t v = options_.virtual_stages();
   const int64_t ranks = static_cast<int64_t>(partitions_.size()) / v;
-  if (options_.schedule() == ScheduleKind::kInterleaved) {
-    return interleaved_schedule(ranks, microbatches, v, options_.microbatch_group());
-  }
-  return make_schedule(options_.schedule(), ranks, microbatches);
+  return make_schedule(options_.schedule(), ranks, microbatches, v, options_.microbatch_group());
 }
 
 at::Tensor GPipeImpl::step(const at::Tensor& input, const at::Tensor& target,

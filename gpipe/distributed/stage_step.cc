@@ -129,6 +129,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   std::unique_ptr<detail::InputSource> source;
   std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
+  // Note [Micro-batch groups] in schedule.h (0: the default, n).
+  const int64_t group = interleaved ? options_.microbatch_group() : 0;
   if (is_first()) {
     check_input(input);
     for (const at::Tensor& t : input.values()) {
@@ -137,7 +139,6 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     }
     std::vector<Batch> microbatches = scatter(input, options_.chunks());
     const int64_t m = static_cast<int64_t>(microbatches.size());
-    const int64_t group = options_.microbatch_group();
     TORCH_CHECK(!interleaved || m % (group > 0 ? group : stages) == 0, who, ": the mini-batch of ",
                 input[0].size(0), " samples splits into ", m, " micro-batches (chunks ",
                 options_.chunks(), "), but the interleaved schedule needs a multiple of ",
@@ -159,7 +160,6 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   }
   // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
   // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
-  const int64_t group = interleaved ? options_.microbatch_group() : 0;
   const auto plan = [kind, stages, me, k, v, group, interleaved](int64_t m) {
     std::vector<Action> mine = make_schedule(kind, stages, m, v, group).ranks[me];
     std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
