@@ -18,6 +18,8 @@
 // --schedule=1f1b, zb or interleaved runs the stages under that schedule (speed only; interleaved:
 // --virtual_stages per process, each a slice of the stage's blocks, and even m only;
 // --microbatch_group g for the m that g divides, Note [Micro-batch groups] in gpipe/schedule.h).
+// --bind_cores_to_rank binds each process to a core of its own (Note [Binding cores to ranks] in
+// gpipe/distributed/core_binding.h); rank 0's runs alone stay on every core.
 
 #include <algorithm>
 #include <chrono>
@@ -40,6 +42,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "benchmarks/timing.h"
+#include "gpipe/distributed/core_binding.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/schedule.h"
@@ -63,6 +66,10 @@ ABSL_FLAG(std::string, schedule, "gpipe",
           "the stages' schedule: gpipe, 1f1b, interleaved or zb (ideal: one thread's time / 2 / "
           "(1 - the schedule's simulated bubble, F = I = W = 1))");
 ABSL_FLAG(int64_t, virtual_stages, 2, "with --schedule=interleaved: virtual stages per process");
+ABSL_FLAG(bool, bind_cores_to_rank, false,
+          "bind each process to its share of the host's cores (Note [Binding cores to ranks] in "
+          "gpipe/distributed/core_binding.h); rank 0's one-process runs (the serial baseline and "
+          "the two partitions) run unbound, on every core");
 ABSL_FLAG(int64_t, microbatch_group, 0,
           "with --schedule=interleaved: micro-batches per group (0: the stages, 2), for each m "
           "that it divides (the others: 2)");
@@ -208,6 +215,10 @@ double gpipe_ms(int64_t width, int layers, int64_t rows, int64_t m) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  // Before any thread starts (Gloo's, the stages'): they inherit the binding.
+  const std::vector<int> all_cpus = gpipe::distributed::allowed_cpus();
+  std::vector<int> own_cpus = all_cpus;
+  if (absl::GetFlag(FLAGS_bind_cores_to_rank)) own_cpus = gpipe::distributed::bind_cores_to_rank();
   gpipe_benchmarks::keep_freed_memory();
   gpipe::set_intra_op_threads(1);
   const gpipe::distributed::GroupOptions options = gpipe::distributed::options_from_env();
@@ -232,6 +243,10 @@ int main(int argc, char** argv) {
                 "%d steps in each of %d rounds (speed-up: the median of the rounds')\n",
                 absl::GetFlag(FLAGS_schedule).c_str(), layers, width, width, rows,
                 absl::GetFlag(FLAGS_steps), std::max(1, absl::GetFlag(FLAGS_rounds)));
+    if (own_cpus != all_cpus) {
+      std::printf("each process bound to its share of CPUs {%s} (rank 0: {%s})\n",
+                  absl::StrJoin(all_cpus, ", ").c_str(), absl::StrJoin(own_cpus, ", ").c_str());
+    }
     std::printf("%4s %12s %12s %9s %7s %9s | %18s %9s %9s\n", "m", "serial ms", "2 procs ms",
                 "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }
@@ -249,8 +264,11 @@ int main(int argc, char** argv) {
       const int warmup = r == 0 ? 2 : 0;
       pipeds.push_back(time_ms(pipeline, warmup));
       if (rank0) {
+        // Alone on the host: unbound, so that these one-process runs may use every core.
+        if (own_cpus != all_cpus) gpipe::distributed::bind_to_cpus(all_cpus);
         serials.push_back(time_ms(serial_run, warmup));
         partss.push_back(time_ms(parts_run, warmup));
+        if (own_cpus != all_cpus) gpipe::distributed::bind_to_cpus(own_cpus);
         speedups.push_back(serials.back() / pipeds.back());
         parts_speedups.push_back(serials.back() / partss.back());
       }
@@ -308,7 +326,10 @@ int main(int argc, char** argv) {
   const int64_t m = 32;
   const double piped = pipeline_ms(group, 16, 1, 1, m);
   double local = 0;
-  if (rank0) local = gpipe_ms(16, 1, 1, m);
+  if (rank0) {
+    gpipe::distributed::bind_to_cpus(all_cpus);  // alone, as the serial baseline
+    local = gpipe_ms(16, 1, 1, m);
+  }
   group->barrier()->wait();
   if (!rank0) return 0;
   const double tasks = 2.0 * m;  // (micro-batch, stage) pairs, each with a forward and a backward
@@ -319,7 +340,8 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f %14.1f\n", "one process (GPipe, 2 workers)", local,
               1000 * local / tasks);
   const std::string json = absl::StrCat(
-      "{\"speed\": [", absl::StrJoin(speed_json, ", "), "], ",
+      "{\"bound_cpus\": [", absl::StrJoin(own_cpus, ", "), "], \"speed\": [",
+      absl::StrJoin(speed_json, ", "), "], ",
       absl::StrFormat("\"overhead\": {\"m\": %d, \"two_processes_ms\": %.3f, "
                       "\"one_process_ms\": %.3f}}", m, piped, local));
   std::printf("%s\n", json.c_str());

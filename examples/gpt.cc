@@ -55,6 +55,10 @@ ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never"
 ABSL_FLAG(std::string, schedule, "gpipe",
           "gpipe (forward() and backward()), or 1f1b, interleaved, zb (GPipe::step)");
 ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved: partitions per worker");
+ABSL_FLAG(int64_t, microbatch_group, 0,
+          "with --schedule=interleaved: micro-batches that go through a virtual stage before "
+          "the next (Megatron-LM's microbatch_group_size_per_vp_stage; 0: the workers, or "
+          "stages, which gives the usual interleaved 1F1B)");
 ABSL_FLAG(std::string, plan, "",
           "a plan from //balancing:balance --plan --plan_out=<file> (--model=gpt_<L>_<D> "
           "--batch=<batch_size>): its partitions, devices, balance, micro-batches, checkpoint mode, "
@@ -209,6 +213,7 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                      .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
                      .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
                      .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
+                     .microbatch_group(absl::GetFlag(FLAGS_microbatch_group))
                      .loss([](const Batch& logits, const at::Tensor& targets) {
                        return models::next_token_loss(logits.tensor(), targets);
                      });
@@ -294,6 +299,7 @@ int run() {
   flags.checkpoint = absl::GetFlag(FLAGS_checkpoint);
   flags.schedule = absl::GetFlag(FLAGS_schedule);
   flags.virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  flags.microbatch_group = absl::GetFlag(FLAGS_microbatch_group);
   flags.threads = absl::GetFlag(FLAGS_threads);
   flags.balance_from = absl::GetFlag(FLAGS_balance);
   const training::PipelineShape shape = training::apply_plan(flags, absl::GetFlag(FLAGS_plan));
@@ -333,6 +339,7 @@ int run() {
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(schedule_kind(schedule))
                   .virtual_stages(shape.virtual_stages)
+                  .microbatch_group(shape.microbatch_group)
                   .record_timeline(!absl::GetFlag(FLAGS_svg).empty()));
   int64_t parameters = 0;
   for (const at::Tensor& p : model->parameters()) parameters += p.numel();

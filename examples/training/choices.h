@@ -39,6 +39,8 @@ struct PipelineShape {
   std::string checkpoint = "except_last";
   std::string schedule = "gpipe";
   int64_t virtual_stages = 1;
+  /// Interleaved: micro-batches per group (Note [Micro-batch groups]; 0: the schedule's default).
+  int64_t microbatch_group = 0;
   int64_t threads = 0;
   /// The plan's balance; empty: choose_balance with --balance.
   std::vector<int64_t> balance;

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "examples/training/common.h"
+#include "gpipe/distributed/core_binding.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/saved_training.h"
 #include "gpipe/trace.h"
@@ -32,6 +33,7 @@ ABSL_DECLARE_FLAG(int64_t, chunks);
 ABSL_DECLARE_FLAG(std::string, checkpoint);
 ABSL_DECLARE_FLAG(std::string, schedule);
 ABSL_DECLARE_FLAG(int64_t, virtual_stages);
+ABSL_DECLARE_FLAG(int64_t, microbatch_group);
 ABSL_DECLARE_FLAG(int64_t, epochs);
 ABSL_DECLARE_FLAG(int64_t, steps);
 ABSL_DECLARE_FLAG(int64_t, test_batches);
@@ -44,6 +46,7 @@ ABSL_DECLARE_FLAG(std::string, trace);
 ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(bool, amp);
 ABSL_DECLARE_FLAG(int64_t, stage_partitions);
+ABSL_DECLARE_FLAG(bool, bind_cores_to_rank);
 ABSL_DECLARE_FLAG(std::string, save);
 ABSL_DECLARE_FLAG(std::string, resume);
 ABSL_DECLARE_FLAG(std::string, backend);
@@ -85,6 +88,9 @@ int train_distributed(const TrainerModel& trainer) {
               "carries GPU tensors only; add --devices=cuda (each process on the GPU of its "
               "LOCAL_RANK)");
   TORCH_CHECK(!absl::GetFlag(FLAGS_amp), "--amp is not supported with --distributed yet");
+  // Before the groups start Gloo's threads, which inherit it (Note [Binding cores to ranks]).
+  std::vector<int> bound_cpus;
+  if (absl::GetFlag(FLAGS_bind_cores_to_rank)) bound_cpus = dist::bind_cores_to_rank();
   const dist::GroupOptions options =
       dist::options_from_env().backend(absl::GetFlag(FLAGS_backend));
   const c10::Device device = devices == "cuda"
@@ -102,9 +108,12 @@ int train_distributed(const TrainerModel& trainer) {
               " and --stage_partitions ", per_stage, " do not combine: with the interleaved "
               "schedule each virtual stage is a partition of its own");
   const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
-  // The cores of this host divided among its processes' partitions.
-  const int local = std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1);
-  const int64_t cores = std::max<int64_t>(std::thread::hardware_concurrency(), 1);
+  // The cores of this host divided among its processes' partitions (bound: this process's).
+  const int local =
+      bound_cpus.empty() ? std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1) : 1;
+  const int64_t cores = bound_cpus.empty()
+                            ? std::max<int64_t>(std::thread::hardware_concurrency(), 1)
+                            : static_cast<int64_t>(bound_cpus.size());
   set_intra_op_threads(static_cast<int>(
       absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
                                        : std::max<int64_t>(cores / (local * per_stage), 1)));
@@ -146,7 +155,8 @@ int train_distributed(const TrainerModel& trainer) {
                                 .checkpoint(checkpoint).loss(cross_entropy).device(device)
                                 .local_balance(local_balance).record_timeline(true)
                                 .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                                .virtual_stages(virtual_stages),
+                                .virtual_stages(virtual_stages)
+                                .microbatch_group(absl::GetFlag(FLAGS_microbatch_group)),
                             groups.pipeline, groups.replica_group);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
   const bool reporter = stage->is_last() && groups.replica == 0;
@@ -157,7 +167,7 @@ int train_distributed(const TrainerModel& trainer) {
                 data.name.c_str(), static_cast<long long>(model->size()), parameters / 1e6);
     std::printf("distributed: %d processes = %d stages x %d replicas; balance {%s}%s; %lld "
                 "micro-batches of each replica's %lld images; checkpoint %s; schedule %s; %d intra-op "
-                "thread%s per %s\n",
+                "thread%s per %s%s\n",
                 options.world_size(), stages, groups.replicas,
                 absl::StrJoin(balance, ", ").c_str(),
                 per_stage > 1
@@ -170,7 +180,12 @@ int train_distributed(const TrainerModel& trainer) {
                 static_cast<long long>(batch_size / groups.replicas),
                 absl::GetFlag(FLAGS_checkpoint).c_str(), absl::GetFlag(FLAGS_schedule).c_str(),
                 at::get_num_threads(),
-                at::get_num_threads() == 1 ? "" : "s", per_stage > 1 ? "partition" : "process");
+                at::get_num_threads() == 1 ? "" : "s", per_stage > 1 ? "partition" : "process",
+                bound_cpus.empty()
+                    ? ""
+                    : absl::StrCat("; each process bound to its share of the host's cores "
+                                   "(this one's: {", absl::StrJoin(bound_cpus, ", "), "})")
+                          .c_str());
     std::fflush(stdout);
   }
 

@@ -74,6 +74,10 @@ ABSL_FLAG(std::string, schedule, "gpipe",
 ABSL_FLAG(int64_t, virtual_stages, 1,
           "with --schedule=interleaved: partitions per worker (divides --partitions); with "
           "--distributed, virtual stages per process");
+ABSL_FLAG(int64_t, microbatch_group, 0,
+          "with --schedule=interleaved: micro-batches that go through a virtual stage before "
+          "the next (Megatron-LM's microbatch_group_size_per_vp_stage; 0: the workers, or "
+          "stages, which gives the usual interleaved 1F1B)");
 ABSL_FLAG(bool, amp, false, "autocast: bfloat16 on the CPU, float16 on CUDA (with loss scaling)");
 ABSL_FLAG(int64_t, epochs, 2, "passes over the training set");
 ABSL_FLAG(int64_t, steps, 0, "stop each epoch after this many steps (0: the whole training set)");
@@ -93,6 +97,10 @@ ABSL_FLAG(bool, distributed, false,
 ABSL_FLAG(std::string, backend, "gloo",
           "with --distributed: gloo (tensors cross processes through the CPU) or nccl (GPU to "
           "GPU; with --devices=cuda)");
+ABSL_FLAG(bool, bind_cores_to_rank, false,
+          "with --distributed: bind each process to its share of the host's cores (torchrun's "
+          "LOCAL_RANK of LOCAL_WORLD_SIZE; gpipe::distributed::bind_cores_to_rank), which helps "
+          "where the processes fill the cores");
 ABSL_FLAG(int64_t, stage_partitions, 1,
           "with --distributed: split each stage into this many partitions, each on a thread of "
           "its own (PipelineStageOptions::local_balance); --balance then has stages x this "
@@ -210,6 +218,7 @@ int train(const TrainerModel& trainer) {
   flags.checkpoint = absl::GetFlag(FLAGS_checkpoint);
   flags.schedule = absl::GetFlag(FLAGS_schedule);
   flags.virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  flags.microbatch_group = absl::GetFlag(FLAGS_microbatch_group);
   flags.threads = absl::GetFlag(FLAGS_threads);
   flags.balance_from = absl::GetFlag(FLAGS_balance);
   const PipelineShape shape = apply_plan(flags, absl::GetFlag(FLAGS_plan));
@@ -247,6 +256,7 @@ int train(const TrainerModel& trainer) {
                         .stage_local_backward(stage_local)
                         .schedule(schedule_kind(schedule))
                         .virtual_stages(shape.virtual_stages)
+                        .microbatch_group(shape.microbatch_group)
                         .record_timeline(true));
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
   const bool use_step = schedule != "gpipe";

@@ -50,8 +50,11 @@ namespace {
 // `merge` its forward how far the merge got (Note [A forward that fails on some replicas]).
 struct ReplicaStatistics {
   void operator()(std::vector<BatchNormStatistics>& stats) const {
-    merge->entered = true;
-    combine_statistics(group, stats, device);
+    // Entered once the all-gather is posted: a failure before it (packing the statistics) is
+    // this replica's alone, which its failed forward then tells the others in their all-gather.
+    const std::shared_ptr<detail::StatisticsMerge> m = merge;
+    combine_statistics(group, stats, device, nullptr, /*failed_here=*/false,
+                       [m] { m->entered = true; });
     merge->done = true;
   }
   ProcessGroup group;

@@ -43,7 +43,9 @@ namespace distributed {
 // group's timeout. So the failed replica, before it throws its own error, joins the collective
 // the others are in: when they merge batch norm statistics and it failed before its own merge,
 // the all-gather, its failure flagged there (every replica's forward then throws, the others'
-// naming it: "the forward failed on rank r of n"; no replica updates its running statistics);
+// naming it: "the forward failed on rank r of n"; no replica updates its running statistics) —
+// "before its own merge" meaning before its all-gather was posted, so a failure while it packed
+// its statistics counts too;
 // otherwise, when their forward will be followed by a reducing backward (grad mode on, outside
 // no_sync), the all-reduces of the backward's end, with its failure marked (Note [A backward that
 // fails on some replicas] in gradient_reducer.h: their backward throws naming it). Either way

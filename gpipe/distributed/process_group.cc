@@ -287,14 +287,28 @@ void check_collective(const ProcessGroup& group, const std::string& what,
   }
 }
 
+namespace {
+std::function<void()>& all_gather_hook() {
+  static std::function<void()> hook;
+  return hook;
+}
+}  // namespace
+
+void internal::set_all_gather_hook(std::function<void()> hook) {
+  all_gather_hook() = std::move(hook);
+}
+
 std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
                                    c10::Device local, const std::string& what,
-                                   const std::function<void()>& check) {
+                                   const std::function<void()>& check,
+                                   const std::function<void()>& posted) {
+  if (all_gather_hook()) all_gather_hook()();
   std::vector<at::Tensor> input{mine.to(wire_device(group, local))};
   std::vector<std::vector<at::Tensor>> all(1);
   for (int r = 0; r < group->getSize(); ++r) all[0].push_back(at::empty_like(input[0]));
   check_collective(group, what, [&] {
     const c10::intrusive_ptr<c10d::Work> work = group->allgather(all, input);
+    if (posted) posted();
     while (check && !work->isCompleted()) {
       check();
       std::this_thread::sleep_for(std::chrono::microseconds(50));

@@ -147,10 +147,19 @@ void check_collective(const ProcessGroup& group, const std::string& what,
 /// Every rank's `mine` (a CPU tensor of the same size and dtype on every rank), in rank order, on
 /// the CPU: one all-gather on wire_device(group, local), with check_collective's errors naming
 /// `what`. `check` (if given) is called while it waits and may throw to stop waiting (another
-/// rank's failure heard: the all-gather is then left to the broken group).
+/// rank's failure heard: the all-gather is then left to the broken group). `posted` (if given) is
+/// called once the all-gather is posted: from then on the other ranks' all-gathers pair with it.
 std::vector<at::Tensor> all_gather(const ProcessGroup& group, const at::Tensor& mine,
                                    c10::Device local, const std::string& what,
-                                   const std::function<void()>& check = nullptr);
+                                   const std::function<void()>& check = nullptr,
+                                   const std::function<void()>& posted = nullptr);
+
+namespace internal {
+/// Fault injection for tests: `hook` (or nothing, when empty) runs in every all_gather before it
+/// posts; a hook that throws stands for a local failure before the collective (out of memory).
+/// Not for concurrent use with running collectives.
+void set_all_gather_hook(std::function<void()> hook);
+}  // namespace internal
 
 /// Waits for `work`, with check_collective's errors.
 void wait(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,

@@ -112,7 +112,8 @@ bool any_rank(const ProcessGroup& group, bool mine, c10::Device local) {
 }
 
 void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
-                        c10::Device local, const std::function<void()>& check, bool failed_here) {
+                        c10::Device local, const std::function<void()>& check, bool failed_here,
+                        const std::function<void()>& posted) {
   // First whether this rank's forward failed, then each layer's count, mean and m2.
   std::vector<at::Tensor> pieces{at::tensor({failed_here ? 1.0 : 0.0}, at::kDouble)};
   for (const BatchNormStatistics& s : stats) {
@@ -121,7 +122,8 @@ void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatisti
     pieces.push_back(s.m2.to(at::kCPU, at::kDouble).reshape(-1));
   }
   const std::vector<at::Tensor> all = all_gather(group, at::cat(pieces), local,
-                                                 "the all-gather of batch norm statistics", check);
+                                                 "the all-gather of batch norm statistics", check,
+                                                 posted);
   std::vector<int> failed;
   for (int r = 0; r < group->getSize(); ++r) {
     if (all[static_cast<size_t>(r)][0].item<double>() > 0) failed.push_back(r);

@@ -68,10 +68,12 @@ bool any_rank(const ProcessGroup& group, bool mine, c10::Device local = c10::Dev
 /// called while the all-gather is waited for and may throw to stop waiting. A rank whose forward
 /// failed before its statistics were complete passes `failed_here` (and any statistics of the
 /// right sizes): every rank then throws, the others naming it, and none merges anything (Note
-/// [A forward that fails on some replicas] in data_parallel.h).
+/// [A forward that fails on some replicas] in data_parallel.h). `posted` (if given) is called
+/// once the all-gather is posted (all_gather's).
 void combine_statistics(const ProcessGroup& group, std::vector<BatchNormStatistics>& stats,
                         c10::Device local = c10::Device(c10::kCPU),
-                        const std::function<void()>& check = nullptr, bool failed_here = false);
+                        const std::function<void()>& check = nullptr, bool failed_here = false,
+                        const std::function<void()>& posted = nullptr);
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -283,7 +283,8 @@ CATCH_TEST_CASE(kFailsOnOne, "[distributed][errors]") {
 
 constexpr const char* kForwardFails =
     "a forward that fails on one replica makes the others throw at once naming it (with and "
-    "without deferred batch norm) and every replica then trains on as before";
+    "without deferred batch norm and in the statistics' merge before its all-gather) and every "
+    "replica then trains on as before";
 
 CATCH_TEST_CASE(kForwardFails, "[distributed][errors]") {
   // Without batch norm: six rows split evenly over two or three replicas, checked against the
@@ -342,6 +343,26 @@ CATCH_TEST_CASE(kForwardFails, "[distributed][errors]") {
         std::printf("rank %d threw after %.3f s\n", rank,
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                         .count());
+      }
+      if (step == 3 && batch_norm) {
+        // Rank 1's forward works but its statistics merge fails before posting the all-gather
+        // (a fault injected where packing them would run out of memory): it is rank 1's own
+        // failure, which its forward still tells the others in their all-gather.
+        if (rank == 1) {
+          auto once = std::make_shared<bool>(true);
+          internal::set_all_gather_hook([once] {
+            if (*once) {
+              *once = false;
+              TORCH_CHECK(false, "injected: no memory to pack the statistics");
+            }
+          });
+          CATCH_CHECK_THROWS_WITH(model->forward(mine(x)),
+                                  gpipe_test::contains("injected: no memory"));
+          internal::set_all_gather_hook(nullptr);
+        } else {
+          CATCH_CHECK_THROWS_WITH(model->forward(mine(x)),
+                                  gpipe_test::contains("the forward failed on rank 1 of 2"));
+        }
       }
       sgd.zero_grad();
       mse(model->forward(mine(x)), mine(y)).backward();
