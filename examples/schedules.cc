@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, schedule, "gpipe", "gpipe, 1f1b, interleaved or zb");
 ABSL_FLAG(int, partitions, 4, "ranks (devices or processes)");
 ABSL_FLAG(int, chunks, 8, "micro-batches per mini-batch");
 ABSL_FLAG(int, virtual_stages, 2, "stages per rank, for --schedule=interleaved");
+ABSL_FLAG(int, microbatch_group, 0,
+          "for --schedule=interleaved: micro-batches through a stage before the next (Note "
+          "[Micro-batch groups] in gpipe/schedule.h; 0: the ranks)");
 ABSL_FLAG(std::string, text, "", "read the schedule from this file instead (one line per rank)");
 ABSL_FLAG(bool, transfers, true, "print the sends and receives between ranks too");
 ABSL_FLAG(double, forward, 1, "simulated time of a forward (F) of a rank's share of the model");
@@ -85,7 +88,8 @@ int main(int argc, char** argv) {
       const gpipe::ScheduleKind kind = gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule));
       schedule = gpipe::make_schedule(
           kind, absl::GetFlag(FLAGS_partitions), absl::GetFlag(FLAGS_chunks),
-          kind == gpipe::ScheduleKind::kInterleaved ? absl::GetFlag(FLAGS_virtual_stages) : 1);
+          kind == gpipe::ScheduleKind::kInterleaved ? absl::GetFlag(FLAGS_virtual_stages) : 1,
+          kind == gpipe::ScheduleKind::kInterleaved ? absl::GetFlag(FLAGS_microbatch_group) : 0);
     }
     gpipe::ActionCosts costs;
     costs.forward = absl::GetFlag(FLAGS_forward);

@@ -497,8 +497,10 @@ CATCH_TEST_CASE("step under NoGradGuard runs the forwards and returns the loss",
 
 CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes under autocast",
                 "[gpipe][step][autocast]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  // interleaved_g4: micro-batch groups of 4 (Note [Micro-batch groups]).
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4");
   CATCH_CAPTURE(kind);
+  const bool interleaved = kind.rfind("interleaved", 0) == 0;
   auto make = [] {
     at::manual_seed(11);
     return nn::Sequential(nn::Linear(5, 16), nn::ReLU(), nn::Linear(16, 16), nn::Tanh(),
@@ -509,11 +511,18 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
   };
   nn::Sequential plain = make();
   nn::Sequential exact = make();
-  GPipe model(make(), GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(3)
-                          .schedule(schedule_kind(kind)));
+  // Interleaved: 2 workers of 2 partitions each, and micro-batches a multiple of the workers.
+  const int64_t m = interleaved ? 4 : 3;
+  GPipe model(make(), interleaved
+                          ? GPipeOptions({1, 1, 1, 2}).devices({at::kCPU, at::kCPU, at::kCPU,
+                                                                at::kCPU})
+                                .chunks(m).schedule(ScheduleKind::kInterleaved).virtual_stages(2)
+                                .microbatch_group(kind == "interleaved_g4" ? 4 : 0)
+                          : GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(m)
+                                .schedule(schedule_kind(kind)));
   at::manual_seed(12);
-  const at::Tensor x = at::randn({9, 5});
-  const at::Tensor y = at::randn({9, 3});
+  const at::Tensor x = at::randn({3 * m, 5});
+  const at::Tensor y = at::randn({3 * m, 3});
   {
     Autocast autocast(at::kCPU, at::kBFloat16);
     model->step(x, y, loss);
@@ -523,12 +532,12 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
     const bool cache = at::autocast::is_autocast_cache_enabled();
     at::autocast::set_autocast_cache_enabled(false);
     std::vector<at::Tensor> outs;
-    for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t i = 0; i < m; ++i) {
       at::Tensor out = plain->forward(x.narrow(0, 3 * i, 3));
       if (kind == "gpipe") {
         outs.push_back(out);
       } else {
-        (loss(Batch(out), y.narrow(0, 3 * i, 3)) / 3).backward();
+        (loss(Batch(out), y.narrow(0, 3 * i, 3)) / static_cast<double>(m)).backward();
       }
     }
     if (kind == "gpipe") loss(Batch(at::cat(outs)), y).backward();
