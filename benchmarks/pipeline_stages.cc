@@ -18,8 +18,8 @@
 // --schedule=1f1b, zb or interleaved runs the stages under that schedule (speed only; interleaved:
 // --virtual_stages per process, each a slice of the stage's blocks, and even m only;
 // --microbatch_group g for the m that g divides, Note [Micro-batch groups] in gpipe/schedule.h).
-// --bind_cores_to_rank binds each process to a core of its own (Note [Binding cores to ranks] in
-// gpipe/distributed/core_binding.h); rank 0's runs alone stay on every core.
+// --bind_cores_to_rank binds each process to its share of the cores (Note [Binding cores to
+// ranks] in gpipe/distributed/core_binding.h); rank 0's runs alone use every core.
 
 #include <algorithm>
 #include <chrono>
@@ -340,7 +340,8 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.3f %14.1f\n", "one process (GPipe, 2 workers)", local,
               1000 * local / tasks);
   const std::string json = absl::StrCat(
-      "{\"bound_cpus\": [", absl::StrJoin(own_cpus, ", "), "], \"speed\": [",
+      "{\"rank0_bound_cpus\": [",
+      own_cpus != all_cpus ? absl::StrJoin(own_cpus, ", ") : std::string(), "], \"speed\": [",
       absl::StrJoin(speed_json, ", "), "], ",
       absl::StrFormat("\"overhead\": {\"m\": %d, \"two_processes_ms\": %.3f, "
                       "\"one_process_ms\": %.3f}}", m, piped, local));

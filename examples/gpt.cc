@@ -201,9 +201,11 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>");
   const int64_t blocks = (static_cast<int64_t>(named.model->size()) - 3) / 6;
-  std::vector<int64_t> balance = block_balance(blocks, stages);
+  // Interleaved: one entry per virtual stage (stage s holds s, s + stages, ...).
+  const int64_t partitions = stages * std::max<int64_t>(absl::GetFlag(FLAGS_virtual_stages), 1);
+  std::vector<int64_t> balance = block_balance(blocks, partitions);
   if (absl::GetFlag(FLAGS_balance) != "auto") {
-    balance = training::choose_balance(absl::GetFlag(FLAGS_balance), stages, named.model,
+    balance = training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model,
                                        at::Tensor(), absl::GetFlag(FLAGS_chunks), c10::kCPU);
   }
   const int64_t batch = absl::GetFlag(FLAGS_batch_size);

@@ -65,6 +65,10 @@ std::vector<int64_t> choose_balance(const std::string& spec, int64_t partitions,
 
 PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
   if (plan_path.empty()) return flags;
+  TORCH_CHECK(flags.microbatch_group == 0, "--microbatch_group ", flags.microbatch_group,
+              " with --plan ", plan_path, ": a plan sets the schedule and has no micro-batch "
+              "group; leave --microbatch_group out (or 0), or give the pipeline by flags instead "
+              "of --plan");
   std::ifstream in(plan_path);
   TORCH_CHECK(in, "--plan: cannot read ", plan_path);
   PipelinePlan plan;

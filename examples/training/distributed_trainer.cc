@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <fstream>
 #include <numeric>
-#include <thread>
 
 #include <ATen/ATen.h>
 #include <torch/data/dataloader.h>
@@ -111,9 +110,9 @@ int train_distributed(const TrainerModel& trainer) {
   // The cores of this host divided among its processes' partitions (bound: this process's).
   const int local =
       bound_cpus.empty() ? std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1) : 1;
-  const int64_t cores = bound_cpus.empty()
-                            ? std::max<int64_t>(std::thread::hardware_concurrency(), 1)
-                            : static_cast<int64_t>(bound_cpus.size());
+  const int64_t cores = std::max<int64_t>(
+      static_cast<int64_t>(bound_cpus.empty() ? dist::allowed_cpus().size() : bound_cpus.size()),
+      1);
   set_intra_op_threads(static_cast<int>(
       absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads)
                                        : std::max<int64_t>(cores / (local * per_stage), 1)));

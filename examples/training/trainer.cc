@@ -65,7 +65,7 @@ ABSL_FLAG(std::string, plan, "",
           "a plan from //balancing:balance --plan --plan_out=<file> (JSON): its partitions, "
           "devices, balance, micro-batches, checkpoint mode, schedule and threads replace "
           "--partitions, --devices, --balance, --chunks, --checkpoint, --schedule, "
-          "--virtual_stages and --threads");
+          "--virtual_stages and --threads (and refuses --microbatch_group)");
 ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
 ABSL_FLAG(std::string, schedule, "gpipe",
           "gpipe (forward() and backward(), as always), or a schedule that GPipe::step runs: "
@@ -98,9 +98,9 @@ ABSL_FLAG(std::string, backend, "gloo",
           "with --distributed: gloo (tensors cross processes through the CPU) or nccl (GPU to "
           "GPU; with --devices=cuda)");
 ABSL_FLAG(bool, bind_cores_to_rank, false,
-          "with --distributed: bind each process to its share of the host's cores (torchrun's "
-          "LOCAL_RANK of LOCAL_WORLD_SIZE; gpipe::distributed::bind_cores_to_rank), which helps "
-          "where the processes fill the cores");
+          "with --distributed: bind each process, every thread of it, to its share of the "
+          "host's cores (torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE; "
+          "gpipe::distributed::bind_cores_to_rank), as DeepSpeed's launcher flag of that name");
 ABSL_FLAG(int64_t, stage_partitions, 1,
           "with --distributed: split each stage into this many partitions, each on a thread of "
           "its own (PipelineStageOptions::local_balance); --balance then has stages x this "
@@ -196,6 +196,9 @@ Data load_data_from_flags() {
 }
 
 int train(const TrainerModel& trainer) {
+  TORCH_CHECK(!absl::GetFlag(FLAGS_bind_cores_to_rank) || absl::GetFlag(FLAGS_distributed),
+              "--bind_cores_to_rank binds each of torchrun's processes to its share of the "
+              "cores; it applies with --distributed only (one process: --threads)");
   if (absl::GetFlag(FLAGS_distributed)) {
     TORCH_CHECK(absl::GetFlag(FLAGS_plan).empty(), "--plan is a plan for one process's "
                 "pipeline (//balancing:balance --plan); it does not apply with --distributed");

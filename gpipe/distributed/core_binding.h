@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace gpipe {
@@ -27,11 +28,24 @@ namespace distributed {
 /// The CPUs this process's calling thread may run on (its affinity mask), ascending.
 std::vector<int> allowed_cpus();
 
-/// Binds every thread of this process, and those it starts later, to `cpus` (each a CPU it may
-/// run on now: allowed_cpus()). Threads started while it runs may keep their earlier mask: call
-/// it before starting any. Throws c10::Error naming the CPU when `cpus` is empty or one cannot
-/// be bound.
+/// Binds every thread of this process, and those it starts later, to `cpus`. Threads started
+/// while it runs may keep their earlier mask: call it before starting any. Throws c10::Error
+/// naming the CPUs when `cpus` is empty, has a number that is not a CPU's, or has CPUs this
+/// process cannot run on (outside its cgroup's cpuset, or offline): the mask read back must be
+/// `cpus`.
 void bind_to_cpus(const std::vector<int>& cpus);
+
+/// `cpus` with the hardware threads of each core next to each other, cores in the order of their
+/// first thread (Linux numbers a core's threads far apart: CPUs 0 and 8 of an 8-core host), so
+/// that contiguous shares (cores_of_rank) take whole cores. `core_of(cpu)` names cpu's core (the
+/// first of its siblings); the overload without it reads
+/// /sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list (a CPU without one is a core
+/// of its own).
+///
+///   order_by_core({0, 1, 2, 3}, [](int cpu) { return cpu % 2; })  // {0, 2, 1, 3}
+std::vector<int> order_by_core(const std::vector<int>& cpus,
+                               const std::function<int(int cpu)>& core_of);
+std::vector<int> order_by_core(const std::vector<int>& cpus);
 
 /// The `local_rank`-th of `local_world_size` contiguous shares of `cpus` (in order): each
 /// cpus.size() / local_world_size of them, the first cpus.size() % local_world_size ranks one
@@ -42,8 +56,10 @@ void bind_to_cpus(const std::vector<int>& cpus);
 std::vector<int> cores_of_rank(const std::vector<int>& cpus, int64_t local_rank,
                                int64_t local_world_size);
 
-/// Binds this process to its share of allowed_cpus() (cores_of_rank) by torchrun's LOCAL_RANK
-/// and LOCAL_WORLD_SIZE (a process without them: rank 0 of 1, all of them); returns the share.
+/// Binds this process to its share of allowed_cpus(), ordered by core (order_by_core, then
+/// cores_of_rank), by torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE; returns the share. A process
+/// without them is rank 0 of 1 (all of its CPUs) unless WORLD_SIZE says there are others: then,
+/// and when only one of the two is set, it throws c10::Error saying which to set.
 ///
 ///   int main(int argc, char** argv) {
 ///     gpipe::distributed::bind_cores_to_rank();  // before any thread starts

@@ -3,13 +3,16 @@
 // process, read back from the kernel.
 #include <sched.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
 
 #include "absl/synchronization/notification.h"
 #include "gpipe/distributed/core_binding.h"
@@ -18,6 +21,38 @@
 namespace gpipe {
 namespace distributed {
 namespace {
+
+// Sets (or, given null, unsets) environment variables for its life, then puts back what was there.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(std::vector<std::pair<std::string, const char*>> values) {
+    for (const auto& [name, value] : values) {
+      const char* before = std::getenv(name.c_str());
+      saved_.emplace_back(name, before ? c10::optional<std::string>(before) : c10::nullopt);
+      value ? ::setenv(name.c_str(), value, 1) : ::unsetenv(name.c_str());
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, value] : saved_) {
+      value ? ::setenv(name.c_str(), value->c_str(), 1) : ::unsetenv(name.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, c10::optional<std::string>>> saved_;
+};
+
+// Binds back to `cpus` at the end of its scope, whatever happened in it.
+struct RestoreBinding {
+  ~RestoreBinding() {
+    try {
+      bind_to_cpus(cpus);
+    } catch (const c10::Error& e) {
+      CATCH_FAIL_CHECK("could not bind back: " << e.what_without_backtrace());
+    }
+  }
+  std::vector<int> cpus;
+};
 
 // The CPUs `thread` (0: the calling one) may run on, as the kernel says.
 std::vector<int> mask_of(pid_t thread) {
@@ -58,8 +93,27 @@ CATCH_TEST_CASE("a rank outside the local ranks or more ranks than CPUs is refus
   CATCH_CHECK_THROWS_WITH(cores_of_rank({0, 1}, -1, 2), gpipe_test::contains("local rank -1"));
   CATCH_CHECK_THROWS_WITH(cores_of_rank({4, 5}, 0, 3),
                           gpipe_test::contains("2 CPUs {4, 5} cannot give each of 3 local ranks"));
+  CATCH_CHECK_THROWS_WITH(cores_of_rank({0, 1}, 0, 0),
+                          gpipe_test::contains("local world size must be at least 1, got 0"));
   CATCH_CHECK_THROWS_WITH(bind_to_cpus({}), gpipe_test::contains("no CPUs given"));
   CATCH_CHECK_THROWS_WITH(bind_to_cpus({CPU_SETSIZE}), gpipe_test::contains("is not a CPU number"));
+}
+
+CATCH_TEST_CASE("cores' hardware threads stay together so that shares take whole cores",
+                "[distributed][core_binding]") {
+  // Eight CPUs of four cores, numbered as Linux numbers them: CPU c and c + 4 share a core.
+  const auto core_of = [](int cpu) { return cpu % 4; };
+  const std::vector<int> ordered = order_by_core({0, 1, 2, 3, 4, 5, 6, 7}, core_of);
+  CATCH_CHECK(ordered == std::vector<int>{0, 4, 1, 5, 2, 6, 3, 7});
+  CATCH_CHECK(cores_of_rank(ordered, 0, 2) == std::vector<int>{0, 4, 1, 5});
+  CATCH_CHECK(cores_of_rank(ordered, 1, 2) == std::vector<int>{2, 6, 3, 7});
+  // A CPU of unknown core (-1) is a core of its own; a mask may leave a core's sibling out.
+  CATCH_CHECK(order_by_core({1, 2, 5, 9}, [](int cpu) { return cpu == 9 ? -1 : cpu % 4; }) ==
+              std::vector<int>{1, 5, 2, 9});
+  // This machine's own topology: a permutation of the CPUs.
+  std::vector<int> mine = order_by_core(allowed_cpus());
+  std::sort(mine.begin(), mine.end());
+  CATCH_CHECK(mine == allowed_cpus());
 }
 
 CATCH_TEST_CASE("binding moves the threads already running and those started later",
@@ -89,6 +143,13 @@ CATCH_TEST_CASE("binding moves the threads already running and those started lat
   after.join();
   const std::vector<int> main_mask = mask_of(0);
   bind_to_cpus(all);  // as it was, for the test cases after this one
+  // A CPU this process may not run on is refused by number, not left out silently.
+  const int absent = CPU_SETSIZE - 1;
+  if (std::find(all.begin(), all.end(), absent) == all.end()) {
+    RestoreBinding restore{all};
+    CATCH_CHECK_THROWS_WITH(bind_to_cpus({all.front(), absent}),
+                            gpipe_test::contains("may not run on CPU " + std::to_string(absent)));
+  }
   CATCH_CHECK(main_mask == last);
   CATCH_CHECK(before_thread_mask == last);
   CATCH_CHECK(after_thread_mask == last);
@@ -102,26 +163,39 @@ CATCH_TEST_CASE("bind_cores_to_rank binds to torchrun's local rank's share",
     CATCH_WARN("one CPU only: a share of two ranks needs two");
     return;
   }
-  ::setenv("LOCAL_RANK", "1", 1);
-  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
-  const std::vector<int> share = bind_cores_to_rank();
-  const std::vector<int> mask = mask_of(0);
-  ::setenv("LOCAL_RANK", "2", 1);
-  std::string refusal;
-  try {
-    bind_cores_to_rank();
-  } catch (const c10::Error& e) {
-    refusal = e.what_without_backtrace();
+  RestoreBinding restore{all};
+  std::vector<int> share, mask;
+  {
+    ScopedEnv env({{"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"}});
+    share = bind_cores_to_rank();
+    mask = mask_of(0);
   }
-  ::unsetenv("LOCAL_RANK");
-  ::unsetenv("LOCAL_WORLD_SIZE");
   bind_to_cpus(all);
-  CATCH_CHECK(share == cores_of_rank(all, 1, 2));
-  CATCH_CHECK(share.back() == all.back());
-  CATCH_CHECK(mask == share);
-  CATCH_CHECK(refusal.find("local rank 2 is not one of the 2 local ranks") != std::string::npos);
-  // Without torchrun's variables: rank 0 of 1, every allowed CPU.
-  CATCH_CHECK(bind_cores_to_rank() == all);
+  CATCH_CHECK(share == cores_of_rank(order_by_core(all), 1, 2));
+  std::vector<int> sorted_share = share;
+  std::sort(sorted_share.begin(), sorted_share.end());
+  CATCH_CHECK(mask == sorted_share);  // the kernel's mask, ascending
+  {
+    ScopedEnv env({{"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}});
+    CATCH_CHECK_THROWS_WITH(bind_cores_to_rank(),
+                            gpipe_test::contains("(LOCAL_RANK=2, LOCAL_WORLD_SIZE=2)") &&
+                                gpipe_test::contains("local rank 2 is not one of the 2"));
+  }
+  {
+    ScopedEnv env({{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", nullptr}});
+    CATCH_CHECK_THROWS_WITH(bind_cores_to_rank(),
+                            gpipe_test::contains("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not"));
+  }
+  {
+    // Ranks started by hand (RANK, WORLD_SIZE) without the local ones: which share is unknown.
+    ScopedEnv env({{"LOCAL_RANK", nullptr}, {"LOCAL_WORLD_SIZE", nullptr}, {"WORLD_SIZE", "2"}});
+    CATCH_CHECK_THROWS_WITH(bind_cores_to_rank(),
+                            gpipe_test::contains("WORLD_SIZE=2 but LOCAL_RANK and "
+                                                 "LOCAL_WORLD_SIZE are not set"));
+  }
+  // A process alone: rank 0 of 1, every allowed CPU.
+  ScopedEnv alone({{"LOCAL_RANK", nullptr}, {"LOCAL_WORLD_SIZE", nullptr}, {"WORLD_SIZE", nullptr}});
+  CATCH_CHECK(bind_cores_to_rank() == order_by_core(all));
   CATCH_CHECK(mask_of(0) == all);
 }
 
