@@ -99,10 +99,10 @@ void bind_to_cpus(const std::vector<int>& cpus) {
                 "cgroup's cpuset, online CPUs)");
   }
   // The kernel binds to the CPUs it allows of those asked for: what it gave must be all of them.
-  const std::vector<int> given = allowed_cpus();
-  if (given != cpus_in(set)) {
+  const std::vector<int> asked = cpus_in(set), given = allowed_cpus();
+  if (given != asked) {
     std::vector<int> missing;
-    for (int cpu : cpus_in(set)) {
+    for (int cpu : asked) {
       if (std::find(given.begin(), given.end(), cpu) == given.end()) missing.push_back(cpu);
     }
     TORCH_CHECK(false, "bind_to_cpus: this process may not run on CPU",
