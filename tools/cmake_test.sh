@@ -61,7 +61,10 @@ report_test() {
   echo "$t: $secs s"
   line=$(grep -a "gpipe-test-summary:" "$log" | tail -n 1)
   if [[ -z "$line" ]]; then
-    echo "$t printed no test summary: counting one failed test case"
+    echo "=== failures in $t"
+    echo "$t printed no test summary: counting one failed test case; its last lines:"
+    tail -n 30 "$log"
+    echo "=== end of failures in $t"
     failed=$((failed + 1))
     return
   fi
@@ -69,11 +72,21 @@ report_test() {
   # A binary whose test cases passed but that exited non-zero (a sanitizer's report) counts one
   # failed test case.
   if ((rc != 0 && f == 0)); then
+    echo "=== failures in $t"
     echo "$t exited with $rc after its tests passed: counting one failed test case"
     # Show the first sanitizer report and a count of them all, so that CI's log says what it was.
     grep -a -m 1 -A 40 -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|runtime error:" "$log"
     grep -a "^SUMMARY: " "$log" | sort | uniq -c | head -n 10
-    f=1
+    echo "=== end of failures in $t"
+    passed=$((passed + p)); failed=$((failed + 1)); skipped=$((skipped + s))
+    return
+  fi
+  if ((f > 0)); then
+    # Catch2's report of each failed check (file, line, expression, expansion), so that a log
+    # that keeps only these lines (tools/debian13.sh) still says what failed.
+    echo "=== failures in $t"
+    grep -a -B 4 -A 8 -E "FAILED:|failed with|due to unexpected exception" "$log" | head -n 80
+    echo "=== end of failures in $t"
   fi
   passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
 }

@@ -91,7 +91,10 @@ inline std::vector<RankResult> run_ranks(const std::string& test_name, int world
     std::map<std::string, std::string> vars = {
         {"GPIPE_TEST_RANK", std::to_string(rank)}, {"GPIPE_TEST_FOLDER", folder},
         {"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)},
-        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
+        // As torchrun does for several processes on one host: one intra-op thread each, so that
+        // the ranks' thread pools do not crowd each other's cores.
+        {"OMP_NUM_THREADS", "1"}};
     for (const auto& kv : extra_env) vars[kv.first] = kv.second;
     for (const auto& kv : vars) env.push_back(kv.first + "=" + kv.second);
     std::vector<char*> envp;
