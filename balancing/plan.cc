@@ -489,9 +489,10 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer) {
   const int64_t stages = static_cast<int64_t>(plan.balance.size());
   const int64_t lanes = stages / std::max<int64_t>(1, plan.virtual_stages);
-  const Schedule schedule = plan.schedule == ScheduleKind::kInterleaved
-                                ? interleaved_schedule(lanes, plan.chunks, plan.virtual_stages)
-                                : make_schedule(plan.schedule, lanes, plan.chunks);
+  // (A plan of another schedule with virtual stages is refused here, not simulated on too few
+  // lanes.)
+  const Schedule schedule =
+      make_schedule(plan.schedule, lanes, plan.chunks, std::max<int64_t>(1, plan.virtual_stages));
   PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, optimizer));
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;

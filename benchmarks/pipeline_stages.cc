@@ -327,7 +327,8 @@ int main(int argc, char** argv) {
   const double piped = pipeline_ms(group, 16, 1, 1, m);
   double local = 0;
   if (rank0) {
-    gpipe::distributed::bind_to_cpus(all_cpus);  // alone, as the serial baseline
+    // Alone, as the serial baseline (unbound, as above).
+    if (own_cpus != all_cpus) gpipe::distributed::bind_to_cpus(all_cpus);
     local = gpipe_ms(16, 1, 1, m);
   }
   group->barrier()->wait();

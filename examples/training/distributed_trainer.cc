@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <numeric>
 
 #include <ATen/ATen.h>
@@ -56,11 +57,6 @@ namespace {
 
 namespace dist = gpipe::distributed;
 
-int env_int(const char* name, int fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr ? std::atoi(value) : fallback;
-}
-
 // Every process takes world rank 0's balance: stage 0 of each pipeline sends it along the
 // pipeline after replica 0's stages sent it to the other replicas.
 std::vector<int64_t> agree_on_balance(std::vector<int64_t> balance,
@@ -92,10 +88,15 @@ int train_distributed(const TrainerModel& trainer) {
   if (absl::GetFlag(FLAGS_bind_cores_to_rank)) bound_cpus = dist::bind_cores_to_rank();
   const dist::GroupOptions options =
       dist::options_from_env().backend(absl::GetFlag(FLAGS_backend));
-  const c10::Device device = devices == "cuda"
-                                 ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
-                                                               env_int("LOCAL_RANK", 0)))
-                                 : c10::Device(c10::kCPU);
+  const c10::Device device =
+      devices == "cuda"
+          ? c10::Device(c10::kCUDA,
+                        static_cast<c10::DeviceIndex>(
+                            dist::env_int("LOCAL_RANK", 0,
+                                          std::numeric_limits<c10::DeviceIndex>::max(),
+                                          "--distributed")
+                                .value_or(0)))
+          : c10::Device(c10::kCPU);
   const int stages = absl::GetFlag(FLAGS_partitions) > 0
                          ? static_cast<int>(absl::GetFlag(FLAGS_partitions))
                          : options.world_size();
@@ -109,7 +110,9 @@ int train_distributed(const TrainerModel& trainer) {
   const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
   // The cores of this host divided among its processes' partitions (bound: this process's).
   const int local =
-      bound_cpus.empty() ? std::max(env_int("LOCAL_WORLD_SIZE", options.world_size()), 1) : 1;
+      bound_cpus.empty() ? static_cast<int>(
+                         dist::env_int("LOCAL_WORLD_SIZE", 1, 1 << 20, "--distributed")
+                             .value_or(options.world_size())) : 1;
   const int64_t cores = std::max<int64_t>(
       static_cast<int64_t>(bound_cpus.empty() ? dist::allowed_cpus().size() : bound_cpus.size()),
       1);

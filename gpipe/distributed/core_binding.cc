@@ -19,6 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "gpipe/distributed/process_group.h"
 
 namespace gpipe {
 namespace distributed {
@@ -52,16 +53,6 @@ std::vector<int> cpus_in(const cpu_set_t& set) {
     if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
   }
   return cpus;
-}
-
-// The environment variable `name`, if set.
-c10::optional<int64_t> env_int(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return c10::nullopt;
-  int64_t parsed = 0;
-  TORCH_CHECK(absl::SimpleAtoi(value, &parsed), "bind_cores_to_rank: the environment variable ",
-              name, "='", value, "' is not an integer");
-  return parsed;
 }
 
 // The first CPU of a list such as "0,8" or "0-1" (thread_siblings_list), or -1.
@@ -162,9 +153,10 @@ std::vector<int> cores_of_rank(const std::vector<int>& cpus, int64_t local_rank,
 }
 
 std::vector<int> bind_cores_to_rank() {
-  const c10::optional<int64_t> rank = env_int("LOCAL_RANK");
-  const c10::optional<int64_t> ranks = env_int("LOCAL_WORLD_SIZE");
-  const c10::optional<int64_t> world = env_int("WORLD_SIZE");
+  constexpr int64_t kMost = 1 << 20;
+  const c10::optional<int64_t> ranks = env_int("LOCAL_WORLD_SIZE", 1, kMost, "bind_cores_to_rank");
+  const c10::optional<int64_t> rank = env_int("LOCAL_RANK", 0, kMost, "bind_cores_to_rank");
+  const c10::optional<int64_t> world = env_int("WORLD_SIZE", 1, kMost, "bind_cores_to_rank");
   TORCH_CHECK(rank.has_value() == ranks.has_value(), "bind_cores_to_rank: ",
               rank ? "LOCAL_RANK" : "LOCAL_WORLD_SIZE", " is set but ",
               rank ? "LOCAL_WORLD_SIZE" : "LOCAL_RANK", " is not; set both (torchrun does): "

@@ -1,7 +1,6 @@
 // The process group; see process_group.h.
 #include "gpipe/distributed/process_group.h"
 
-#include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -15,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -47,13 +47,10 @@ std::string env(const char* name, bool required) {
   return value != nullptr ? value : "";
 }
 
-int env_int(const char* name, int low, int high) {
-  const std::string text = env(name, true);
-  int value = 0;
-  TORCH_CHECK(absl::SimpleAtoi(text, &value) && value >= low && value <= high,
-              "gpipe::distributed: ", name, "='", text, "' is not an integer from ", low, " to ",
-              high);
-  return value;
+// A variable that must be set, as an integer from low to high (env_int).
+int required_int(const char* name, int low, int high) {
+  env(name, true);
+  return static_cast<int>(*env_int(name, low, high));
 }
 
 bool loopback(const std::string& host) {
@@ -62,12 +59,21 @@ bool loopback(const std::string& host) {
 
 }  // namespace
 
+c10::optional<int64_t> env_int(const char* name, int64_t low, int64_t high, const char* who) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return c10::nullopt;
+  int64_t value = 0;
+  TORCH_CHECK(absl::SimpleAtoi(text, &value) && value >= low && value <= high, who, ": ", name,
+              "='", text, "' is not an integer from ", low, " to ", high);
+  return value;
+}
+
 GroupOptions options_from_env() {
   GroupOptions options;
-  options.world_size(env_int("WORLD_SIZE", 1, 1 << 20));
-  options.rank(env_int("RANK", 0, options.world_size() - 1));
+  options.world_size(required_int("WORLD_SIZE", 1, 1 << 20));
+  options.rank(required_int("RANK", 0, options.world_size() - 1));
   options.master_addr(env("MASTER_ADDR", true));
-  options.master_port(env_int("MASTER_PORT", 1, 65535));
+  options.master_port(required_int("MASTER_PORT", 1, 65535));
   options.launcher_store(env("TORCHELASTIC_USE_AGENT_STORE", false) == "True");
   const std::string timeout = env("GPIPE_TIMEOUT_S", false);
   if (!timeout.empty()) {
@@ -89,21 +95,24 @@ namespace {
 // processes paid that second at its start: a program started once does not notice, but a test
 // suite that starts hundreds of groups, or a job restarted after a failure, does. So a client first
 // polls the port itself, every 10 ms, until something accepts a connection there, and only then
-// lets TCPStore connect (at its first try). The poll gives up at the timeout and leaves the error
-// to TCPStore, which names it. A probe connection that closes at once is nothing to the server:
+// lets TCPStore connect (at its first try). At the timeout it gives up with the error TCPStore
+// would have given (the rank could not meet the others there). A probe connection that closes at once is nothing to the server:
 // it counts its workers by a key they add, not by connections.
 
-// Whether something accepts TCP connections at host:port within `timeout`, tried every 10 ms.
+// Whether something accepts TCP connections at host:port within `timeout`, tried every 10 ms;
+// true also when the host does not resolve (TCPStore then names the address).
 bool wait_for_listener(const std::string& host, int port, std::chrono::milliseconds timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
-    return false;  // TCPStore names the address it cannot resolve
+    return true;
   }
   using Clock = std::chrono::steady_clock;
-  const Clock::time_point deadline = Clock::now() + timeout;
+  // (A timeout of years means none; capped so that the deadline does not overflow.)
+  const Clock::time_point deadline =
+      Clock::now() + std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
   bool open = false;
   while (!open) {
     for (addrinfo* a = found; a != nullptr && !open; a = a->ai_next) {
@@ -149,8 +158,9 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(options.master_port());
     store_options.isServer = options.rank() == 0 && !options.launcher_store();
-    if (!store_options.isServer) {  // Note [Waiting for the store's port]
-      wait_for_listener(options.master_addr(), options.master_port(), options.timeout());
+    if (!store_options.isServer &&  // Note [Waiting for the store's port]
+        !wait_for_listener(options.master_addr(), options.master_port(), options.timeout())) {
+      throw std::runtime_error("nothing accepted a connection there within the timeout");
     }
     store_options.numWorkers = static_cast<size_t>(options.world_size());
     store_options.waitWorkers = !options.launcher_store();

@@ -103,6 +103,14 @@ bool carries_device_tensors(const ProcessGroup& group);
 /// when NCCL is given a `local` that is not a GPU.
 c10::Device wire_device(const ProcessGroup& group, c10::Device local);
 
+/// The environment variable `name` as an integer from `low` to `high`, or nullopt when it is not
+/// set. Throws c10::Error for any other value, naming `who` (the caller), the variable, its value
+/// and the range.
+///
+///   const int64_t local_rank = env_int("LOCAL_RANK", 0, 1 << 20, "my_trainer").value_or(0);
+c10::optional<int64_t> env_int(const char* name, int64_t low, int64_t high,
+                               const char* who = "gpipe::distributed");
+
 /// The options torchrun (and torch.distributed's other launchers) give a process in its
 /// environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE;
 /// GPIPE_TIMEOUT_S (seconds) if set.

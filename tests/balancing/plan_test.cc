@@ -224,6 +224,13 @@ CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the
   predict(profile, again);
   CATCH_CHECK(again.step_us == free[3].step_us);
   CATCH_CHECK(again.peak_bytes == free[3].peak_bytes);
+  // A hand-made plan whose virtual stages its schedule cannot run is refused, not simulated.
+  PipelinePlan odd = free.front();
+  odd.schedule = ScheduleKind::k1F1B;
+  odd.virtual_stages = 2;
+  odd.balance = {2, 2, 2, 2};
+  CATCH_CHECK_THROWS_WITH(predict(profile, odd),
+                          gpipe_test::contains("2 virtual stages given for the 1f1b schedule"));
   // A limit below the fastest's peak: every plan fits it, and the first is no longer that one.
   const int64_t limit = peak_of(free.front()) - 1;
   const std::vector<PipelinePlan> fit = plan(profile, PlanOptions().top(1000).memory_limit(limit));
@@ -371,7 +378,10 @@ CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of wha
   const at::Tensor y = at::randint(4, {512});
   const PipelineProfile profile =
       profile_pipeline(mlp(256, 4), x, {at::kCPU},
-                       PipelineProfileOptions().timeout(std::chrono::milliseconds(20)));
+                       PipelineProfileOptions().timeout(std::chrono::milliseconds(20))
+                           // Times only, and one plan to choose from: not needed here (its step
+                           // of 512 one-sample micro-batches took 20 s under the sanitizers).
+                           .calibrate(false));
   PipelinePlan p =
       plan(profile, PlanOptions().chunks({chunks}).checkpoints({mode}).schedules({ScheduleKind::kGPipe}))
           .front();

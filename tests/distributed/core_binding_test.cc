@@ -182,6 +182,12 @@ CATCH_TEST_CASE("bind_cores_to_rank binds to torchrun's local rank's share",
                                 gpipe_test::contains("local rank 2 is not one of the 2"));
   }
   {
+    ScopedEnv env({{"LOCAL_RANK", "one"}, {"LOCAL_WORLD_SIZE", "2"}});
+    CATCH_CHECK_THROWS_WITH(bind_cores_to_rank(),
+                            gpipe_test::contains("bind_cores_to_rank: LOCAL_RANK='one' is not an "
+                                                 "integer from 0 to"));
+  }
+  {
     ScopedEnv env({{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", nullptr}});
     CATCH_CHECK_THROWS_WITH(bind_cores_to_rank(),
                             gpipe_test::contains("LOCAL_RANK is set but LOCAL_WORLD_SIZE is not"));

@@ -267,6 +267,15 @@ CATCH_TEST_CASE("the process group's options come from torchrun's environment, a
   }
   CATCH_CHECK_THROWS_WITH(new_gloo_group(GroupOptions().rank(2).world_size(2)),
                           gpipe_test::contains("rank 2 is not in 0 .. world_size - 1 = 1"));
+  // A rank whose store never comes up (nothing listens at the port) gives up at the timeout
+  // (Note [Waiting for the store's port]), naming the address.
+  const int port = gpipe_test::free_port();
+  CATCH_CHECK_THROWS_WITH(
+      new_gloo_group(GroupOptions().rank(1).world_size(2).master_addr("127.0.0.1")
+                         .master_port(port).timeout(std::chrono::milliseconds(300))),
+      gpipe_test::contains("rank 1 of 2 could not meet the others at 127.0.0.1:" +
+                           std::to_string(port)) &&
+          gpipe_test::contains("nothing accepted a connection there within the timeout"));
 }
 
 CATCH_TEST_CASE("a group's backend is gloo or nccl and gloo takes every tensor on the CPU",

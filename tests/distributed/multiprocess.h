@@ -86,8 +86,6 @@ inline std::vector<RankResult> run_ranks(const std::string& test_name, int world
   const std::string port = std::to_string(free_port());
   std::vector<pid_t> pids(world, -1);
   for (int rank = 0; rank < world; ++rank) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
     std::map<std::string, std::string> vars = {
         {"GPIPE_TEST_RANK", std::to_string(rank)}, {"GPIPE_TEST_FOLDER", folder},
         {"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)},
@@ -96,6 +94,12 @@ inline std::vector<RankResult> run_ranks(const std::string& test_name, int world
         // the ranks' thread pools do not crowd each other's cores.
         {"OMP_NUM_THREADS", "1"}};
     for (const auto& kv : extra_env) vars[kv.first] = kv.second;
+    // This process's environment but the variables set here (getenv takes the first).
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      if (vars.count(entry.substr(0, entry.find('='))) == 0) env.push_back(entry);
+    }
     for (const auto& kv : vars) env.push_back(kv.first + "=" + kv.second);
     std::vector<char*> envp;
     for (std::string& e : env) envp.push_back(e.data());

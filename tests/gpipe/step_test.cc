@@ -3,6 +3,7 @@
 // dropout and uneven micro-batches — and keeps in flight what its schedule says.
 #include "tests/gpipe/test_util.h"
 
+#include <exception>
 #include <map>
 #include <thread>
 
@@ -292,27 +293,49 @@ CATCH_TEST_CASE("step leaves a frozen BatchNorm (eval mode in a training model) 
 
 CATCH_TEST_CASE("steps called from two threads at once run one after the other",
                 "[gpipe][step][threads]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "zb");
+  // "interleaved_g4": interleaved in micro-batch groups of 4 (Note [Micro-batch groups]).
+  const std::string kind = GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4");
   CATCH_CAPTURE(kind);
+  const bool interleaved = kind.rfind("interleaved", 0) == 0;
+  const int64_t group = kind == "interleaved_g4" ? 4 : 0;
+  const int64_t chunks = interleaved ? 4 : 3;  // interleaved: a multiple of the group (2 or 4)
   nn::Sequential plain = build(skip_model, 6);
-  GPipe model(build(skip_model, 6), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
-                                        .schedule(schedule_kind(kind)));
+  GPipe model(build(skip_model, 6),
+              GPipeOptions(interleaved ? std::vector<int64_t>{2, 2, 2, 2}
+                                       : std::vector<int64_t>{4, 4})
+                  .devices(std::vector<c10::Device>(interleaved ? 4 : 2, at::kCPU))
+                  .chunks(chunks)
+                  .schedule(schedule_kind(interleaved ? "interleaved" : kind))
+                  .virtual_stages(interleaved ? 2 : 1)
+                  .microbatch_group(group));
   // Evaluation-mode BatchNorm: the two steps' order does not change what they compute.
   plain->eval();
   model->eval();
   std::vector<at::Tensor> xs, ys;
   for (int t = 0; t < 2; ++t) {
-    xs.push_back(at::randn({9, 5}, at::kDouble));
-    ys.push_back(at::randn({9, 3}, at::kDouble));
+    xs.push_back(at::randn({3 * chunks, 5}, at::kDouble));
+    ys.push_back(at::randn({3 * chunks, 3}, at::kDouble));
   }
   double expected[2];
-  for (int t = 0; t < 2; ++t) expected[t] = plain_step(plain, Batch(xs[t]), ys[t], 3, kind == "gpipe");
+  for (int t = 0; t < 2; ++t) {
+    expected[t] = plain_step(plain, Batch(xs[t]), ys[t], chunks, kind == "gpipe");
+  }
   double got[2] = {0, 0};
+  std::exception_ptr errors[2];
   std::vector<std::thread> threads;
   for (int t = 0; t < 2; ++t) {
-    threads.emplace_back([&, t] { got[t] = model->step(xs[t], ys[t], mse).item<double>(); });
+    threads.emplace_back([&, t] {
+      try {
+        got[t] = model->step(xs[t], ys[t], mse).item<double>();
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
   }
   for (std::thread& th : threads) th.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
   for (int t = 0; t < 2; ++t) CATCH_CHECK(got[t] == gpipe_test::Approx(expected[t]).epsilon(1e-12));
   // Both steps' gradients, accumulated.
   check_same_grads(plain->parameters(), model->parameters(), 1e-10);
