@@ -103,21 +103,28 @@ void FaultChannel::listen() {
     return;
   }
   if (!arrived) return;  // aborted: the stage is going away
-  const char* text = static_cast<const char*>(inbox_.data_ptr());
-  const std::string failure(text, strnlen(text, kMessageBytes));
+  // The failed step's index, then the text.
+  const char* bytes = static_cast<const char*>(inbox_.data_ptr());
+  int64_t index = 0;
+  std::memcpy(&index, bytes, sizeof(index));
+  const char* text = bytes + sizeof(index);
+  const std::string failure(text, strnlen(text, kMessageBytes - sizeof(index)));
   const std::string error =
       absl::StrCat(who_, ": ", failure, "; rank ", group_->getRank(), " stops its step too. ",
                    "After a failure the pipeline's transfers are unmatched: make new process "
                    "groups and stages to go on");
   absl::MutexLock lock(&mu_);
   heard_ = error;
-  if (step_) step_->cancel(error);
+  heard_index_ = index;
+  if (step_ && step_index_ >= index) step_->cancel(error);
 }
 
-void FaultChannel::raise(const std::string& failure) {
+void FaultChannel::raise(const std::string& failure, int64_t index) {
   at::Tensor outbox = at::zeros({kMessageBytes}, at::kByte);
-  std::memcpy(outbox.data_ptr(), failure.data(),
-              std::min<size_t>(failure.size(), kMessageBytes - 1));
+  char* bytes = static_cast<char*>(outbox.data_ptr());
+  std::memcpy(bytes, &index, sizeof(index));
+  std::memcpy(bytes + sizeof(index), failure.data(),
+              std::min<size_t>(failure.size(), kMessageBytes - sizeof(index) - 1));
   std::vector<c10::intrusive_ptr<c10d::Work>> sends;
   for (int r = 0; r < group_->getSize(); ++r) {
     if (r == group_->getRank()) continue;
@@ -138,10 +145,11 @@ void FaultChannel::raise(const std::string& failure) {
   }
 }
 
-void FaultChannel::attach(std::shared_ptr<Cancellation> step) {
+void FaultChannel::attach(std::shared_ptr<Cancellation> step, int64_t index) {
   absl::MutexLock lock(&mu_);
   step_ = std::move(step);
-  if (heard_) step_->cancel(*heard_);
+  step_index_ = index;
+  if (heard_ && heard_index_ <= index) step_->cancel(*heard_);
 }
 
 void FaultChannel::detach() {
@@ -149,9 +157,25 @@ void FaultChannel::detach() {
   step_.reset();
 }
 
-std::optional<std::string> FaultChannel::heard() const {
+std::optional<std::string> FaultChannel::heard(int64_t index) const {
   absl::MutexLock lock(&mu_);
-  return heard_;
+  if (heard_ && heard_index_ <= index) return heard_;
+  return std::nullopt;
+}
+
+namespace {
+std::function<void(int64_t)>& step_end_hook() {
+  static std::function<void(int64_t)> hook;
+  return hook;
+}
+}  // namespace
+
+void internal::set_step_end_hook(std::function<void(int64_t)> hook) {
+  step_end_hook() = std::move(hook);
+}
+
+void internal::run_step_end_hook(int64_t index) {
+  if (step_end_hook()) step_end_hook()(index);
 }
 
 }  // namespace distributed

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +39,14 @@ namespace distributed {
 // a Gloo connection that receives a message for a buffer that is gone stops reading, and the
 // failure could not reach that rank (the stage keeps the failed step's Cancellation). A rank that stops because it heard of a failure tells no
 // one, so every error names the stage where the failure began.
+//
+// A failure is told with the index of the step it ended (each stage counts its steps, and every
+// rank of a pipeline takes the same ones), and cancels only a step of that index or later. A
+// rank that fails step k has finished step k - 1, so every transfer of step k - 1 it had with the
+// others is done, but another rank may still be finishing that step (zero bubble's last weight
+// gradients, a replica's last wait on the all-reduce): it must not throw, or ranks would disagree
+// on whether step k - 1 happened (CI once saw it). It hears the failure then, and throws it from
+// its next step.
 //
 // The receive waits without a timeout: Gloo's wait that times out closes every connection of
 // the group. Two limits: a rank hears only the first failure, so a second rank failing at the
@@ -87,15 +98,17 @@ class FaultChannel {
   /// Whether `group` can receive from any rank (Gloo), which a channel needs.
   static bool can_hear_any(const ProcessGroup& group);
 
-  /// Sends `failure` (what failed on this rank, and why) to every other rank; waits a few seconds
-  /// at most for them to take it. Never throws.
-  void raise(const std::string& failure);
-  /// Cancels `step` when a failure is heard while it is attached (at once when one was heard
-  /// before); detach() ends that.
-  void attach(std::shared_ptr<Cancellation> step);
+  /// Sends `failure` (what failed on this rank, and why), which ended step `index` of this rank's,
+  /// to every other rank; waits a few seconds at most for them to take it. Never throws.
+  void raise(const std::string& failure, int64_t index);
+  /// Cancels `step`, this rank's step `index`, when a failure of a step up to `index` is heard
+  /// while it is attached (at once when one was heard before); detach() ends that.
+  void attach(std::shared_ptr<Cancellation> step, int64_t index);
   void detach();
-  /// The error of the failure heard, if any (who, the failed rank's message, what to do).
-  std::optional<std::string> heard() const;
+  /// The error of the failure heard, if any, of a step up to `index` (who, the failed rank's
+  /// message, what to do).
+  std::optional<std::string> heard(
+      int64_t index = std::numeric_limits<int64_t>::max()) const;
 
  private:
   void listen();
@@ -107,9 +120,20 @@ class FaultChannel {
   c10::intrusive_ptr<c10d::Work> receive_;
   mutable absl::Mutex mu_;
   std::optional<std::string> heard_ ABSL_GUARDED_BY(mu_);
+  int64_t heard_index_ ABSL_GUARDED_BY(mu_) = 0;  // the failed step's
   std::shared_ptr<Cancellation> step_ ABSL_GUARDED_BY(mu_);
+  int64_t step_index_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread listener_;  // last: starts once the rest is made
 };
+
+namespace internal {
+/// Fault injection for tests: `hook` (or nothing, when empty) runs in each PipelineStage step
+/// between its schedule and the waits for its last transfers, with the step's index. Not for
+/// concurrent use with running steps.
+void set_step_end_hook(std::function<void(int64_t)> hook);
+/// Runs the hook, if any (the step's part).
+void run_step_end_hook(int64_t index);
+}  // namespace internal
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -324,6 +324,9 @@ class PipelineStageImpl : public torch::nn::Module {
   // Steps from two threads run one after the other: their transfers share tags.
   absl::Mutex step_mu_;
   bool failed_ = false;  // a step left by an exception: the pipeline's transfers are unmatched
+  // step() calls so far, this one included: the index a failure is told and heard with (Note
+  // [Failing fast across processes]).
+  int64_t steps_ = 0;
   std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (transfer.h)
   // Per link (its channel), the largest activation data sent and received in the steps so far
   // (Note [One message per micro-batch] in transfer.h).

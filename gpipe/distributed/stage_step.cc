@@ -33,10 +33,11 @@ c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
   return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
 }
 
-// Throws the failure `channel` heard, if any (a collective's check while it waits).
-void throw_if_heard(const FaultChannel* channel) {
+// Throws the failure `channel` heard of a step up to `index`, if any (a collective's check while
+// it waits in step `index`).
+void throw_if_heard(const FaultChannel* channel, int64_t index) {
   if (channel == nullptr) return;
-  if (std::optional<std::string> heard = channel->heard()) TORCH_CHECK(false, *heard);
+  if (std::optional<std::string> heard = channel->heard(index)) TORCH_CHECK(false, *heard);
 }
 
 }  // namespace
@@ -46,6 +47,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
+  const int64_t index = steps_++;
   for (FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
     if (channel == nullptr) continue;
     if (std::optional<std::string> heard = channel->heard()) {
@@ -55,7 +57,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
   }
   // Note [Failing fast across processes] in fault.h.
   auto cancellation = std::make_shared<Cancellation>();
-  if (faults_) faults_->attach(cancellation);
+  if (faults_) faults_->attach(cancellation, index);
   struct Detach {
     FaultChannel* faults;
     ~Detach() {
@@ -80,14 +82,15 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     const std::string what = error ? error->what_without_backtrace() : e.what();
     if (faults_ && !cancellation->cancelled()) {
-      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ", what));
+      faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ", what), index);
     }
     // The other replicas' same stage waits for this one's gradients: told too, unless the failure
     // came from them.
     if (replica_faults_ && !replica_faults_->heard()) {
       replica_faults_->raise(absl::StrCat("stage ", stage_, " of replica ",
                                           replica_group_->getRank(), " of ",
-                                          replica_group_->getSize(), " failed: ", what));
+                                          replica_group_->getSize(), " failed: ", what),
+                             index);
     }
     throw;
   }
@@ -96,6 +99,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
                                        std::shared_ptr<Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
+  const int64_t index = steps_ - 1;  // this step's (step() counted it)
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
   const bool grad_enabled = at::GradMode::is_enabled();
   tied_->refresh();
@@ -235,6 +239,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     detail::run_schedule(spec);
     if (sink) sink->finish();
   }
+  internal::run_step_end_hook(index);
   for (const auto& remote : remote_downstreams) remote->finish();
   for (const auto& remote : remote_upstreams) remote->finish();
   // The input's own graph, once.
@@ -244,9 +249,9 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     if (replica_group_) {
       // A replica that failed tells this one over the replica group's channel (Note [Failing
       // fast across processes]): the all-gather waits no longer.
-      combine = [this](std::vector<BatchNormStatistics>& statistics) {
+      combine = [this, index](std::vector<BatchNormStatistics>& statistics) {
         combine_statistics(replica_group_, statistics, local_,
-                           [this] { throw_if_heard(replica_faults_.get()); });
+                           [this, index] { throw_if_heard(replica_faults_.get(), index); });
       };
     }
     commit_deferred(batch_norms, combine);
@@ -255,12 +260,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     // Note [Tied parameters], then Note [Ties across stages].
     tied_->sum_gradients();
     if (!tied_stages_->empty()) {
-      tied_stages_->sum_gradients(group_, local_, [this] { throw_if_heard(faults_.get()); });
+      tied_stages_->sum_gradients(group_, local_,
+                                  [this, index] { throw_if_heard(faults_.get(), index); });
     }
   }
   if (grad_enabled && replica_group_) {
     average_gradients(replica_group_, layers_->parameters(), local_,
-                      [this] { throw_if_heard(replica_faults_.get()); });
+                      [this, index] { throw_if_heard(replica_faults_.get(), index); });
   }
   if (sink) {
     output_ = sink->output();

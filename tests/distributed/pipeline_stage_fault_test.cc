@@ -9,6 +9,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "gpipe/distributed/fault.h"
 #include "tests/distributed/stage_test_util.h"
 
 namespace gpipe {
@@ -115,6 +116,49 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
       for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
       std::filesystem::remove_all(folder);
     }
+  }
+}
+
+constexpr const char* kNextStep =
+    "a failure in the next step does not fail a step another stage is still finishing";
+
+CATCH_TEST_CASE(kNextStep, "[distributed][stage][errors]") {
+  if (test_rank() >= 0) {
+    const std::string schedule = std::getenv("GPIPE_TEST_SCHEDULE");
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(4).loss(mse)
+                                          .schedule(schedule_kind(schedule)),
+                        join());
+    auto [x, y] = batch(0);
+    const std::string failed = gpipe_test::test_folder() + "/failed";
+    if (stage->is_first()) {
+      CATCH_CHECK_NOTHROW(stage->step(Batch(x)));
+      // Step 1 fails at once (no input) while stage 1 is still in step 0.
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input()),
+                              gpipe_test::contains("stage 0 needs the mini-batch as input"));
+      std::ofstream{failed};
+      wait_for_others(2, 0);
+    } else {
+      // Stage 1 holds step 0 before its last waits until stage 0 has failed step 1 and told it.
+      internal::set_step_end_hook([&](int64_t index) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (index == 0 && !std::filesystem::exists(failed) &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        if (index == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      });
+      CATCH_CHECK_NOTHROW(stage->step(no_input(), y));  // step 0 happened on both stages
+      internal::set_step_end_hook(nullptr);
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+                              gpipe_test::contains("stage 0 of 2 failed: ") &&
+                                  gpipe_test::contains("stage 0 needs the mini-batch as input"));
+      mark_done(1);
+    }
+    return;
+  }
+  for (const std::string schedule : {"gpipe", "zb"}) {
+    CATCH_INFO(schedule);
+    check_ranks_pass(kNextStep, "next_step", {{"GPIPE_TEST_SCHEDULE", schedule}});
   }
 }
 
