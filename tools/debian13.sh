@@ -174,10 +174,21 @@ for v in $variants; do
   fi
   mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
   mountpoint -q "$root/dev" || mount --bind /dev "$root/dev"
-  # The working tree as git sees it (tracked and untracked-but-not-ignored files).
-  rm -rf "$root/src/gpipe" && mkdir -p "$root/src/gpipe"
+  # The working tree as git sees it (tracked and untracked-but-not-ignored files). Into a fresh
+  # folder, then only the files whose contents changed are copied over the kept copy, stamped
+  # now: with the sources' own times, a file edited while an earlier build compiled its old
+  # contents looked older than that object, and the kept build ran the stale object.
+  rm -rf "$root/src/gpipe.new" && mkdir -p "$root/src/gpipe.new" "$root/src/gpipe"
   git -C "$src" ls-files -z --cached --others --exclude-standard |
-    (cd "$src" && tar --null -T - -cf -) | tar -xf - -C "$root/src/gpipe"
+    (cd "$src" && tar --null -T - -cf -) | tar -xf - -C "$root/src/gpipe.new"
+  (cd "$root/src/gpipe.new" && find . -type f -print0) | while IFS= read -r -d '' f; do
+    cmp -s "$root/src/gpipe.new/$f" "$root/src/gpipe/$f" ||
+      { mkdir -p "$(dirname "$root/src/gpipe/$f")" && cp "$root/src/gpipe.new/$f" "$root/src/gpipe/$f"; }
+  done
+  (cd "$root/src/gpipe" && find . -type f -print0) | while IFS= read -r -d '' f; do
+    [[ -e "$root/src/gpipe.new/$f" ]] || rm -f "$root/src/gpipe/$f"
+  done
+  rm -rf "$root/src/gpipe.new"
   # CI's AddressSanitizer + UndefinedBehaviorSanitizer run of every test (at -O1): one build
   # serves both, where a separate sanitized build took CI another 15 min.
   # (The programs are left out: Bazel compiles them, and here they cost about 8 minutes.)
