@@ -365,6 +365,9 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   TORCH_CHECK(static_cast<int64_t>(p.balance.size()) % p.virtual_stages == 0, who,
               ": virtual_stages ", p.virtual_stages, " must divide the partitions (",
               p.balance.size(), ")");
+  TORCH_CHECK(p.virtual_stages == 1 || p.schedule == ScheduleKind::kInterleaved, who,
+              ": virtual_stages is ", p.virtual_stages, " but the schedule is ",
+              schedule_kind_name(p.schedule), "; virtual stages are for the interleaved schedule");
   if (j.contains("predicted")) {
     p.step_us = json_field<double>(j["predicted"], "step_us", who);
     p.peak_bytes = json_field<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);

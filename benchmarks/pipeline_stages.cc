@@ -20,6 +20,9 @@
 // --microbatch_group g for the m that g divides, Note [Micro-batch groups] in gpipe/schedule.h).
 // --bind_cores_to_rank binds each process to its share of the cores (Note [Binding cores to
 // ranks] in gpipe/distributed/core_binding.h); rank 0's runs alone use every core.
+// --shared_memory=0 sends every micro-batch over Gloo instead of through the stages' rings of
+// shared memory (Note [Shared memory between stages on one host] in
+// gpipe/distributed/shared_memory.h).
 
 #include <algorithm>
 #include <chrono>
@@ -73,6 +76,10 @@ ABSL_FLAG(bool, bind_cores_to_rank, false,
 ABSL_FLAG(int64_t, microbatch_group, 0,
           "with --schedule=interleaved: micro-batches per group (0: the stages, 2), for each m "
           "that it divides (the others: 2)");
+
+ABSL_FLAG(int64_t, shared_memory, int64_t{8} << 20,
+          "bytes of each shared-memory ring between the stages (PipelineStageOptions::"
+          "shared_memory); 0: every link over Gloo");
 
 namespace {
 
@@ -150,7 +157,8 @@ std::function<void()> pipeline_step(const ProcessGroup& group, int64_t width, in
       seq, PipelineStageOptions(stage_balance(layers)).chunks(m)
                .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
                .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
-               .virtual_stages(v).microbatch_group(microbatch_group(m)),
+               .virtual_stages(v).microbatch_group(microbatch_group(m))
+               .shared_memory(absl::GetFlag(FLAGS_shared_memory)),
       group);
   const at::Tensor x = at::randn({rows * m, width});
   const at::Tensor y = at::randn({rows * m, width});
@@ -303,7 +311,8 @@ int main(int argc, char** argv) {
                         PipelineStageOptions(stage_balance(layers)).chunks(traced)
                             .checkpoint(gpipe::Checkpoint::kNever).loss(mse).record_timeline(true)
                             .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                            .virtual_stages(v).microbatch_group(microbatch_group(traced)),
+                            .virtual_stages(v).microbatch_group(microbatch_group(traced))
+                            .shared_memory(absl::GetFlag(FLAGS_shared_memory)),
                         group);
     const at::Tensor x = at::randn({rows * traced, width});
     const at::Tensor y = at::randn({rows * traced, width});

@@ -37,8 +37,9 @@ namespace distributed {
 // receives stay posted in Gloo and would take the next step's messages, so the pipeline's
 // groups and stages must be made anew. Their buffers must outlive the stage's use of the group:
 // a Gloo connection that receives a message for a buffer that is gone stops reading, and the
-// failure could not reach that rank (the stage keeps the failed step's Cancellation). A rank that stops because it heard of a failure tells no
-// one, so every error names the stage where the failure began.
+// failure could not reach that rank (the stage keeps the failed step's Cancellation). A rank that
+// stops because it heard of a failure tells no one, so every error names the stage where the
+// failure began.
 //
 // A failure is told with the index of the step it ended (each stage counts its steps, and every
 // rank of a pipeline takes the same ones), and cancels only a step of that index or later. A

@@ -22,6 +22,7 @@
 #include "absl/synchronization/notification.h"
 #include "gpipe/distributed/configuration.h"
 #include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/shared_memory.h"
 #include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/distributed/tied_stages.h"
@@ -67,6 +68,9 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
               " but the schedule is ", schedule_kind_name(options_.schedule()), " with ", v,
               " virtual stage", v == 1 ? "" : "s", "; micro-batch groups are for "
               "ScheduleKind::kInterleaved with virtual_stages of 2 or more");
+  TORCH_CHECK(options_.shared_memory() == 0 || options_.shared_memory() >= kMinSharedRing, who,
+              ": shared_memory is ", options_.shared_memory(), " bytes; a ring needs at least ",
+              kMinSharedRing, " (256 KiB), or 0 for none");
   TORCH_CHECK(options_.chunks() <= kMaxMicrobatches, who, ": chunks is ", options_.chunks(),
               "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
   verify_module(module);
@@ -231,6 +235,21 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
+  // Note [Shared memory between stages on one host]: the links of stage_step.cc's run_step.
+  if (stages() > 1 && options_.shared_memory() > 0 && packs_activations(group_)) {
+    std::vector<SharedLinks::Spec> links;
+    const int64_t v = interleaved ? options_.virtual_stages() : 1;
+    for (int64_t c = 0; c < v; ++c) {
+      if (c > 0 || !is_first()) {
+        links.push_back({false, static_cast<int>((stage_ + stages() - 1) % stages()),
+                         stage_ == 0 ? c - 1 : c});
+      }
+      if (c < v - 1 || !is_last()) {
+        links.push_back({true, static_cast<int>((stage_ + 1) % stages()), c});
+      }
+    }
+    shared_ = std::make_unique<SharedLinks>(group_, local_, links, options_.shared_memory(), who);
+  }
   tied_stages_->broadcast(group_, local_);  // Note [Ties across stages]
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
@@ -263,6 +282,8 @@ std::vector<std::vector<int64_t>> PipelineStageImpl::tied_stages() const {
 
 int64_t PipelineStageImpl::partitions() const { return static_cast<int64_t>(partitions_.size()); }
 
+int64_t PipelineStageImpl::shared_memory_links() const { return shared_ ? shared_->size() : 0; }
+
 void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole) {
   // The whole model, not only this stage's layers: every process builds the same Sequential.
   std::vector<std::pair<std::string, int64_t>> fields = module_fields(whole);
@@ -275,6 +296,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("virtual stages", options_.virtual_stages());
   fields.emplace_back("micro-batch group", options_.microbatch_group());
   fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
+  fields.emplace_back("shared_memory", options_.shared_memory());
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
   std::string tied;

@@ -39,6 +39,7 @@ namespace distributed {
 class Cancellation;  // fault.h
 class FaultChannel;
 class TiedStages;  // tied_stages.h
+class SharedLinks;  // shared_memory.h
 
 // Note [Stage-local backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -77,8 +78,9 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // (PipelineStageOptions::local_balance and local_devices). Each partition then works as a stage
 // of its own would, on a thread of its own: it runs every micro-batch's forward in order, then
 // each micro-batch's backward in reverse as soon as the gradients of its outputs arrive
-// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/link.h) instead of c10d. With a schedule
-// other than GPipe's, every partition of the stage runs the stage's actions in the schedule's order.
+// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/link.h)
+// instead of c10d. With a schedule other than GPipe's, every partition of the stage runs the
+// stage's actions in the schedule's order.
 // What crosses a link is cut from the sender's graph: the receiver gets each tensor detached
 // (moved to its device), as a leaf that requires grad where the sender's tensor did, and sends
 // the leaves' gradients back. So every micro-batch's graph on a partition is its own, and each
@@ -170,6 +172,13 @@ struct PipelineStageOptions {
   /// tied_parameters); a tensor held by several layers is tied without being named. Ties across
   /// stages: Note [Ties across stages] in tied_stages.h.
   TORCH_ARG(TiedNames, tied_parameters) = {};
+  /// The bytes of each ring of shared memory between this stage and a neighbour in another
+  /// process on the same host (one ring per direction of each link, in /dev/shm), through which
+  /// the computing threads pass activations and gradients themselves instead of over the process
+  /// group (Note [Shared memory between stages on one host] in shared_memory.h); 0: every link
+  /// over the process group. Used with Gloo only. A micro-batch larger than half a ring, or one
+  /// that finds the ring full, goes over the process group. The same on every stage.
+  TORCH_ARG(int64_t, shared_memory) = int64_t{8} << 20;
 };
 
 // Note [Pipeline stages and batch norm]
@@ -244,7 +253,8 @@ class PipelineStageImpl : public torch::nn::Module {
   ///
   ///   stage->eval();
   ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y);
-  ///   double accuracy = result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
+  ///   double accuracy =
+  ///       result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
   Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {});
 
   /// On the last stage, the last step's output of the whole mini-batch (gathered from the
@@ -269,6 +279,10 @@ class PipelineStageImpl : public torch::nn::Module {
   /// The number of partitions of this stage (Note [Partitions within a stage]).
   int64_t partitions() const;
   const PipelineStageOptions& options() const { return options_; }
+  /// How many of this stage's links to its neighbours pass through shared memory (Note [Shared
+  /// memory between stages on one host]): those to stages on this host, with shared_memory set
+  /// and /dev/shm usable by every rank; the others go over the process group.
+  int64_t shared_memory_links() const;
 
   /// What the last step did on this stage (with record_timeline): kCompute for each
   /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
@@ -300,7 +314,8 @@ class PipelineStageImpl : public torch::nn::Module {
   bool interleaved() const {
     return options_.schedule() == ScheduleKind::kInterleaved && options_.virtual_stages() > 1;
   }
-  at::Tensor run_step(const Batch& input, const at::Tensor& target,
+  // Step `index` (step()'s count) after step()'s checks, with the step's cancellation.
+  at::Tensor run_step(const Batch& input, const at::Tensor& target, int64_t index,
                       std::shared_ptr<Cancellation> cancellation);
 
   PipelineStageOptions options_;
@@ -331,6 +346,8 @@ class PipelineStageImpl : public torch::nn::Module {
   // Per link (its channel), the largest activation data sent and received in the steps so far
   // (Note [One message per micro-batch] in transfer.h).
   std::map<int64_t, int64_t> sent_bytes_, received_bytes_;
+  // The links' rings to the stages on this host, if any (shared_memory.h).
+  std::unique_ptr<SharedLinks> shared_;
   // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
   // fault.h). Null on groups that cannot have one (NCCL).
   std::unique_ptr<FaultChannel> faults_;

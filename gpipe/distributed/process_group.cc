@@ -96,8 +96,8 @@ namespace {
 // suite that starts hundreds of groups, or a job restarted after a failure, does. So a client first
 // polls the port itself, every 10 ms, until something accepts a connection there, and only then
 // lets TCPStore connect (at its first try). At the timeout it gives up with the error TCPStore
-// would have given (the rank could not meet the others there). A probe connection that closes at once is nothing to the server:
-// it counts its workers by a key they add, not by connections.
+// would have given (the rank could not meet the others there). A probe connection that closes at
+// once is nothing to the server: it counts its workers by a key they add, not by connections.
 
 // Whether something accepts TCP connections at host:port within `timeout`, tried every 10 ms;
 // true also when the host does not resolve (TCPStore then names the address).

@@ -49,7 +49,8 @@ struct GroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// The c10d backend of the groups made from these options: "gloo" (tensors cross between
   /// processes through the CPU, wherever they live) or "nccl" (GPU tensors go from GPU to GPU;
-  /// every process must use a GPU of its own, and gpipe must be built with NCCL: built_with_nccl()).
+  /// every process must use a GPU of its own, and gpipe must be built with NCCL:
+  /// built_with_nccl()).
   /// Note [Point-to-point order].
   TORCH_ARG(std::string, backend) = "gloo";
   /// The group's name, under which its processes meet in the store (Note [One store per
@@ -143,8 +144,8 @@ struct PipelineGroups {
 };
 
 /// Joins the run of `options` (one TCPStore, as new_gloo_group) and makes this process's
-/// pipeline and replica groups (with options' backend). Throws c10::Error when world_size is not a multiple of
-/// `stages`.
+/// pipeline and replica groups (with options' backend). Throws c10::Error when world_size is not
+/// a multiple of `stages`.
 PipelineGroups new_pipeline_groups(const GroupOptions& options, int stages);
 
 /// Runs `fn` and turns any exception from c10d or Gloo into a c10::Error that says `what` failed

@@ -2,15 +2,60 @@
 #include "gpipe/distributed/remote_link.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include "absl/strings/str_cat.h"
 #include "gpipe/schedule_check.h"
 
 namespace gpipe {
 namespace distributed {
+namespace {
+
+// Note [Shared memory between stages on one host]: a record in a ring starts with its
+// micro-batch and whether its tensors come over the group instead, in 64 bytes; then the header
+// (activations) and the tensors, packed.
+struct RecordPrefix {
+  int64_t microbatch;
+  int64_t over_group;
+};
+constexpr int64_t kPrefixBytes = 64;
+
+// Writes `microbatch`'s record into `ring`: `header` (if defined) and `tensors` (on the CPU,
+// contiguous), or, when they do not fit now, a record saying that they go over the group (and
+// false: the caller sends them there).
+bool write_record(SharedRing& ring, const RingWait& wait, int64_t microbatch,
+                  const at::Tensor& header, const std::vector<at::Tensor>& tensors) {
+  const int64_t header_bytes = header.defined() ? kHeaderBytes : 0;
+  uint8_t* out = ring.reserve(kPrefixBytes + header_bytes + packed_bytes(tensors),
+                              /*block=*/false, wait);
+  const bool fits = out != nullptr;
+  if (!fits) out = ring.reserve(kPrefixBytes, /*block=*/true, wait);
+  const RecordPrefix prefix{microbatch, fits ? 0 : 1};
+  std::memcpy(out, &prefix, sizeof(prefix));
+  if (fits) {
+    if (header_bytes > 0) std::memcpy(out + kPrefixBytes, header.data_ptr(), header_bytes);
+    pack_into(tensors, out + kPrefixBytes + header_bytes);
+  }
+  ring.commit();
+  return fits;
+}
+
+// Receives `tensors` (their sizes known) of `kind` for `microbatch` from `peer` over the group,
+// on this thread.
+void receive_over_group(const Wire& wire, const char* what, std::vector<at::Tensor> tensors,
+                        int peer, Message kind, int64_t microbatch, int64_t channel) {
+  Transfer transfer(wire.group, what, c10::nullopt, wire.cancellation);
+  transfer.receive(std::move(tensors), peer, kind, microbatch, channel);
+  transfer.set_posted();
+  transfer.wait();
+}
+
+}  // namespace
 
 std::shared_ptr<Transfer> Wire::post(std::shared_ptr<Transfer> transfer,
                                      std::function<void(Transfer&)> operations) const {
@@ -30,12 +75,13 @@ std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, i
   const Schedule schedule = with_communication(make_schedule(kind, stages, m));
   std::vector<PairTurn> turns;
   for (const Action& a : schedule.ranks[stage]) {
-    if (peer == stage + 1 && a.type == ActionType::kSendForward) turns.push_back({true, a.microbatch});
-    if (peer == stage + 1 && a.type == ActionType::kRecvBackward) {
-      turns.push_back({false, a.microbatch});
+    const bool down = peer == stage + 1, up = peer == stage - 1;
+    if ((down && a.type == ActionType::kSendForward) ||
+        (up && a.type == ActionType::kRecvForward)) {
+      turns.push_back({true, a.microbatch});
     }
-    if (peer == stage - 1 && a.type == ActionType::kRecvForward) turns.push_back({true, a.microbatch});
-    if (peer == stage - 1 && a.type == ActionType::kSendBackward) {
+    if ((down && a.type == ActionType::kRecvBackward) ||
+        (up && a.type == ActionType::kSendBackward)) {
       turns.push_back({false, a.microbatch});
     }
   }
@@ -43,19 +89,25 @@ std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, i
 }
 
 RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                               TurnsOf turns, int64_t channel, int64_t* capacity)
+                               TurnsOf turns, int64_t channel, int64_t* capacity,
+                               SharedLink* shared)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
       grad_enabled_(grad_enabled),
       turns_of_(std::move(turns)),
       channel_(channel),
-      receiver_(wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation,
-                turns_of_ ? std::function<bool(int64_t, int64_t)>([this](int64_t i, int64_t m) {
-                  return sends_before(i, m);
-                })
-                          : nullptr,
-                channel, capacity) {}
+      shared_(shared) {
+  TORCH_INTERNAL_ASSERT(shared_ == nullptr || (!turns_of_ && !wire_.device.is_cuda()));
+  if (shared_) return;
+  receiver_ = std::make_unique<ActivationReceiver>(
+      wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation,
+      turns_of_ ? std::function<bool(int64_t, int64_t)>([this](int64_t i, int64_t m) {
+        return sends_before(i, m);
+      })
+                : nullptr,
+      channel, capacity);
+}
 
 RemoteUpstream::~RemoteUpstream() {
   // Before the receiver's thread is joined: it may wait for a gradient in sends_before.
@@ -105,7 +157,46 @@ bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
 }
 
 detail::Activation RemoteUpstream::receive() {
-  ActivationReceiver::Received r = receiver_.next();
+  ActivationReceiver::Received r;
+  if (shared_) {
+    const int rank = wire_.group->getRank();
+    const RingWait wait = shared_->wait(
+        absl::StrCat("activations from rank ", peer_, " on rank ", rank), wire_.cancellation.get());
+    int64_t bytes = 0;
+    const uint8_t* record = shared_->in->next(&bytes, wait);
+    RecordPrefix prefix;
+    std::memcpy(&prefix, record, sizeof(prefix));
+    TORCH_INTERNAL_ASSERT(prefix.microbatch == received_, "micro-batch ", prefix.microbatch,
+                          " arrived for ", received_);
+    const auto decode = [&](const at::Tensor& encoded) {
+      try {
+        return BatchHeader::decode(encoded);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "on rank ", rank, ", from rank ", peer_, ": ",
+                    e.what_without_backtrace());
+      }
+    };
+    if (prefix.over_group == 0) {
+      uint8_t* header = const_cast<uint8_t*>(record) + kPrefixBytes;  // read only
+      r.header = decode(at::from_blob(header, {BatchHeader::size()}, at::kLong));
+      r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
+      TORCH_INTERNAL_ASSERT(kPrefixBytes + kHeaderBytes + packed_data_bytes(r.header) <= bytes);
+      unpack_into(record + kPrefixBytes + kHeaderBytes, r.tensors);
+      shared_->in->release();
+    } else {
+      shared_->in->release();
+      const char* what = "receiving activations from the previous stage";
+      at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
+      receive_over_group(wire_, what, {encoded}, peer_, Message::kHeader, received_, channel_);
+      r.header = decode(encoded);
+      at::Tensor data = at::empty({packed_data_bytes(r.header)}, at::kByte);
+      receive_over_group(wire_, what, {data}, peer_, Message::kActivation, received_, channel_);
+      r.tensors = unpack_activations(r.header, data);
+    }
+    ++received_;
+  } else {
+    r = receiver_->next();
+  }
   TORCH_CHECK(r.header.grad_enabled == grad_enabled_, "gpipe::distributed::PipelineStage::step: "
               "stage ", peer_, " runs ", r.header.grad_enabled ? "with" : "without", " grad but "
               "stage ", wire_.group->getRank(), " ", grad_enabled_ ? "with" : "without", " it; "
@@ -128,6 +219,13 @@ detail::Activation RemoteUpstream::receive() {
 
 void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
+  if (shared_ && !tensors.empty()) {
+    const RingWait wait = shared_->wait(
+        absl::StrCat("room for gradients to rank ", peer_, " on rank ", wire_.group->getRank()),
+        wire_.cancellation.get());
+    if (write_record(*shared_->out, wait, microbatch, at::Tensor(), tensors)) return;
+  }
+  if (shared_ && tensors.empty()) return;  // the receiver expects none
   absl::MutexLock lock(&mu_);
   if (turns_of_) {
     // Posted by the receiving thread in its turn (sends_before).
@@ -146,7 +244,7 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
 }
 
 void RemoteUpstream::finish() {
-  if (turns_of_) receiver_.finish();  // every gradient posted in its turn
+  if (turns_of_) receiver_->finish();  // every gradient posted in its turn
   std::vector<std::shared_ptr<Transfer>> sends;
   {
     absl::MutexLock lock(&mu_);
@@ -157,7 +255,7 @@ void RemoteUpstream::finish() {
 
 RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
                                    GradientReceives when, TurnsOf turns, int64_t channel,
-                                   int64_t* capacity)
+                                   int64_t* capacity, SharedLink* shared)
     : wire_(std::move(wire)),
       peer_(peer),
       device_(device),
@@ -166,8 +264,11 @@ RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
       channel_(channel),
       capacity_(capacity),
       capacity_at_start_(capacity ? *capacity : 0),
-      largest_sent_(capacity_at_start_) {
+      largest_sent_(capacity_at_start_),
+      shared_(shared) {
   TORCH_INTERNAL_ASSERT(when_ != GradientReceives::kInTurn || turns_of_);
+  TORCH_INTERNAL_ASSERT(shared_ == nullptr ||
+                        (when_ != GradientReceives::kInTurn && !wire_.device.is_cuda()));
   TORCH_INTERNAL_ASSERT(capacity_ == nullptr ||
                         (when_ != GradientReceives::kInTurn && !wire_.device.is_cuda()));
 }
@@ -232,7 +333,14 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
                 e.what_without_backtrace());
   }
   std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
-  if (when_ == GradientReceives::kInTurn) {
+  if (shared_) {
+    const RingWait wait = shared_->wait(
+        absl::StrCat("room for activations to rank ", peer_, " on rank ", wire_.group->getRank()),
+        wire_.cancellation.get());
+    if (!write_record(*shared_->out, wait, microbatch, header, tensors)) {
+      post_send(microbatch, std::move(header), {pack_activations(tensors)});
+    }
+  } else if (when_ == GradientReceives::kInTurn) {
     if (turns_.empty()) turns_ = turns_of_(microbatches);
     ready_[microbatch] = {std::move(header), std::move(tensors)};
   } else if (capacity_ != nullptr) {
@@ -248,8 +356,10 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
     }
     buffers_[microbatch] = std::move(buffers);
   }
-  // Note [When gradients' receives are posted].
-  if (when_ == GradientReceives::kInTurn) {
+  // Note [When gradients' receives are posted]; over shared memory, none.
+  if (shared_) {
+    return;
+  } else if (when_ == GradientReceives::kInTurn) {
     post_in_turn();
   } else if (!grad_enabled) {
     return;
@@ -273,6 +383,42 @@ void RemoteDownstream::post_receive(int64_t microbatch) {
 }
 
 std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) {
+  if (shared_) {
+    // Records come in the order the next stage's backwards send them: any taken before their
+    // turn wait in arrived_.
+    while (arrived_.count(microbatch) == 0) {
+      auto mine = buffers_.find(microbatch);
+      if (mine == buffers_.end() || mine->second.empty()) {  // nothing required grad
+        if (mine != buffers_.end()) buffers_.erase(mine);
+        return {};
+      }
+      const RingWait wait = shared_->wait(absl::StrCat("gradients from rank ", peer_, " on rank ",
+                                                       wire_.group->getRank()),
+                                          wire_.cancellation.get());
+      int64_t bytes = 0;
+      const uint8_t* record = shared_->in->next(&bytes, wait);
+      RecordPrefix prefix;
+      std::memcpy(&prefix, record, sizeof(prefix));
+      auto it = buffers_.find(prefix.microbatch);
+      TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", prefix.microbatch,
+                            " arrived unasked");
+      if (prefix.over_group == 0) {
+        TORCH_INTERNAL_ASSERT(kPrefixBytes + packed_bytes(it->second) <= bytes);
+        unpack_into(record + kPrefixBytes, it->second);
+        shared_->in->release();
+      } else {
+        shared_->in->release();
+        receive_over_group(wire_, "receiving gradients from the next stage", it->second, peer_,
+                           Message::kGradient, prefix.microbatch, channel_);
+      }
+      arrived_[prefix.microbatch] = std::move(it->second);
+      buffers_.erase(it);
+    }
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& g : arrived_[microbatch]) out.push_back(g.to(device_));
+    arrived_.erase(microbatch);
+    return out;
+  }
   if (when_ == GradientReceives::kInTurn) {
     post_in_turn();
     TORCH_INTERNAL_ASSERT(receives_.count(microbatch) > 0 || buffers_.count(microbatch) == 0,

@@ -16,6 +16,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "gpipe/distributed/process_group.h"
+#include "gpipe/distributed/shared_memory.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/link.h"
 #include "gpipe/schedule.h"
@@ -67,9 +68,12 @@ class RemoteUpstream final : public detail::Upstream {
   /// and backwards (null otherwise; Note [When gradients' receives are posted]). `channel`: the
   /// link's, when a pair of stages has several (transfer_tag).
   /// `capacity` (groups that packs_activations; null otherwise): the link's, kept by the stage
-  /// between steps (Note [One message per micro-batch] in transfer.h).
+  /// between steps (Note [One message per micro-batch] in transfer.h). `shared` (may be null):
+  /// the link's rings, when the peer is on this host (Note [Shared memory between stages on one
+  /// host] in shared_memory.h); then the activations come and the gradients go through them.
   RemoteUpstream(Wire wire, int peer, c10::Device device, bool grad_enabled,
-                 TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr);
+                 TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr,
+                 SharedLink* shared = nullptr);
   ~RemoteUpstream() override;
   detail::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
@@ -101,7 +105,10 @@ class RemoteUpstream final : public detail::Upstream {
   int64_t awaited_ ABSL_GUARDED_BY(mu_) = 0;  // the gradient sends_before waits for
   std::vector<PairTurn> turns_;  // the receiving thread's
   size_t next_turn_ = 0;
-  ActivationReceiver receiver_;  // last: its thread runs sends_before
+  SharedLink* shared_;
+  int64_t received_ = 0;  // over shared memory, the activations taken
+  // Over the group (not shared_): last, its thread runs sends_before.
+  std::unique_ptr<ActivationReceiver> receiver_;
 };
 
 // Note [When gradients' receives are posted]
@@ -130,10 +137,11 @@ enum class GradientReceives { kAfterLastSend, kWithSend, kInTurn };
 /// The activations to stage `peer` (the one after); their gradients come back from it.
 class RemoteDownstream final : public detail::Downstream {
  public:
-  /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel` and `capacity` as
-  /// RemoteUpstream's.
+  /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel`, `capacity` and `shared`
+  /// as RemoteUpstream's.
   RemoteDownstream(Wire wire, int peer, c10::Device device, GradientReceives when,
-                   TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr);
+                   TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr,
+                   SharedLink* shared = nullptr);
   /// Keeps the largest data sent for the next step's capacity.
   ~RemoteDownstream() override;
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
@@ -168,6 +176,9 @@ class RemoteDownstream final : public detail::Downstream {
   std::vector<std::shared_ptr<Transfer>> sends_;
   std::map<int64_t, std::vector<at::Tensor>> buffers_;  // per micro-batch, until posted
   std::map<int64_t, std::shared_ptr<Transfer>> receives_;
+  SharedLink* shared_;
+  // Over shared memory: gradients read from the ring before they were asked for.
+  std::map<int64_t, std::vector<at::Tensor>> arrived_;
 };
 
 }  // namespace distributed

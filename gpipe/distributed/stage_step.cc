@@ -16,6 +16,7 @@
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/remote_link.h"
 #include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/shared_memory.h"
 #include "gpipe/distributed/tied_stages.h"
 #include "gpipe/distributed/transfer.h"
 #include "gpipe/executor.h"
@@ -72,7 +73,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a "
                 "loss function: PipelineStageOptions::loss");
     checked = true;
-    return run_step(input, target, cancellation);
+    return run_step(input, target, index, cancellation);
   } catch (const std::exception& e) {
     // The other stages wait for this one's transfers: the pipeline is broken for good.
     if (checked || stages() > 1) failed_ = true;
@@ -97,15 +98,16 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
 }
 
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
-                                       std::shared_ptr<Cancellation> cancellation) {
+                                       int64_t index, std::shared_ptr<Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
-  const int64_t index = steps_ - 1;  // this step's (step() counted it)
   timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
   const bool grad_enabled = at::GradMode::is_enabled();
   tied_->refresh();
   // Note [Pipeline stages and batch norm].
   bool any_batch_norm = false;
-  for (const detail::ExecutorPartition& p : partitions_) any_batch_norm |= p.batch_norms->size() > 0;
+  for (const detail::ExecutorPartition& p : partitions_) {
+    any_batch_norm |= p.batch_norms->size() > 0;
+  }
   const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
   if (replica_group_ && grad_enabled && is_training() && !deferred &&
       !layers_->buffers().empty()) {
@@ -160,7 +162,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     const int64_t channel = me == 0 ? c - 1 : c;  // the sending virtual stage's chunk
     remote_upstreams.push_back(std::make_unique<RemoteUpstream>(
         wire, static_cast<int>(peer), partitions_[interleaved ? c : 0].device, grad_enabled,
-        turns_with(peer), channel, packs ? &received_bytes_[channel] : nullptr));
+        turns_with(peer), channel, packs ? &received_bytes_[channel] : nullptr,
+        shared_ ? shared_->find(false, channel) : nullptr));
   }
   // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
   // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
@@ -195,7 +198,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     const int64_t peer = (me + 1) % stages;
     remote_downstreams.push_back(std::make_unique<RemoteDownstream>(
         wire, static_cast<int>(peer), partitions_[interleaved ? c : k - 1].device, when,
-        turns_with(peer), c, packs ? &sent_bytes_[c] : nullptr));
+        turns_with(peer), c, packs ? &sent_bytes_[c] : nullptr,
+        shared_ ? shared_->find(true, c) : nullptr));
   }
 
   detail::ExecutorSpec spec;

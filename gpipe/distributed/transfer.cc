@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include <ATen/ops/empty.h>
@@ -22,8 +23,7 @@ namespace gpipe {
 namespace distributed {
 namespace {
 
-constexpr int64_t kHeaderSize = 512;   // int64 values: 4 KiB
-constexpr int64_t kHeaderBytes = kHeaderSize * 8;
+constexpr int64_t kHeaderSize = kHeaderBytes / 8;   // int64 values: 4 KiB
 constexpr const char* kReceiving = "receiving activations from the previous stage";
 constexpr int64_t kMaxTensors = 64;    // per batch: tags leave room for this many
 
@@ -217,7 +217,9 @@ namespace {
 
 constexpr int64_t kPackAlignment = 64;
 
-int64_t aligned(int64_t bytes) { return (bytes + kPackAlignment - 1) / kPackAlignment * kPackAlignment; }
+int64_t aligned(int64_t bytes) {
+  return (bytes + kPackAlignment - 1) / kPackAlignment * kPackAlignment;
+}
 
 int64_t bytes_of(const BatchHeader::Entry& e) {
   return c10::multiply_integers(e.sizes) * static_cast<int64_t>(c10::elementSize(e.dtype));
@@ -231,34 +233,46 @@ int64_t packed_data_bytes(const BatchHeader& header) {
   return bytes;
 }
 
+int64_t packed_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const at::Tensor& t : tensors) bytes += aligned(t.numel() * t.element_size());
+  return bytes;
+}
+
+void pack_into(const std::vector<at::Tensor>& tensors, uint8_t* out) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_INTERNAL_ASSERT(t.device().is_cpu() && t.is_contiguous());
+    const int64_t n = t.numel() * t.element_size();
+    if (n > 0) std::memcpy(out, t.data_ptr(), n);
+    out += aligned(n);
+  }
+}
+
+void unpack_into(const uint8_t* data, const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_INTERNAL_ASSERT(t.device().is_cpu() && t.is_contiguous());
+    const int64_t n = t.numel() * t.element_size();
+    if (n > 0) std::memcpy(t.data_ptr(), data, n);
+    data += aligned(n);
+  }
+}
+
 at::Tensor pack_activations(const std::vector<at::Tensor>& tensors,
                             const at::Tensor& encoded_header) {
   const int64_t header_bytes = encoded_header.defined() ? kHeaderBytes : 0;
-  int64_t bytes = header_bytes;
-  for (const at::Tensor& t : tensors) bytes += aligned(t.numel() * t.element_size());
-  at::Tensor message = at::empty({bytes}, at::kByte);
+  at::Tensor message = at::empty({header_bytes + packed_bytes(tensors)}, at::kByte);
+  uint8_t* out = message.data_ptr<uint8_t>();
   if (encoded_header.defined()) {
-    message.narrow(0, 0, header_bytes).copy_(encoded_header.reshape(-1).view(at::kByte));
+    std::memcpy(out, encoded_header.contiguous().data_ptr(), header_bytes);
   }
-  int64_t offset = header_bytes;
-  for (const at::Tensor& t : tensors) {
-    const int64_t n = t.numel() * t.element_size();
-    if (n > 0) message.narrow(0, offset, n).copy_(t.reshape(-1).view(at::kByte));
-    offset += aligned(n);
-  }
+  pack_into(tensors, out + header_bytes);
   return message;
 }
 
 std::vector<at::Tensor> unpack_activations(const BatchHeader& header, const at::Tensor& data) {
-  std::vector<at::Tensor> out;
-  int64_t offset = 0;
-  for (const BatchHeader::Entry& e : header.entries) {
-    const int64_t n = bytes_of(e);
-    at::Tensor t = at::empty(e.sizes, at::dtype(e.dtype));
-    if (n > 0) t.reshape(-1).view(at::kByte).copy_(data.narrow(0, offset, n));
-    offset += aligned(n);
-    out.push_back(std::move(t));
-  }
+  std::vector<at::Tensor> out = header.empty_tensors(c10::Device(c10::kCPU));
+  TORCH_INTERNAL_ASSERT(data.is_contiguous() && data.numel() >= packed_data_bytes(header));
+  unpack_into(data.data_ptr<uint8_t>(), out);
   return out;
 }
 

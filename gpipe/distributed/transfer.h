@@ -165,6 +165,13 @@ at::Tensor pack_activations(const std::vector<at::Tensor>& tensors,
                             const at::Tensor& encoded_header = at::Tensor());
 /// `header`'s tensors, copied out of `data` (the data part of a packed micro-batch).
 std::vector<at::Tensor> unpack_activations(const BatchHeader& header, const at::Tensor& data);
+/// The bytes `tensors` (on the CPU, contiguous) take packed at 64-byte offsets; copies them there
+/// into `out`, and back out of `data` into `tensors` (of the sizes packed).
+int64_t packed_bytes(const std::vector<at::Tensor>& tensors);
+void pack_into(const std::vector<at::Tensor>& tensors, uint8_t* out);
+void unpack_into(const uint8_t* data, const std::vector<at::Tensor>& tensors);
+/// The size of an encoded BatchHeader, in bytes.
+constexpr int64_t kHeaderBytes = 512 * 8;
 
 /// Receives one step's activations from `peer` on a thread of its own (Note [Receiving ahead]):
 /// the header and tensors of micro-batch 0, 1, … until the step's last, each queued as it

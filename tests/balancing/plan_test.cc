@@ -296,6 +296,12 @@ CATCH_TEST_CASE("Profiles and plans survive JSON, and bad JSON is named",
                               "\"checkpoint\": \"sometimes\", \"schedule\": \"gpipe\", "
                               "\"virtual_stages\": 1, \"threads\": 1}"),
       gpipe_test::contains("unknown checkpoint mode 'sometimes'"));
+  CATCH_CHECK_THROWS_WITH(
+      PipelinePlan::from_json("{\"balance\": [1, 1], \"devices\": [\"cpu\", \"cpu\"], "
+                              "\"chunks\": 2, \"checkpoint\": \"never\", \"schedule\": "
+                              "\"1f1b\", \"virtual_stages\": 2, \"threads\": 1}"),
+      gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b; virtual stages are "
+                           "for the interleaved schedule"));
   CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json("{\"devices\": [\"cpu\"], \"batch\": 4}"),
                           gpipe_test::contains("no \"input_bytes\""));
 }

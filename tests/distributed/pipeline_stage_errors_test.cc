@@ -23,26 +23,42 @@ constexpr const char* kDeadStage =
 
 CATCH_TEST_CASE(kDeadStage, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
+    const bool shared = std::getenv("GPIPE_TEST_SHARED_MEMORY") == nullptr;
     torch::manual_seed(7);
     nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), Die(), nn::Linear(8, 3));
     seq->to(at::kDouble);
-    PipelineStage stage(seq, PipelineStageOptions({2, 2}).chunks(4).loss(mse), join());
+    PipelineStage stage(
+        seq, PipelineStageOptions({2, 2}).chunks(4).loss(mse).shared_memory(shared ? 8 << 20 : 0),
+        join());
+    CATCH_CHECK(stage->shared_memory_links() == (shared ? 1 : 0));
     auto [x, y] = batch(0);
-    if (stage->is_first()) {
+    if (!stage->is_first()) {
+      stage->step(no_input(), y);
+    } else if (shared) {
+      // Waiting in the ring for its gradients, it finds the process gone (a zombie here: the
+      // test waits for rank 0 first).
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+                              gpipe_test::contains("waiting for gradients from rank 1 on rank 0 in "
+                                                   "shared memory, but the other process (pid ") &&
+                                  gpipe_test::contains(") has exited"));
+    } else {
       CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
                               gpipe_test::contains("failed on rank 0 of 2") &&
                                   gpipe_test::contains("another process may have died"));
-    } else {
-      stage->step(no_input(), y);
     }
     return;
   }
-  const std::string folder = folder_for("dead");
-  const auto results = run_ranks(kDeadStage, 2, folder, {{"GPIPE_TIMEOUT_S", "20"}});
-  CATCH_INFO(gpipe_test::outputs(results));
-  CATCH_CHECK(results[1].exit_code == 3);
-  CATCH_CHECK(results[0].exit_code == 0);  // it saw the error it expected, within the timeout
-  std::filesystem::remove_all(folder);
+  for (const bool shared : {true, false}) {
+    CATCH_INFO((shared ? "through shared memory" : "over Gloo"));
+    const std::string folder = folder_for(shared ? "dead_shared" : "dead");
+    std::map<std::string, std::string> env{{"GPIPE_TIMEOUT_S", "20"}};
+    if (!shared) env["GPIPE_TEST_SHARED_MEMORY"] = "0";
+    const auto results = run_ranks(kDeadStage, 2, folder, env);
+    CATCH_INFO(gpipe_test::outputs(results));
+    CATCH_CHECK(results[1].exit_code == 3);
+    CATCH_CHECK(results[0].exit_code == 0);  // it saw the error it expected, within the timeout
+    std::filesystem::remove_all(folder);
+  }
 }
 
 constexpr const char* kMismatch = "stages configured differently are refused at construction";

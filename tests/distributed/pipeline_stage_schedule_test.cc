@@ -36,7 +36,9 @@ CATCH_TEST_CASE(kSchedules, "[distributed][stage][schedule]") {
                          << "'");
   std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
                                          {"GPIPE_TEST_SCHEDULE", schedule}};
+  // With two partitions per stage, the links go over Gloo instead of shared memory.
   if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
+  if (!local.empty()) env["GPIPE_TEST_SHARED_MEMORY"] = "0";
   const std::string folder =
       folder_for("schedule_" + schedule + "_" + mode + (local.empty() ? "" : "_local"));
   // The loss is a sum over micro-batches (Note [Losses over micro-batches]): equal up to rounding.
@@ -191,24 +193,29 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
   // (balance of the virtual stages, chunks, checkpoint mode, micro-batch group). The skip stays
   // in virtual stage 1; the tuple crosses from it to virtual stage 2 (with two processes: from
   // the last stage back to the first). The last run groups 4 micro-batches per virtual stage
-  // (Note [Micro-batch groups]).
-  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string, int64_t>;
-  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "always", 0},
-                           Run{{1, 2, 1, 1, 1, 1}, 3, "except_last", 0},
-                           Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never", 0},
-                           Run{{1, 2, 2, 1}, 4, "except_last", 4});
-  const auto& [balance, chunks, mode, group] = run;
+  // (Note [Micro-batch groups]). The links: shared memory, or (second run) shared memory with
+  // the activations over Gloo (their records larger than 4 KiB) and the gradients in the rings,
+  // or (third run) Gloo alone.
+  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string, int64_t, std::string>;
+  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "always", 0, "shared"},
+                           Run{{1, 2, 1, 1, 1, 1}, 3, "except_last", 0, "mixed"},
+                           Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never", 0, "gloo"},
+                           Run{{1, 2, 2, 1}, 4, "except_last", 4, "shared"});
+  const auto& [balance, chunks, mode, group, links] = run;
   std::string spec;
   for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
   CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode
-                        << ", micro-batch group " << group);
+                        << ", micro-batch group " << group << ", links " << links);
   const std::string folder = folder_for("interleaved_" + std::to_string(balance.size() / 2) +
                                         (group > 0 ? "_group" : ""));
-  check_stages(kInterleaved, folder,
-               {{"GPIPE_TEST_SCHEDULE", "interleaved"}, {"GPIPE_TEST_BALANCE", spec},
-                {"GPIPE_TEST_CHUNKS", std::to_string(chunks)}, {"GPIPE_TEST_CHECKPOINT", mode},
-                {"GPIPE_TEST_GROUP", std::to_string(group)}},
-               /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
+  std::map<std::string, std::string> env{
+      {"GPIPE_TEST_SCHEDULE", "interleaved"}, {"GPIPE_TEST_BALANCE", spec},
+      {"GPIPE_TEST_CHUNKS", std::to_string(chunks)}, {"GPIPE_TEST_CHECKPOINT", mode},
+      {"GPIPE_TEST_GROUP", std::to_string(group)}};
+  if (links == "mixed") env["GPIPE_TEST_SHARED_LIMIT"] = "4096";
+  if (links == "gloo") env["GPIPE_TEST_SHARED_MEMORY"] = "0";
+  check_stages(kInterleaved, folder, env, /*loss_tolerance=*/1e-12, /*frozen=*/"", balance,
+               /*virtual_stages=*/2);
 }
 
 constexpr const char* kInterleavedCuda =

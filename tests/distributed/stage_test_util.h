@@ -27,6 +27,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/device.h"
 #include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/shared_memory.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"
@@ -204,9 +205,21 @@ inline void train_stage(PipelineStageOptions options) {
   if (const char* group = std::getenv("GPIPE_TEST_GROUP")) {
     options.microbatch_group(std::stoll(group));
   }
+  // Note [Shared memory between stages on one host]: its rings (the default), none, or rings
+  // whose larger messages (over GPIPE_TEST_SHARED_LIMIT bytes) go over the group.
+  if (const char* bytes = std::getenv("GPIPE_TEST_SHARED_MEMORY")) {
+    options.shared_memory(std::stoll(bytes));
+  }
+  if (const char* limit = std::getenv("GPIPE_TEST_SHARED_LIMIT")) {
+    internal::set_shared_message_limit(std::stoll(limit));
+  }
   PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
                                  .local_devices(local_devices)
                                  .schedule(schedule_kind(schedule)), group);
+  // Every link of a Gloo pipeline on one host passes through shared memory, unless it is off.
+  const bool shared = options.shared_memory() > 0 && !carries_device_tensors(group) &&
+                      std::getenv("GPIPE_TEST_IN_ORDER") == nullptr;
+  CATCH_CHECK((stage->shared_memory_links() > 0) == shared);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {

@@ -1,13 +1,20 @@
 // Activations between stages over Gloo: one message per micro-batch (Note [One message per
 // micro-batch] in gpipe/distributed/transfer.h): packing keeps every dtype and shape, and
 // micro-batches larger than any before (which travel as two messages) still train to the plain
-// model.
+// model. Between stages on one host, rings of shared memory (Note [Shared memory between stages
+// on one host] in gpipe/distributed/shared_memory.h): order, wrapping, room, and giving up.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ops/arange.h>
@@ -18,7 +25,9 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include "gpipe/distributed/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/distributed/shared_memory.h"
 #include "gpipe/distributed/transfer.h"
 #include "tests/catch.h"
 #include "tests/distributed/multiprocess.h"
@@ -96,9 +105,10 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
     const char* name = std::getenv("GPIPE_TEST_SCHEDULE");
     ProcessGroup group =
         new_gloo_group(options_from_env().timeout(std::chrono::seconds(60)));
+    // Over Gloo (shared memory, the default between processes of one host, has no capacity).
     PipelineStage stage(mlp(),
                         PipelineStageOptions({2, 3}).chunks(kChunks).loss(mse).schedule(
-                            schedule_kind(name)),
+                            schedule_kind(name)).shared_memory(0),
                         group);
     torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     for (int step = 0; step < static_cast<int>(kRows.size()); ++step) {
@@ -138,6 +148,124 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
   CATCH_CHECK(at::allclose(got0, gpipe_test::flat(stage0), 0, 1e-10));
   CATCH_CHECK(at::allclose(got1, gpipe_test::flat(stage1), 0, 1e-10));
   std::filesystem::remove_all(folder);
+}
+
+// A ring's name in /dev/shm, unique to this process.
+std::string ring_name(const char* what) {
+  return "/gpipe-test-" + std::to_string(getpid()) + "-" + what;
+}
+
+CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrapping around its "
+                "end, and leaves no name behind",
+                "[distributed][transfer][shared_memory]") {
+  const std::string name = ring_name("order");
+  auto writer = SharedRing::create(name, kMinSharedRing);
+  auto reader = SharedRing::open(name);
+  CATCH_CHECK_FALSE(std::filesystem::exists("/dev/shm" + name));
+  CATCH_CHECK(writer->writer() == getpid());
+  CATCH_CHECK(writer->max_message() == kMinSharedRing / 2 - 64);
+  const RingWait wait{"test messages", 0, std::chrono::minutes(1), nullptr};
+  CATCH_CHECK(writer->reserve(writer->max_message() + 1, /*block=*/true, wait) == nullptr);
+  // Sizes from 0 to the largest, 300 messages: the ring (256 KiB) wraps many times, the writer
+  // waiting for room while the reader is behind.
+  const auto size_of = [&](int k) {
+    return k % 50 == 0 ? writer->max_message() : int64_t{(k * 7919) % 70001};
+  };
+  constexpr int kMessages = 300;
+  std::thread write([&] {
+    for (int k = 0; k < kMessages; ++k) {
+      const int64_t n = size_of(k);
+      uint8_t* out = writer->reserve(n, /*block=*/true, wait);
+      for (int64_t b = 0; b < n; ++b) out[b] = static_cast<uint8_t>(k + b * 31);
+      writer->commit();
+    }
+  });
+  int wrong = 0;
+  for (int k = 0; k < kMessages; ++k) {
+    int64_t n = -1;
+    const uint8_t* in = reader->next(&n, wait);
+    CATCH_CHECK(reinterpret_cast<uintptr_t>(in) % 64 == 0);
+    if (n != size_of(k)) ++wrong;
+    for (int64_t b = 0; b < n && b < size_of(k); ++b) {
+      if (in[b] != static_cast<uint8_t>(k + b * 31)) {
+        ++wrong;
+        break;
+      }
+    }
+    reader->release();
+  }
+  write.join();
+  CATCH_CHECK(wrong == 0);
+}
+
+CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and keeps room for "
+                "the records that say it went another way",
+                "[distributed][transfer][shared_memory]") {
+  const std::string name = ring_name("full");
+  auto writer = SharedRing::create(name, kMinSharedRing);
+  auto reader = SharedRing::open(name);
+  const RingWait wait{"test messages", 0, std::chrono::minutes(1), nullptr};
+  int64_t fitted = 0;
+  while (uint8_t* out = writer->reserve(30000, /*block=*/false, wait)) {
+    std::memset(out, 1, 30000);
+    writer->commit();
+    ++fitted;
+  }
+  // 256 KiB less the 64 KiB kept free, in records of 30000 + 64 bytes (rounded to 64).
+  CATCH_CHECK(fitted == (kMinSharedRing - 64 * 1024) / (30016 + 64));
+  for (int k = 0; k < 100; ++k) {  // small records still fit, without a reader
+    uint8_t* out = writer->reserve(64, /*block=*/true, wait);
+    CATCH_REQUIRE(out != nullptr);
+    std::memset(out, 2, 64);
+    writer->commit();
+  }
+  for (int64_t k = 0; k < fitted + 100; ++k) {
+    int64_t n = 0;
+    const uint8_t* in = reader->next(&n, wait);
+    CATCH_CHECK(n == (k < fitted ? 30000 : 64));
+    CATCH_CHECK(in[n - 1] == (k < fitted ? 1 : 2));
+    reader->release();
+  }
+  CATCH_CHECK(writer->reserve(30000, /*block=*/false, wait) != nullptr);  // room again
+}
+
+CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancelled, at the "
+                "timeout, and when the other process has exited",
+                "[distributed][transfer][shared_memory]") {
+  const std::string name = ring_name("waits");
+  auto writer = SharedRing::create(name, kMinSharedRing);
+  auto reader = SharedRing::open(name);
+  int64_t n = 0;
+  // Another stage's failure, heard while this one waits.
+  Cancellation cancellation;
+  std::thread cancel([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    cancellation.cancel("stage 1 of 2 failed: a layer threw");
+  });
+  const RingWait cancelled{"activations", 0, std::chrono::minutes(1), &cancellation};
+  CATCH_CHECK_THROWS_WITH(reader->next(&n, cancelled),
+                          gpipe_test::contains("stage 1 of 2 failed: a layer threw"));
+  cancel.join();
+  // The group's timeout.
+  const RingWait timed{"activations from rank 0", 0, std::chrono::milliseconds(100), nullptr};
+  CATCH_CHECK_THROWS_WITH(reader->next(&n, timed),
+                          gpipe_test::contains("for activations from rank 0 in shared memory, "
+                                               "past the group's timeout (100 ms)"));
+  // A writer that exited (here a child not yet waited for: a zombie, as a rank whose launcher
+  // has not reaped it).
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  CATCH_REQUIRE(child > 0);
+  const RingWait gone{"gradients", child, std::chrono::minutes(1), nullptr};
+  CATCH_CHECK_THROWS_WITH(reader->next(&n, gone),
+                          gpipe_test::contains("other process (pid " + std::to_string(child) +
+                                               ") has exited"));
+  int status = 0;
+  waitpid(child, &status, 0);
+  // The writer too gives up waiting for room.
+  while (writer->reserve(30000, /*block=*/false, timed) != nullptr) writer->commit();
+  CATCH_CHECK_THROWS_WITH(writer->reserve(100000, /*block=*/true, timed),
+                          gpipe_test::contains("past the group's timeout"));
 }
 
 }  // namespace
