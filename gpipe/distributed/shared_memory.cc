@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -37,8 +38,11 @@ constexpr int64_t kAlign = 64;
 constexpr int64_t kRecordHeader = 64;           // a record's size, then its message
 constexpr uint64_t kWrap = ~uint64_t{0};        // a record's size: the next record is at 0
 // Room a message that does not wait leaves free, for the records that say "over Gloo" (which
-// wait): a ring never fills with messages so that none of those fits.
+// wait): a ring never fills with messages so that none of those fits. An eighth of the ring, at
+// least 64 KiB: 8192 records of 128 bytes in a ring of 8 MiB, more than any schedule keeps in
+// flight on one link unless its micro-batch group (interleaved) runs to thousands.
 constexpr int64_t kKeptFree = 64 * 1024;
+int64_t kept_free(int64_t room) { return std::max(kKeptFree, room / 8); }
 
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -155,13 +159,22 @@ std::unique_ptr<SharedRing> SharedRing::open(const std::string& name) {
               "processes, as in two containers?)");
   shm_unlink(name.c_str());  // both processes have it now: nothing is left behind
   struct stat st;
-  const bool sized = fstat(fd, &st) == 0 && st.st_size > kControlBytes;
-  void* base = sized ? mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                     : MAP_FAILED;
+  if (fstat(fd, &st) != 0) {
+    const int error = errno;
+    close(fd);
+    TORCH_CHECK(false, "gpipe::distributed: cannot open a shared-memory ring: ",
+                system_error("fstat", name, error));
+  }
+  if (st.st_size <= kControlBytes) {
+    close(fd);
+    TORCH_CHECK(false, "gpipe::distributed: ", name, " holds ", st.st_size, " bytes, not a gpipe "
+                "ring");
+  }
+  void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
   close(fd);
   TORCH_CHECK(base != MAP_FAILED, "gpipe::distributed: cannot map a shared-memory ring: ",
-              system_error(sized ? "mmap" : "fstat", name, error));
+              system_error("mmap", name, error));
   auto ring = std::unique_ptr<SharedRing>(new SharedRing(name, false, base, st.st_size));
   TORCH_CHECK(ring->control_->magic == kMagic && ring->control_->room == ring->room_,
               "gpipe::distributed: ", name, " is not a gpipe ring of ", ring->room_, " bytes");
@@ -187,7 +200,7 @@ uint8_t* SharedRing::reserve(int64_t bytes, bool block, const RingWait& wait) {
   const uint64_t written = control_->written.load(std::memory_order_relaxed);  // ours
   const int64_t offset = static_cast<int64_t>(written % room_);
   const int64_t skip = offset + record > room_ ? room_ - offset : 0;
-  const int64_t limit = block ? room_ : room_ - kKeptFree;
+  const int64_t limit = block ? room_ : room_ - kept_free(room_);
   Waiter waiter(wait);
   for (;;) {
     const uint32_t seen = control_->releases.load(std::memory_order_acquire);
@@ -238,14 +251,23 @@ void SharedRing::release() {
 
 namespace {
 
-// This host, as a number: its name and boot id (processes in two containers of one host have
-// different names).
+// This host, as a number: its name, boot id and PID namespace. Processes in two containers of
+// one host differ in name, or, sharing the host's name and /dev/shm (--ipc=host --network=host),
+// in PID namespace, where a ring's waits could not tell whether the other process is alive.
 int64_t host_key() {
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
   std::string boot;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  return static_cast<int64_t>(std::hash<std::string>()(absl::StrCat(name, "/", boot)) >> 1);
+  struct stat pid_namespace = {};
+  stat("/proc/self/ns/pid", &pid_namespace);
+  return static_cast<int64_t>(
+      std::hash<std::string>()(absl::StrCat(name, "/", boot, "/", pid_namespace.st_ino)) >> 1);
+}
+
+std::string message_of(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error ? error->what_without_backtrace() : e.what();
 }
 
 std::chrono::milliseconds timeout_of(const ProcessGroup& group) {
@@ -264,8 +286,12 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
   // Who is where, and a name for this stage's rings (rank 0's draw).
   int64_t token = 0;
   if (rank == 0) {
-    std::random_device random;
-    token = static_cast<int64_t>(((uint64_t{random()} << 32) ^ random()) >> 1);
+    try {
+      std::random_device random;
+      token = static_cast<int64_t>(((uint64_t{random()} << 32) ^ random()) >> 1);
+    } catch (const std::exception&) {  // no random device: the clock and the pid
+      token = (Clock::now().time_since_epoch().count() ^ (int64_t{getpid()} << 40)) & INT64_MAX;
+    }
   }
   const std::vector<at::Tensor> where =
       all_gather(group, at::tensor({host_key(), int64_t{getpid()}, token}, at::kLong), local,
@@ -296,8 +322,8 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
       rings_.push_back(SharedRing::create(
           name(spec.downstream ? 'a' : 'g', rank, spec.peer, spec.channel), ring_bytes));
       link.out = rings_.back().get();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {  // every rank goes on to the next collective
+      error = message_of(e);
     }
   }
   std::vector<int> failed = every_rank(error.empty(), "making shared memory between stages");
@@ -313,8 +339,8 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
                     "gpipe::distributed: rank ", link.peer, " (pid ", link.peer_pid, ") shares "
                     "/dev/shm with rank ", rank, " but not its process ids (another PID "
                     "namespace?)");
-      } catch (const c10::Error& e) {
-        error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        error = message_of(e);
         break;
       }
     }

@@ -36,17 +36,19 @@ class Cancellation;  // fault.h
 // before) and wakes the reader through a futex in the ring; the computing thread that receives
 // waits there and copies the message out. No thread, socket or Gloo in between.
 //
-// The rings are made with the stage: the ranks tell each other their host (its name and boot
-// id), each makes the rings it writes, and after a collective each opens the rings it reads and
-// removes their names, so that nothing is left in /dev/shm when a process dies. The stages use
-// them only if every rank made and opened all of its rings; otherwise (no /dev/shm, or too little
-// room there: Docker gives a container 64 MiB) every link stays on Gloo, and the rank that could
-// not says why in a warning. The ring's memory is allocated when it is made, so a full /dev/shm
-// refuses it then instead of killing a process (SIGBUS) later. A message larger than half a ring,
-// or one that finds no room in it, goes over Gloo as before, announced by a small record in the
-// ring so the reader keeps the order. A wait in a ring gives up with the step's cancellation
-// (Note [Failing fast across processes] in fault.h), when the writing or reading process is gone,
-// or at the group's timeout.
+// The rings are made with the stage: the ranks tell each other their host (its name, boot id and
+// PID namespace: a wait must be able to see whether the other process is alive), each makes the
+// rings it writes, and after a collective each opens the rings it reads and removes their names,
+// so that nothing is left in /dev/shm when a process dies. The stages use them only if every
+// rank made and opened all of its rings; otherwise (no /dev/shm, or too little room there: Docker
+// gives a container 64 MiB) every link stays on Gloo, and the rank that could not says why in a
+// warning. The ring's memory is allocated when it is made, so a full /dev/shm refuses it then
+// instead of killing a process (SIGBUS) later. A message larger than half a ring, or one that
+// finds no room in it, goes over Gloo as before, announced by a small record in the ring so the
+// reader keeps the order (an eighth of each ring is kept for those records: thousands of them,
+// and only then does such a record wait for room). A wait in a ring gives up with the step's
+// cancellation (Note [Failing fast across processes] in fault.h), when the writing or reading
+// process is gone, or at the group's timeout.
 
 /// The smallest ring (PipelineStageOptions::shared_memory): 256 KiB.
 constexpr int64_t kMinSharedRing = int64_t{256} << 10;
