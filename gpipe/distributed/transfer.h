@@ -152,7 +152,9 @@ struct BatchHeader {
 // needs exact sizes: a GPU wire keeps one message per tensor and the receiving thread of Note
 // [Receiving ahead]. (The bytes are copied in and out of the message: a memcpy of each activation
 // on each side, small beside the trip it saves. A link's capacity only grows: after one large
-// step, later ones post receives that large, a few micro-batches at a time.)
+// step, later ones post receives that large, a few micro-batches at a time.) Between stages on one
+// host, rings of shared memory replace all of this: Note [Shared memory between stages on one
+// host] in shared_memory.h.
 
 /// Whether activations between the stages of `group` travel as one message per micro-batch (Note
 /// [One message per micro-batch]): over Gloo.
