@@ -20,6 +20,7 @@
 #include <atomic>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -213,12 +214,25 @@ inline void train_stage(PipelineStageOptions options) {
   if (const char* limit = std::getenv("GPIPE_TEST_SHARED_LIMIT")) {
     internal::set_shared_message_limit(std::stoll(limit));
   }
+  // GPIPE_TEST_SHARED_FAILS: rings that cannot be made (larger than /dev/shm), which each rank
+  // says in a warning.
+  const bool fails = std::getenv("GPIPE_TEST_SHARED_FAILS") != nullptr;
+  std::optional<gpipe::testing::CaptureWarnings> warnings;
+  if (fails) warnings.emplace();
   PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
                                  .local_devices(local_devices)
                                  .schedule(schedule_kind(schedule)), group);
+  if (fails) {
+    CATCH_REQUIRE(warnings->messages.size() == 1);
+    CATCH_CHECK_THAT(warnings->messages[0],
+                     gpipe_test::contains("rank " + std::to_string(group->getRank()) +
+                                          " could not set up shared memory") &&
+                         gpipe_test::contains("go over the process group"));
+    warnings.reset();
+  }
   // Every link of a Gloo pipeline on one host passes through shared memory, unless it is off.
   const bool shared = options.shared_memory() > 0 && !carries_device_tensors(group) &&
-                      std::getenv("GPIPE_TEST_IN_ORDER") == nullptr;
+                      std::getenv("GPIPE_TEST_IN_ORDER") == nullptr && !fails;
   CATCH_CHECK((stage->shared_memory_links() > 0) == shared);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
