@@ -2,7 +2,6 @@
 #include "gpipe/distributed/remote_link.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include <ATen/ops/empty.h>
@@ -15,35 +14,6 @@
 namespace gpipe {
 namespace distributed {
 namespace {
-
-// Note [Shared memory between stages on one host]: a record in a ring starts with its
-// micro-batch and whether its tensors come over the group instead, in 64 bytes; then the header
-// (activations) and the tensors, packed.
-struct RecordPrefix {
-  int64_t microbatch;
-  int64_t over_group;
-};
-constexpr int64_t kPrefixBytes = 64;
-
-// Writes `microbatch`'s record into `ring`: `header` (if defined) and `tensors` (on the CPU,
-// contiguous), or, when they do not fit now, a record saying that they go over the group (and
-// false: the caller sends them there).
-bool write_record(SharedRing& ring, const RingWait& wait, int64_t microbatch,
-                  const at::Tensor& header, const std::vector<at::Tensor>& tensors) {
-  const int64_t header_bytes = header.defined() ? kHeaderBytes : 0;
-  uint8_t* out = ring.reserve(kPrefixBytes + header_bytes + packed_bytes(tensors),
-                              /*block=*/false, wait);
-  const bool fits = out != nullptr;
-  if (!fits) out = ring.reserve(kPrefixBytes, /*block=*/true, wait);
-  const RecordPrefix prefix{microbatch, fits ? 0 : 1};
-  std::memcpy(out, &prefix, sizeof(prefix));
-  if (fits) {
-    if (header_bytes > 0) std::memcpy(out + kPrefixBytes, header.data_ptr(), header_bytes);
-    pack_into(tensors, out + kPrefixBytes + header_bytes);
-  }
-  ring.commit();
-  return fits;
-}
 
 // Receives `tensors` (their sizes known) of `kind` for `microbatch` from `peer` over the group,
 // on this thread.
@@ -162,11 +132,8 @@ detail::Activation RemoteUpstream::receive() {
     const int rank = wire_.group->getRank();
     const RingWait wait = shared_->wait(
         absl::StrCat("activations from rank ", peer_, " on rank ", rank), wire_.cancellation.get());
-    int64_t bytes = 0;
-    const uint8_t* record = shared_->in->next(&bytes, wait);
-    RecordPrefix prefix;
-    std::memcpy(&prefix, record, sizeof(prefix));
-    TORCH_INTERNAL_ASSERT(prefix.microbatch == received_, "micro-batch ", prefix.microbatch,
+    const SharedLink::Record record = shared_->read(wait);
+    TORCH_INTERNAL_ASSERT(record.microbatch == received_, "micro-batch ", record.microbatch,
                           " arrived for ", received_);
     const auto decode = [&](const at::Tensor& encoded) {
       try {
@@ -176,15 +143,15 @@ detail::Activation RemoteUpstream::receive() {
                     e.what_without_backtrace());
       }
     };
-    if (prefix.over_group == 0) {
-      uint8_t* header = const_cast<uint8_t*>(record) + kPrefixBytes;  // read only
+    if (!record.over_group) {
+      uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
       r.header = decode(at::from_blob(header, {BatchHeader::size()}, at::kLong));
       r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
-      TORCH_INTERNAL_ASSERT(kPrefixBytes + kHeaderBytes + packed_data_bytes(r.header) <= bytes);
-      unpack_into(record + kPrefixBytes + kHeaderBytes, r.tensors);
-      shared_->in->release();
+      TORCH_INTERNAL_ASSERT(kHeaderBytes + packed_data_bytes(r.header) <= record.bytes);
+      unpack_into(record.data + kHeaderBytes, r.tensors);
+      shared_->release();
     } else {
-      shared_->in->release();
+      shared_->release();
       const char* what = "receiving activations from the previous stage";
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
       receive_over_group(wire_, what, {encoded}, peer_, Message::kHeader, received_, channel_);
@@ -223,7 +190,7 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
     const RingWait wait = shared_->wait(
         absl::StrCat("room for gradients to rank ", peer_, " on rank ", wire_.group->getRank()),
         wire_.cancellation.get());
-    if (write_record(*shared_->out, wait, microbatch, at::Tensor(), tensors)) return;
+    if (shared_->write(microbatch, at::Tensor(), tensors, wait)) return;
   }
   if (shared_ && tensors.empty()) return;  // the receiver expects none
   absl::MutexLock lock(&mu_);
@@ -337,7 +304,7 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
     const RingWait wait = shared_->wait(
         absl::StrCat("room for activations to rank ", peer_, " on rank ", wire_.group->getRank()),
         wire_.cancellation.get());
-    if (!write_record(*shared_->out, wait, microbatch, header, tensors)) {
+    if (!shared_->write(microbatch, header, tensors, wait)) {
       post_send(microbatch, std::move(header), {pack_activations(tensors)});
     }
   } else if (when_ == GradientReceives::kInTurn) {
@@ -395,23 +362,20 @@ std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) 
       const RingWait wait = shared_->wait(absl::StrCat("gradients from rank ", peer_, " on rank ",
                                                        wire_.group->getRank()),
                                           wire_.cancellation.get());
-      int64_t bytes = 0;
-      const uint8_t* record = shared_->in->next(&bytes, wait);
-      RecordPrefix prefix;
-      std::memcpy(&prefix, record, sizeof(prefix));
-      auto it = buffers_.find(prefix.microbatch);
-      TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", prefix.microbatch,
+      const SharedLink::Record record = shared_->read(wait);
+      auto it = buffers_.find(record.microbatch);
+      TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", record.microbatch,
                             " arrived unasked");
-      if (prefix.over_group == 0) {
-        TORCH_INTERNAL_ASSERT(kPrefixBytes + packed_bytes(it->second) <= bytes);
-        unpack_into(record + kPrefixBytes, it->second);
-        shared_->in->release();
+      if (!record.over_group) {
+        TORCH_INTERNAL_ASSERT(packed_bytes(it->second) <= record.bytes);
+        unpack_into(record.data, it->second);
+        shared_->release();
       } else {
-        shared_->in->release();
+        shared_->release();
         receive_over_group(wire_, "receiving gradients from the next stage", it->second, peer_,
-                           Message::kGradient, prefix.microbatch, channel_);
+                           Message::kGradient, record.microbatch, channel_);
       }
-      arrived_[prefix.microbatch] = std::move(it->second);
+      arrived_[record.microbatch] = std::move(it->second);
       buffers_.erase(it);
     }
     std::vector<at::Tensor> out;

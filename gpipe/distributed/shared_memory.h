@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include "gpipe/distributed/process_group.h"
@@ -116,6 +117,23 @@ struct SharedLink {
   RingWait wait(std::string what, const Cancellation* cancellation) const {
     return {std::move(what), peer_pid, timeout, cancellation};
   }
+
+  /// Writes `microbatch`'s record into `out`: `header` (if defined: activations) and `tensors`
+  /// (on the CPU, contiguous), packed; or, when they do not fit now, a record saying that they
+  /// go over the process group, and then false: the caller sends them there.
+  bool write(int64_t microbatch, const at::Tensor& header, const std::vector<at::Tensor>& tensors,
+             const RingWait& wait);
+  /// A record of `in`: its micro-batch, whether its tensors come over the process group, and
+  /// what follows its prefix (the header, if any, then the tensors, packed).
+  struct Record {
+    int64_t microbatch = 0;
+    bool over_group = false;
+    const uint8_t* data = nullptr;
+    int64_t bytes = 0;
+  };
+  /// The next record of `in`, once it is there (as `wait` says); release() frees it.
+  Record read(const RingWait& wait);
+  void release() { in->release(); }
 };
 
 /// The rings of one stage's links, made (or not: see ready()) when the stage is.

@@ -251,6 +251,13 @@ class ActivationReceiver {
   std::thread thread_;  // last: starts once the rest is made
 };
 
+/// Waits for `work`, a transfer of `what`. When it was aborted (its wait returns false, without
+/// its tensors) or failed and `cancellation` (may be null) was cancelled, throws the
+/// cancellation's error, another stage's failure, rather than what that failure did to the work;
+/// a work that completed is not undone by a failure heard later.
+void wait_unless_cancelled(const ProcessGroup& group, const c10::intrusive_ptr<c10d::Work>& work,
+                           const std::string& what, const Cancellation* cancellation);
+
 /// Posts a send or receive on `group`: one thread at a time in this process (c10d's Gloo group
 /// counts its operations without a lock), so that the courier and the activation receiver can
 /// both post.
