@@ -56,8 +56,12 @@ namespace distributed {
 // buffer is gone, which stops that connection (a stage made later on the same group then fails
 // at the group's timeout). A replicated stage keeps a second channel on its replica group: a
 // failed step is told there too (unless that is where it came from), and the other replicas' same
-// stage, waiting for the gradients' all-reduce, polls its channel and throws the error instead
-// of waiting for the timeout (the all-reduce is left to the broken group). Groups that cannot
+// stage throws the error instead of waiting for the timeout: its step is attached to both
+// channels, so a replica's failure aborts its transfers too, and in the gradients' all-reduce it
+// polls the channel (the all-reduce is left to the broken group). Both are needed: a stage that
+// heard of a replica's failure before its step began throws at once and tells its own pipeline
+// nothing (its neighbours hear it from their replicas, waiting for a transfer with it; a test
+// run saw one wait for the timeout when only the all-reduce listened). Groups that cannot
 // receive from any source (NCCL, or a group gpipe does not know) have no channel, and their peers
 // wait for the group's timeout as before (docs/distributed.md).
 

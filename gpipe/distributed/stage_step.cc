@@ -56,15 +56,20 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
       TORCH_CHECK(false, *heard);
     }
   }
-  // Note [Failing fast across processes] in fault.h.
+  // Note [Failing fast across processes] in fault.h: a failure heard from this pipeline's stages,
+  // or from this stage's replicas, cancels the step's transfers.
   auto cancellation = std::make_shared<Cancellation>();
-  if (faults_) faults_->attach(cancellation, index);
+  for (FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
+    if (channel) channel->attach(cancellation, index);
+  }
   struct Detach {
     FaultChannel* faults;
+    FaultChannel* replica_faults;
     ~Detach() {
       if (faults) faults->detach();
+      if (replica_faults) replica_faults->detach();
     }
-  } detach{faults_.get()};
+  } detach{faults_.get(), replica_faults_.get()};
   bool checked = false;
   try {
     TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");

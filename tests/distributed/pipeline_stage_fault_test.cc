@@ -217,7 +217,7 @@ CATCH_TEST_CASE(kTrainEval, "[distributed][stage][errors]") {
 
 constexpr const char* kReplicaFails =
     "a stage that fails in one replica makes the other replicas' stages throw its error at once "
-    "(with and without deferred batch norm)";
+    "(with and without deferred batch norm; also where a stage heard it before its step)";
 
 CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
@@ -245,11 +245,23 @@ CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
     };
     step();  // a step that works first
     // Stage 1 of replica 1 (rank 3) fails in forward; its stage 0 hears it from the pipeline, and
-    // replica 0's stages, waiting for their gradients' all-reduce, from their replicas.
+    // replica 0's stages, waiting for their gradients' all-reduce, from their replicas. Late:
+    // stage 1 of replica 0 (rank 1) starts its step only once rank 3 failed, so it throws at
+    // once and tells its stage 0 nothing: rank 0, waiting for gradients that will not come, must
+    // hear it from its replica (rank 2).
+    const bool late = std::getenv("GPIPE_TEST_LATE") != nullptr;
+    const std::string failed = gpipe_test::test_folder() + "/failed3";
     if (rank == 3) armed = true;
+    if (rank == 1 && late) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!std::filesystem::exists(failed) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
     const char* broke = "the layer broke in forward";
     if (rank == 3) {
       CATCH_CHECK_THROWS_WITH(step(), gpipe_test::contains(broke));
+      std::ofstream{failed};  // its failure told (raise() waited for the others to take it)
     } else if (rank == 2) {
       CATCH_CHECK_THROWS_WITH(step(), gpipe_test::contains("stage 1 of 2 failed: ") &&
                                           gpipe_test::contains(broke));
@@ -261,13 +273,18 @@ CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
     wait_for_others(4, rank);
     return;
   }
-  const bool batch_norm = GENERATE(false, true);
-  CATCH_INFO((batch_norm ? "with" : "without") << " deferred batch norm");
-  const std::string folder = folder_for(batch_norm ? "replica_fails_bn" : "replica_fails");
-  const auto results =
-      run_ranks(kReplicaFails, 4, folder,
-                batch_norm ? std::map<std::string, std::string>{{"GPIPE_TEST_BATCH_NORM", "1"}}
-                           : std::map<std::string, std::string>{});
+  // (deferred batch norm, rank 1 late)
+  const auto [batch_norm, late] =
+      GENERATE(std::pair{false, false}, std::pair{true, false}, std::pair{false, true});
+  CATCH_INFO((batch_norm ? "with" : "without") << " deferred batch norm"
+                                               << (late ? ", rank 1 late" : ""));
+  const std::string folder = folder_for(batch_norm ? "replica_fails_bn"
+                                        : late     ? "replica_fails_late"
+                                                   : "replica_fails");
+  std::map<std::string, std::string> env;
+  if (batch_norm) env["GPIPE_TEST_BATCH_NORM"] = "1";
+  if (late) env["GPIPE_TEST_LATE"] = "1";
+  const auto results = run_ranks(kReplicaFails, 4, folder, env);
   CATCH_INFO(gpipe_test::outputs(results));
   for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
   std::filesystem::remove_all(folder);
