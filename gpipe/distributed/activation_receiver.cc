@@ -115,12 +115,7 @@ void ActivationReceiver::run() {
       if (!receive(encoded, Message::kHeader, i, 0)) return;
       if (stream && !arrived(*stream)) return;
       Received r;
-      try {
-        r.header = BatchHeader::decode(encoded.to(at::kCPU));
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
-                    e.what_without_backtrace());
-      }
+      r.header = BatchHeader::decode(encoded.to(at::kCPU), group_->getRank(), peer_);
       m = r.header.microbatches;
       r.tensors = r.header.empty_tensors(device_);
       r.stream = stream;
@@ -201,12 +196,8 @@ ActivationReceiver::Received ActivationReceiver::next_packed() {
   }
   wait_unless_cancelled(group_, posted.work, kReceiving, cancellation_.get());
   Received r;
-  try {
-    r.header = BatchHeader::decode(posted.message.narrow(0, 0, kHeaderBytes).view(at::kLong));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "on rank ", group_->getRank(), ", from rank ", peer_, ": ",
-                e.what_without_backtrace());
-  }
+  r.header = BatchHeader::decode(posted.message.narrow(0, 0, kHeaderBytes).view(at::kLong),
+                                 group_->getRank(), peer_);
   int64_t m;
   {
     absl::MutexLock lock(&mu_);

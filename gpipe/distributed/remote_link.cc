@@ -135,17 +135,10 @@ detail::Activation RemoteUpstream::receive() {
     const SharedLink::Record record = shared_->read(wait);
     TORCH_INTERNAL_ASSERT(record.microbatch == received_, "micro-batch ", record.microbatch,
                           " arrived for ", received_);
-    const auto decode = [&](const at::Tensor& encoded) {
-      try {
-        return BatchHeader::decode(encoded);
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "on rank ", rank, ", from rank ", peer_, ": ",
-                    e.what_without_backtrace());
-      }
-    };
     if (!record.over_group) {
       uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
-      r.header = decode(at::from_blob(header, {BatchHeader::size()}, at::kLong));
+      r.header = BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank,
+                                     peer_);
       r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
       TORCH_INTERNAL_ASSERT(kHeaderBytes + packed_data_bytes(r.header) <= record.bytes);
       unpack_into(record.data + kHeaderBytes, r.tensors);
@@ -155,7 +148,7 @@ detail::Activation RemoteUpstream::receive() {
       const char* what = "receiving activations from the previous stage";
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
       receive_over_group(wire_, what, {encoded}, peer_, Message::kHeader, received_, channel_);
-      r.header = decode(encoded);
+      r.header = BatchHeader::decode(encoded, rank, peer_);
       at::Tensor data = at::empty({packed_data_bytes(r.header)}, at::kByte);
       receive_over_group(wire_, what, {data}, peer_, Message::kActivation, received_, channel_);
       r.tensors = unpack_activations(r.header, data);
@@ -186,13 +179,13 @@ detail::Activation RemoteUpstream::receive() {
 
 void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
-  if (shared_ && !tensors.empty()) {
+  if (shared_) {
+    if (tensors.empty()) return;  // the receiver expects none
     const RingWait wait = shared_->wait(
         absl::StrCat("room for gradients to rank ", peer_, " on rank ", wire_.group->getRank()),
         wire_.cancellation.get());
     if (shared_->write(microbatch, at::Tensor(), tensors, wait)) return;
   }
-  if (shared_ && tensors.empty()) return;  // the receiver expects none
   absl::MutexLock lock(&mu_);
   if (turns_of_) {
     // Posted by the receiving thread in its turn (sends_before).

@@ -194,6 +194,14 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
   return header;
 }
 
+BatchHeader BatchHeader::decode(const at::Tensor& encoded, int rank, int peer) {
+  try {
+    return decode(encoded);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "on rank ", rank, ", from rank ", peer, ": ", e.what_without_backtrace());
+  }
+}
+
 int64_t BatchHeader::size() { return kHeaderSize; }
 
 std::vector<at::Tensor> BatchHeader::empty_tensors(c10::Device device) const {

@@ -109,6 +109,8 @@ struct BatchHeader {
   /// As an int64 tensor of the fixed header size, and back.
   at::Tensor encode() const;
   static BatchHeader decode(const at::Tensor& encoded);
+  /// decode, on `rank` of a header from `peer`: its errors say so.
+  static BatchHeader decode(const at::Tensor& encoded, int rank, int peer);
   /// The fixed header size, in int64.
   static int64_t size();
   /// Empty tensors on `device` in the header's dtypes and sizes.

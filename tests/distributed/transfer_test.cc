@@ -150,21 +150,31 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
   std::filesystem::remove_all(folder);
 }
 
-// A ring's name in /dev/shm, unique to this process.
-std::string ring_name(const char* what) {
-  return "/gpipe-test-" + std::to_string(getpid()) + "-" + what;
+// A ring of the smallest size, named in /dev/shm uniquely to this process and test: its writer
+// and its reader (which removed the name).
+struct TestRing {
+  std::string name;
+  std::unique_ptr<SharedRing> writer, reader;
+};
+TestRing test_ring(const char* what) {
+  const std::string name = "/gpipe-test-" + std::to_string(getpid()) + "-" + what;
+  auto writer = SharedRing::create(name, kMinSharedRing);
+  return {name, std::move(writer), SharedRing::open(name)};
 }
+
+// A wait on no other process, for a minute at most.
+const RingWait kMinute{"test messages", 0, std::chrono::minutes(1), nullptr};
 
 CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrapping around its "
                 "end, and leaves no name behind",
                 "[distributed][transfer][shared_memory]") {
-  const std::string name = ring_name("order");
-  auto writer = SharedRing::create(name, kMinSharedRing);
-  auto reader = SharedRing::open(name);
-  CATCH_CHECK_FALSE(std::filesystem::exists("/dev/shm" + name));
+  TestRing ring = test_ring("order");
+  SharedRing* writer = ring.writer.get();
+  SharedRing* reader = ring.reader.get();
+  CATCH_CHECK_FALSE(std::filesystem::exists("/dev/shm" + ring.name));
   CATCH_CHECK(writer->writer() == getpid());
   CATCH_CHECK(writer->max_message() == kMinSharedRing / 2 - 64);
-  const RingWait wait{"test messages", 0, std::chrono::minutes(1), nullptr};
+  const RingWait& wait = kMinute;
   CATCH_CHECK(writer->reserve(writer->max_message() + 1, /*block=*/true, wait) == nullptr);
   // Sizes from 0 to the largest, 300 messages: the ring (256 KiB) wraps many times, the writer
   // waiting for room while the reader is behind.
@@ -201,10 +211,10 @@ CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrap
 CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and keeps room for "
                 "the records that say it went another way",
                 "[distributed][transfer][shared_memory]") {
-  const std::string name = ring_name("full");
-  auto writer = SharedRing::create(name, kMinSharedRing);
-  auto reader = SharedRing::open(name);
-  const RingWait wait{"test messages", 0, std::chrono::minutes(1), nullptr};
+  TestRing ring = test_ring("full");
+  SharedRing* writer = ring.writer.get();
+  SharedRing* reader = ring.reader.get();
+  const RingWait& wait = kMinute;
   int64_t fitted = 0;
   while (uint8_t* out = writer->reserve(30000, /*block=*/false, wait)) {
     std::memset(out, 1, 30000);
@@ -232,9 +242,9 @@ CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and
 CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancelled, at the "
                 "timeout, and when the other process has exited",
                 "[distributed][transfer][shared_memory]") {
-  const std::string name = ring_name("waits");
-  auto writer = SharedRing::create(name, kMinSharedRing);
-  auto reader = SharedRing::open(name);
+  TestRing ring = test_ring("waits");
+  SharedRing* writer = ring.writer.get();
+  SharedRing* reader = ring.reader.get();
   int64_t n = 0;
   // Another stage's failure, heard while this one waits.
   Cancellation cancellation;
