@@ -235,20 +235,11 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   wire_ = wire_device(group_, local_);
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
-  // Note [Shared memory between stages on one host]: the links of stage_step.cc's run_step.
+  // Note [Shared memory between stages on one host]: the links run_step uses.
   if (stages() > 1 && options_.shared_memory() > 0 && packs_activations(group_)) {
-    std::vector<SharedLinks::Spec> links;
-    const int64_t v = interleaved ? options_.virtual_stages() : 1;
-    for (int64_t c = 0; c < v; ++c) {
-      if (c > 0 || !is_first()) {
-        links.push_back({false, static_cast<int>((stage_ + stages() - 1) % stages()),
-                         stage_ == 0 ? c - 1 : c});
-      }
-      if (c < v - 1 || !is_last()) {
-        links.push_back({true, static_cast<int>((stage_ + 1) % stages()), c});
-      }
-    }
-    shared_ = std::make_unique<SharedLinks>(group_, local_, links, options_.shared_memory(), who);
+    std::vector<SharedLinks::Spec> specs;
+    for (const Link& l : links()) specs.push_back({l.downstream, l.peer, l.channel});
+    shared_ = std::make_unique<SharedLinks>(group_, local_, specs, options_.shared_memory(), who);
   }
   tied_stages_->broadcast(group_, local_);  // Note [Ties across stages]
   if (replica_group_) {
@@ -266,6 +257,23 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
 }
 
 PipelineStageImpl::~PipelineStageImpl() = default;
+
+std::vector<PipelineStageImpl::Link> PipelineStageImpl::links() const {
+  std::vector<Link> out;
+  if (stages() < 2) return out;
+  const int64_t v = interleaved() ? options_.virtual_stages() : 1;
+  const int previous = static_cast<int>((stage_ + stages() - 1) % stages());
+  const int next = static_cast<int>((stage_ + 1) % stages());
+  for (int64_t c = 0; c < v; ++c) {
+    // Virtual stage c * stages + stage_ hears from the one before: on stage 0, the last stage's
+    // chunk c - 1.
+    if (c > 0 || !is_first()) out.push_back({false, previous, stage_ == 0 ? c - 1 : c, c});
+  }
+  for (int64_t c = 0; c < v; ++c) {
+    if (c < v - 1 || !is_last()) out.push_back({true, next, c, c});
+  }
+  return out;
+}
 
 std::vector<at::Tensor> PipelineStageImpl::parameters(bool recurse) const {
   return named_parameters(recurse).values();

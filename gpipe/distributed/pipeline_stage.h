@@ -314,6 +314,18 @@ class PipelineStageImpl : public torch::nn::Module {
   bool interleaved() const {
     return options_.schedule() == ScheduleKind::kInterleaved && options_.virtual_stages() > 1;
   }
+  // A link with a neighbouring stage: to the next stage (`downstream`: activations out, gradients
+  // in) or from the previous one, with `peer`'s rank, on `channel` (the sending virtual stage's
+  // chunk: transfer_tag), for this stage's partition (virtual stage chunk) `chunk`.
+  struct Link {
+    bool downstream = true;
+    int peer = 0;
+    int64_t channel = 0;
+    int64_t chunk = 0;
+  };
+  // This stage's links (Note [Interleaving across processes]): one on each side of each virtual
+  // stage but at the pipeline's two ends; those from the previous stage first, by chunk.
+  std::vector<Link> links() const;
   // Step `index` (step()'s count) after step()'s checks, with the step's cancellation.
   at::Tensor run_step(const Batch& input, const at::Tensor& target, int64_t index,
                       std::shared_ptr<Cancellation> cancellation);

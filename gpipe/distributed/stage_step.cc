@@ -161,14 +161,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
   // one message per micro-batch (Note [One message per micro-batch]).
   const bool packs = packs_activations(group_);
-  for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {
-    if (c == 0 && is_first()) continue;
-    const int64_t peer = (me + stages - 1) % stages;
-    const int64_t channel = me == 0 ? c - 1 : c;  // the sending virtual stage's chunk
+  const std::vector<Link> links = this->links();
+  for (const Link& l : links) {
+    if (l.downstream) continue;
     remote_upstreams.push_back(std::make_unique<RemoteUpstream>(
-        wire, static_cast<int>(peer), partitions_[interleaved ? c : 0].device, grad_enabled,
-        turns_with(peer), channel, packs ? &received_bytes_[channel] : nullptr,
-        shared_ ? shared_->find(false, channel) : nullptr));
+        wire, l.peer, partitions_[interleaved ? l.chunk : 0].device, grad_enabled,
+        turns_with(l.peer), l.channel, packs ? &received_bytes_[l.channel] : nullptr,
+        shared_ ? shared_->find(false, l.channel) : nullptr));
   }
   // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
   // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
@@ -198,13 +197,12 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
                                 : in_turn                    ? GradientReceives::kInTurn
                                                              : GradientReceives::kWithSend;
-  for (int64_t c = 0; c < (interleaved ? v : 1); ++c) {
-    if (c == (interleaved ? v - 1 : 0) && is_last()) continue;
-    const int64_t peer = (me + 1) % stages;
+  for (const Link& l : links) {
+    if (!l.downstream) continue;
     remote_downstreams.push_back(std::make_unique<RemoteDownstream>(
-        wire, static_cast<int>(peer), partitions_[interleaved ? c : k - 1].device, when,
-        turns_with(peer), c, packs ? &sent_bytes_[c] : nullptr,
-        shared_ ? shared_->find(true, c) : nullptr));
+        wire, l.peer, partitions_[interleaved ? l.chunk : k - 1].device, when, turns_with(l.peer),
+        l.channel, packs ? &sent_bytes_[l.channel] : nullptr,
+        shared_ ? shared_->find(true, l.channel) : nullptr));
   }
 
   detail::ExecutorSpec spec;
