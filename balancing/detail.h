@@ -1,8 +1,10 @@
-// What the balancing files share (internal, not API): JSON fields read with errors that name the
-// key, layer profiles as JSON objects (for a whole profile and for a pipeline's profile alike),
-// and a list of devices without repeats.
+// What the balancing files share (internal, not API): medians and elapsed times, JSON fields read
+// with errors that name the key, layer profiles as JSON objects (for a whole profile and for a
+// pipeline's profile alike), and a list of devices without repeats.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +17,19 @@
 
 namespace gpipe {
 namespace detail {
+
+/// The median of `values` (not empty): the middle one, or the mean of the two middle ones.
+inline double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t h = values.size() / 2;
+  return values.size() % 2 == 1 ? values[h] : (values[h - 1] + values[h]) / 2;
+}
+
+/// Microseconds since `since`.
+inline double elapsed_us(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since)
+      .count();
+}
 
 /// `text` as JSON, or an error "<who>: not JSON: <the parser's message>".
 inline nlohmann::json parse_json(const std::string& text, const std::string& who) {

@@ -24,8 +24,22 @@ namespace {
 
 using nlohmann::json;
 using detail::distinct_devices;
+using detail::elapsed_us;
 using detail::json_field;
+using detail::median;
 using detail::parse_json;
+
+// Linux's turns between more threads than cores, per 1 + log2 of the CPUs (Note [Simulating a
+// step]): a turn (and the CPU time a thread that slept may come back behind: its credit), and the
+// lead a woken thread needs to take a core at once. Its fair scheduler (CFS, before 6.6) gives two
+// threads on a core 3 ms turns, 3 ms of credit and a 1 ms wake-up lead; EEVDF (6.6 on) slices
+// 0.75 ms, ends them at the tick (4 ms at 250 Hz) and bounds the credit by the larger of two
+// slices and a tick. These are between; benchmarks/plan_accuracy's predictions moved by about a
+// point for turns from 1.5 to 6 ms.
+constexpr double kTurnUs = 2000;
+// How long the calibration times the layers alone in each round (at least one pass).
+constexpr std::chrono::milliseconds kFreshProfile{300};
+constexpr double kWakeupUs = 750;
 
 // The devices named by `object`'s "devices".
 std::vector<c10::Device> parse_devices(const json& object, const std::string& who) {
@@ -97,20 +111,34 @@ LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
   return s;
 }
 
-double PipelineProfile::time_scale(int64_t batch) const {
+namespace {
+
+// `field` of the calibrations at micro-batches of `batch`: linear in log size between the two
+// around it, the nearest beyond the ends, 1 without any.
+double interpolate(const std::vector<PipelineProfile::Calibration>& calibration, int64_t batch,
+                   double PipelineProfile::Calibration::*field) {
   if (calibration.empty()) return 1.0;
-  if (batch <= calibration.front().batch) return calibration.front().ratio;
-  if (batch >= calibration.back().batch) return calibration.back().ratio;
+  if (batch <= calibration.front().batch) return calibration.front().*field;
   for (size_t k = 1; k < calibration.size(); ++k) {
-    const Calibration& a = calibration[k - 1];
-    const Calibration& b = calibration[k];
+    const PipelineProfile::Calibration& a = calibration[k - 1];
+    const PipelineProfile::Calibration& b = calibration[k];
     if (batch <= b.batch) {
       const double f = std::log(static_cast<double>(batch) / static_cast<double>(a.batch)) /
                        std::log(static_cast<double>(b.batch) / static_cast<double>(a.batch));
-      return a.ratio + f * (b.ratio - a.ratio);
+      return a.*field + f * (b.*field - a.*field);
     }
   }
-  return calibration.back().ratio;
+  return calibration.back().*field;
+}
+
+}  // namespace
+
+double PipelineProfile::time_scale(int64_t batch) const {
+  return interpolate(calibration, batch, &Calibration::ratio);
+}
+
+double PipelineProfile::split_scale(int64_t batch) const {
+  return time_scale(batch) * interpolate(calibration, batch, &Calibration::split);
 }
 
 double PipelineProfile::copy_us(c10::Device from, c10::Device to, int64_t bytes) const {
@@ -134,7 +162,7 @@ std::string PipelineProfile::to_json() const {
   for (const LayerProfile& p : sizes) j["sizes"].push_back(detail::layer_profile_json(p));
   j["calibration"] = json::array();
   for (const Calibration& c : calibration) {
-    j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}});
+    j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}, {"split", c.split}});
   }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
@@ -171,7 +199,10 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
     Calibration k;
     k.batch = json_field<int64_t>(c, "batch", who);
     k.ratio = json_field<double>(c, "ratio", who);
-    TORCH_CHECK(k.batch > 0 && k.ratio > 0, who, ": a calibration needs a positive batch and ratio");
+    // (Profiles saved before the split was calibrated: I and W scaled as the rest.)
+    k.split = c.contains("split") ? json_field<double>(c, "split", who) : 1.0;
+    TORCH_CHECK(k.batch > 0 && k.ratio > 0 && k.split > 0, who,
+                ": a calibration needs a positive batch, ratio and split");
     p.calibration.push_back(k);
   }
   for (const json& c : json_field<json>(j, "copies", who)) {
@@ -188,57 +219,90 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
 
 namespace {
 
-// Note [Planning]'s calibration: the whole model as one partition on the first device, GPipe's
-// schedule, no checkpointing, a step of micro-batches of about `low` and `middle` samples:
-// measured (the median of 3 after one untimed step) over simulated.
+// Note [Planning]'s calibration: the whole model as one partition on the first device, no
+// checkpointing, a step of micro-batches of about `low` and `middle` samples, measured over its
+// simulation on the profile, under GPipe's schedule (the ratio). And the backward split in two
+// (the split): zero bubble's step against GPipe's, each round beside a pass of the layers timed
+// alone at that micro-batch size, both simulated on that pass: what I and W cost beyond the
+// ratio, the machine's speed at that moment cancelling out (against the profile, taken seconds
+// before, it swung from 0.4 to 1.8 from round to round on the project's VM). The medians of three
+// rounds.
 void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at::Tensor& sample,
                int64_t low, int64_t middle) {
   const c10::Device device = p.devices.front();
   std::vector<PipelineProfile::Calibration> found;
-  p.calibration.clear();  // the simulations below without one
   const int before = at::get_num_threads();
   set_intra_op_threads(static_cast<int>(p.threads));
+  const at::Tensor x = sample.detach().to(device);
+  const at::Tensor target = at::zeros({sample.size(0)}, at::TensorOptions().device(device));
+  auto loss = [](const Batch& out, const at::Tensor&) {
+    return out.values().front().to(at::kFloat).mean();
+  };
   for (int64_t b : std::vector<int64_t>{low, middle}) {
     const int64_t chunks = std::max<int64_t>(1, p.batch / b);
     const int64_t size = (p.batch + chunks - 1) / chunks;
     if (!found.empty() && found.back().batch == size) continue;
-    PipelinePlan one;
-    one.balance = {p.layers()};
-    one.devices = {device};
-    one.chunks = chunks;
-    one.checkpoint = Checkpoint::kNever;
-    one.threads = p.threads;
-    const double simulated = predict(p, one).step_us;
     try {
-      torch::nn::Sequential layers;
-      const auto names = model->named_children();
-      for (size_t k = 0; k < model->size(); ++k) {
-        layers->push_back(names[k].key(), (*(model->begin() + k)).clone(device));
-      }
-      GPipe pipe(layers, GPipeOptions({p.layers()})
-                             .devices({device})
-                             .chunks(chunks)
-                             .checkpoint(Checkpoint::kNever));
-      const at::Tensor x = sample.detach().to(device);
-      const at::Tensor target = at::zeros({sample.size(0)}, at::TensorOptions().device(device));
-      auto loss = [](const Batch& out, const at::Tensor&) {
-        return out.values().front().to(at::kFloat).mean();
+      auto one = [&](ScheduleKind schedule) {
+        PipelinePlan plan;
+        plan.balance = {p.layers()};
+        plan.devices = {device};
+        plan.chunks = chunks;
+        plan.checkpoint = Checkpoint::kNever;
+        plan.schedule = schedule;
+        plan.threads = p.threads;
+        return plan;
       };
-      std::vector<double> times;
-      for (int k = 0; k < 4; ++k) {
+      auto pipeline = [&](const PipelinePlan& plan) {
+        torch::nn::Sequential layers;
+        const auto names = model->named_children();
+        for (size_t k = 0; k < model->size(); ++k) {
+          layers->push_back(names[k].key(), (*(model->begin() + k)).clone(device));
+        }
+        return GPipe(layers, plan.options());
+      };
+      auto step_us = [&](GPipe& pipe) {
         synchronize(device);
         const auto tick = std::chrono::steady_clock::now();
         pipe->step(x, target, loss);
         synchronize(device);
-        if (k > 0) {
-          times.push_back(std::chrono::duration<double, std::micro>(
-                              std::chrono::steady_clock::now() - tick)
-                              .count());
-        }
+        const double us = elapsed_us(tick);
         pipe->zero_grad();
+        return us;
+      };
+      PipelinePlan whole = one(ScheduleKind::kGPipe), split = one(ScheduleKind::kZeroBubble);
+      GPipe whole_pipe = pipeline(whole), split_pipe = pipeline(split);
+      step_us(whole_pipe);  // untimed: the gradients' and the allocator's first use
+      step_us(split_pipe);
+      PipelineProfile profiled = p;
+      profiled.calibration.clear();
+      const double whole_sim = predict(profiled, whole).step_us;
+      std::vector<double> ratios, splits;
+      for (int round = 0; round < 3; ++round) {
+        const double whole_us = step_us(whole_pipe);
+        const double split_us = step_us(split_pipe);
+        ratios.push_back(whole_us / std::max(1e-9, whole_sim));
+        // The layers alone, now, at this micro-batch size.
+        PipelineProfile now = profiled;
+        now.sizes = {profile_layers(model, sample.narrow(0, 0, size),
+                                    ProfileOptions().timeout(kFreshProfile).device(device))};
+        const double ratio = whole_us / std::max(1e-9, predict(now, whole).step_us);
+        // Zero bubble runs F, I and W: with F scaled by `ratio`, the scale of I and W that makes
+        // its simulation what was measured.
+        double forward = 0, halves = 0;
+        for (int64_t k = 0; k < p.layers(); ++k) {
+          const LayerStats& l = now.sizes.front().layers[k];
+          forward += l.forward_us;
+          halves += l.backward_input_us + l.backward_weight_us;
+        }
+        const double split_ratio = split_us / std::max(1e-9, predict(now, split).step_us);
+        const double scale =
+            halves > 0
+                ? std::max(0.1, (split_ratio * (forward + halves) - ratio * forward) / halves)
+                : ratio;
+        splits.push_back(scale / ratio);
       }
-      std::sort(times.begin(), times.end());
-      found.push_back({size, times[1] / std::max(1e-9, simulated)});
+      found.push_back({size, median(ratios), median(splits)});
     } catch (const c10::Error&) {
       // Out of memory, or a model whose whole-batch step cannot run here: no calibration at this
       // size.
@@ -407,7 +471,15 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     costs.capacity.push_back(!d.is_cpu() ? 1.0
                              : profile.cpu_capacity > 0 ? std::min(profile.cpu_capacity, free)
                                                         : free);
+    costs.cores.push_back(d.is_cpu() ? std::max<int64_t>(1, std::llround(std::floor(free))) : 0);
   }
+  // Turns on a CPU's cores (Note [Simulating a step]): Linux's defaults, which scale with
+  // 1 + log2 of the CPUs (at most 8).
+  const double factor =
+      1 + std::floor(std::log2(static_cast<double>(std::clamp<int64_t>(profile.cores, 1, 8))));
+  costs.slice_us = kTurnUs * factor;
+  costs.wakeup_us = kWakeupUs * factor;
+  costs.sleeper_credit_us = kTurnUs * factor;
   auto place = [&](const c10::Device& d) {
     return static_cast<int64_t>(std::find(places.begin(), places.end(), d) - places.begin());
   };
@@ -471,8 +543,8 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     c.forward_us *= scale;
     c.forward_nograd_us *= scale;
     c.backward_us *= scale;
-    c.backward_input_us *= scale;
-    c.backward_weight_us *= scale;
+    c.backward_input_us *= profile.split_scale(b);
+    c.backward_weight_us *= profile.split_scale(b);
     c.recompute_us = c.forward_us;
     const LayerStats& last = ls.back();
     c.checkpointed_bytes += last.output_bytes;

@@ -40,7 +40,13 @@ namespace gpipe {
 //   micro-batches have since filled). So the profile also runs the whole model as one partition,
 //   GPipe's schedule, no checkpointing, at the smallest and the middle micro-batch size, and keeps
 //   measured / simulated per size; a candidate's times are scaled by the ratio at its micro-batch
-//   size (interpolated in log size, clamped at the ends).
+//   size (interpolated in log size, clamped at the ends). It runs the same step under the
+//   zero-bubble schedule too: the backward split in two costs more in the engine than its layers'
+//   halves timed alone (on the project's VM, 5-30% more at small micro-batches: one gradient call
+//   for the stage's input and each layer's output, then one per layer for the weights), and
+//   I and W are scaled by what that step measured beyond the ratio (Calibration::split).
+// - A CPU shared by more workers than it has cores: they take turns (Note [Simulating a step]),
+//   with the turns of Linux's scheduler (plan.cc).
 // - Each is simulated (Note [Simulating a step] in simulate.h): a stage's times are the sums of
 //   its layers'; what it keeps of a micro-batch is what each layer saved beyond its output, plus
 //   the outputs that the layer itself or the next one keeps (saves_output, saves_input: a Linear
@@ -124,13 +130,18 @@ struct PipelineProfile {
   double handoff_us = 0;
   /// The engine against the layers alone: for micro-batches of `batch` samples, a whole-model
   /// step in one partition measured over its simulation (Note [Planning]); empty: none (1).
+  /// `split`: what the backward split in two (zero bubble's I and W) costs beyond `ratio`, from a
+  /// step of the zero-bubble schedule: I and W are scaled by ratio x split.
   struct Calibration {
     int64_t batch = 0;
     double ratio = 1;
+    double split = 1;
   };
   std::vector<Calibration> calibration;
   /// The calibration's ratio at micro-batches of `batch` (interpolated; 1 without one).
   double time_scale(int64_t batch) const;
+  /// The scale of I and W at micro-batches of `batch`: time_scale x the interpolated split.
+  double split_scale(int64_t batch) const;
 
   int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
   /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).

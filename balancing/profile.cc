@@ -32,6 +32,9 @@
 namespace gpipe {
 namespace {
 
+using detail::elapsed_us;
+using detail::median;
+
 // Counts the bytes LibTorch's allocators report on this thread while installed: the CPU
 // allocator and CUDA's caching allocator both report to the profiler's debug info when memory
 // profiling is on. Both reportMemoryUsage signatures are declared; the one this LibTorch has
@@ -96,17 +99,6 @@ class ProfileSkipTracker : public SkipTracker {
 };
 
 
-// The median of `values` (not empty): the middle one, or the mean of the two middle ones.
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t h = values.size() / 2;
-  return values.size() % 2 == 1 ? values[h] : (values[h - 1] + values[h]) / 2;
-}
-
-double elapsed_us(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since)
-      .count();
-}
 
 // A detached copy of `x` on `device` that needs a gradient when it is floating point and `grad`.
 at::Tensor fresh_input(const at::Tensor& x, c10::Device device, bool grad) {

@@ -38,6 +38,15 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
   for (double c : costs.capacity) {
     TORCH_CHECK(c > 0, "simulate_pipeline: a device's capacity must be positive, got ", c);
   }
+  TORCH_CHECK(costs.cores.empty() || costs.cores.size() == costs.capacity.size(),
+              "simulate_pipeline: cores must be empty or name every device (", costs.cores.size(),
+              " for ", costs.capacity.size(), " devices)");
+  for (int64_t c : costs.cores) {
+    TORCH_CHECK(c >= 0, "simulate_pipeline: a device's cores must be 0 or more, got ", c);
+  }
+  TORCH_CHECK(costs.slice_us >= 0 && costs.wakeup_us >= 0 && costs.sleeper_credit_us >= 0,
+              "simulate_pipeline: slice_us, wakeup_us and sleeper_credit_us must not be negative, "
+              "got ", costs.slice_us, ", ", costs.wakeup_us, " and ", costs.sleeper_credit_us);
   for (int64_t s = 0; s < schedule.stages; ++s) {
     const StageCost& c = costs.stages[s];
     TORCH_CHECK(c.lane == schedule.stage_ranks[s], "simulate_pipeline: stage ", s, " is on lane ",
@@ -127,6 +136,13 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
   };
   std::vector<std::optional<Running>> running(n);
   std::vector<size_t> next(n, 0);
+  // Taking turns on a CPU's cores: each worker's CPU time (its virtual runtime) and whether it
+  // holds a core now.
+  auto cores_of = [&](int64_t d) { return costs.cores.empty() ? int64_t{0} : costs.cores[d]; };
+  std::vector<double> vruntime(n, 0);
+  std::vector<bool> on_core(n, false), woken(n, false);
+  std::vector<double> since(n, 0);  // when it took its core
+  auto device_of = [&](int64_t r) { return costs.stages[running[r]->action.stage].device; };
   double t = 0;
   constexpr double kEps = 1e-9;
   for (;;) {
@@ -146,27 +162,103 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
       running[r] = Running{a, w, w, t, transient(a)};
       working[d] += running[r]->transient;
       note_peak(d);
+      woken[r] = !on_core[r];  // (a worker going straight on to its next action keeps its core)
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      if (!running[r]) on_core[r] = false;
     }
     // Each device's workers share it.
     std::vector<int64_t> active(devices, 0);
     bool any = false;
     for (int64_t r = 0; r < n; ++r) {
       if (running[r]) {
-        ++active[costs.stages[running[r]->action.stage].device];
+        ++active[device_of(r)];
         any = true;
       }
     }
     if (!any && wake == std::numeric_limits<double>::infinity()) break;
-    auto rate = [&](const Running& x) {
-      const int64_t d = costs.stages[x.action.stage].device;
-      return std::min(1.0, costs.capacity[d] / static_cast<double>(active[d]));
+    // Who holds a core, where more workers run than the device has cores.
+    double turn = std::numeric_limits<double>::infinity();  // the next preemption at a slice's end
+    for (int64_t d = 0; d < devices; ++d) {
+      const int64_t cores = cores_of(d);
+      std::vector<int64_t> on, off;
+      for (int64_t r = 0; r < n; ++r) {
+        if (running[r] && device_of(r) == d) (on_core[r] ? on : off).push_back(r);
+      }
+      if (cores == 0 || active[d] <= cores) {
+        for (int64_t r : off) {
+          on_core[r] = true;
+          since[r] = t;
+        }
+        continue;
+      }
+      // A worker that slept comes back at most sleeper_credit_us behind those that ran.
+      if (!on.empty()) {
+        double floor = std::numeric_limits<double>::infinity();
+        for (int64_t r : on) floor = std::min(floor, vruntime[r]);
+        for (int64_t r : off) {
+          if (woken[r]) vruntime[r] = std::max(vruntime[r], floor - costs.sleeper_credit_us);
+        }
+      }
+      auto by_vruntime = [&](int64_t a, int64_t b) { return vruntime[a] < vruntime[b]; };
+      auto take = [&](std::vector<int64_t>::iterator q) {
+        on_core[*q] = true;
+        since[*q] = t;
+        on.push_back(*q);
+        off.erase(q);
+      };
+      // Free cores go to those furthest behind.
+      while (static_cast<int64_t>(on.size()) < cores) {
+        take(std::min_element(off.begin(), off.end(), by_vruntime));
+      }
+      // A worker just woken takes the core of the one furthest ahead when more than wakeup_us
+      // behind it; and one that has held its core for slice_us yields it to one behind it.
+      for (bool moved = true; moved && !off.empty();) {
+        moved = false;
+        auto q = std::min_element(off.begin(), off.end(), by_vruntime);
+        auto r = std::max_element(on.begin(), on.end(), by_vruntime);
+        const bool wakeup = woken[*q] && vruntime[*r] - vruntime[*q] > costs.wakeup_us;
+        bool sliced = false;
+        for (auto k = on.begin(); k != on.end() && !wakeup; ++k) {
+          if (vruntime[*k] > vruntime[*q] && t - since[*k] >= costs.slice_us - kEps) {
+            r = k;
+            sliced = true;
+            break;
+          }
+        }
+        if (wakeup || sliced) {
+          on_core[*r] = false;
+          const int64_t yielded = *r;
+          on.erase(r);
+          take(q);
+          off.push_back(yielded);
+          woken[yielded] = false;
+          moved = true;
+        }
+      }
+      // When the next slice ends for someone ahead of the first in line.
+      const double behind = vruntime[*std::min_element(off.begin(), off.end(), by_vruntime)];
+      for (int64_t r : on) {
+        turn = std::min(turn, std::max(since[r] + costs.slice_us,
+                                       t + std::max(0.0, behind - vruntime[r]) + 1e-3));
+      }
+    }
+    std::fill(woken.begin(), woken.end(), false);
+    auto rate = [&](int64_t r) {
+      if (!on_core[r]) return 0.0;
+      const int64_t d = device_of(r);
+      const int64_t cores = cores_of(d);
+      const int64_t sharing = cores == 0 ? active[d] : std::min(active[d], cores);
+      return std::min(1.0, costs.capacity[d] / static_cast<double>(sharing));
     };
-    double until = wake;
+    double until = std::min(wake, std::max(turn, t + kEps));
     for (int64_t r = 0; r < n; ++r) {
-      if (running[r]) until = std::min(until, t + running[r]->remaining / rate(*running[r]));
+      if (running[r] && on_core[r]) until = std::min(until, t + running[r]->remaining / rate(r));
     }
     for (int64_t r = 0; r < n; ++r) {
-      if (running[r]) running[r]->remaining -= (until - t) * rate(*running[r]);
+      if (!running[r] || !on_core[r]) continue;
+      running[r]->remaining -= (until - t) * rate(r);
+      vruntime[r] += until - t;
     }
     t = until;
     for (int64_t r = 0; r < n; ++r) {

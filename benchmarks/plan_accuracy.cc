@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,7 +52,8 @@ ABSL_FLAG(double, timeout, 2.0, "seconds of profiling per micro-batch size");
 ABSL_FLAG(int64_t, cores, 0, "the machine's cores for the planner (0: all)");
 ABSL_FLAG(std::string, json_out, "", "write the results here as JSON");
 ABSL_FLAG(std::string, svg_dir, "",
-          "write each configuration's predicted and measured timelines here (SVG)");
+          "write each configuration's predicted and measured timelines here (SVG, and Chrome "
+          "trace JSON), and each model's profile (JSON)");
 ABSL_FLAG(bool, detail, false,
           "print each partition's busy time per kind of work, predicted and measured");
 ABSL_FLAG(std::string, child, "",
@@ -134,6 +136,7 @@ std::vector<Config> configs_of(const std::string& model) {
 
 struct Measured {
   double step_ms = 0;
+  double cpu_ms = 0;  // the process's CPU time per timed step (user and system), mean
   int64_t peak_bytes = 0;
   std::vector<gpipe::TimelineEvent> events;  // the last step's, with --svg_dir or --detail
 };
@@ -177,13 +180,21 @@ Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::
   MemoryMeter& meter = MemoryMeter::install();
   Measured m;
   std::vector<double> times;
+  auto cpu_ms = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return 1e3 * static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           1e-3 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
   for (int r = 0; r < repeats + 2; ++r) {
     optimizer.zero_grad();
     meter.reset_peak();
+    const double cpu_before = cpu_ms();
     const auto start = std::chrono::steady_clock::now();
     pipe->step(x, y, loss);
     const double ms = gpipe_benchmarks::ms_since(start);
     if (r >= 2) {  // the first steps make the gradients and the optimizer's state
+      m.cpu_ms += (cpu_ms() - cpu_before) / repeats;
       times.push_back(ms);
       m.peak_bytes = std::max(m.peak_bytes, meter.peak());
     }
@@ -193,11 +204,49 @@ Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::
   m.events = pipe->last_timeline();
   if (!svg.empty()) {
     gpipe::write_file(svg, gpipe::timeline_svg(pipe->last_timeline(), pipe->devices()));
+    gpipe::write_file(svg.substr(0, svg.size() - 4) + ".json",
+                      gpipe::chrome_trace_json(pipe->last_timeline(), pipe->devices()));
   }
   return m;
 }
 
 double error(double predicted, double measured) { return (predicted - measured) / measured; }
+
+// --detail: the plan's costs, its predicted work against the CPU time measured, the prediction
+// under processor sharing (no turns on the cores), and each partition's busy time.
+void print_detail(const gpipe::PipelineProfile& profile, const gpipe::PipelinePlan& plan,
+                  const gpipe::PipelineSimulation& sim, const Measured& got) {
+  const gpipe::PipelineCosts costs =
+      gpipe::pipeline_costs(profile, plan, gpipe::OptimizerKind::kMomentum);
+  const bool split = plan.schedule == ScheduleKind::kZeroBubble;
+  double work_us = 0;
+  for (const gpipe::StageCost& s : costs.stages) {
+    const int64_t kept = plan.chunks - costs.checkpoint_stop;  // micro-batches not checkpointed
+    work_us += static_cast<double>(costs.checkpoint_stop) *
+                   (s.forward_nograd_us + s.recompute_us + s.backward_us) +
+               static_cast<double>(kept) *
+                   (s.forward_us + (split ? s.backward_input_us + s.backward_weight_us
+                                          : s.backward_us));
+  }
+  const int64_t v = std::max<int64_t>(1, plan.virtual_stages);
+  const gpipe::Schedule schedule = gpipe::make_schedule(
+      plan.schedule, static_cast<int64_t>(plan.balance.size()) / v, plan.chunks, v);
+  gpipe::PipelineCosts sharing = costs;
+  sharing.cores.clear();
+  const double predicted_ms = sim.step_us / 1000;
+  const double sharing_ms = gpipe::simulate_pipeline(schedule, sharing).step_us / 1000;
+  for (const gpipe::StageCost& s : costs.stages) {
+    std::printf("  stage on lane %lld: F %.0f us, B %.0f us (I %.0f, W %.0f), recompute %.0f us\n",
+                static_cast<long long>(s.lane), s.forward_us, s.backward_us, s.backward_input_us,
+                s.backward_weight_us, s.recompute_us);
+  }
+  std::printf("  predicted work %.1f ms (%.2f cores); under processor sharing %.1f ms (%+.1f%%)\n",
+              work_us / 1000, work_us / 1000 / predicted_ms, sharing_ms,
+              100 * error(sharing_ms, got.step_ms));
+  std::printf("  predicted:\n%s  measured (CPU time %.1f ms per step, %.2f cores):\n%s",
+              busy(sim.events).c_str(), got.cpu_ms, got.cpu_ms / got.step_ms,
+              busy(got.events).c_str());
+}
 
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -237,9 +286,13 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
               profile.cpu_capacity, profile.handoff_us,
               absl::StrJoin(profile.calibration, ", ",
                             [](std::string* out, const gpipe::PipelineProfile::Calibration& c) {
-                              absl::StrAppendFormat(out, "x%.2f at %d", c.ratio, c.batch);
+                              absl::StrAppendFormat(out, "x%.2f (I, W x%.2f) at %d", c.ratio,
+                                                    c.split, c.batch);
                             })
                   .c_str());
+  if (!svg_dir.empty()) {
+    gpipe::write_file(svg_dir + "/" + name + "_profile.json", profile.to_json());
+  }
   int index = 0;
   for (const Config& c : configs_of(name)) {
     const gpipe::PipelinePlan plan =
@@ -255,6 +308,8 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
     const std::string stem = svg_dir.empty() ? "" : absl::StrCat(svg_dir, "/", name, "_", index);
     if (!stem.empty()) {
       gpipe::write_file(stem + "_predicted.svg", gpipe::timeline_svg(sim.events, plan.devices));
+      gpipe::write_file(stem + "_predicted.json",
+                        gpipe::chrome_trace_json(sim.events, plan.devices));
     }
     const Measured got =
         measure(model, plan, x, y, repeats, stem.empty() ? "" : stem + "_measured.svg");
@@ -264,10 +319,7 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
                 plan.describe().substr(0, 58).c_str(), pred_ms, got.step_ms,
                 100 * error(pred_ms, got.step_ms), mib(pred_bytes), mib(got.peak_bytes),
                 100 * error(static_cast<double>(pred_bytes), static_cast<double>(got.peak_bytes)));
-    if (absl::GetFlag(FLAGS_detail)) {
-      std::printf("  predicted:\n%s  measured:\n%s", busy(sim.events).c_str(),
-                  busy(got.events).c_str());
-    }
+    if (absl::GetFlag(FLAGS_detail)) print_detail(profile, plan, sim, got);
     rows.push_back({{"model", name},
                     {"configuration", plan.describe()},
                     {"plan", nlohmann::json::parse(plan.to_json())},

@@ -88,6 +88,41 @@ CATCH_TEST_CASE("Workers sharing a device of one core take the sum of their work
   CATCH_CHECK(shared < 3.0 * n * m);
 }
 
+CATCH_TEST_CASE("More workers than cores take turns, approaching processor sharing as they shorten",
+                "[balancing][plan][simulate]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B,
+                                     ScheduleKind::kZeroBubble);
+  const int64_t n = 3, m = 6;
+  CATCH_CAPTURE(schedule_kind_name(kind));
+  const Schedule s = schedule_of(kind, n, m);
+  // Three workers on one device of two cores.
+  const PipelineCosts shared = equal_costs(s, 2.0, 0);
+  const PipelineSimulation sharing = simulate_pipeline(s, shared);
+  auto turns = [&](int64_t cores, double capacity, double turn) {
+    PipelineCosts c = shared;
+    c.cores = {cores};
+    c.capacity = {capacity};
+    c.slice_us = c.sleeper_credit_us = turn;
+    c.wakeup_us = turn / 2;
+    return simulate_pipeline(s, c);
+  };
+  // A core for each worker: nobody waits for one, as under processor sharing.
+  const PipelineSimulation roomy = turns(3, 2.0, 4.0);
+  CATCH_CHECK(roomy.step_us == sharing.step_us);
+  CATCH_CHECK(roomy.events.size() == sharing.events.size());
+  // One core: never idle while work remains, each of the n * m micro-batch-stages F + B = 3.
+  CATCH_CHECK(turns(1, 1.0, 4.0).step_us == gpipe_test::Approx(3.0 * n * m).epsilon(1e-9));
+  // Two cores: turns of a fiftieth of an action come within 3% of processor sharing; turns of
+  // whole actions change zero bubble's step (GPipe's and 1F1B's equal stages end alike).
+  CATCH_CHECK(turns(2, 2.0, 0.02).step_us ==
+              gpipe_test::Approx(sharing.step_us).epsilon(0.03));
+  if (kind == ScheduleKind::kZeroBubble) {
+    CATCH_CHECK(std::abs(turns(2, 2.0, 4.0).step_us - sharing.step_us) > 0.01 * sharing.step_us);
+  }
+  // And it never beats the work over the cores.
+  CATCH_CHECK(turns(2, 2.0, 4.0).step_us >= 3.0 * n * m / 2 - 1e-9);
+}
+
 CATCH_TEST_CASE("The simulation counts checkpointed micro-batches and recomputation as its Note says",
                 "[balancing][plan][simulate]") {
   // One stage, GPipe's schedule, 4 micro-batches: all F, then B in reverse.
@@ -139,6 +174,17 @@ CATCH_TEST_CASE("The simulation refuses costs that do not match the schedule",
   CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("negative cost"));
   c = equal_costs(s, 0.0);
   CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("capacity must be positive"));
+  c = equal_costs(s, 1.0);
+  c.cores = {2};
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
+                          gpipe_test::contains("cores must be empty or name every device (1 for 2"));
+  c.cores = {2, -1};
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
+                          gpipe_test::contains("cores must be 0 or more, got -1"));
+  c.cores = {};
+  c.slice_us = -3;
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
+                          gpipe_test::contains("must not be negative, got -3, 0 and 0"));
 }
 
 // A profile made by hand: `layers` equal layers whose costs grow with the micro-batch b.
@@ -204,11 +250,38 @@ CATCH_TEST_CASE("A calibration scales a candidate's times by its ratio at the mi
   CATCH_CHECK(p.time_scale(64) == gpipe_test::Approx(1.0));
   CATCH_CHECK(p.time_scale(4) == gpipe_test::Approx(2.0 - std::log(4.0) / std::log(32.0)));
   CATCH_CHECK(predict(p, plan).step_us == gpipe_test::Approx(2 * plain));
-  // And it survives JSON.
+  // Zero bubble's I and W are scaled by the ratio times the split; F and B by the ratio alone.
+  plan.schedule = ScheduleKind::kZeroBubble;
+  p.calibration = {};
+  const PipelineCosts before = pipeline_costs(p, plan, OptimizerKind::kMomentum);
+  p.calibration = {{1, 2.0, 1.5}, {32, 1.0, 1.0}};
+  CATCH_CHECK(p.split_scale(1) == gpipe_test::Approx(3.0));
+  CATCH_CHECK(p.split_scale(32) == gpipe_test::Approx(1.0));
+  const PipelineCosts after = pipeline_costs(p, plan, OptimizerKind::kMomentum);
+  for (size_t k = 0; k < after.stages.size(); ++k) {
+    CATCH_CHECK(after.stages[k].forward_us == gpipe_test::Approx(2 * before.stages[k].forward_us));
+    CATCH_CHECK(after.stages[k].backward_us ==
+                gpipe_test::Approx(2 * before.stages[k].backward_us));
+    CATCH_CHECK(after.stages[k].backward_input_us ==
+                gpipe_test::Approx(3 * before.stages[k].backward_input_us));
+    CATCH_CHECK(after.stages[k].backward_weight_us ==
+                gpipe_test::Approx(3 * before.stages[k].backward_weight_us));
+  }
+  // And it survives JSON; a profile saved without a split scales I and W as the rest.
   const PipelineProfile back = PipelineProfile::from_json(p.to_json());
   CATCH_REQUIRE(back.calibration.size() == 2);
   CATCH_CHECK(back.calibration[0].batch == 1);
   CATCH_CHECK(back.calibration[0].ratio == 2.0);
+  CATCH_CHECK(back.calibration[0].split == 1.5);
+  std::string old = p.to_json();
+  // (Each calibration's keys come sorted, "split" last: from the comma before it to its line's
+  // end.)
+  for (size_t at; (at = old.find("\"split\"")) != std::string::npos;) {
+    const size_t comma = old.rfind(',', at);
+    old.erase(comma, old.find('\n', at) - comma);
+  }
+  CATCH_REQUIRE(old.find("split") == std::string::npos);
+  CATCH_CHECK(PipelineProfile::from_json(old).split_scale(1) == gpipe_test::Approx(2.0));
 }
 
 CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the limit changes "
@@ -332,7 +405,10 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
   CATCH_REQUIRE(profile.calibration.size() == 2);  // whole-model steps at micro-batches of 1 and 4
   CATCH_CHECK(profile.calibration[0].batch == 1);
   CATCH_CHECK(profile.calibration[1].batch == 4);
-  for (const auto& c : profile.calibration) CATCH_CHECK(c.ratio > 0);
+  for (const auto& c : profile.calibration) {
+    CATCH_CHECK(c.ratio > 0);
+    CATCH_CHECK(c.split > 0);
+  }
   for (const LayerStats& l : profile.sizes.back().layers) {
     CATCH_CHECK(l.forward_us > 0);
     CATCH_CHECK(l.held_bytes >= l.output_bytes);
