@@ -69,7 +69,12 @@ RemoteUpstream::RemoteUpstream(Wire wire, int peer, c10::Device device, bool gra
       channel_(channel),
       shared_(shared) {
   TORCH_INTERNAL_ASSERT(shared_ == nullptr || (!turns_of_ && !wire_.device.is_cuda()));
-  if (shared_) return;
+  if (shared_) {
+    const int rank = wire_.group->getRank();
+    waiting_for_activations_ = absl::StrCat("activations from rank ", peer_, " on rank ", rank);
+    waiting_for_room_ = absl::StrCat("room for gradients to rank ", peer_, " on rank ", rank);
+    return;
+  }
   receiver_ = std::make_unique<ActivationReceiver>(
       wire_.group, peer, wire_.device, wire_.stream, wire_.cancellation,
       turns_of_ ? std::function<bool(int64_t, int64_t)>([this](int64_t i, int64_t m) {
@@ -130,8 +135,7 @@ detail::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r;
   if (shared_) {
     const int rank = wire_.group->getRank();
-    const RingWait wait = shared_->wait(
-        absl::StrCat("activations from rank ", peer_, " on rank ", rank), wire_.cancellation.get());
+    const RingWait wait = shared_->wait(waiting_for_activations_, wire_.cancellation.get());
     const SharedLink::Record record = shared_->read(wait);
     TORCH_INTERNAL_ASSERT(record.microbatch == received_, "micro-batch ", record.microbatch,
                           " arrived for ", received_);
@@ -181,9 +185,7 @@ void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> 
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
   if (shared_) {
     if (tensors.empty()) return;  // the receiver expects none
-    const RingWait wait = shared_->wait(
-        absl::StrCat("room for gradients to rank ", peer_, " on rank ", wire_.group->getRank()),
-        wire_.cancellation.get());
+    const RingWait wait = shared_->wait(waiting_for_room_, wire_.cancellation.get());
     if (shared_->write(microbatch, at::Tensor(), tensors, wait)) return;
   }
   absl::MutexLock lock(&mu_);
@@ -231,6 +233,11 @@ RemoteDownstream::RemoteDownstream(Wire wire, int peer, c10::Device device,
                         (when_ != GradientReceives::kInTurn && !wire_.device.is_cuda()));
   TORCH_INTERNAL_ASSERT(capacity_ == nullptr ||
                         (when_ != GradientReceives::kInTurn && !wire_.device.is_cuda()));
+  if (shared_) {
+    const int rank = wire_.group->getRank();
+    waiting_for_gradients_ = absl::StrCat("gradients from rank ", peer_, " on rank ", rank);
+    waiting_for_room_ = absl::StrCat("room for activations to rank ", peer_, " on rank ", rank);
+  }
 }
 
 RemoteDownstream::~RemoteDownstream() {
@@ -294,9 +301,7 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
   }
   std::vector<at::Tensor> tensors = to_wire(output.values(), wire_.device);
   if (shared_) {
-    const RingWait wait = shared_->wait(
-        absl::StrCat("room for activations to rank ", peer_, " on rank ", wire_.group->getRank()),
-        wire_.cancellation.get());
+    const RingWait wait = shared_->wait(waiting_for_room_, wire_.cancellation.get());
     if (!shared_->write(microbatch, header, tensors, wait)) {
       post_send(microbatch, std::move(header), {pack_activations(tensors)});
     }
@@ -352,9 +357,7 @@ std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) 
         if (mine != buffers_.end()) buffers_.erase(mine);
         return {};
       }
-      const RingWait wait = shared_->wait(absl::StrCat("gradients from rank ", peer_, " on rank ",
-                                                       wire_.group->getRank()),
-                                          wire_.cancellation.get());
+      const RingWait wait = shared_->wait(waiting_for_gradients_, wire_.cancellation.get());
       const SharedLink::Record record = shared_->read(wait);
       auto it = buffers_.find(record.microbatch);
       TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", record.microbatch,

@@ -106,6 +106,8 @@ class RemoteUpstream final : public detail::Upstream {
   std::vector<PairTurn> turns_;  // the receiving thread's
   size_t next_turn_ = 0;
   SharedLink* shared_;
+  // Over shared memory: what its waits are for (for errors), made once per step.
+  std::string waiting_for_activations_, waiting_for_room_;
   int64_t received_ = 0;  // over shared memory, the activations taken
   // Over the group (not shared_): last, its thread runs sends_before.
   std::unique_ptr<ActivationReceiver> receiver_;
@@ -177,6 +179,8 @@ class RemoteDownstream final : public detail::Downstream {
   std::map<int64_t, std::vector<at::Tensor>> buffers_;  // per micro-batch, until posted
   std::map<int64_t, std::shared_ptr<Transfer>> receives_;
   SharedLink* shared_;
+  // Over shared memory: what its waits are for (for errors), made once per step.
+  std::string waiting_for_gradients_, waiting_for_room_;
   // Over shared memory: gradients read from the ring before they were asked for.
   std::map<int64_t, std::vector<at::Tensor>> arrived_;
 };

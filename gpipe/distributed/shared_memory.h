@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "absl/strings/string_view.h"
 #include "gpipe/distributed/process_group.h"
 
 namespace gpipe {
@@ -56,7 +57,7 @@ constexpr int64_t kMinSharedRing = int64_t{256} << 10;
 
 /// What a wait in a ring is for, and when it gives up.
 struct RingWait {
-  std::string what;  // "activations from rank 0", for errors
+  absl::string_view what;  // "activations from rank 0", for errors (outlives the wait)
   pid_t peer = 0;    // the other process: the wait fails when it is gone
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   const Cancellation* cancellation = nullptr;  // checked while waiting (may be null)
@@ -114,8 +115,8 @@ struct SharedLink {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 
   /// A wait for `what` from or to this link's peer, given up by `cancellation` too.
-  RingWait wait(std::string what, const Cancellation* cancellation) const {
-    return {std::move(what), peer_pid, timeout, cancellation};
+  RingWait wait(absl::string_view what, const Cancellation* cancellation) const {
+    return {what, peer_pid, timeout, cancellation};
   }
 
   /// Writes `microbatch`'s record into `out`: `header` (if defined: activations) and `tensors`
