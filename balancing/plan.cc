@@ -271,17 +271,33 @@ void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at:
         return us;
       };
       PipelinePlan whole = one(ScheduleKind::kGPipe), split = one(ScheduleKind::kZeroBubble);
-      GPipe whole_pipe = pipeline(whole), split_pipe = pipeline(split);
+      GPipe whole_pipe = pipeline(whole);
       step_us(whole_pipe);  // untimed: the gradients' and the allocator's first use
-      step_us(split_pipe);
+      // The split's steps are optional: where they cannot run, I and W are scaled as the rest.
+      GPipe split_pipe{nullptr};
+      auto split_step_us = [&]() -> double {
+        if (!split_pipe) return 0;
+        try {
+          return step_us(split_pipe);
+        } catch (const c10::Error&) {
+          split_pipe = nullptr;
+          return 0;
+        }
+      };
+      try {
+        split_pipe = pipeline(split);
+      } catch (const c10::Error&) {
+      }
+      split_step_us();
       PipelineProfile profiled = p;
       profiled.calibration.clear();
       const double whole_sim = predict(profiled, whole).step_us;
       std::vector<double> ratios, splits;
       for (int round = 0; round < 3; ++round) {
         const double whole_us = step_us(whole_pipe);
-        const double split_us = step_us(split_pipe);
         ratios.push_back(whole_us / std::max(1e-9, whole_sim));
+        const double split_us = split_step_us();
+        if (split_us <= 0) continue;
         // The layers alone, now, at this micro-batch size.
         PipelineProfile now = profiled;
         now.sizes = {profile_layers(model, sample.narrow(0, 0, size),
@@ -296,13 +312,13 @@ void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at:
           halves += l.backward_input_us + l.backward_weight_us;
         }
         const double split_ratio = split_us / std::max(1e-9, predict(now, split).step_us);
-        const double scale =
-            halves > 0
-                ? std::max(0.1, (split_ratio * (forward + halves) - ratio * forward) / halves)
-                : ratio;
-        splits.push_back(scale / ratio);
+        if (halves > 0) {
+          splits.push_back(
+              std::max(0.1, (split_ratio * (forward + halves) - ratio * forward) / halves) / ratio);
+        }
       }
-      found.push_back({size, median(ratios), median(splits)});
+      found.push_back({size, median(ratios),
+                       split_pipe && !splits.empty() ? median(splits) : 1.0});
     } catch (const c10::Error&) {
       // Out of memory, or a model whose whole-batch step cannot run here: no calibration at this
       // size.
@@ -471,7 +487,8 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     costs.capacity.push_back(!d.is_cpu() ? 1.0
                              : profile.cpu_capacity > 0 ? std::min(profile.cpu_capacity, free)
                                                         : free);
-    costs.cores.push_back(d.is_cpu() ? std::max<int64_t>(1, std::llround(std::floor(free))) : 0);
+    // (Cores for whole workers: 1.5 workers' worth take turns two at a time, each at capacity / 2.)
+    costs.cores.push_back(d.is_cpu() ? std::max<int64_t>(1, std::llround(std::ceil(free))) : 0);
   }
   // Turns on a CPU's cores (Note [Simulating a step]): Linux's defaults, which scale with
   // 1 + log2 of the CPUs (at most 8).

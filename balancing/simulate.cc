@@ -47,6 +47,11 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
   TORCH_CHECK(costs.slice_us >= 0 && costs.wakeup_us >= 0 && costs.sleeper_credit_us >= 0,
               "simulate_pipeline: slice_us, wakeup_us and sleeper_credit_us must not be negative, "
               "got ", costs.slice_us, ", ", costs.wakeup_us, " and ", costs.sleeper_credit_us);
+  const bool turns = std::any_of(costs.cores.begin(), costs.cores.end(),
+                                 [](int64_t c) { return c > 0; });
+  TORCH_CHECK(costs.slice_us > 0 || !turns,
+              "simulate_pipeline: slice_us must be positive where a device names its cores (turns "
+              "of 0 never end); got 0");
   for (int64_t s = 0; s < schedule.stages; ++s) {
     const StageCost& c = costs.stages[s];
     TORCH_CHECK(c.lane == schedule.stage_ranks[s], "simulate_pipeline: stage ", s, " is on lane ",
@@ -141,7 +146,11 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
   auto cores_of = [&](int64_t d) { return costs.cores.empty() ? int64_t{0} : costs.cores[d]; };
   std::vector<double> vruntime(n, 0);
   std::vector<bool> on_core(n, false), woken(n, false);
-  std::vector<double> since(n, 0);  // when it took its core
+  std::vector<double> since(n, 0);      // when it took its core
+  std::vector<int64_t> core_of(n, -1);  // the device of that core
+  // Per device: the least virtual runtime of its workers, which only grows (Linux's
+  // min_vruntime): a worker waking there comes back at most sleeper_credit_us behind it.
+  std::vector<double> least(devices, 0);
   auto device_of = [&](int64_t r) { return costs.stages[running[r]->action.stage].device; };
   double t = 0;
   constexpr double kEps = 1e-9;
@@ -162,7 +171,9 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
       running[r] = Running{a, w, w, t, transient(a)};
       working[d] += running[r]->transient;
       note_peak(d);
-      woken[r] = !on_core[r];  // (a worker going straight on to its next action keeps its core)
+      // A worker going straight on to its next action on the same device keeps its core.
+      if (core_of[r] != d) on_core[r] = false;
+      woken[r] = !on_core[r];
     }
     for (int64_t r = 0; r < n; ++r) {
       if (!running[r]) on_core[r] = false;
@@ -185,25 +196,33 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
       for (int64_t r = 0; r < n; ++r) {
         if (running[r] && device_of(r) == d) (on_core[r] ? on : off).push_back(r);
       }
-      if (cores == 0 || active[d] <= cores) {
-        for (int64_t r : off) {
-          on_core[r] = true;
-          since[r] = t;
+      auto give_core = [&](int64_t r) {
+        on_core[r] = true;
+        since[r] = t;
+        core_of[r] = d;
+      };
+      if (cores > 0) {
+        // A worker that slept comes back at most sleeper_credit_us behind the others.
+        double now_least = std::numeric_limits<double>::infinity();
+        for (int64_t r = 0; r < n; ++r) {
+          if (running[r] && device_of(r) == d && !woken[r]) {
+            now_least = std::min(now_least, vruntime[r]);
+          }
         }
-        continue;
+        if (now_least < std::numeric_limits<double>::infinity()) {
+          least[d] = std::max(least[d], now_least);
+        }
+        for (int64_t r : off) {
+          if (woken[r]) vruntime[r] = std::max(vruntime[r], least[d] - costs.sleeper_credit_us);
+        }
       }
-      // A worker that slept comes back at most sleeper_credit_us behind those that ran.
-      if (!on.empty()) {
-        double floor = std::numeric_limits<double>::infinity();
-        for (int64_t r : on) floor = std::min(floor, vruntime[r]);
-        for (int64_t r : off) {
-          if (woken[r]) vruntime[r] = std::max(vruntime[r], floor - costs.sleeper_credit_us);
-        }
+      if (cores == 0 || active[d] <= cores) {
+        for (int64_t r : off) give_core(r);
+        continue;
       }
       auto by_vruntime = [&](int64_t a, int64_t b) { return vruntime[a] < vruntime[b]; };
       auto take = [&](std::vector<int64_t>::iterator q) {
-        on_core[*q] = true;
-        since[*q] = t;
+        give_core(*q);
         on.push_back(*q);
         off.erase(q);
       };
@@ -237,6 +256,7 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
         }
       }
       // When the next slice ends for someone ahead of the first in line.
+      if (off.empty()) continue;
       const double behind = vruntime[*std::min_element(off.begin(), off.end(), by_vruntime)];
       for (int64_t r : on) {
         turn = std::min(turn, std::max(since[r] + costs.slice_us,

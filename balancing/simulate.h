@@ -36,9 +36,10 @@ namespace gpipe {
 // Each worker counts the time it has run (its virtual runtime, as Linux's); a free core goes to
 // the waiting worker furthest behind; a worker that held its core for slice_us gives it up to a
 // waiting one behind it; a worker just woken (its inputs came while it slept) comes back at most
-// sleeper_credit_us behind those running, and takes the core of the one furthest ahead at once
-// when more than wakeup_us behind it; a worker going straight on to its next action keeps its
-// core. So the workers that sleep often (those waiting on their neighbours) run first when they
+// sleeper_credit_us behind the least of the device's workers (a least that only grows, Linux's
+// min_vruntime), and takes the core of the one furthest ahead at once when more than wakeup_us
+// behind it; a worker going straight on to its next action on the same device keeps its core.
+// A device's cores hold whole workers: capacity 1.5 takes turns two at a time, each at 0.75. So the workers that sleep often (those waiting on their neighbours) run first when they
 // wake, and the busiest one, the pipeline's bottleneck, runs at a fraction of a core while the
 // others have work: on the project's 2-vCPU VM, three workers of the MLP under zero bubble were
 // 20% slower than processor sharing predicted, and are within 15% with turns
@@ -92,10 +93,10 @@ struct PipelineCosts {
   /// more of them run than there are cores (Note [Simulating a step]); 0, or an empty vector:
   /// processor sharing (a GPU).
   std::vector<int64_t> cores;
-  /// The operating system's turns (Note [Simulating a step]), microseconds: how far a waiting
-  /// worker may fall behind a running one in CPU time before it takes the core at a tick
-  /// (`slice_us`) or at once when it wakes (`wakeup_us`), and how much CPU time a worker that
-  /// slept is credited at most (`sleeper_credit_us`).
+  /// The operating system's turns (Note [Simulating a step]), microseconds: how long a worker
+  /// holds a core before it yields to one behind it (`slice_us`, positive where `cores` are
+  /// named), how far behind a woken worker must be to take a core at once (`wakeup_us`), and how
+  /// much CPU time a worker that slept is credited at most (`sleeper_credit_us`).
   double slice_us = 0;
   double wakeup_us = 0;
   double sleeper_credit_us = 0;

@@ -123,6 +123,55 @@ CATCH_TEST_CASE("More workers than cores take turns, approaching processor shari
   CATCH_CHECK(turns(2, 2.0, 4.0).step_us >= 3.0 * n * m / 2 - 1e-9);
 }
 
+CATCH_TEST_CASE("A worker woken behind the one on the core takes it, within its sleeper credit",
+                "[balancing][plan][simulate]") {
+  // Two stages on one core, GPipe's schedule, 2 micro-batches: stage 0 F = B = 1, stage 1 F = 4,
+  // B = 1; turns of 10. Worked by hand (times in microseconds):
+  const Schedule s = gpipe_schedule(2, 2);
+  PipelineCosts c = equal_costs(s, 1.0, 0);
+  for (StageCost& st : c.stages) st.forward_us = st.forward_nograd_us = st.backward_us = 1;
+  c.stages[1].forward_us = c.stages[1].forward_nograd_us = 4;
+  // When stage `stage`'s forward (or backward) of `microbatch` ended.
+  auto end_of = [](const PipelineSimulation& sim, int64_t stage, int64_t microbatch,
+                   bool backward = false) {
+    const auto kind = backward ? TimelineEvent::Kind::kBackward : TimelineEvent::Kind::kCompute;
+    for (const TimelineEvent& e : sim.events) {
+      if (e.kind == kind && e.partition == stage && e.microbatch == microbatch) return e.end_us;
+    }
+    return -1.0;
+  };
+  // Processor sharing: at 1 stage 0's F1 and stage 1's F0 share the core; F1 ends at 3, F0 at 6.
+  // Then stage 1's F1 (6-10) and B1 (10-11); stage 0's B1 and stage 1's B0 share the core to 13;
+  // stage 0's B0 13-14.
+  PipelineSimulation sim = simulate_pipeline(s, c);
+  CATCH_CHECK(end_of(sim, 0, 1) == gpipe_test::Approx(3));
+  CATCH_CHECK(end_of(sim, 1, 0) == gpipe_test::Approx(6));
+  CATCH_CHECK(end_of(sim, 0, 1, true) == gpipe_test::Approx(13));
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(14));
+  c.cores = {1};
+  c.slice_us = 10;
+  c.wakeup_us = 0.5;
+  // Turns, credit 10: at 1 stage 1 wakes with 0 run against stage 0's 1, more than the wake-up
+  // lead behind: it takes the core (F0 1-5), and stage 0's F1 runs 5-6. At 11 stage 0 wakes for
+  // B1 with 2 run against stage 1's 9: it takes the core (B1 11-12), stage 1's B0 runs 12-13,
+  // stage 0's B0 13-14.
+  c.sleeper_credit_us = 10;
+  sim = simulate_pipeline(s, c);
+  CATCH_CHECK(end_of(sim, 1, 0) == gpipe_test::Approx(5));
+  CATCH_CHECK(end_of(sim, 0, 1) == gpipe_test::Approx(6));
+  CATCH_CHECK(end_of(sim, 0, 1, true) == gpipe_test::Approx(12));
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(14));
+  // Credit 0: a woken worker comes back level with the least run, never behind the one on the
+  // core: stage 0 keeps the core for F1 (1-2), stage 1's F0 runs 2-6; at 11 stage 1 keeps it for
+  // B0 (11-12), then stage 0's B1 runs 12-13 and its B0 13-14.
+  c.sleeper_credit_us = 0;
+  sim = simulate_pipeline(s, c);
+  CATCH_CHECK(end_of(sim, 0, 1) == gpipe_test::Approx(2));
+  CATCH_CHECK(end_of(sim, 1, 0) == gpipe_test::Approx(6));
+  CATCH_CHECK(end_of(sim, 0, 1, true) == gpipe_test::Approx(13));
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(14));
+}
+
 CATCH_TEST_CASE("The simulation counts checkpointed micro-batches and recomputation as its Note says",
                 "[balancing][plan][simulate]") {
   // One stage, GPipe's schedule, 4 micro-batches: all F, then B in reverse.
@@ -181,6 +230,10 @@ CATCH_TEST_CASE("The simulation refuses costs that do not match the schedule",
   c.cores = {2, -1};
   CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
                           gpipe_test::contains("cores must be 0 or more, got -1"));
+  c.slice_us = 0;
+  c.cores = {2, 2};
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
+                          gpipe_test::contains("slice_us must be positive where a device names"));
   c.cores = {};
   c.slice_us = -3;
   CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c),
