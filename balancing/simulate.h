@@ -39,11 +39,12 @@ namespace gpipe {
 // sleeper_credit_us behind the least of the device's workers (a least that only grows, Linux's
 // min_vruntime), and takes the core of the one furthest ahead at once when more than wakeup_us
 // behind it; a worker going straight on to its next action on the same device keeps its core.
-// A device's cores hold whole workers: capacity 1.5 takes turns two at a time, each at 0.75. So the workers that sleep often (those waiting on their neighbours) run first when they
-// wake, and the busiest one, the pipeline's bottleneck, runs at a fraction of a core while the
-// others have work: on the project's 2-vCPU VM, three workers of the MLP under zero bubble were
-// 20% slower than processor sharing predicted, and are within 15% with turns
-// (benchmarks/plan_accuracy).
+// A device's cores hold whole workers: capacity 1.5 takes turns two at a time, each at 0.75.
+// So the workers that sleep often (those waiting on their neighbours) run first when they wake,
+// and the busiest one, the pipeline's bottleneck, runs at a fraction of a core while the others
+// have work. On the project's 2-vCPU VM, three workers of the MLP under zero bubble measured
+// 20-27% slower than processor sharing predicted; turns close 4-6 points of that
+// (benchmarks/plan_accuracy; docs/benchmarks.md, runs K-Q).
 // Memory, per device: the static bytes (parameters, gradients, optimizer state, buffers, the
 // mini-batch) plus, over time, what each (stage, micro-batch) in flight keeps: from the end of its
 // F to the end of its B (or W) held_bytes (what autograd saved and the output), or
