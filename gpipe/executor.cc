@@ -2,6 +2,7 @@
 #include "gpipe/executor.h"
 #include "gpipe/executor_step.h"
 
+#include <algorithm>
 #include <exception>
 #include <map>
 #include <optional>
@@ -47,6 +48,24 @@ void run_lane(Step& st, const std::vector<Action>& actions) {
   }
 }
 
+// The spec's copy streams when it has enough for `m` micro-batches, else `own` filled from the
+// devices' pools (cheap: a pool hands out its streams in turn).
+const CopyStreams* copy_streams_for(const ExecutorSpec& spec, int64_t m, CopyStreams& own) {
+  const std::vector<ExecutorPartition>& partitions = *spec.partitions;
+  if (spec.copy_streams != nullptr && spec.copy_streams->size() == partitions.size()) {
+    bool enough = true;
+    for (const auto& streams : *spec.copy_streams) {
+      enough &= static_cast<int64_t>(streams.size()) >= m;
+    }
+    if (enough) return spec.copy_streams;
+  }
+  own.resize(partitions.size());
+  for (size_t p = 0; p < partitions.size(); ++p) {
+    for (int64_t i = 0; i < m; ++i) own[p].push_back(new_stream(partitions[p].device));
+  }
+  return &own;
+}
+
 }  // namespace
 
 bool forwards_before_backwards(const std::vector<std::vector<Action>>& lanes, int64_t last) {
@@ -70,14 +89,16 @@ void run_schedule(const ExecutorSpec& spec) {
   const bool own_links = !spec.upstreams.empty();
   TORCH_INTERNAL_ASSERT(!own_links || (static_cast<int64_t>(spec.upstreams.size()) == n &&
                                        static_cast<int64_t>(spec.downstreams.size()) == n));
-  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
-    st.links.push_back(std::make_unique<LocalLink>(spec.who, p, partitions[p].device,
-                                                   partitions[p + 1].device));
-  }
   st.m = spec.microbatches;
   if (st.m == 0) {
     st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
     st.m = st.first->microbatches;
+  }
+  st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
+  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
+    st.links.push_back(std::make_unique<LocalLink>(
+        spec.who, p, partitions[p].device, partitions[p + 1].device, st.copy_streams,
+        spec.timeline.get(), spec.timeline_partition_offset));
   }
   st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
   const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
@@ -129,6 +150,14 @@ void run_schedule(const ExecutorSpec& spec) {
     }
   }
 
+  // The CPU lanes share the cores (Note [Dividing the cores] in worker.h).
+  std::vector<bool> on_cpu(lanes.size(), false);
+  for (size_t lane = 0; lane < lanes.size(); ++lane) {
+    for (const Action& a : lanes[lane]) {
+      if (partitions[a.stage].device.is_cpu()) on_cpu[lane] = true;
+    }
+  }
+  const CoreShare cores(std::count(on_cpu.begin(), on_cpu.end(), true));
   // Lanes on workers run under this thread's state (grad mode, autocast, the deferred
   // statistics' callback: Note [Thread-local state in workers]).
   const auto worker_state = std::make_unique<ThreadState>();
@@ -136,6 +165,8 @@ void run_schedule(const ExecutorSpec& spec) {
     try {
       std::optional<ThreadStateGuard> guard;
       if (spec.workers[lane] != nullptr) guard.emplace(*worker_state);
+      std::optional<CoreShare::Lane> share;
+      if (on_cpu[lane]) share.emplace(cores);
       run_lane(st, lanes[lane]);
     } catch (...) {
       st.fail(std::current_exception(), absl::StrCat("lane ", lane, " failed"));

@@ -96,6 +96,9 @@ struct ExecutorSpec {
   const SkipLayout* skip_layout = nullptr;
   /// Added to the partition index of the timeline's events.
   int64_t timeline_partition_offset = 0;
+  /// Copy streams for `partitions` (Note [Links on copy streams] in link.h), at least as many
+  /// per partition as micro-batches; null: the step takes them from the devices' pools.
+  const CopyStreams* copy_streams = nullptr;
 };
 
 /// Runs one step: every lane's actions. Throws the first error of any lane after every lane has

@@ -48,13 +48,11 @@ void run_forward(Step& st, int64_t p, int64_t i) {
   if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
     std::shared_ptr<MicroBatchSkips> shared = st.skips_of(i);
     if (!spec.skip_layout->routes_into(p).empty()) {
-      // The skips from earlier partitions move to this one's device (every stream is the
-      // device's current one: each lane computes and copies on its thread's streams).
+      // The skips from earlier partitions move to this one's device on the copy streams (their
+      // stashing partitions' copy streams waited for them after their forwards, below).
       std::vector<c10::Stream> streams;
       for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
-      std::vector<std::vector<c10::Stream>> copy_streams;
-      for (const c10::Stream& c : streams) copy_streams.emplace_back(i + 1, c);
-      shared->fence(i, p, streams, copy_streams);
+      shared->fence(i, p, streams, *st.copy_streams);
     }
     if (spec.grad_enabled) cut = shared->cut(p);
     task.skips = std::move(shared);
@@ -81,6 +79,11 @@ void run_forward(Step& st, int64_t p, int64_t i) {
     out = run_layers(a.batch);
   }
   st.record(Kind::kCompute, i, p, started, stream);
+  if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
+    // What this forward stashed for later partitions is ready for their fences' copies (Note
+    // [Skip copy streams] in skip_tracker.cc).
+    wait_stream((*st.copy_streams)[p][i], stream);
+  }
   s.down->send(st.m, i, out, spec.grad_enabled);
   if (spec.grad_enabled) {
     s.inputs[i] = std::move(a.batch);

@@ -55,6 +55,9 @@ struct Step {
   std::optional<Activation> first;  // the first partition's first input, when it told m
   std::vector<PartitionState> states;
   std::vector<std::unique_ptr<LocalLink>> links;  // links[p]: partitions p and p + 1
+  // copy_streams[p][i]: partition p's for micro-batch i (the spec's, or own_copy_streams).
+  const CopyStreams* copy_streams = nullptr;
+  CopyStreams own_copy_streams;
   absl::Mutex mu;
   std::exception_ptr error ABSL_GUARDED_BY(mu);
   // Skips between partitions: each micro-batch's tracker, and for each stashing partition and

@@ -1,6 +1,7 @@
 // GPipe; see gpipe.h.
 #include "gpipe/gpipe.h"
 
+#include <numeric>
 #include <ostream>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -116,18 +117,6 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
         std::make_shared<BatchNormLayers>(partition->modules(/*include_self=*/false)));
     grad_records_.push_back(std::make_shared<GradRecord>());
   }
-  if (options_.worker_per_partition()) {
-    for (size_t j = 1; j < devices_.size(); ++j) {
-      for (size_t k = 0; k < j; ++k) {
-        TORCH_CHECK(!devices_[j].is_cuda() || devices_[j] != devices_[k],
-                    "GPipe worker_per_partition would run partitions ", k, " and ", j,
-                    " on two threads that share ", devices_[j], " and its random generator, so "
-                    "a checkpointed micro-batch could recompute different random numbers; give "
-                    "each partition its own GPU, or turn worker_per_partition off (partitions "
-                    "on one GPU then share its worker thread)");
-      }
-    }
-  }
   if (options_.stage_local_backward()) {
     for (size_t j = 0; j < devices_.size(); ++j) {
       TORCH_CHECK(devices_[j].is_cpu(), "GPipe stage_local_backward is for CPU partitions, but "
@@ -138,17 +127,12 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
                 "worker_per_partition(true): each partition's backward runs on its own worker");
   }
   workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
-  // Warned only where it applies (Note [Random numbers in concurrent CPU partitions]).
-  if (options_.worker_per_partition() &&
-      checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0) {
-    const auto [j, layer] = concurrent_random_layer(partitions_, devices_);
-    if (j >= 0) {
-      TORCH_WARN("GPipe: partition ", j, " holds ", layer, ", which draws random numbers, and "
-                 "worker_per_partition runs the CPU partitions at the same time: they draw from "
-                 "the one CPU generator in an order that depends on thread timing, so a "
-                 "checkpointed micro-batch may recompute different numbers than its forward "
-                 "drew. Use Checkpoint::kNever, or turn worker_per_partition off.");
-    }
+  if (options_.worker_per_partition()) {
+    // Each partition on a thread of its own (Note [Random numbers in concurrent partitions]).
+    std::vector<int64_t> threads(partitions_.size());
+    std::iota(threads.begin(), threads.end(), int64_t{0});
+    check_concurrent_generators("GPipe", partitions_, devices_, threads,
+                                checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   // step(): the schedule's ranks and their threads (Note [One executor]).
   const int64_t parts = static_cast<int64_t>(partitions_.size());

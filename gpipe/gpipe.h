@@ -247,6 +247,9 @@ class GPipeImpl : public torch::nn::Module {
   StatisticsCombiner statistics_combiner_;
   // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
+  // Whether step() checked its lanes' random generators (Note [Random numbers in concurrent
+  // partitions] in partition.h); once, at the first step that can checkpoint.
+  bool generators_checked_ ABSL_GUARDED_BY(forward_mu_) = false;
   SkipLayout skip_layout_;
   // The model's ties and this GPipe's copies of them (Note [Tied parameters]).
   std::vector<Tie> ties_;

@@ -9,6 +9,7 @@
 #include "gpipe/gpipe.h"
 #include "gpipe/link.h"
 #include "gpipe/microbatch.h"
+#include "gpipe/partition.h"
 #include "gpipe/schedule.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/thread_state.h"
@@ -50,6 +51,16 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   const int64_t m = static_cast<int64_t>(microbatches.size());
   const Schedule plan = schedule(m);
   absl::MutexLock lock(&forward_mu_);
+  const int64_t stop = is_training() ? checkpoint_stop(options_.checkpoint(), m) : 0;
+  if (!generators_checked_ && stop > 0) {
+    // The lanes run at the same time (Note [Random numbers in concurrent partitions]).
+    std::vector<int64_t> threads(partitions_.size());
+    for (size_t r = 0; r < plan.ranks.size(); ++r) {
+      for (const Action& a : plan.ranks[r]) threads[a.stage] = static_cast<int64_t>(r);
+    }
+    check_concurrent_generators(who, partitions_, devices_, threads, /*checkpointing=*/true);
+    generators_checked_ = true;
+  }
   tied_->refresh();
   const size_t lanes = plan.ranks.size();
   while (lane_workers_.size() + 1 < lanes) {
@@ -80,6 +91,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   spec.recompute_state = std::make_shared<const ThreadState>();
   if (options_.record_timeline()) spec.timeline = std::make_shared<Timeline>(devices_);
   spec.skip_layout = &skip_layout_;
+  spec.copy_streams = &copy_streams_;
   const bool deferred = options_.deferred_batch_norm() && is_training();
   {
     const DeferredBatchNormRun deferred_run(batch_norms_, deferred);

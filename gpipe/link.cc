@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -33,50 +34,134 @@ std::vector<at::Tensor> requiring_grad(const Batch& batch) {
   return out;
 }
 
-void LocalLink::send(int64_t microbatches, int64_t /*microbatch*/, const Batch& output,
+Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
+                    const c10::Stream& compute, const c10::Stream& copy_from,
+                    const c10::Stream& copy_to) {
+  const c10::Device from = compute.device();
+  Moving out;
+  out.values.reserve(values.size());
+  if (!has_streams(from) && !has_streams(to)) {
+    for (const at::Tensor& t : values) out.values.push_back(t.defined() ? t.detach().to(to) : t);
+    return out;
+  }
+  // Note [Links on copy streams].
+  wait_stream(copy_from, compute);
+  std::vector<c10::Stream> current;
+  if (has_streams(from)) current.push_back(copy_from);
+  if (has_streams(to) && to != from) current.push_back(copy_to);
+  {
+    const c10::MultiStreamGuard guard(current);
+    for (const at::Tensor& t : values) {
+      if (!t.defined()) {
+        out.values.push_back(t);
+        continue;
+      }
+      record_stream(t, copy_from);
+      out.values.push_back(t.detach().to(to, /*non_blocking=*/true));
+    }
+  }
+  // A copy between two GPUs ends on both copy streams (LibTorch orders the destination's after
+  // it); one to the CPU, or within a device, on the source's.
+  out.ready = record_point(has_streams(to) && to != from ? copy_to : copy_from);
+  return out;
+}
+
+std::vector<at::Tensor> arrive(Moving moving, c10::Device device) {
+  if (moving.ready == nullptr) return std::move(moving.values);
+  if (has_streams(device)) {
+    const c10::Stream compute = current_stream(device);
+    wait_point(compute, *moving.ready);
+    for (const at::Tensor& t : moving.values) record_stream(t, compute);
+  } else {
+    synchronize_point(*moving.ready);
+  }
+  return std::move(moving.values);
+}
+
+Moving LocalLink::move(const std::vector<at::Tensor>& values, int64_t microbatch,
+                       int64_t source) {
+  const bool forward = source == from_;
+  const c10::Device here = forward ? from_device_ : to_device_;
+  const c10::Device there = forward ? to_device_ : from_device_;
+  if (copy_streams_ == nullptr || (!has_streams(here) && !has_streams(there))) {
+    return move_tensors(values, there, current_stream(here), current_stream(here),
+                        current_stream(there));
+  }
+  const int64_t target = forward ? from_ + 1 : from_;
+  const c10::Stream& copy_from = (*copy_streams_)[source][microbatch];
+  const c10::Stream& copy_to = (*copy_streams_)[target][microbatch];
+  const c10::Stream& issuing = has_streams(here) ? copy_from : copy_to;
+  const Timeline::Started started =
+      timeline_ != nullptr ? timeline_->start(issuing) : Timeline::Started{};
+  Moving moving = move_tensors(values, there, current_stream(here), copy_from, copy_to);
+  if (timeline_ != nullptr && here != there) {
+    timeline_->finish({TimelineEvent::Kind::kCopy, microbatch, timeline_offset_ + target,
+                       timeline_offset_ + source, static_cast<int64_t>(values.size())},
+                      started, issuing);
+  }
+  return moving;
+}
+
+void LocalLink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                      bool grad_enabled) {
-  Activation a{microbatches, cut_batch(output, to_device_), grad_enabled};
+  Sent sent;
+  sent.microbatches = microbatches;
+  sent.atomic = output.atomic();
+  sent.grad_enabled = grad_enabled;
+  for (const at::Tensor& t : output.values()) {
+    sent.requires_grad.push_back(t.defined() && t.requires_grad());
+  }
+  sent.moving = move(output.values(), microbatch, from_);
   absl::MutexLock lock(&mu_);
-  activations_.push_back(std::move(a));
+  activations_.push_back(std::move(sent));
 }
 
 Activation LocalLink::receive() {
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](LocalLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-        return self->failed_ || !self->activations_.empty();
-      },
-      this));
-  check_not_failed();
-  Activation a = std::move(activations_.front());
-  activations_.pop_front();
-  return a;
+  Sent sent;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](LocalLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+          return self->failed_ || !self->activations_.empty();
+        },
+        this));
+    check_not_failed();
+    sent = std::move(activations_.front());
+    activations_.pop_front();
+  }
+  std::vector<at::Tensor> values = arrive(std::move(sent.moving), to_device_);
+  for (size_t k = 0; k < values.size(); ++k) {
+    if (sent.requires_grad[k]) values[k].requires_grad_(true);
+  }
+  Batch batch = sent.atomic ? Batch(std::move(values[0])) : Batch(std::move(values));
+  return Activation{sent.microbatches, std::move(batch), sent.grad_enabled};
 }
 
 void LocalLink::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
-  for (at::Tensor& g : gradients) {
-    if (g.defined()) g = g.to(from_device_);
-  }
+  Moving moving = move(gradients, microbatch, from_ + 1);
   absl::MutexLock lock(&mu_);
-  gradients_[microbatch] = std::move(gradients);
+  gradients_[microbatch] = std::move(moving);
 }
 
 std::vector<at::Tensor> LocalLink::receive_gradients(int64_t microbatch) {
-  absl::MutexLock lock(&mu_);
-  struct Waiting {
-    LocalLink* self;
-    int64_t microbatch;
-  } waiting{this, microbatch};
-  mu_.Await(absl::Condition(
-      +[](Waiting* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->self->mu_) {
-        return w->self->failed_ || w->self->gradients_.count(w->microbatch) > 0;
-      },
-      &waiting));
-  check_not_failed();
-  auto it = gradients_.find(microbatch);
-  std::vector<at::Tensor> out = std::move(it->second);
-  gradients_.erase(it);
-  return out;
+  Moving moving;
+  {
+    absl::MutexLock lock(&mu_);
+    struct Waiting {
+      LocalLink* self;
+      int64_t microbatch;
+    } waiting{this, microbatch};
+    mu_.Await(absl::Condition(
+        +[](Waiting* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->self->mu_) {
+          return w->self->failed_ || w->self->gradients_.count(w->microbatch) > 0;
+        },
+        &waiting));
+    check_not_failed();
+    auto it = gradients_.find(microbatch);
+    moving = std::move(it->second);
+    gradients_.erase(it);
+  }
+  return arrive(std::move(moving), from_device_);
 }
 
 void LocalLink::fail(const std::string& why) {

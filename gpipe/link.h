@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@
 #include "absl/synchronization/mutex.h"
 #include "gpipe/loss.h"
 #include "gpipe/microbatch.h"
+#include "gpipe/stream.h"
+#include "gpipe/timeline.h"
 
 namespace gpipe {
 namespace detail {
@@ -67,12 +70,63 @@ Batch cut_batch(const Batch& batch, c10::Device device);
 /// The tensors of `batch` that require grad (those whose gradients cross back), in order.
 std::vector<at::Tensor> requiring_grad(const Batch& batch);
 
+// Note [Links on copy streams]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A LocalLink between partitions on different devices moves each micro-batch's tensors (and, back,
+// their gradients) on copy streams, as forward() does (Note [Copy streams] in copy.h), so that on
+// GPUs copies overlap computation under every schedule. The sender, on its own thread:
+//
+//   copy stream [from][i] waits for the sender's compute stream (the tensors are ready there);
+//   the copy is issued with the copy streams of both ends current, without blocking the host
+//   (a copy to the CPU lands in pinned memory), the source recorded on its copy stream;
+//   a point (a CUDA event) is recorded where the copy ends: the destination's copy stream, or the
+//   source's when the destination is the CPU.
+//
+// The receiver, on its thread, makes its compute stream wait for that point and records the
+// tensors on it (the caching allocator then keeps their memory until that stream is done), or,
+// on the CPU, waits on the host until the copy has landed. Only the receiver waits: the sender's
+// next work is issued while the copy runs. Copy streams are per (partition, micro-batch), so one
+// micro-batch's copy never waits behind another's. Between CPU partitions no stream is involved
+// and a move is a detach.
+
+/// Copy streams of a step: `copy_streams[p][i]` is partition p's for micro-batch i.
+using CopyStreams = std::vector<std::vector<c10::Stream>>;
+
+/// Tensors on their way to another device (Note [Links on copy streams]): `values` may be read on
+/// the destination once `ready` is reached (null: at once).
+struct Moving {
+  std::vector<at::Tensor> values;
+  std::shared_ptr<const StreamPoint> ready;
+};
+
+/// Moves `values` (detached) from `compute`'s device to `to` on the copy streams `copy_from` (on
+/// the source device) and `copy_to` (on `to`); undefined tensors stay undefined.
+Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
+                    const c10::Stream& compute, const c10::Stream& copy_from,
+                    const c10::Stream& copy_to);
+
+/// On the receiver's thread: makes its current stream on `device` wait for `moving` (or the host,
+/// on the CPU) and returns the tensors, recorded on that stream.
+std::vector<at::Tensor> arrive(Moving moving, c10::Device device);
+
 /// Two neighbouring partitions in this process, each on a thread of its own: the downstream of
-/// partition `from` and the upstream of partition `from + 1`.
+/// partition `from` and the upstream of partition `from + 1`. Between devices, tensors move on
+/// copy streams (Note [Links on copy streams]), each activation copy recorded on `timeline`.
 class LocalLink final : public Upstream, public Downstream {
  public:
-  LocalLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device)
-      : who_(std::move(who)), from_(from), from_device_(from_device), to_device_(to_device) {}
+  /// `copy_streams` (of the step's partitions, indexed as the link's; null between CPU
+  /// partitions), `timeline` (may be null) and `timeline_offset` (added to partition indices in
+  /// its events) outlive the link.
+  LocalLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
+            const CopyStreams* copy_streams = nullptr, Timeline* timeline = nullptr,
+            int64_t timeline_offset = 0)
+      : who_(std::move(who)),
+        from_(from),
+        from_device_(from_device),
+        to_device_(to_device),
+        copy_streams_(copy_streams),
+        timeline_(timeline),
+        timeline_offset_(timeline_offset) {}
 
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
@@ -82,14 +136,27 @@ class LocalLink final : public Upstream, public Downstream {
   void fail(const std::string& why) override;
 
  private:
+  struct Sent {
+    int64_t microbatches = 0;
+    bool atomic = true;
+    bool grad_enabled = true;
+    std::vector<bool> requires_grad;
+    Moving moving;
+  };
   void check_not_failed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves `values` for micro-batch `microbatch` from partition `source` (from_ or from_ + 1) to
+  // the other end; records the copy on the timeline.
+  Moving move(const std::vector<at::Tensor>& values, int64_t microbatch, int64_t source);
 
   const std::string who_;
   const int64_t from_;
   const c10::Device from_device_, to_device_;
+  const CopyStreams* const copy_streams_;
+  Timeline* const timeline_;
+  const int64_t timeline_offset_;
   absl::Mutex mu_;
-  std::deque<Activation> activations_ ABSL_GUARDED_BY(mu_);
-  std::map<int64_t, std::vector<at::Tensor>> gradients_ ABSL_GUARDED_BY(mu_);
+  std::deque<Sent> activations_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, Moving> gradients_ ABSL_GUARDED_BY(mu_);
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
   std::string why_ ABSL_GUARDED_BY(mu_);
 };

@@ -31,20 +31,46 @@ std::string describe_in_partition(const torch::nn::Sequential& partition, size_t
 
 }  // namespace
 
-std::pair<int64_t, std::string> concurrent_random_layer(
-    const std::vector<torch::nn::Sequential>& partitions, const std::vector<c10::Device>& devices) {
-  const auto cpu_partitions =
-      std::count_if(devices.begin(), devices.end(), [](const c10::Device& d) { return d.is_cpu(); });
-  for (size_t j = 0; j < partitions.size() && cpu_partitions > 1; ++j) {
-    if (!devices[j].is_cpu()) continue;
-    for (const auto& item : partitions[j]->named_modules("", /*include_self=*/false)) {
-      const std::string type = item.value()->name();
-      if (type.find("Dropout") != std::string::npos || type.find("RReLU") != std::string::npos) {
-        return {static_cast<int64_t>(j), absl::StrCat("'", item.key(), "' (", type, ")")};
-      }
+namespace {
+
+// "'<path>' (<type>)" of the first module of `partition` that draws random numbers in training,
+// or "" (Note [Random numbers in concurrent partitions]).
+std::string random_layer(const torch::nn::Sequential& partition) {
+  for (const auto& item : partition->named_modules("", /*include_self=*/false)) {
+    const std::string type = item.value()->name();
+    if (type.find("Dropout") != std::string::npos || type.find("RReLU") != std::string::npos) {
+      return absl::StrCat("'", item.key(), "' (", type, ")");
     }
   }
-  return {-1, ""};
+  return "";
+}
+
+}  // namespace
+
+void check_concurrent_generators(const std::string& who,
+                                 const std::vector<torch::nn::Sequential>& partitions,
+                                 const std::vector<c10::Device>& devices,
+                                 const std::vector<int64_t>& threads, bool checkpointing) {
+  if (!checkpointing) return;
+  for (size_t j = 0; j < partitions.size(); ++j) {
+    const std::string layer = random_layer(partitions[j]);
+    if (layer.empty()) continue;
+    for (size_t k = 0; k < partitions.size(); ++k) {
+      if (k == j || devices[k] != devices[j] || threads[k] == threads[j]) continue;
+      TORCH_CHECK(!devices[j].is_cuda(), who, ": partition ", j, " holds ", layer, ", which "
+                  "draws random numbers, and runs on ", devices[j], " at the same time as "
+                  "partition ", k, ", on another thread: they share the device's random "
+                  "generator, so a checkpointed micro-batch could recompute different numbers "
+                  "than its forward drew. Give each partition its own GPU, or use "
+                  "Checkpoint::kNever");
+      TORCH_WARN(who, ": partition ", j, " holds ", layer, ", which draws random numbers, and "
+                 "runs at the same time as partition ", k, " on the CPU: they draw from the one "
+                 "CPU generator in an order that depends on thread timing, so a checkpointed "
+                 "micro-batch may recompute different numbers than its forward drew. Use "
+                 "Checkpoint::kNever, or partitions on one thread.");
+      return;
+    }
+  }
 }
 
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {

@@ -38,24 +38,31 @@ std::vector<c10::Device> layer_devices(const std::vector<int64_t>& balance,
 /// "layer 3 ('conv', torch::nn::Conv2dImpl)": layer `index` of `module`, for error messages.
 std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 
-// Note [Random numbers in concurrent CPU partitions]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Every CPU partition draws from the one CPU generator. When CPU partitions run at the same time
-// (a GPipe's worker_per_partition, the partitions of a PipelineStage), the order of their draws
-// depends on thread timing, so a checkpointed micro-batch's recomputation may not see the numbers
-// its forward drew (checkpoint.h restores the generator's state, but another thread may draw in
-// between). That matters only where a checkpointed CPU partition holds a layer that draws random
-// numbers (dropout, RReLU) and another CPU partition runs beside it: only then do GPipe and
-// PipelineStage warn, naming the layer. GPU partitions each have their own generator.
+// Note [Random numbers in concurrent partitions]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Partitions on one device draw from that device's one generator. When such partitions run at
+// the same time on threads of their own (GPipe::step's lanes, a GPipe's worker_per_partition, the
+// partitions of a PipelineStage), the order of their draws depends on thread timing, so a
+// checkpointed micro-batch's recomputation may not see the numbers its forward drew
+// (checkpoint.h restores the generator's state, but another thread may draw in between). That
+// matters only where checkpointing is on and a partition that shares its device with a partition
+// of another thread holds a layer that draws random numbers (dropout, RReLU). There, one check
+// (check_concurrent_generators), made for every path that runs partitions concurrently, refuses
+// on a GPU — a GPU's partitions gain little from running on two threads, and each partition can
+// have a GPU of its own — and warns on the CPU, where concurrent partitions are the point, naming
+// the layer. Partitions on different devices never share a generator.
 
-/// Where Note [Random numbers in concurrent CPU partitions] applies to `partitions` on `devices`,
-/// all running at the same time and checkpointed: the first CPU partition, beside another CPU
-/// partition, holding a module (at any depth) that draws random numbers in training, with that
-/// module as "'<path>' (<type>)", e.g. {1, "'2' (torch::nn::DropoutImpl)"}; {-1, ""} when there
-/// is none. Recognised by type name: every dropout (a name containing "Dropout") and RReLU; a
-/// custom layer that draws random numbers under another name is not seen.
-std::pair<int64_t, std::string> concurrent_random_layer(
-    const std::vector<torch::nn::Sequential>& partitions, const std::vector<c10::Device>& devices);
+/// Applies Note [Random numbers in concurrent partitions] to `partitions` on `devices`, where
+/// partition j runs on thread `threads[j]` (partitions of one thread run one at a time) and
+/// `checkpointing` says whether any micro-batch can be checkpointed: throws c10::Error where
+/// partitions of different threads share a GPU, or warns where they share the CPU, and one of them
+/// holds a module (at any depth) that draws random numbers in training. Recognised by type name:
+/// every dropout (a name containing "Dropout") and RReLU; a custom layer that draws random
+/// numbers under another name is not seen. `who` starts the message ("GPipe::step").
+void check_concurrent_generators(const std::string& who,
+                                 const std::vector<torch::nn::Sequential>& partitions,
+                                 const std::vector<c10::Device>& devices,
+                                 const std::vector<int64_t>& threads, bool checkpointing);
 
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors. With `layer_outputs`, also

@@ -141,6 +141,93 @@ void wait_stream(const c10::Stream& waiting, const c10::Stream& source) {
   pool.give(device, std::move(event));  // reusable at once (Note [Event pool])
 }
 
+#ifdef GPIPE_WITH_CUDA
+// A CUDA event without timing, made on its stream's device. The host waits for it too
+// (synchronize_point), which c10::Event does not offer in every LibTorch gpipe builds with, so
+// these are CUDA events of their own, kept in a free list like the event pool's (Note [Event
+// pool]: a point goes back once its waits are issued, or its host wait is over).
+struct StreamPoint {
+  c10::DeviceIndex device;
+  cudaEvent_t event = nullptr;
+};
+
+namespace {
+
+std::mutex& free_points_mu() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::vector<StreamPoint>& free_points() {
+  static auto* points = new std::vector<StreamPoint>();  // never destroyed (Note [Event pool])
+  return *points;
+}
+
+StreamPoint take_point(c10::DeviceIndex device) {
+  {
+    std::lock_guard<std::mutex> lock(free_points_mu());
+    std::vector<StreamPoint>& points = free_points();
+    for (size_t k = 0; k < points.size(); ++k) {
+      if (points[k].device == device) {
+        StreamPoint point = points[k];
+        points[k] = points.back();
+        points.pop_back();
+        return point;
+      }
+    }
+  }
+  StreamPoint point{device};
+  const c10::cuda::CUDAGuard guard(device);
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&point.event, cudaEventDisableTiming));
+  return point;
+}
+
+}  // namespace
+#else
+struct StreamPoint {};
+#endif
+
+std::shared_ptr<const StreamPoint> record_point(const c10::Stream& stream) {
+  if (!has_streams(stream.device())) {
+    return nullptr;
+  }
+#ifdef GPIPE_WITH_CUDA
+  auto* point = new StreamPoint(take_point(stream.device_index()));
+  std::shared_ptr<const StreamPoint> held(point, [](const StreamPoint* p) {
+    std::lock_guard<std::mutex> lock(free_points_mu());
+    free_points().push_back(*p);
+    delete p;
+  });
+  const c10::cuda::CUDAGuard guard(point->device);
+  C10_CUDA_CHECK(cudaEventRecord(point->event, c10::cuda::CUDAStream(stream).stream()));
+  return held;
+#else
+  no_cuda(stream.device());
+#endif
+}
+
+void wait_point(const c10::Stream& waiting, const StreamPoint& point) {
+  if (!has_streams(waiting.device())) {
+    return;
+  }
+#ifdef GPIPE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(waiting.device_index());
+  C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::CUDAStream(waiting).stream(), point.event, 0));
+#else
+  (void)point;
+  no_cuda(waiting.device());
+#endif
+}
+
+void synchronize_point(const StreamPoint& point) {
+#ifdef GPIPE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(point.device);
+  C10_CUDA_CHECK(cudaEventSynchronize(point.event));
+#else
+  (void)point;
+  TORCH_CHECK(false, "gpipe: stream points exist only in a CUDA build");
+#endif
+}
+
 void record_stream(const at::Tensor& tensor, const c10::Stream& stream) {
   if (!tensor.defined() || !has_streams(stream.device()) || !tensor.is_cuda()) {
     return;

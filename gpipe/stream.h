@@ -39,6 +39,22 @@ c10::Stream new_stream(c10::Device device);
 ///   gpipe::wait_stream(compute, copy);  // compute runs after the copy has landed
 void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
 
+/// A point in a stream's work that another stream, or the host, can wait for: a CUDA event
+/// recorded there, taken from the event pool and given back when the last holder drops it (Note
+/// [Event pool] in stream.cc). Made by record_point; null on the CPU.
+struct StreamPoint;
+
+/// Records a point on `stream` now; null where `stream` is not a real stream (CPU).
+std::shared_ptr<const StreamPoint> record_point(const c10::Stream& stream);
+
+/// Makes `waiting` wait until its device has reached `point` (no host wait). No-op when `waiting`
+/// is a CPU stream.
+void wait_point(const c10::Stream& waiting, const StreamPoint& point);
+
+/// Blocks the calling thread until the device has reached `point`: for the host's own work on
+/// what the device wrote (a copy to the CPU).
+void synchronize_point(const StreamPoint& point);
+
 /// Tells the caching allocator that `tensor`'s whole storage is in use on `stream`, so its memory
 /// is not reused before the work queued there finishes. Records the storage, not the tensor, so a
 /// view with an offset protects all of its memory. No-op on CPU.

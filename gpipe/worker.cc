@@ -5,6 +5,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #ifdef __linux__
@@ -107,15 +112,97 @@ WorkerPool::WorkerPool(const std::vector<c10::Device>& devices, bool worker_per_
   }
 }
 
+namespace {
+
+// OpenBLAS's thread count, when it is the BLAS LibTorch was linked with (Debian's LibTorch is):
+// found at run time, so that gpipe does not depend on it. -1 without OpenBLAS.
+int blas_threads() {
+  using GetThreads = int (*)();
+  static const auto get =
+      reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
+}
+
+void set_blas_threads(int threads) {
+  using SetThreads = void (*)(int);
+  static const auto set =
+      reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set != nullptr) set(threads);
+}
+
+std::atomic<bool>& user_set_threads() {
+  static std::atomic<bool> set{false};
+  return set;
+}
+
+// The steps dividing OpenBLAS's threads at once, and the count to put back after the last.
+struct BlasShare {
+  std::mutex mu;
+  int holders = 0;
+  int before = 0;
+};
+BlasShare& blas_share() {
+  static auto* share = new BlasShare();  // never destroyed: steps may end during exit
+  return *share;
+}
+
+bool env_set(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0';
+}
+
+}  // namespace
+
 void set_intra_op_threads(int threads) {
   TORCH_CHECK(threads >= 1, "set_intra_op_threads: threads must be at least 1, got ", threads);
+  user_set_threads() = true;  // Note [Dividing the cores]: the user's choice wins
   at::set_num_threads(threads);
-  // OpenBLAS, when it is the BLAS LibTorch was linked with (Debian's LibTorch is): found at run
-  // time, so that gpipe does not depend on it.
-  using SetThreads = void (*)(int);
-  if (auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    set(threads);
-  }
+  set_blas_threads(threads);
 }
+
+namespace detail {
+
+CoreShare::CoreShare(int64_t cpu_lanes) {
+  if (cpu_lanes < 2 || user_set_threads()) return;
+  const int lanes = static_cast<int>(cpu_lanes);
+  const int intra = at::get_num_threads();
+  if (intra == at::intraop_default_num_threads() && intra > 1) {
+    lane_threads_ = std::max(1, intra / lanes);
+  }
+  if (env_set("OPENBLAS_NUM_THREADS") || env_set("OMP_NUM_THREADS")) return;
+  BlasShare& share = blas_share();
+  std::lock_guard<std::mutex> lock(share.mu);
+  if (share.holders == 0) {
+    share.before = blas_threads();
+    if (share.before <= 1) return;  // no OpenBLAS, or one thread already
+    const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    set_blas_threads(std::max(1, std::min(share.before, cpus / lanes)));
+  }
+  ++share.holders;
+  blas_ = true;
+}
+
+CoreShare::~CoreShare() {
+  if (!blas_) return;
+  BlasShare& share = blas_share();
+  std::lock_guard<std::mutex> lock(share.mu);
+  if (--share.holders == 0) set_blas_threads(share.before);
+}
+
+CoreShare::Lane::Lane(const CoreShare& share) {
+  if (share.lane_threads() == 0) return;
+  before_ = at::get_num_threads();
+  if (before_ == share.lane_threads()) {
+    before_ = 0;
+    return;
+  }
+  at::set_num_threads(share.lane_threads());
+}
+
+CoreShare::Lane::~Lane() {
+  if (before_ != 0) at::set_num_threads(before_);
+}
+
+}  // namespace detail
 
 }  // namespace gpipe

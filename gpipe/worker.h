@@ -68,6 +68,53 @@ class Worker {
 ///   gpipe::set_intra_op_threads(std::thread::hardware_concurrency() / partitions);
 void set_intra_op_threads(int threads);
 
+// Note [Dividing the cores]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch starts every CPU operator with one thread per physical core, and OpenBLAS, which
+// Debian's LibTorch calls for matrix products, with one per logical CPU, process-wide. A step whose
+// CPU partitions run on several threads at once (GPipe::step's lanes, a PipelineStage's
+// partitions) would then start lanes × cores threads, which spin against each other: measured on
+// two vCPUs, two lanes of Linear layers trained at 0.29x the plain model's speed. So the executor
+// divides the cores for the step: each CPU lane's intra-op threads become cores / CPU lanes (at
+// least one; set on the lane's thread, which is where OpenMP keeps the count) and OpenBLAS's
+// threads CPUs / CPU lanes; both are put back when the step ends (process-wide: by the last of
+// the steps running at once). A user's own choice wins: nothing is divided once
+// set_intra_op_threads was called, when LibTorch's intra-op threads differ from its default, or,
+// for OpenBLAS, when OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set.
+
+namespace detail {
+
+/// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime (Note [Dividing the
+/// cores]); nothing is changed with fewer than two lanes or where the user chose thread counts.
+class CoreShare {
+ public:
+  explicit CoreShare(int64_t cpu_lanes);
+  ~CoreShare();
+  CoreShare(const CoreShare&) = delete;
+  CoreShare& operator=(const CoreShare&) = delete;
+
+  /// Sets the calling thread's intra-op threads to its share while alive (a CPU lane's thread).
+  class Lane {
+   public:
+    explicit Lane(const CoreShare& share);
+    ~Lane();
+    Lane(const Lane&) = delete;
+    Lane& operator=(const Lane&) = delete;
+
+   private:
+    int before_ = 0;  // 0: unchanged
+  };
+
+  /// The intra-op threads of each CPU lane; 0 when the engine leaves them alone.
+  int lane_threads() const { return lane_threads_; }
+
+ private:
+  int lane_threads_ = 0;
+  bool blas_ = false;  // whether this share holds OpenBLAS's count
+};
+
+}  // namespace detail
+
 namespace internal {
 /// Fault injection for tests: `hook` (or nothing, when empty) runs at the start of every
 /// Worker::submit, before the task is queued; a hook that throws stands for a submit that fails

@@ -190,25 +190,12 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
   // Partitions run at the same time on threads of their own (as a GPipe's with
   // worker_per_partition, and with the same caveats about random numbers); a stage's virtual
   // stages run on one thread, in the schedule's order.
-  for (size_t j = 0; j < partition_devices.size() && !interleaved; ++j) {
-    for (size_t k = 0; k < j; ++k) {
-      TORCH_CHECK(!partition_devices[j].is_cuda() || partition_devices[j] != partition_devices[k],
-                  who, ": partitions ", k, " and ", j, " of stage ", stage_, " would run on two "
-                  "threads that share ", partition_devices[j], " and its random generator, so a "
-                  "checkpointed micro-batch could recompute different random numbers; give each "
-                  "partition its own GPU (local_devices)");
-    }
-  }
-  // Warned only where it applies (Note [Random numbers in concurrent CPU partitions]).
-  if (checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0 && !interleaved) {
-    const auto [j, layer] = concurrent_random_layer(local, partition_devices);
-    if (j >= 0) {
-      TORCH_WARN(who, ": local partition ", j, " of stage ", stage_, " holds ", layer, ", which "
-                 "draws random numbers, and the CPU partitions of a stage run at the same time: "
-                 "they draw from the one CPU generator in an order that depends on thread timing, "
-                 "so a checkpointed micro-batch may recompute different numbers than its forward "
-                 "drew. Use Checkpoint::kNever, or one partition per stage.");
-    }
+  if (!interleaved) {
+    std::vector<int64_t> threads(local.size());
+    std::iota(threads.begin(), threads.end(), int64_t{0});
+    check_concurrent_generators(absl::StrCat(who, " (stage ", stage_, ")"), local,
+                                partition_devices, threads,
+                                checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   for (size_t j = 0; j < local.size(); ++j) {
     detail::ExecutorPartition p;

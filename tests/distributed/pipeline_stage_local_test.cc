@@ -34,7 +34,7 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
                     group),
       gpipe_test::contains("PipelineStage: local partition 1 is on " + gpu.str() + ", but "));
   // A warning only where a checkpointed CPU partition beside another draws random numbers (Note
-  // [Random numbers in concurrent CPU partitions]).
+  // [Random numbers in concurrent partitions]).
   auto warnings = [&](nn::Sequential model, Checkpoint mode) {
     testing::CaptureWarnings capture;
     PipelineStage stage(std::move(model),
@@ -46,8 +46,8 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
       nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 4), nn::Tanh()),
       Checkpoint::kExceptLast);
   CATCH_REQUIRE(warned.size() == 1);
-  CATCH_CHECK_THAT(warned[0], gpipe_test::contains("local partition 0 of stage 0 holds '1' "
-                                                   "(torch::nn::DropoutImpl)"));
+  CATCH_CHECK_THAT(warned[0], gpipe_test::contains("PipelineStage (stage 0): partition 0 holds "
+                                                   "'1' (torch::nn::DropoutImpl)"));
   CATCH_CHECK(warnings(nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 4),
                                       nn::Tanh()),
                        Checkpoint::kNever)

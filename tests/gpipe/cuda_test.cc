@@ -7,6 +7,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
 
 #include <map>
 
@@ -267,16 +268,146 @@ CATCH_TEST_CASE("torch::kCUDA without an index means the current CUDA device, as
   for (const auto& p : model->parameters()) CATCH_CHECK(p.device() == last);
 }
 
-CATCH_TEST_CASE("worker_per_partition refuses two partitions on one GPU", "[cuda][gpipe]") {
+CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only where a "
+                "checkpointed one draws random numbers",
+                "[cuda][gpipe]") {
+  // Note [Random numbers in concurrent partitions], for every path that runs partitions at once.
   const c10::Device gpu = cuda_device(0);
-  CATCH_CHECK_THROWS_WITH(
-      GPipe(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
-            GPipeOptions({1, 1}).devices({gpu, gpu}).worker_per_partition(true)),
-      gpipe_test::contains("worker_per_partition") && gpipe_test::contains("its own GPU"));
-  // Without it, the two partitions share the GPU's worker and train as the plain model.
-  GPipe model(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
-              GPipeOptions({1, 1}).devices({gpu, gpu}));
-  CATCH_CHECK(model->devices()[1] == gpu);
+  auto with_dropout = [] {
+    return nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 2));
+  };
+  const GPipeOptions two_on_one = GPipeOptions({2, 1}).devices({gpu, gpu}).chunks(2);
+  CATCH_CHECK_THROWS_WITH(GPipe(with_dropout(), GPipeOptions(two_on_one).worker_per_partition(true)),
+                          gpipe_test::contains("GPipe: partition 0 holds '1'") &&
+                              gpipe_test::contains("its own GPU"));
+  const at::Tensor x = at::randn({4, 4}, gpu);
+  const at::Tensor y = at::randn({4, 2}, gpu);
+  auto mse = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::mse_loss(out[0], target);
+  };
+  GPipe lanes(with_dropout(), two_on_one);
+  CATCH_CHECK_THROWS_WITH(lanes->step(x, y, mse), gpipe_test::contains("GPipe::step: partition 0") &&
+                                                      gpipe_test::contains("its own GPU"));
+  // Nothing random, or nothing checkpointed: the partitions share the GPU and train.
+  GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
+                     GPipeOptions(two_on_one).worker_per_partition(true));
+  CATCH_CHECK(plain_layers->devices()[1] == gpu);
+  GPipe unchecked(with_dropout(), GPipeOptions(two_on_one).checkpoint(Checkpoint::kNever));
+  CATCH_CHECK(unchecked->step(x, y, mse).defined());
+}
+
+namespace {
+
+// A step of an MLP whose partitions sit on `devices` under `kind`, against the plain model: loss
+// and gradients after two steps of SGD.
+void check_step_across(const std::vector<c10::Device>& devices, ScheduleKind kind) {
+  auto make = [] {
+    return nn::Sequential(nn::Linear(12, 16), nn::Tanh(), nn::Linear(16, 16), nn::ReLU(),
+                          nn::Linear(16, 4));
+  };
+  nn::Sequential plain = build(make, 3);
+  GPipe model(build(make, 3),
+              GPipeOptions({2, 3}).devices(devices).chunks(4).schedule(kind));
+  auto mse = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::mse_loss(out[0], target.to(out[0].device()));
+  };
+  for (int k = 0; k < 2; ++k) {
+    const at::Tensor x = at::randn({8, 12}, at::kDouble);
+    const at::Tensor y = at::randn({8, 4}, at::kDouble);
+    plain->zero_grad();
+    model->zero_grad();
+    const at::Tensor expected = torch::nn::functional::mse_loss(plain->forward(x), y);
+    expected.backward();
+    const at::Tensor loss = model->step(x.to(devices.front()), y, mse);
+    CATCH_CHECK(std::abs(loss.item<double>() - expected.item<double>()) <= 1e-10);
+    const auto want = plain->parameters();
+    const auto got = model->parameters();
+    CATCH_REQUIRE(want.size() == got.size());
+    for (size_t p = 0; p < want.size(); ++p) {
+      CATCH_CHECK(max_diff(want[p].grad(), got[p].grad()) <= 1e-10);
+      torch::NoGradGuard no_grad;
+      want[p].sub_(want[p].grad() * 0.1);
+      got[p].sub_(got[p].grad().to(got[p].device()) * 0.1);
+    }
+  }
+}
+
+// Whether some copy ran on the device while a partition on a GPU computed another micro-batch,
+// by the device times of the last step's timeline.
+bool copies_overlap_compute(const std::vector<TimelineEvent>& events) {
+  for (const TimelineEvent& copy : events) {
+    if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
+    for (const TimelineEvent& work : events) {
+      if (work.kind == TimelineEvent::Kind::kCopy || !work.has_device_times() ||
+          work.microbatch == copy.microbatch) {
+        continue;
+      }
+      if (work.device_start_us < copy.device_end_us && copy.device_start_us < work.device_end_us) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Large activations and a heavy GPU partition: each micro-batch's copy takes long enough on the
+// device to be seen beside another's computation.
+bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
+  const bool gpu_first = devices.front().is_cuda();
+  nn::Sequential model =
+      gpu_first ? nn::Sequential(nn::Linear(2048, 2048), nn::ReLU(), nn::Linear(2048, 2048),
+                                 nn::ReLU(), nn::Linear(2048, 2048), nn::Tanh())
+                : nn::Sequential(nn::Tanh(), nn::Linear(2048, 2048), nn::ReLU(),
+                                 nn::Linear(2048, 2048), nn::ReLU(), nn::Linear(2048, 2048));
+  const std::vector<int64_t> balance = gpu_first ? std::vector<int64_t>{5, 1}
+                                                 : std::vector<int64_t>{1, 5};
+  GPipe pipe(model, GPipeOptions(balance).devices(devices).chunks(8).schedule(kind)
+                        .checkpoint(Checkpoint::kNever).record_timeline(true));
+  auto loss = [](const Batch& out, const at::Tensor& target) {
+    return (out[0] - target.to(out[0].device())).pow(2).mean();
+  };
+  const at::Tensor x = at::randn({8 * 512, 2048}, devices.front());
+  const at::Tensor y = at::randn({8 * 512, 2048});
+  for (int k = 0; k < 2; ++k) pipe->step(x, y, loss);  // the first warms up
+  synchronize(c10::Device(c10::kCUDA, 0));
+  return copies_overlap_compute(pipe->last_timeline());
+}
+
+}  // namespace
+
+CATCH_TEST_CASE("GPipe::step across a GPU and the CPU equals the plain model under GPipe and 1F1B",
+                "[cuda][copy][step]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
+  const bool gpu_first = GENERATE(true, false);
+  CATCH_CAPTURE(static_cast<int>(kind), gpu_first);
+  const c10::Device gpu = cuda_device(0);
+  check_step_across(gpu_first ? std::vector<c10::Device>{gpu, at::kCPU}
+                              : std::vector<c10::Device>{at::kCPU, gpu},
+                    kind);
+}
+
+CATCH_TEST_CASE("GPipe::step copies between a GPU and the CPU on copy streams, overlapping "
+                "computation",
+                "[cuda][copy][step]") {
+  // Note [Links on copy streams] in link.h: with copies on the compute streams (or a blocking
+  // copy) no copy would run while the GPU computes another micro-batch.
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
+  const bool gpu_first = GENERATE(true, false);
+  CATCH_CAPTURE(static_cast<int>(kind), gpu_first);
+  const c10::Device gpu = cuda_device(0);
+  CATCH_CHECK(step_overlaps(gpu_first ? std::vector<c10::Device>{gpu, at::kCPU}
+                                      : std::vector<c10::Device>{at::kCPU, gpu},
+                            kind));
+}
+
+CATCH_TEST_CASE("GPipe::step across two GPUs equals the plain model and overlaps copies with "
+                "computation",
+                "[cuda][gpus2][copy][step]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
+  CATCH_CAPTURE(static_cast<int>(kind));
+  const std::vector<c10::Device> gpus{cuda_device(0), cuda_device(1)};
+  check_step_across(gpus, kind);
+  CATCH_CHECK(step_overlaps(gpus, kind));
 }
 
 // Where the partitions go: all on one GPU (the caller issues every task), or a first partition on
