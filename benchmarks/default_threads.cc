@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/worker.h"
 
 ABSL_FLAG(int64_t, partitions, 2, "n: CPU partitions");
 ABSL_FLAG(int64_t, chunks, 16, "m: micro-batches");
@@ -118,44 +119,64 @@ int main(int argc, char** argv) {
   set_blas_threads(1);
   const double plain_one = train(*plain, plain_step);
   const double plain_one_inference = median_ms(plain_inference, repeats, true);
-  at::set_num_threads(intra);  // LibTorch's and OpenBLAS's defaults again
-  set_blas_threads(blas);
-
-  const double ideal = static_cast<double>(n * m) / static_cast<double>(m + n - 1);
-  std::printf("%-34s %10s %14s %16s %13s\n", "configuration", "ms", "vs plain", "speed-up (1 core)",
-              "of the ideal");
-  std::vector<std::string> json;
-  auto report = [&](const std::string& what, double ms, double vs_default, double vs_one) {
-    const double speedup = vs_one / ms;
-    std::printf("%-34s %10.2f %13.2fx %16.2fx %12.0f%%\n", what.c_str(), ms, vs_default / ms,
-                speedup, 100 * speedup / ideal);
-    json.push_back(absl::StrFormat(
-        "{\"configuration\": \"%s\", \"ms\": %.3f, \"vs_plain_default\": %.3f, "
-        "\"speedup_vs_one_core\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f}",
-        what, ms, vs_default / ms, speedup, ideal, speedup / ideal));
-  };
-  report("plain, default threads", plain_default, plain_default, plain_one);
-  report("plain, one core", plain_one, plain_default, plain_one);
+  // The pipeline's own work on one core: the same micro-batches, one after another.
   const std::vector<c10::Device> cpus(n, at::kCPU);
   auto options = [&] {
     return gpipe::GPipeOptions(std::vector<int64_t>(n, 2 * per)).devices(cpus).chunks(m);
   };
-  for (const auto& [name, kind] :
-       std::vector<std::pair<std::string, gpipe::ScheduleKind>>{
-           {"GPipe", gpipe::ScheduleKind::kGPipe},
-           {"1F1B", gpipe::ScheduleKind::k1F1B},
-           {"ZB-H1", gpipe::ScheduleKind::kZeroBubble}}) {
-    gpipe::GPipe model(make_model(n * per, width), options().schedule(kind));
-    report("step(), " + name, train(*model, [&] { return model->step(x, y, mse); }), plain_default,
-           plain_one);
+  gpipe::GPipe one_thread(make_model(n * per, width), options());
+  const double microbatches_one = train(*one_thread, [&] {
+    at::Tensor loss = mse(gpipe::Batch(one_thread->forward(x)), y);
+    loss.backward();
+    return loss;
+  });
+  at::set_num_threads(intra);  // LibTorch's and OpenBLAS's defaults again
+  set_blas_threads(blas);
+
+  const double ideal = static_cast<double>(n * m) / static_cast<double>(m + n - 1);
+  std::printf("%-44s %9s %9s %18s %13s %20s\n", "configuration", "ms", "vs plain",
+              "speed-up (1 core)", "of the ideal", "of it (micro-batches)");
+  std::vector<std::string> json;
+  // of_ideal: against the plain model on one core; of_ideal_microbatches: against the same
+  // micro-batches on one core (the pipeline's own work; training only).
+  auto report = [&](const std::string& what, double ms, double vs_default, double vs_one,
+                    double vs_microbatches) {
+    const double speedup = vs_one / ms;
+    const double of_own = vs_microbatches > 0 ? vs_microbatches / ms / ideal : 0;
+    std::printf("%-44s %9.2f %8.2fx %17.2fx %12.0f%% %19.0f%%\n", what.c_str(), ms,
+                vs_default / ms, speedup, 100 * speedup / ideal, 100 * of_own);
+    json.push_back(absl::StrFormat(
+        "{\"configuration\": \"%s\", \"ms\": %.3f, \"vs_plain_default\": %.3f, "
+        "\"speedup_vs_one_core\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f, "
+        "\"of_ideal_same_microbatches\": %.3f}",
+        what, ms, vs_default / ms, speedup, ideal, speedup / ideal, of_own));
+  };
+  report("plain, default threads", plain_default, plain_default, plain_one, 0);
+  report("plain, one core", plain_one, plain_default, plain_one, 0);
+  report("micro-batches on one core", microbatches_one, plain_default, plain_one,
+         microbatches_one);
+  for (const bool divided : {true, false}) {
+    // Not divided: the engine before Note [Dividing the cores], for comparison.
+    gpipe::internal::set_core_share(divided);
+    for (const auto& [name, kind] :
+         std::vector<std::pair<std::string, gpipe::ScheduleKind>>{
+             {"GPipe", gpipe::ScheduleKind::kGPipe},
+             {"1F1B", gpipe::ScheduleKind::k1F1B},
+             {"ZB-H1", gpipe::ScheduleKind::kZeroBubble}}) {
+      gpipe::GPipe model(make_model(n * per, width), options().schedule(kind));
+      report(absl::StrCat("step(), ", name, divided ? "" : ", cores not divided"),
+             train(*model, [&] { return model->step(x, y, mse); }), plain_default, plain_one,
+             microbatches_one);
+    }
   }
+  gpipe::internal::set_core_share(true);
   gpipe::GPipe model(make_model(n * per, width), options());
   report("forward() + backward()", train(*model, [&] {
            at::Tensor loss = mse(gpipe::Batch(model->forward(x)), y);
            loss.backward();
            return loss;
          }),
-         plain_default, plain_one);
+         plain_default, plain_one, microbatches_one);
   model->eval();
   const double inference = median_ms(
       [&] {
@@ -163,14 +184,14 @@ int main(int argc, char** argv) {
         model->forward(x);
       },
       repeats, true);
-  report("inference, forward()", inference, plain_default_inference, plain_one_inference);
+  report("inference, forward()", inference, plain_default_inference, plain_one_inference, 0);
   const double step_inference = median_ms(
       [&] {
         at::NoGradGuard no_grad;
         model->step(x, at::Tensor(), mse);
       },
       repeats, true);
-  report("inference, step()", step_inference, plain_default_inference, plain_one_inference);
+  report("inference, step()", step_inference, plain_default_inference, plain_one_inference, 0);
   const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
   std::printf("\n%s", text.c_str());
   if (!absl::GetFlag(FLAGS_json_out).empty()) std::ofstream(absl::GetFlag(FLAGS_json_out)) << text;

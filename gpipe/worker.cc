@@ -130,9 +130,15 @@ void set_blas_threads(int threads) {
   if (set != nullptr) set(threads);
 }
 
-std::atomic<bool>& user_set_threads() {
-  static std::atomic<bool> set{false};
-  return set;
+// The count set_intra_op_threads was given last; 0: never called.
+std::atomic<int>& user_threads() {
+  static std::atomic<int> threads{0};
+  return threads;
+}
+
+std::atomic<bool>& core_share_enabled() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
 }
 
 // The steps dividing OpenBLAS's threads at once, and the count to put back after the last.
@@ -155,7 +161,7 @@ bool env_set(const char* name) {
 
 void set_intra_op_threads(int threads) {
   TORCH_CHECK(threads >= 1, "set_intra_op_threads: threads must be at least 1, got ", threads);
-  user_set_threads() = true;  // Note [Dividing the cores]: the user's choice wins
+  user_threads() = threads;  // Note [Dividing the cores]: the user's choice wins
   at::set_num_threads(threads);
   set_blas_threads(threads);
 }
@@ -163,7 +169,13 @@ void set_intra_op_threads(int threads) {
 namespace detail {
 
 CoreShare::CoreShare(int64_t cpu_lanes) {
-  if (cpu_lanes < 2 || user_set_threads()) return;
+  if (cpu_lanes < 2 || !core_share_enabled()) return;
+  if (user_threads() > 0) {
+    // The user's count, on every lane's thread: OpenMP keeps a count per thread, so a worker
+    // started before set_intra_op_threads would not see it otherwise.
+    lane_threads_ = user_threads();
+    return;
+  }
   const int lanes = static_cast<int>(cpu_lanes);
   const int intra = at::get_num_threads();
   if (intra == at::intraop_default_num_threads() && intra > 1) {
@@ -204,5 +216,10 @@ CoreShare::Lane::~Lane() {
 }
 
 }  // namespace detail
+
+void internal::set_core_share(bool enabled) {
+  core_share_enabled() = enabled;
+  user_threads() = 0;
+}
 
 }  // namespace gpipe

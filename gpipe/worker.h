@@ -79,13 +79,16 @@ void set_intra_op_threads(int threads);
 // least one; set on the lane's thread, which is where OpenMP keeps the count) and OpenBLAS's
 // threads CPUs / CPU lanes; both are put back when the step ends (process-wide: by the last of
 // the steps running at once). A user's own choice wins: nothing is divided once
-// set_intra_op_threads was called, when LibTorch's intra-op threads differ from its default, or,
-// for OpenBLAS, when OPENBLAS_NUM_THREADS or OMP_NUM_THREADS is set.
+// set_intra_op_threads was called (its count is set on every CPU lane's thread instead: OpenMP
+// keeps a count per thread, and a worker started earlier would not see it), when LibTorch's
+// intra-op threads differ from its default, or, for OpenBLAS, when OPENBLAS_NUM_THREADS or
+// OMP_NUM_THREADS is set.
 
 namespace detail {
 
 /// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime (Note [Dividing the
-/// cores]); nothing is changed with fewer than two lanes or where the user chose thread counts.
+/// cores]); nothing is changed with fewer than two lanes or where the user chose thread counts
+/// (but set_intra_op_threads's count reaches every lane).
 class CoreShare {
  public:
   explicit CoreShare(int64_t cpu_lanes);
@@ -116,6 +119,10 @@ class CoreShare {
 }  // namespace detail
 
 namespace internal {
+/// For tests and benchmarks: whether the executor divides the cores (Note [Dividing the cores];
+/// default true); false leaves every thread count as LibTorch and OpenBLAS have it, and forgets
+/// that set_intra_op_threads was called. Not for use while steps run.
+void set_core_share(bool enabled);
 /// Fault injection for tests: `hook` (or nothing, when empty) runs at the start of every
 /// Worker::submit, before the task is queued; a hook that throws stands for a submit that fails
 /// (out of memory). Not for concurrent use with running pipelines.

@@ -3,10 +3,16 @@
 // dropout and uneven micro-batches — and keeps in flight what its schedule says.
 #include "tests/gpipe/test_util.h"
 
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <exception>
+#include <mutex>
 #include <map>
 #include <thread>
 
+#include <ATen/Parallel.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -15,6 +21,7 @@
 
 #include "benchmarks/memory_meter.h"
 #include "gpipe/schedule_check.h"
+#include "gpipe/worker.h"
 #include "gpipe/schedule_text.h"
 
 namespace gpipe {
@@ -671,6 +678,71 @@ CATCH_TEST_CASE("GPipe::step warns of random numbers in its concurrent CPU lanes
   CATCH_CHECK(steps(with_dropout(), GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(2).checkpoint(Checkpoint::kNever), 2)
                   .empty());
   CATCH_CHECK(steps(with_dropout(), GPipeOptions({4}).devices({at::kCPU}).chunks(2), 2).empty());
+}
+
+
+// Records, in each forward, the calling thread's intra-op threads and OpenBLAS's threads.
+struct ThreadCountsImpl : nn::Module {
+  std::mutex mu;
+  std::vector<std::pair<int, int>> seen;
+  at::Tensor forward(const at::Tensor& x) {
+    std::lock_guard<std::mutex> lock(mu);
+    seen.emplace_back(at::get_num_threads(), openblas_threads());
+    return x;
+  }
+  static int openblas_threads() {
+    using Get = int (*)();
+    auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+    return get != nullptr ? get() : -1;
+  }
+};
+TORCH_MODULE(ThreadCounts);
+
+CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts win",
+                "[gpipe][step][threads]") {
+  // Note [Dividing the cores] in gpipe/worker.h.
+  const int intra = at::get_num_threads();
+  const int blas = ThreadCounts::Impl::openblas_threads();
+  const bool env = std::getenv("OPENBLAS_NUM_THREADS") != nullptr ||
+                   std::getenv("OMP_NUM_THREADS") != nullptr;
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  CATCH_CAPTURE(intra, blas, env, cpus);
+  ThreadCounts first, second;
+  GPipe model(nn::Sequential(nn::Linear(4, 4), first, nn::Linear(4, 2), second),
+              GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(2).checkpoint(
+                  Checkpoint::kNever));
+  const at::Tensor x = at::randn({4, 4});
+  const at::Tensor y = at::randn({4, 2});
+  model->step(x, y, mse);
+  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1
+                             ? std::max(1, intra / 2) : intra;
+  const int lane_blas = blas > 1 && !env ? std::max(1, std::min(blas, cpus / 2)) : blas;
+  for (ThreadCounts counts : {first, second}) {
+    CATCH_REQUIRE(counts->seen.size() == 2);
+    for (const auto& [seen_intra, seen_blas] : counts->seen) {
+      CATCH_CHECK(seen_intra == lane_intra);
+      CATCH_CHECK(seen_blas == lane_blas);
+    }
+    counts->seen.clear();
+  }
+  // Put back after the step.
+  CATCH_CHECK(at::get_num_threads() == intra);
+  CATCH_CHECK(ThreadCounts::Impl::openblas_threads() == blas);
+  // A user's own setting is left alone.
+  set_intra_op_threads(2);
+  model->step(x, y, mse);
+  for (ThreadCounts counts : {first, second}) {
+    for (const auto& [seen_intra, seen_blas] : counts->seen) {
+      CATCH_CHECK(seen_intra == 2);
+      if (blas > 0) CATCH_CHECK(seen_blas == 2);
+    }
+  }
+  at::set_num_threads(intra);
+  if (blas > 0) {
+    using Set = void (*)(int);
+    reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))(blas);
+  }
+  internal::set_core_share(true);  // forgets the user's setting
 }
 
 }  // namespace
