@@ -82,79 +82,55 @@ bool forwards_before_backwards(const std::vector<std::vector<Action>>& lanes, in
   return true;
 }
 
-void run_schedule(const ExecutorSpec& spec) {
-  std::vector<ExecutorPartition>& partitions = *spec.partitions;
-  const int64_t n = static_cast<int64_t>(partitions.size());
-  Step st(spec);
-  const bool own_links = !spec.upstreams.empty();
-  TORCH_INTERNAL_ASSERT(!own_links || (static_cast<int64_t>(spec.upstreams.size()) == n &&
-                                       static_cast<int64_t>(spec.downstreams.size()) == n));
-  st.m = spec.microbatches;
-  if (st.m == 0) {
-    st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
-    st.m = st.first->microbatches;
-  }
-  st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
-  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
-    st.links.push_back(std::make_unique<LocalLink>(
-        spec.who, p, partitions[p].device, partitions[p + 1].device, st.copy_streams,
-        spec.timeline.get(), spec.timeline_partition_offset));
-  }
-  st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
-  const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
-  // Weight gradients split by layer: for split schedules, where no skip ties layers together.
-  for (const std::vector<Action>& lane : lanes) {
-    for (const Action& a : lane) st.by_layer |= a.type == ActionType::kBackwardWeight;
-  }
-  st.by_layer &= spec.skip_layout == nullptr || spec.skip_layout->empty();
-  TORCH_INTERNAL_ASSERT(lanes.size() == spec.workers.size(), "gpipe: ", lanes.size(),
-                        " lanes but ", spec.workers.size(), " workers");
-  st.states.resize(n);
-  {
-    absl::MutexLock lock(&st.mu);
-    st.skip_grads.resize(n);
-  }
-  for (int64_t p = 0; p < n; ++p) {
-    PartitionState& s = st.states[p];
-    s.part = &partitions[p];
-    if (own_links) {
-      s.up = spec.upstreams[p];
-      s.down = spec.downstreams[p];
-    } else {
-      s.up = p == 0 ? spec.upstream : st.links[p - 1].get();
-      s.down = p + 1 == n ? spec.downstream : st.links[p].get();
-    }
-    s.params_key = requires_grad_key(s.part->layers);
-    for (const at::Tensor& t : s.part->layers->parameters()) {
-      if (t.requires_grad()) s.params.push_back(t);
-    }
-    s.inputs.assign(st.m, Batch(std::vector<at::Tensor>{}));
-    s.outputs.assign(st.m, Batch(std::vector<at::Tensor>{}));
-    s.cuts.resize(st.m);
-    s.w_roots.resize(st.m);
-    s.w_grads.resize(st.m);
-    s.layer_outputs.resize(st.m);
-    if (st.by_layer) {
-      // Not where layers share a parameter (tied weights): a layer's backward would then reach
-      // it through the other layer too.
-      std::set<const void*> seen;
-      s.by_layer = true;
-      for (const auto& layer : s.part->layers->children()) {
-        std::vector<at::Tensor> params;
-        for (const at::Tensor& t : layer->parameters()) {
-          s.by_layer &= seen.insert(t.unsafeGetTensorImpl()).second;
-          if (t.requires_grad()) params.push_back(t);
-        }
-        s.layer_params.push_back(std::move(params));
-      }
-    }
-  }
+namespace {
 
+// Partition p's state for a step of st.m micro-batches: its links, the parameters its W
+// reaches, and whether its W is split by layer.
+void init_partition(Step& st, int64_t p) {
+  const ExecutorSpec& spec = st.spec;
+  const int64_t n = static_cast<int64_t>(spec.partitions->size());
+  PartitionState& s = st.states[p];
+  s.part = &(*spec.partitions)[p];
+  if (!spec.upstreams.empty()) {
+    s.up = spec.upstreams[p];
+    s.down = spec.downstreams[p];
+  } else {
+    s.up = p == 0 ? spec.upstream : st.links[p - 1].get();
+    s.down = p + 1 == n ? spec.downstream : st.links[p].get();
+  }
+  s.params_key = requires_grad_key(s.part->layers);
+  for (const at::Tensor& t : s.part->layers->parameters()) {
+    if (t.requires_grad()) s.params.push_back(t);
+  }
+  s.inputs.assign(st.m, Batch(std::vector<at::Tensor>{}));
+  s.outputs.assign(st.m, Batch(std::vector<at::Tensor>{}));
+  s.cuts.resize(st.m);
+  s.w_roots.resize(st.m);
+  s.w_grads.resize(st.m);
+  s.layer_outputs.resize(st.m);
+  if (!st.by_layer) return;
+  // Not where layers share a parameter (tied weights): a layer's backward would then reach it
+  // through the other layer too.
+  std::set<const void*> seen;
+  s.by_layer = true;
+  for (const auto& layer : s.part->layers->children()) {
+    std::vector<at::Tensor> params;
+    for (const at::Tensor& t : layer->parameters()) {
+      s.by_layer &= seen.insert(t.unsafeGetTensorImpl()).second;
+      if (t.requires_grad()) params.push_back(t);
+    }
+    s.layer_params.push_back(std::move(params));
+  }
+}
+
+// Runs every lane, each on its worker (or the calling thread), until all have stopped.
+void run_lanes(Step& st, const std::vector<std::vector<Action>>& lanes) {
+  const ExecutorSpec& spec = st.spec;
   // The CPU lanes share the cores (Note [Dividing the cores] in worker.h).
   std::vector<bool> on_cpu(lanes.size(), false);
   for (size_t lane = 0; lane < lanes.size(); ++lane) {
     for (const Action& a : lanes[lane]) {
-      if (partitions[a.stage].device.is_cpu()) on_cpu[lane] = true;
+      if ((*spec.partitions)[a.stage].device.is_cpu()) on_cpu[lane] = true;
     }
   }
   const CoreShare cores(std::count(on_cpu.begin(), on_cpu.end(), true));
@@ -193,6 +169,44 @@ void run_schedule(const ExecutorSpec& spec) {
   for (size_t lane = 0; lane < lanes.size(); ++lane) {
     if (submitted[lane]) done[lane].WaitForNotification();
   }
+}
+
+}  // namespace
+
+void run_schedule(const ExecutorSpec& spec) {
+  std::vector<ExecutorPartition>& partitions = *spec.partitions;
+  const int64_t n = static_cast<int64_t>(partitions.size());
+  Step st(spec);
+  const bool own_links = !spec.upstreams.empty();
+  TORCH_INTERNAL_ASSERT(!own_links || (static_cast<int64_t>(spec.upstreams.size()) == n &&
+                                       static_cast<int64_t>(spec.downstreams.size()) == n));
+  st.m = spec.microbatches;
+  if (st.m == 0) {
+    st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
+    st.m = st.first->microbatches;
+  }
+  st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
+  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
+    st.links.push_back(std::make_unique<LocalLink>(
+        spec.who, p, partitions[p].device, partitions[p + 1].device, st.copy_streams,
+        spec.timeline.get(), spec.timeline_partition_offset));
+  }
+  st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
+  const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
+  // Weight gradients split by layer: for split schedules, where no skip ties layers together.
+  for (const std::vector<Action>& lane : lanes) {
+    for (const Action& a : lane) st.by_layer |= a.type == ActionType::kBackwardWeight;
+  }
+  st.by_layer &= spec.skip_layout == nullptr || spec.skip_layout->empty();
+  TORCH_INTERNAL_ASSERT(lanes.size() == spec.workers.size(), "gpipe: ", lanes.size(),
+                        " lanes but ", spec.workers.size(), " workers");
+  st.states.resize(n);
+  {
+    absl::MutexLock lock(&st.mu);
+    st.skip_grads.resize(n);
+  }
+  for (int64_t p = 0; p < n; ++p) init_partition(st, p);
+  run_lanes(st, lanes);
   std::exception_ptr error;
   {
     absl::MutexLock lock(&st.mu);

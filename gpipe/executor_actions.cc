@@ -92,6 +92,68 @@ void run_forward(Step& st, int64_t p, int64_t i) {
   }
 }
 
+namespace {
+
+// I i on a partition: the gradients of its input leaves and of its popped skips' leaves (into
+// `input_grads` and `skip_grads`) from `roots` with `grads`, the graph kept for W with W's roots
+// and their gradients, one entry per layer where W is split by layer (Note [One executor]).
+void backward_input(PartitionState& s, int64_t i, std::vector<at::Tensor> roots,
+                    std::vector<at::Tensor> grads, const std::vector<at::Tensor>& input_leaves,
+                    std::vector<at::Tensor>& input_grads, std::vector<at::Tensor>& skip_grads) {
+  std::vector<at::Tensor> wanted = input_leaves;
+  for (const MicroBatchSkips::Cut& c : s.cuts[i]) wanted.push_back(c.leaf);
+  // Split by layer: the gradients at every layer's output too, for W.
+  const size_t layers = s.part->layers->size();
+  const bool by_layer = s.by_layer && s.layer_outputs[i].size() == layers;
+  if (by_layer) {
+    for (size_t k = 0; k + 1 < layers; ++k) {
+      for (const at::Tensor& t : s.layer_outputs[i][k]) wanted.push_back(t);
+    }
+  }
+  std::vector<at::Tensor> got;
+  if (!roots.empty() && !wanted.empty()) {
+    got = torch::autograd::grad(roots, wanted, grads, /*retain_graph=*/true,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+  }
+  for (size_t k = 0; k < input_leaves.size(); ++k) {
+    input_grads.push_back(k < got.size() ? got[k] : at::Tensor());
+  }
+  for (size_t k = 0; k < s.cuts[i].size(); ++k) {
+    const size_t at = input_leaves.size() + k;
+    if (at < got.size()) skip_grads[k] = got[at];
+  }
+  s.w_roots[i].clear();
+  s.w_grads[i].clear();
+  if (by_layer && !got.empty()) {
+    // Layer k's weight gradients start from its outputs: the next layer's inputs, or the
+    // partition's outputs for the last.
+    size_t next = input_leaves.size() + s.cuts[i].size();
+    for (size_t k = 0; k < layers; ++k) {
+      std::vector<at::Tensor> layer_roots, layer_grads;
+      if (k + 1 < layers) {
+        for (const at::Tensor& t : s.layer_outputs[i][k]) {
+          if (got[next].defined()) {
+            layer_roots.push_back(t);
+            layer_grads.push_back(got[next]);
+          }
+          ++next;
+        }
+      } else {
+        layer_roots = roots;
+        layer_grads = grads;
+      }
+      s.w_roots[i].push_back(std::move(layer_roots));
+      s.w_grads[i].push_back(std::move(layer_grads));
+    }
+  } else {
+    s.w_roots[i].push_back(std::move(roots));
+    s.w_grads[i].push_back(std::move(grads));
+  }
+  s.layer_outputs[i].clear();
+}
+
+}  // namespace
+
 // B i (whole), or I i (input gradients only; the whole backward when checkpointed).
 void run_backward(Step& st, int64_t p, int64_t i, bool split) {
   const ExecutorSpec& spec = st.spec;
@@ -140,56 +202,8 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
     for (const at::Tensor& leaf : input_leaves) input_grads.push_back(leaf.grad());
     for (size_t k = 0; k < s.cuts[i].size(); ++k) skip_grads[k] = s.cuts[i][k].leaf.grad();
   } else {
-    std::vector<at::Tensor> wanted = input_leaves;
-    for (const MicroBatchSkips::Cut& c : s.cuts[i]) wanted.push_back(c.leaf);
-    // Split by layer: the gradients at every layer's output too, for W.
-    const size_t layers = s.part->layers->size();
-    const bool by_layer = s.by_layer && s.layer_outputs[i].size() == layers;
-    if (by_layer) {
-      for (size_t k = 0; k + 1 < layers; ++k) {
-        for (const at::Tensor& t : s.layer_outputs[i][k]) wanted.push_back(t);
-      }
-    }
-    std::vector<at::Tensor> got;
-    if (!roots.empty() && !wanted.empty()) {
-      got = torch::autograd::grad(roots, wanted, grads, /*retain_graph=*/true,
-                                  /*create_graph=*/false, /*allow_unused=*/true);
-    }
-    for (size_t k = 0; k < input_leaves.size(); ++k) {
-      input_grads.push_back(k < got.size() ? got[k] : at::Tensor());
-    }
-    for (size_t k = 0; k < s.cuts[i].size(); ++k) {
-      const size_t at = input_leaves.size() + k;
-      if (at < got.size()) skip_grads[k] = got[at];
-    }
-    s.w_roots[i].clear();
-    s.w_grads[i].clear();
-    if (by_layer && !got.empty()) {
-      // Layer k's weight gradients start from its outputs: the next layer's inputs, or the
-      // partition's outputs for the last.
-      size_t next = input_leaves.size() + s.cuts[i].size();
-      for (size_t k = 0; k < layers; ++k) {
-        std::vector<at::Tensor> layer_roots, layer_grads;
-        if (k + 1 < layers) {
-          for (const at::Tensor& t : s.layer_outputs[i][k]) {
-            if (got[next].defined()) {
-              layer_roots.push_back(t);
-              layer_grads.push_back(got[next]);
-            }
-            ++next;
-          }
-        } else {
-          layer_roots = roots;
-          layer_grads = grads;
-        }
-        s.w_roots[i].push_back(std::move(layer_roots));
-        s.w_grads[i].push_back(std::move(layer_grads));
-      }
-    } else {
-      s.w_roots[i].push_back(std::move(roots));
-      s.w_grads[i].push_back(std::move(grads));
-    }
-    s.layer_outputs[i].clear();
+    backward_input(s, i, std::move(roots), std::move(grads), input_leaves, input_grads,
+                   skip_grads);
   }
   // The skips this partition popped from earlier ones: their gradients, for the stashing
   // partitions (whose backward of this micro-batch follows, after the gradients pass through).

@@ -20,6 +20,14 @@
 namespace gpipe {
 namespace {
 
+// An exception's message, without the backtrace a c10::Error carries (a message quoted in
+// another error is read by people, not debuggers).
+const char* without_backtrace(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
+
 // Archive keys (letters and underscores only, as LibTorch's archives take them).
 constexpr const char* kNames = "gpipe_names";
 constexpr const char* kTensors = "gpipe_tensors";
@@ -163,7 +171,8 @@ void save_file(const std::string& path, const std::string& layout,
   try {
     archive.save_to(path);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gpipe::save_training: cannot write '", path, "': ", e.what());
+    TORCH_CHECK(false, "gpipe::save_training: cannot write '", path, "': ",
+                without_backtrace(e));
   }
 }
 
@@ -173,7 +182,8 @@ int64_t load_file(const std::string& path, const std::string& layout, torch::nn:
   try {
     archive.load_from(path);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gpipe::load_training: cannot read '", path, "': ", e.what());
+    TORCH_CHECK(false, "gpipe::load_training: cannot read '", path, "': ",
+                without_backtrace(e));
   }
   const std::string what = "'" + path + "'";
   check_layout(archive, layout, what);

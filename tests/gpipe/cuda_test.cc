@@ -277,7 +277,8 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
     return nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 2));
   };
   const GPipeOptions two_on_one = GPipeOptions({2, 1}).devices({gpu, gpu}).chunks(2);
-  CATCH_CHECK_THROWS_WITH(GPipe(with_dropout(), GPipeOptions(two_on_one).worker_per_partition(true)),
+  CATCH_CHECK_THROWS_WITH(GPipe(with_dropout(),
+                                GPipeOptions(two_on_one).worker_per_partition(true)),
                           gpipe_test::contains("GPipe: partition 0 holds '1'") &&
                               gpipe_test::contains("its own GPU"));
   const at::Tensor x = at::randn({4, 4}, gpu);
@@ -286,8 +287,9 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
     return torch::nn::functional::mse_loss(out[0], target);
   };
   GPipe lanes(with_dropout(), two_on_one);
-  CATCH_CHECK_THROWS_WITH(lanes->step(x, y, mse), gpipe_test::contains("GPipe::step: partition 0") &&
-                                                      gpipe_test::contains("its own GPU"));
+  CATCH_CHECK_THROWS_WITH(lanes->step(x, y, mse),
+                          gpipe_test::contains("GPipe::step: partition 0") &&
+                              gpipe_test::contains("its own GPU"));
   // Nothing random, or nothing checkpointed: the partitions share the GPU and train.
   GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
                      GPipeOptions(two_on_one).worker_per_partition(true));
