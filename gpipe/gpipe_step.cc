@@ -51,7 +51,9 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   const int64_t m = static_cast<int64_t>(microbatches.size());
   const Schedule plan = schedule(m);
   absl::MutexLock lock(&forward_mu_);
-  const int64_t stop = is_training() ? checkpoint_stop(options_.checkpoint(), m) : 0;
+  // (The executor checkpoints nothing without grad.)
+  const int64_t stop = is_training() && at::GradMode::is_enabled()
+                           ? checkpoint_stop(options_.checkpoint(), m) : 0;
   if (!generators_checked_ && stop > 0) {
     // The lanes run at the same time (Note [Random numbers in concurrent partitions]).
     std::vector<int64_t> threads(partitions_.size());

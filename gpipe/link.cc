@@ -57,7 +57,10 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
         continue;
       }
       record_stream(t, copy_from);
-      out.values.push_back(t.detach().to(to, /*non_blocking=*/true));
+      // A CUDA tensor on another device than the partition's is not ordered by the copy
+      // streams: copied blocking.
+      const bool ordered = !t.is_cuda() || t.device() == from;
+      out.values.push_back(t.detach().to(to, /*non_blocking=*/ordered));
     }
   }
   // A copy between two GPUs ends on both copy streams (LibTorch orders the destination's after
@@ -91,10 +94,16 @@ Moving LocalLink::move(const std::vector<at::Tensor>& values, int64_t microbatch
   const c10::Stream& copy_from = (*copy_streams_)[source][microbatch];
   const c10::Stream& copy_to = (*copy_streams_)[target][microbatch];
   const c10::Stream& issuing = has_streams(here) ? copy_from : copy_to;
-  const Timeline::Started started =
-      timeline_ != nullptr ? timeline_->start(issuing) : Timeline::Started{};
+  // Activation copies on the timeline (TimelineEvent::Kind::kCopy), timed from when the copy
+  // stream has waited for the sender's computation.
+  const bool recorded = timeline_ != nullptr && forward && here != there;
+  Timeline::Started started;
+  if (recorded) {
+    wait_stream(copy_from, current_stream(here));
+    started = timeline_->start(issuing);
+  }
   Moving moving = move_tensors(values, there, current_stream(here), copy_from, copy_to);
-  if (timeline_ != nullptr && here != there) {
+  if (recorded) {
     timeline_->finish({TimelineEvent::Kind::kCopy, microbatch, timeline_offset_ + target,
                        timeline_offset_ + source, static_cast<int64_t>(values.size())},
                       started, issuing);

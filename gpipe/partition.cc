@@ -47,30 +47,48 @@ std::string random_layer(const torch::nn::Sequential& partition) {
 
 }  // namespace
 
+namespace {
+
+// Whether partitions on `a` and `b` may draw from one generator: every CPU device is the one CPU
+// generator, and a CUDA device without an index is the current one.
+bool same_generator(const c10::Device& a, const c10::Device& b) {
+  if (a.type() != b.type()) return false;
+  if (!a.is_cuda()) return true;
+  // (An unindexed one is taken to be any: the current device may be either.)
+  return !a.has_index() || !b.has_index() || a.index() == b.index();
+}
+
+}  // namespace
+
 void check_concurrent_generators(const std::string& who,
                                  const std::vector<torch::nn::Sequential>& partitions,
                                  const std::vector<c10::Device>& devices,
                                  const std::vector<int64_t>& threads, bool checkpointing) {
   if (!checkpointing) return;
+  std::string warning;
   for (size_t j = 0; j < partitions.size(); ++j) {
     const std::string layer = random_layer(partitions[j]);
     if (layer.empty()) continue;
     for (size_t k = 0; k < partitions.size(); ++k) {
-      if (k == j || devices[k] != devices[j] || threads[k] == threads[j]) continue;
+      if (k == j || threads[k] == threads[j] || !same_generator(devices[k], devices[j])) continue;
       TORCH_CHECK(!devices[j].is_cuda(), who, ": partition ", j, " holds ", layer, ", which "
                   "draws random numbers, and runs on ", devices[j], " at the same time as "
                   "partition ", k, ", on another thread: they share the device's random "
                   "generator, so a checkpointed micro-batch could recompute different numbers "
                   "than its forward drew. Give each partition its own GPU, or use "
                   "Checkpoint::kNever");
-      TORCH_WARN(who, ": partition ", j, " holds ", layer, ", which draws random numbers, and "
-                 "runs at the same time as partition ", k, " on the CPU: they draw from the one "
-                 "CPU generator in an order that depends on thread timing, so a checkpointed "
-                 "micro-batch may recompute different numbers than its forward drew. Use "
-                 "Checkpoint::kNever, or partitions on one thread.");
-      return;
+      if (warning.empty()) {
+        warning = absl::StrCat(
+            who, ": partition ", j, " holds ", layer, ", which draws random numbers, and runs at "
+            "the same time as partition ", k, " on the CPU: they draw from the one CPU generator "
+            "in an order that depends on thread timing, so a checkpointed micro-batch may "
+            "recompute different numbers than its forward drew. Use Checkpoint::kNever, or "
+            "partitions on one thread.");
+      }
     }
   }
+  // Every GPU pair checked first: a refusal is not hidden behind a warning.
+  if (!warning.empty()) TORCH_WARN(warning);
 }
 
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {

@@ -177,7 +177,10 @@ StreamPoint take_point(c10::DeviceIndex device) {
   }
   StreamPoint point{device};
   const c10::cuda::CUDAGuard guard(device);
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&point.event, cudaEventDisableTiming));
+  // A host that waits for a point sleeps instead of spinning: the CPU lanes beside it need the
+  // cores (Note [Dividing the cores] in worker.h).
+  C10_CUDA_CHECK(
+      cudaEventCreateWithFlags(&point.event, cudaEventDisableTiming | cudaEventBlockingSync));
   return point;
 }
 

@@ -168,17 +168,38 @@ void set_intra_op_threads(int threads) {
 
 namespace detail {
 
+namespace {
+
+// The calling thread's intra-op threads, for it alone: OpenMP keeps a count per thread, while
+// at::set_num_threads also sets the process-wide count that threads started later take (and
+// clears oneDNN's caches). LibTorch's own setup of the thread comes first, or its first parallel
+// region would overwrite the count.
+void set_thread_threads(int threads) {
+  using Set = void (*)(int);
+  static const auto omp = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  at::internal::lazy_init_num_threads();
+  if (omp != nullptr) {
+    omp(threads);
+  } else {
+    at::set_num_threads(threads);  // not OpenMP: LibTorch's count is its pool's
+  }
+}
+
+}  // namespace
+
 CoreShare::CoreShare(int64_t cpu_lanes) {
-  if (cpu_lanes < 2 || !core_share_enabled()) return;
+  if (cpu_lanes < 1 || !core_share_enabled()) return;
   if (user_threads() > 0) {
-    // The user's count, on every lane's thread: OpenMP keeps a count per thread, so a worker
-    // started before set_intra_op_threads would not see it otherwise.
+    // The user's count, on every CPU lane's thread, kept there: OpenMP keeps a count per thread,
+    // so a worker started before set_intra_op_threads would not see it otherwise.
     lane_threads_ = user_threads();
+    keep_ = true;
     return;
   }
+  if (cpu_lanes < 2) return;
   const int lanes = static_cast<int>(cpu_lanes);
   const int intra = at::get_num_threads();
-  if (intra == at::intraop_default_num_threads() && intra > 1) {
+  if (intra == at::intraop_default_num_threads() && intra > 1 && !env_set("OMP_NUM_THREADS")) {
     lane_threads_ = std::max(1, intra / lanes);
   }
   if (env_set("OPENBLAS_NUM_THREADS") || env_set("OMP_NUM_THREADS")) return;
@@ -203,16 +224,15 @@ CoreShare::~CoreShare() {
 
 CoreShare::Lane::Lane(const CoreShare& share) {
   if (share.lane_threads() == 0) return;
-  before_ = at::get_num_threads();
-  if (before_ == share.lane_threads()) {
-    before_ = 0;
-    return;
-  }
-  at::set_num_threads(share.lane_threads());
+  at::internal::lazy_init_num_threads();
+  const int before = at::get_num_threads();
+  if (before == share.lane_threads()) return;
+  set_thread_threads(share.lane_threads());
+  if (!share.keeps()) before_ = before;
 }
 
 CoreShare::Lane::~Lane() {
-  if (before_ != 0) at::set_num_threads(before_);
+  if (before_ != 0) set_thread_threads(before_);
 }
 
 }  // namespace detail

@@ -81,14 +81,15 @@ void set_intra_op_threads(int threads);
 // the steps running at once). A user's own choice wins: nothing is divided once
 // set_intra_op_threads was called (its count is set on every CPU lane's thread instead: OpenMP
 // keeps a count per thread, and a worker started earlier would not see it), when LibTorch's
-// intra-op threads differ from its default, or, for OpenBLAS, when OPENBLAS_NUM_THREADS or
-// OMP_NUM_THREADS is set.
+// intra-op threads differ from its default, or when OMP_NUM_THREADS (or, for OpenBLAS,
+// OPENBLAS_NUM_THREADS) is set. A lane's count is set and put back for its thread alone
+// (omp_set_num_threads), not process-wide.
 
 namespace detail {
 
 /// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime (Note [Dividing the
-/// cores]); nothing is changed with fewer than two lanes or where the user chose thread counts
-/// (but set_intra_op_threads's count reaches every lane).
+/// cores]); nothing is divided with fewer than two lanes or where the user chose thread counts
+/// (but set_intra_op_threads's count reaches every CPU lane, and stays there).
 class CoreShare {
  public:
   explicit CoreShare(int64_t cpu_lanes);
@@ -110,9 +111,12 @@ class CoreShare {
 
   /// The intra-op threads of each CPU lane; 0 when the engine leaves them alone.
   int lane_threads() const { return lane_threads_; }
+  /// Whether a lane keeps its count after the step (the user's set_intra_op_threads).
+  bool keeps() const { return keep_; }
 
  private:
   int lane_threads_ = 0;
+  bool keep_ = false;
   bool blas_ = false;  // whether this share holds OpenBLAS's count
 };
 

@@ -679,6 +679,10 @@ CATCH_TEST_CASE("GPipe::step warns of random numbers in its concurrent CPU lanes
                                                    "(torch::nn::DropoutImpl), which draws random "
                                                    "numbers"));
   CATCH_CHECK(steps(with_dropout(), GPipeOptions(two).checkpoint(Checkpoint::kNever), 2).empty());
+  {
+    at::NoGradGuard no_grad;  // nothing is checkpointed without grad
+    CATCH_CHECK(steps(with_dropout(), two, 2).empty());
+  }
   CATCH_CHECK(steps(with_dropout(), GPipeOptions({4}).devices({at::kCPU}).chunks(2), 2).empty());
 }
 
@@ -705,8 +709,12 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
   // Note [Dividing the cores] in gpipe/worker.h.
   const int intra = at::get_num_threads();
   const int blas = ThreadCounts::Impl::openblas_threads();
-  const bool env = std::getenv("OPENBLAS_NUM_THREADS") != nullptr ||
-                   std::getenv("OMP_NUM_THREADS") != nullptr;
+  auto set = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0';
+  };
+  const bool omp_env = set("OMP_NUM_THREADS");
+  const bool env = set("OPENBLAS_NUM_THREADS") || omp_env;
   const int cpus = static_cast<int>(std::thread::hardware_concurrency());
   CATCH_CAPTURE(intra, blas, env, cpus);
   ThreadCounts first, second;
@@ -716,7 +724,7 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
   const at::Tensor x = at::randn({4, 4});
   const at::Tensor y = at::randn({4, 2});
   model->step(x, y, mse);
-  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1
+  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1 && !omp_env
                              ? std::max(1, intra / 2) : intra;
   const int lane_blas = blas > 1 && !env ? std::max(1, std::min(blas, cpus / 2)) : blas;
   for (ThreadCounts counts : {first, second}) {
@@ -727,9 +735,13 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
     }
     counts->seen.clear();
   }
-  // Put back after the step.
+  // Put back after the step, for the lanes' threads alone: a thread started now gets LibTorch's
+  // count.
   CATCH_CHECK(at::get_num_threads() == intra);
   CATCH_CHECK(ThreadCounts::Impl::openblas_threads() == blas);
+  int fresh = 0;
+  std::thread([&fresh] { fresh = at::get_num_threads(); }).join();
+  CATCH_CHECK(fresh == intra);
   // A user's own setting is left alone.
   set_intra_op_threads(2);
   model->step(x, y, mse);
