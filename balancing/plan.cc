@@ -455,9 +455,11 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   return p;
 }
 
-PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
-                             OptimizerKind optimizer) {
-  const char* who = "gpipe::pipeline_costs";
+namespace {
+
+// Throws unless `plan` fits `profile`: one device per partition, the profile's layers in
+// partitions of at least one, virtual stages that divide the partitions, positive chunks.
+void check_plan_fits(const PipelineProfile& profile, const PipelinePlan& plan, const char* who) {
   const int64_t stages = static_cast<int64_t>(plan.balance.size());
   TORCH_CHECK(stages >= 1 && static_cast<int64_t>(plan.devices.size()) == stages, who, ": ",
               stages, " partitions and ", plan.devices.size(), " devices; give one per partition");
@@ -472,15 +474,12 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   TORCH_CHECK(plan.virtual_stages >= 1 && stages % plan.virtual_stages == 0, who,
               ": virtual_stages ", plan.virtual_stages, " must divide ", stages, " partitions");
   TORCH_CHECK(plan.chunks >= 1, who, ": chunks must be positive, got ", plan.chunks);
-  const int64_t lanes = stages / plan.virtual_stages;
-  const std::vector<c10::Device> places = distinct_devices(plan.devices);
-  const int64_t b = (profile.batch + plan.chunks - 1) / plan.chunks;
-  const double state = 2 + optimizer_state(optimizer);
+}
 
-  PipelineCosts costs;
-  costs.checkpoint_stop = checkpoint_stop(plan.checkpoint, plan.chunks);
-  costs.handoff_us = profile.handoff_us;
-  costs.static_bytes.assign(places.size(), 0);
+// Sets each of `places`' compute (its capacity and cores) and the turns on a CPU's cores in
+// `costs` (Note [Simulating a step]).
+void set_device_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                      const std::vector<c10::Device>& places, PipelineCosts& costs) {
   for (const c10::Device& d : places) {
     const double free = static_cast<double>(profile.cores) /
                         static_cast<double>(std::max<int64_t>(1, plan.threads));
@@ -497,78 +496,117 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   costs.slice_us = kTurnUs * factor;
   costs.wakeup_us = kWakeupUs * factor;
   costs.sleeper_credit_us = kTurnUs * factor;
+}
+
+// What a stage keeps of each of its layers `ls` (Note [Planning]): what its forward saved beyond
+// its output, and its output where it or the next layer keeps it (the stage's last output is the
+// backward's root: the executor keeps it).
+std::vector<int64_t> kept_per_layer(const std::vector<LayerStats>& ls) {
+  const size_t count = ls.size();
+  std::vector<int64_t> kept(count);
+  for (size_t k = 0; k < count; ++k) {
+    const LayerStats& l = ls[k];
+    const bool output_kept = k + 1 == count || l.saves_output || ls[k + 1].saves_input;
+    kept[k] = output_kept ? l.held_bytes : std::max<int64_t>(0, l.held_bytes - l.output_bytes);
+  }
+  return kept;
+}
+
+// Sets a stage's working memory in `c` (Note [Simulating a step]) from its layers `ls` and what it
+// keeps of each: a forward's peak over what it finally keeps, and a backward's over what it starts
+// with (the later layers' saved tensors freed by then).
+void set_workspace(const std::vector<LayerStats>& ls, const std::vector<int64_t>& kept,
+                   StageCost& c) {
+  const size_t count = ls.size();
+  int64_t so_far = 0, peak_forward = 0;
+  const int64_t kept_total = std::accumulate(kept.begin(), kept.end(), int64_t{0});
+  for (size_t k = 0; k < count; ++k) {
+    const int64_t input_alive = k > 0 && kept[k - 1] < ls[k - 1].held_bytes ? ls[k].input_bytes : 0;
+    peak_forward = std::max(peak_forward, so_far + input_alive +
+                                              std::max(ls[k].forward_peak_bytes, ls[k].held_bytes));
+    so_far += kept[k];
+  }
+  c.forward_workspace_bytes = std::max<int64_t>(0, peak_forward - kept_total);
+  int64_t later = 0;
+  for (size_t k = count; k-- > 0;) {
+    c.backward_workspace_bytes =
+        std::max(c.backward_workspace_bytes, ls[k].backward_peak_bytes - later);
+    later += kept[k];
+  }
+}
+
+// Stage s's costs over its layers `ls` at micro-batch size b, all but its lane and device; adds
+// its parameters' and buffers' bytes to `params` and `buffers`.
+StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, int64_t s,
+                     int64_t b, const std::vector<LayerStats>& ls, int64_t& params,
+                     int64_t& buffers) {
+  StageCost c;
+  const std::vector<int64_t> kept = kept_per_layer(ls);
+  set_workspace(ls, kept, c);
+  int64_t grads_at_outputs = 0;
+  for (size_t k = 0; k < ls.size(); ++k) {
+    const LayerStats& l = ls[k];
+    c.forward_us += l.forward_us;
+    c.forward_nograd_us += l.forward_nograd_us;
+    c.backward_us += l.backward_us;
+    c.backward_input_us += l.backward_input_us;
+    c.backward_weight_us += l.backward_weight_us;
+    c.held_bytes += kept[k];
+    grads_at_outputs += l.output_bytes;
+    params += l.param_bytes;
+    buffers += l.buffer_bytes;
+    if (k == 0 && s > 0 && plan.devices[s] != plan.devices[s - 1]) {
+      // The input copied from the previous device stays until the backward.
+      c.held_bytes += l.input_bytes;
+      c.checkpointed_bytes += l.input_bytes;
+    }
+  }
+  // Note [Planning]'s calibration at this micro-batch size.
+  const double scale = profile.time_scale(b);
+  c.forward_us *= scale;
+  c.forward_nograd_us *= scale;
+  c.backward_us *= scale;
+  c.backward_input_us *= profile.split_scale(b);
+  c.backward_weight_us *= profile.split_scale(b);
+  c.recompute_us = c.forward_us;
+  const LayerStats& last = ls.back();
+  c.checkpointed_bytes += last.output_bytes;
+  c.grad_kept_bytes = grads_at_outputs;
+  if (s + 1 < static_cast<int64_t>(plan.balance.size())) {
+    c.copy_us = profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
+  }
+  return c;
+}
+
+}  // namespace
+
+PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                             OptimizerKind optimizer) {
+  check_plan_fits(profile, plan, "gpipe::pipeline_costs");
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  const int64_t lanes = stages / plan.virtual_stages;
+  const std::vector<c10::Device> places = distinct_devices(plan.devices);
+  const int64_t b = (profile.batch + plan.chunks - 1) / plan.chunks;
+  const double state = 2 + optimizer_state(optimizer);
+
+  PipelineCosts costs;
+  costs.checkpoint_stop = checkpoint_stop(plan.checkpoint, plan.chunks);
+  costs.handoff_us = profile.handoff_us;
+  costs.static_bytes.assign(places.size(), 0);
+  set_device_costs(profile, plan, places, costs);
   auto place = [&](const c10::Device& d) {
     return static_cast<int64_t>(std::find(places.begin(), places.end(), d) - places.begin());
   };
   costs.static_bytes[place(plan.devices.front())] += profile.input_bytes;
   int64_t first = 0;
   for (int64_t s = 0; s < stages; ++s) {
-    StageCost c;
-    c.lane = s % lanes;
-    c.device = place(plan.devices[s]);
-    int64_t params = 0;
-    int64_t buffers = 0;
-    int64_t grads_at_outputs = 0;
     std::vector<LayerStats> ls;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) ls.push_back(profile.layer(k, b));
-    // What the stage keeps of each layer (Note [Planning]): what its forward saved beyond its
-    // output, and its output where it or the next layer keeps it (the stage's last output is the
-    // backward's root: the executor keeps it).
-    const size_t count = ls.size();
-    std::vector<int64_t> kept(count);
-    for (size_t k = 0; k < count; ++k) {
-      const LayerStats& l = ls[k];
-      const bool output_kept = k + 1 == count || l.saves_output || ls[k + 1].saves_input;
-      kept[k] = output_kept ? l.held_bytes : std::max<int64_t>(0, l.held_bytes - l.output_bytes);
-    }
-    // Working memory (Note [Simulating a step]): a forward's peak over what it finally keeps,
-    // and a backward's over what it starts with (the later layers' saved tensors freed by then).
-    int64_t so_far = 0, peak_forward = 0;
-    const int64_t kept_total = std::accumulate(kept.begin(), kept.end(), int64_t{0});
-    for (size_t k = 0; k < count; ++k) {
-      const int64_t input_alive = k > 0 && kept[k - 1] < ls[k - 1].held_bytes ? ls[k].input_bytes : 0;
-      peak_forward = std::max(peak_forward, so_far + input_alive +
-                                                std::max(ls[k].forward_peak_bytes, ls[k].held_bytes));
-      so_far += kept[k];
-    }
-    c.forward_workspace_bytes = std::max<int64_t>(0, peak_forward - kept_total);
-    int64_t later = 0;
-    for (size_t k = count; k-- > 0;) {
-      c.backward_workspace_bytes =
-          std::max(c.backward_workspace_bytes, ls[k].backward_peak_bytes - later);
-      later += kept[k];
-    }
-    for (int64_t k = first; k < first + plan.balance[s]; ++k) {
-      const LayerStats& l = ls[k - first];
-      c.forward_us += l.forward_us;
-      c.forward_nograd_us += l.forward_nograd_us;
-      c.backward_us += l.backward_us;
-      c.backward_input_us += l.backward_input_us;
-      c.backward_weight_us += l.backward_weight_us;
-      c.held_bytes += kept[k - first];
-      grads_at_outputs += l.output_bytes;
-      params += l.param_bytes;
-      buffers += l.buffer_bytes;
-      if (k == first && s > 0 && plan.devices[s] != plan.devices[s - 1]) {
-        // The input copied from the previous device stays until the backward.
-        c.held_bytes += l.input_bytes;
-        c.checkpointed_bytes += l.input_bytes;
-      }
-    }
-    // Note [Planning]'s calibration at this micro-batch size.
-    const double scale = profile.time_scale(b);
-    c.forward_us *= scale;
-    c.forward_nograd_us *= scale;
-    c.backward_us *= scale;
-    c.backward_input_us *= profile.split_scale(b);
-    c.backward_weight_us *= profile.split_scale(b);
-    c.recompute_us = c.forward_us;
-    const LayerStats& last = ls.back();
-    c.checkpointed_bytes += last.output_bytes;
-    c.grad_kept_bytes = grads_at_outputs;
-    if (s + 1 < stages) {
-      c.copy_us = profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
-    }
+    int64_t params = 0;
+    int64_t buffers = 0;
+    StageCost c = stage_cost(profile, plan, s, b, ls, params, buffers);
+    c.lane = s % lanes;
+    c.device = place(plan.devices[s]);
     costs.static_bytes[c.device] +=
         static_cast<int64_t>(std::llround(state * static_cast<double>(params))) + buffers;
     costs.stages.push_back(c);

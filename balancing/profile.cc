@@ -98,8 +98,6 @@ class ProfileSkipTracker : public SkipTracker {
   std::map<SkipKey, at::Tensor> stashed_;
 };
 
-
-
 // A detached copy of `x` on `device` that needs a gradient when it is floating point and `grad`.
 at::Tensor fresh_input(const at::Tensor& x, c10::Device device, bool grad) {
   at::Tensor y = x.detach().to(device);
@@ -109,22 +107,10 @@ at::Tensor fresh_input(const at::Tensor& x, c10::Device device, bool grad) {
   return y;
 }
 
-}  // namespace
-
-LayerProfile profile_layers(const torch::nn::Sequential& module,
-                            const std::vector<at::Tensor>& sample, const ProfileOptions& options) {
-  TORCH_CHECK(!sample.empty() && sample[0].defined() && sample[0].dim() > 0,
-              "profile_layers: the sample must be a tensor with a batch dimension");
-  for (const auto& p : module->named_parameters()) {
-    TORCH_CHECK(!p.value().grad().defined(), "profile_layers: parameter '", p.key(),
-                "' already has a gradient; profiling needs a model without gradients (call "
-                "zero_grad with set_to_none, or profile before training)");
-  }
-  const c10::Device device = options.device();
-  check_device_available(device, "profile_layers: the profiling device");
+// Deep copies of `module`'s layers on `device`, in training mode.
+std::vector<torch::nn::AnyModule> training_copies(const torch::nn::Sequential& module,
+                                                  c10::Device device) {
   const size_t n = module->size();
-
-  // Deep copies of the layers on the device, in training mode.
   std::vector<torch::nn::AnyModule> layers;
   layers.reserve(n);
   for (size_t k = 0; k < n; ++k) {
@@ -142,13 +128,18 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
     }
     layers.back().ptr()->train();
   }
+  return layers;
+}
 
+// A profile of `module`'s layers before any pass: their names, types, parameter and buffer bytes.
+LayerProfile unmeasured_profile(const torch::nn::Sequential& module, c10::Device device,
+                                int64_t batch) {
   LayerProfile profile;
   profile.device = device;
-  profile.batch = sample[0].size(0);
-  profile.layers.resize(n);
+  profile.batch = batch;
+  profile.layers.resize(module->size());
   const auto children = module->named_children();
-  for (size_t k = 0; k < n; ++k) {
+  for (size_t k = 0; k < profile.layers.size(); ++k) {
     LayerStats& stats = profile.layers[k];
     const auto& child = children[k];
     stats.name = child.key();
@@ -156,147 +147,238 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
     for (const auto& p : child.value()->parameters()) stats.param_bytes += p.nbytes();
     for (const auto& b : child.value()->buffers()) stats.buffer_bytes += b.nbytes();
   }
+  return profile;
+}
+
+// One layer's times in one pass, microseconds.
+struct LayerTimes {
+  double forward_us = 0;
+  double backward_us = 0;
+  double nograd_us = 0;
+  double input_us = 0;
+  double weight_us = 0;
+};
+
+// Each layer's times over the timed passes: their median is the layer's time, so that a pass
+// slowed by another process (a core taken for a while) does not move it.
+struct PassTimes {
+  explicit PassTimes(size_t layers)
+      : forward(layers), backward(layers), nograd(layers), input(layers), weight(layers) {}
+
+  // Adds layer k's times in one pass.
+  void add(size_t k, const LayerTimes& t) {
+    forward[k].push_back(t.forward_us);
+    backward[k].push_back(t.backward_us);
+    nograd[k].push_back(t.nograd_us);
+    input[k].push_back(t.input_us);
+    weight[k].push_back(t.weight_us);
+  }
+
+  // Sets each layer's times to its medians.
+  void set_medians(std::vector<LayerStats>& layers) const {
+    for (size_t k = 0; k < layers.size(); ++k) {
+      layers[k].forward_us = median(forward[k]);
+      layers[k].backward_us = median(backward[k]);
+      layers[k].forward_nograd_us = median(nograd[k]);
+      layers[k].backward_input_us = median(input[k]);
+      layers[k].backward_weight_us = median(weight[k]);
+    }
+  }
+
+  std::vector<std::vector<double>> forward, backward, nograd, input, weight;
+};
+
+// The layer being profiled: `module`'s layer k (errors name it), its copy on `device`.
+struct ProfiledLayer {
+  const torch::nn::Sequential& module;
+  size_t k;
+  torch::nn::AnyModule& copy;
+  c10::Device device;
+};
+
+// The defined tensors of `tensors` that need a gradient.
+std::vector<at::Tensor> requiring_grad(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.requires_grad()) out.push_back(t);
+  }
+  return out;
+}
+
+// The layer's forward with autograd on `input` (its tensors `values`), timed, with the bytes it
+// keeps, its peak, and whether it keeps its input or its output; returns its outputs and sets
+// `atomic` to whether they are one tensor.
+std::vector<at::Tensor> forward_with_grad(const ProfiledLayer& layer, const Batch& input,
+                                          const std::vector<at::Tensor>& values, bool& atomic,
+                                          LayerStats& stats, LayerTimes& times) {
+  auto counter = std::make_shared<AllocationCounter>(layer.device);
+  std::vector<at::Tensor> outputs;
+  // Who keeps the input: references to its storage that the forward adds (autograd's saved
+  // tensors, a stash).
+  std::vector<size_t> input_refs;
+  for (const at::Tensor& v : values) {
+    input_refs.push_back(v.defined() && v.has_storage() ? v.storage().use_count() : 0);
+  }
+  synchronize(layer.device);
+  const auto tick = std::chrono::steady_clock::now();
+  {
+    c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, counter);
+    auto forward = [&]() -> torch::nn::AnyValue {
+      try {
+        return layer.copy.any_forward(input.to_any());
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "profile_layers: the sample does not go through ",
+                    describe_layer(layer.module, layer.k), ": ", e.what_without_backtrace());
+      }
+    };
+    Batch result = Batch::from_any(forward(), describe_layer(layer.module, layer.k));
+    atomic = result.atomic();
+    outputs = std::move(result.values());
+    synchronize(layer.device);
+  }
+  times.forward_us = elapsed_us(tick);
+  stats.held_bytes = counter->current();
+  stats.forward_peak_bytes = counter->peak();
+  bool saves_input = false, saves_output = false;
+  for (size_t i = 0; i < values.size(); ++i) {
+    saves_input = saves_input || (values[i].defined() && values[i].has_storage() &&
+                                  values[i].storage().use_count() > input_refs[i]);
+  }
+  for (const at::Tensor& o : outputs) {
+    saves_output = saves_output || (o.defined() && o.has_storage() && o.storage().use_count() > 1);
+  }
+  stats.saves_input = saves_input;
+  stats.saves_output = saves_output;
+  return outputs;
+}
+
+// The backward from `roots` (the layer's outputs that need a gradient) with `grads`, timed (0
+// without roots), with its peak.
+void whole_backward(const ProfiledLayer& layer, const std::vector<at::Tensor>& roots,
+                    const std::vector<at::Tensor>& grads, LayerStats& stats, LayerTimes& times) {
+  auto backward_counter = std::make_shared<AllocationCounter>(layer.device);
+  const auto tick = std::chrono::steady_clock::now();
+  if (!roots.empty()) {
+    c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, backward_counter);
+    torch::autograd::backward(roots, grads);
+    synchronize(layer.device);
+  }
+  times.backward_us = roots.empty() ? 0.0 : elapsed_us(tick);
+  stats.backward_peak_bytes = backward_counter->peak();
+}
+
+// The forward of a checkpointed micro-batch, without autograd, timed.
+void forward_without_grad(const ProfiledLayer& layer, const Batch& input, LayerTimes& times) {
+  synchronize(layer.device);
+  const auto tick = std::chrono::steady_clock::now();
+  {
+    at::NoGradGuard no_grad;
+    layer.copy.any_forward(input.to_any());
+    synchronize(layer.device);
+  }
+  times.nograd_us = elapsed_us(tick);
+}
+
+// The backward split in two (zero bubble's I and W), on a forward of its own, each half timed.
+void split_backward(const ProfiledLayer& layer, const Batch& input,
+                    const std::vector<at::Tensor>& values, LayerTimes& times) {
+  std::vector<at::Tensor> again;
+  Batch out = Batch::from_any(layer.copy.any_forward(input.to_any()),
+                              describe_layer(layer.module, layer.k));
+  for (at::Tensor& o : out.values()) {
+    if (o.defined() && o.requires_grad()) again.push_back(std::move(o));
+  }
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& o : again) grads.push_back(at::ones_like(o));
+  const std::vector<at::Tensor> leaves = requiring_grad(values);
+  std::vector<at::Tensor> params;
+  for (const at::Tensor& p : layer.copy.ptr()->parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  synchronize(layer.device);
+  auto tick = std::chrono::steady_clock::now();
+  if (!leaves.empty()) {
+    torch::autograd::grad(again, leaves, grads, /*retain_graph=*/true,
+                          /*create_graph=*/false, /*allow_unused=*/true);
+    synchronize(layer.device);
+    times.input_us = elapsed_us(tick);
+  }
+  tick = std::chrono::steady_clock::now();
+  if (!params.empty()) {
+    torch::autograd::backward(again, grads, /*retain_graph=*/false, /*create_graph=*/false,
+                              params);
+    synchronize(layer.device);
+    times.weight_us = elapsed_us(tick);
+  }
+}
+
+// Profiles the layer once on `values` (its input, one tensor when `atomic`): its times into
+// `times`, its memory into `stats`; returns its outputs and sets `atomic` for them.
+std::vector<at::Tensor> profile_layer(const ProfiledLayer& layer,
+                                      const std::vector<at::Tensor>& values, bool& atomic,
+                                      LayerStats& stats, LayerTimes& times) {
+  const Batch input = atomic ? Batch(values[0]) : Batch(values);
+  std::vector<at::Tensor> outputs = forward_with_grad(layer, input, values, atomic, stats, times);
+  const std::vector<at::Tensor> differentiable = requiring_grad(outputs);
+  std::vector<at::Tensor> output_grads;
+  for (const at::Tensor& o : differentiable) output_grads.push_back(at::ones_like(o));
+  whole_backward(layer, differentiable, output_grads, stats, times);
+  forward_without_grad(layer, input, times);
+  if (!differentiable.empty()) split_backward(layer, input, values, times);
+  stats.input_bytes = bytes_of(input.values());
+  stats.output_bytes = bytes_of(outputs);
+  return outputs;
+}
+
+// One pass: each layer on a fresh copy of the previous layer's output; its stats into `stats`,
+// and its times into `times` unless that is null.
+void profile_pass(const torch::nn::Sequential& module, std::vector<torch::nn::AnyModule>& layers,
+                  const std::vector<at::Tensor>& sample, c10::Device device,
+                  std::vector<LayerStats>& stats, PassTimes* times) {
+  TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+  TaskScope skips(context);
+  std::vector<at::Tensor> values;
+  for (const at::Tensor& t : sample) {
+    values.push_back(fresh_input(t, device, t.requires_grad()));
+  }
+  bool atomic = sample.size() == 1;
+  for (size_t k = 0; k < layers.size(); ++k) {
+    LayerTimes layer_times;
+    const std::vector<at::Tensor> outputs =
+        profile_layer(ProfiledLayer{module, k, layers[k], device}, values, atomic, stats[k],
+                      layer_times);
+    if (times != nullptr) times->add(k, layer_times);
+    values.clear();
+    for (const at::Tensor& o : outputs) values.push_back(fresh_input(o, device, true));
+  }
+  for (auto& layer : layers) layer.ptr()->zero_grad();
+}
+
+}  // namespace
+
+LayerProfile profile_layers(const torch::nn::Sequential& module,
+                            const std::vector<at::Tensor>& sample, const ProfileOptions& options) {
+  TORCH_CHECK(!sample.empty() && sample[0].defined() && sample[0].dim() > 0,
+              "profile_layers: the sample must be a tensor with a batch dimension");
+  for (const auto& p : module->named_parameters()) {
+    TORCH_CHECK(!p.value().grad().defined(), "profile_layers: parameter '", p.key(),
+                "' already has a gradient; profiling needs a model without gradients (call "
+                "zero_grad with set_to_none, or profile before training)");
+  }
+  const c10::Device device = options.device();
+  check_device_available(device, "profile_layers: the profiling device");
+  std::vector<torch::nn::AnyModule> layers = training_copies(module, device);
+  LayerProfile profile = unmeasured_profile(module, device, sample[0].size(0));
 
   const auto start = std::chrono::steady_clock::now();
-  const bool atomic = sample.size() == 1;
   // The first pass is not timed: it pays one-time costs (the kernel libraries' initialisation,
   // first allocations) that would be charged to the first layers, and with a short timeout could
   // outweigh everything else (a 5-layer ResNet's stem came out as heavy as the four other layers
   // together, and its balance as {1, 4} instead of {2, 3}).
   bool warmup = true;
-  // Each layer's times over the timed passes: their median is the layer's time, so that a pass
-  // slowed by another process (a core taken for a while) does not move it.
-  std::vector<std::vector<double>> forward_times(n), backward_times(n), nograd_times(n),
-      input_times(n), weight_times(n);
+  PassTimes times(layers.size());
   do {
-    // One pass: each layer on a fresh copy of the previous layer's output.
-    TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
-    TaskScope skips(context);
-    std::vector<at::Tensor> values;
-    for (const at::Tensor& t : sample) {
-      values.push_back(fresh_input(t, device, t.requires_grad()));
-    }
-    bool values_atomic = atomic;
-    for (size_t k = 0; k < n; ++k) {
-      LayerStats& stats = profile.layers[k];
-      const Batch input = values_atomic ? Batch(values[0]) : Batch(values);
-      auto counter = std::make_shared<AllocationCounter>(device);
-      std::vector<at::Tensor> outputs;
-      // Who keeps the input: references to its storage that the forward adds (autograd's saved
-      // tensors, a stash).
-      std::vector<size_t> input_refs;
-      for (const at::Tensor& v : values) {
-        input_refs.push_back(v.defined() && v.has_storage() ? v.storage().use_count() : 0);
-      }
-      synchronize(device);
-      auto tick = std::chrono::steady_clock::now();
-      {
-        c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, counter);
-        auto forward = [&]() -> torch::nn::AnyValue {
-          try {
-            return layers[k].any_forward(input.to_any());
-          } catch (const c10::Error& e) {
-            TORCH_CHECK(false, "profile_layers: the sample does not go through ",
-                        describe_layer(module, k), ": ", e.what_without_backtrace());
-          }
-        };
-        Batch result = Batch::from_any(forward(), describe_layer(module, k));
-        values_atomic = result.atomic();
-        outputs = std::move(result.values());
-        synchronize(device);
-      }
-      const double forward_us = elapsed_us(tick);
-      const int64_t held = counter->current();
-      const int64_t forward_peak = counter->peak();
-      bool saves_input = false, saves_output = false;
-      for (size_t i = 0; i < values.size(); ++i) {
-        saves_input = saves_input || (values[i].defined() && values[i].has_storage() &&
-                                      values[i].storage().use_count() > input_refs[i]);
-      }
-      for (const at::Tensor& o : outputs) {
-        saves_output = saves_output || (o.defined() && o.has_storage() && o.storage().use_count() > 1);
-      }
-
-      std::vector<at::Tensor> differentiable;
-      for (const at::Tensor& o : outputs) {
-        if (o.defined() && o.requires_grad()) differentiable.push_back(o);
-      }
-      std::vector<at::Tensor> output_grads;
-      for (const at::Tensor& o : differentiable) output_grads.push_back(at::ones_like(o));
-      auto backward_counter = std::make_shared<AllocationCounter>(device);
-      tick = std::chrono::steady_clock::now();
-      if (!differentiable.empty()) {
-        c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, backward_counter);
-        torch::autograd::backward(differentiable, output_grads);
-        synchronize(device);
-      }
-      const double backward_us = differentiable.empty() ? 0.0 : elapsed_us(tick);
-
-      // The forward of a checkpointed micro-batch: without autograd.
-      synchronize(device);
-      tick = std::chrono::steady_clock::now();
-      {
-        at::NoGradGuard no_grad;
-        layers[k].any_forward(input.to_any());
-        synchronize(device);
-      }
-      const double nograd_us = elapsed_us(tick);
-
-      // The backward split in two (zero bubble's I and W), on a forward of its own.
-      double input_us = 0, weight_us = 0;
-      if (!differentiable.empty()) {
-        std::vector<at::Tensor> again;
-        Batch out = Batch::from_any(layers[k].any_forward(input.to_any()),
-                                    describe_layer(module, k));
-        for (at::Tensor& o : out.values()) {
-          if (o.defined() && o.requires_grad()) again.push_back(std::move(o));
-        }
-        std::vector<at::Tensor> grads;
-        for (const at::Tensor& o : again) grads.push_back(at::ones_like(o));
-        std::vector<at::Tensor> leaves;
-        for (const at::Tensor& v : values) {
-          if (v.defined() && v.requires_grad()) leaves.push_back(v);
-        }
-        std::vector<at::Tensor> params;
-        for (const at::Tensor& p : layers[k].ptr()->parameters()) {
-          if (p.requires_grad()) params.push_back(p);
-        }
-        synchronize(device);
-        tick = std::chrono::steady_clock::now();
-        if (!leaves.empty()) {
-          torch::autograd::grad(again, leaves, grads, /*retain_graph=*/true,
-                                /*create_graph=*/false, /*allow_unused=*/true);
-          synchronize(device);
-          input_us = elapsed_us(tick);
-        }
-        tick = std::chrono::steady_clock::now();
-        if (!params.empty()) {
-          torch::autograd::backward(again, grads, /*retain_graph=*/false, /*create_graph=*/false,
-                                    params);
-          synchronize(device);
-          weight_us = elapsed_us(tick);
-        }
-      }
-
-      if (!warmup) {
-        forward_times[k].push_back(forward_us);
-        backward_times[k].push_back(backward_us);
-        nograd_times[k].push_back(nograd_us);
-        input_times[k].push_back(input_us);
-        weight_times[k].push_back(weight_us);
-      }
-      stats.held_bytes = held;
-      stats.saves_input = saves_input;
-      stats.saves_output = saves_output;
-      stats.forward_peak_bytes = forward_peak;
-      stats.backward_peak_bytes = backward_counter->peak();
-      stats.input_bytes = bytes_of(input.values());
-      stats.output_bytes = bytes_of(outputs);
-
-      values.clear();
-      for (const at::Tensor& o : outputs) values.push_back(fresh_input(o, device, true));
-    }
-    for (auto& layer : layers) layer.ptr()->zero_grad();
+    profile_pass(module, layers, sample, device, profile.layers, warmup ? nullptr : &times);
     if (warmup) {
       warmup = false;
     } else {
@@ -305,13 +387,7 @@ LayerProfile profile_layers(const torch::nn::Sequential& module,
   } while (profile.passes == 0 ||
            std::chrono::duration<double>(std::chrono::steady_clock::now() - start) <
                options.timeout());
-  for (size_t k = 0; k < n; ++k) {
-    profile.layers[k].forward_us = median(forward_times[k]);
-    profile.layers[k].backward_us = median(backward_times[k]);
-    profile.layers[k].forward_nograd_us = median(nograd_times[k]);
-    profile.layers[k].backward_input_us = median(input_times[k]);
-    profile.layers[k].backward_weight_us = median(weight_times[k]);
-  }
+  times.set_medians(profile.layers);
   return profile;
 }
 

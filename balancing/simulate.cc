@@ -1,9 +1,14 @@
-// Simulating a pipeline step; see simulate.h.
+// Simulating a pipeline step; see simulate.h. The model (Note [Simulating a step]) in parts: what
+// one action costs (work_us, kept_bytes, transient_bytes), when what an action needs is there
+// (Dependencies), memory accounting per device (Memory), workers sharing a device and taking turns
+// on a CPU's cores (Cores), and the event loop that runs them all (Simulator).
 #include "balancing/simulate.h"
 
 #include <algorithm>
 #include <limits>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -15,17 +20,11 @@ namespace {
 
 using Kind = TimelineEvent::Kind;
 
-struct Running {
-  Action action;
-  double remaining = 0;  // microseconds of work at full speed
-  double work = 0;
-  double start = 0;
-  int64_t transient = 0;  // working bytes while it runs
-};
+constexpr double kEps = 1e-9;
+constexpr double kNever = std::numeric_limits<double>::infinity();
 
-}  // namespace
-
-PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCosts& costs) {
+// Throws unless `costs` fit `schedule` (stages, lanes, devices) and no cost is negative.
+void check_costs(const Schedule& schedule, const PipelineCosts& costs) {
   check_schedule(schedule);
   TORCH_CHECK(!has_communication(schedule), "simulate_pipeline: schedule '", schedule.name,
               "' has sends and receives; give the schedule of one process's workers (without)");
@@ -66,279 +65,470 @@ PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCos
                     costs.handoff_us >= 0,
                 "simulate_pipeline: stage ", s, " has a negative cost");
   }
-  detail::Plan plan(schedule);
-  detail::place_actions(schedule, plan);
+}
 
-  const int64_t n = schedule.num_ranks();
-  const int64_t stop = costs.checkpoint_stop;
-  auto checkpointed = [&](const Action& a) { return a.microbatch < stop; };
-  auto work = [&](const Action& a) {
-    const StageCost& c = costs.stages[a.stage];
-    const bool ck = checkpointed(a);
-    switch (a.type) {
-      case ActionType::kForward: return ck ? c.forward_nograd_us : c.forward_us;
-      case ActionType::kBackward: return (ck ? c.recompute_us : 0) + c.backward_us;
-      case ActionType::kBackwardInput: return ck ? c.recompute_us + c.backward_us
-                                                 : c.backward_input_us;
-      case ActionType::kBackwardWeight: return ck ? 0.0 : c.backward_weight_us;
-      default: return 0.0;
+// Whether `a`'s micro-batch is checkpointed.
+bool checkpointed(const PipelineCosts& costs, const Action& a) {
+  return a.microbatch < costs.checkpoint_stop;
+}
+
+// The microseconds of work `a` takes at full speed.
+double work_us(const PipelineCosts& costs, const Action& a) {
+  const StageCost& c = costs.stages[a.stage];
+  const bool ck = checkpointed(costs, a);
+  switch (a.type) {
+    case ActionType::kForward: return ck ? c.forward_nograd_us : c.forward_us;
+    case ActionType::kBackward: return (ck ? c.recompute_us : 0) + c.backward_us;
+    case ActionType::kBackwardInput: return ck ? c.recompute_us + c.backward_us
+                                               : c.backward_input_us;
+    case ActionType::kBackwardWeight: return ck ? 0.0 : c.backward_weight_us;
+    default: return 0.0;
+  }
+}
+
+// What `a` keeps once it ends (positive) or frees (negative), on its stage's device.
+int64_t kept_bytes(const PipelineCosts& costs, const Action& a) {
+  const StageCost& c = costs.stages[a.stage];
+  const bool ck = checkpointed(costs, a);
+  switch (a.type) {
+    case ActionType::kForward: return ck ? c.checkpointed_bytes : c.held_bytes;
+    case ActionType::kBackward: return -(ck ? c.checkpointed_bytes : c.held_bytes);
+    case ActionType::kBackwardInput: return ck ? -c.checkpointed_bytes : c.grad_kept_bytes;
+    case ActionType::kBackwardWeight: return ck ? 0 : -(c.held_bytes + c.grad_kept_bytes);
+    default: return 0;
+  }
+}
+
+// The working memory `a` holds on its stage's device while it runs.
+int64_t transient_bytes(const PipelineCosts& costs, const Action& a) {
+  const StageCost& c = costs.stages[a.stage];
+  switch (a.type) {
+    case ActionType::kForward: return c.forward_workspace_bytes;
+    case ActionType::kBackward:
+    case ActionType::kBackwardInput:
+      return checkpointed(costs, a) ? c.held_bytes + std::max(c.forward_workspace_bytes,
+                                                              c.backward_workspace_bytes)
+                                    : c.backward_workspace_bytes;
+    default: return 0;
+  }
+}
+
+// A worker's action while it runs.
+struct Running {
+  Action action;
+  double remaining = 0;  // microseconds of work at full speed
+  double work = 0;
+  double start = 0;
+  int64_t transient = 0;  // working bytes while it runs
+};
+
+// Puts `x`, ended at `end`, on the timeline as the executor records it: compute (or its
+// recomputation and backward), and a forward's copy to the next stage.
+void record(const Schedule& schedule, const PipelineCosts& costs, const Running& x, double end,
+            std::vector<TimelineEvent>& events) {
+  const Action& a = x.action;
+  const StageCost& c = costs.stages[a.stage];
+  TimelineEvent e{Kind::kCompute, a.microbatch, a.stage};
+  e.start_us = x.start;
+  e.end_us = end;
+  const bool ck = checkpointed(costs, a);
+  switch (a.type) {
+    case ActionType::kForward:
+      e.checkpointed = ck;
+      events.push_back(e);
+      if (c.copy_us > 0 && a.stage + 1 < schedule.stages) {
+        TimelineEvent copy{Kind::kCopy, a.microbatch, a.stage + 1, a.stage};
+        copy.start_us = end;
+        copy.end_us = end + c.copy_us;
+        events.push_back(copy);
+      }
+      break;
+    case ActionType::kBackward:
+    case ActionType::kBackwardInput: {
+      double begin = x.start;
+      if (ck && c.recompute_us > 0 && x.work > 0) {
+        TimelineEvent re{Kind::kRecompute, a.microbatch, a.stage};
+        re.start_us = x.start;
+        re.end_us = begin = x.start + (end - x.start) * c.recompute_us / x.work;
+        events.push_back(re);
+      }
+      e.kind = a.type == ActionType::kBackward || ck ? Kind::kBackward : Kind::kBackwardInput;
+      e.start_us = begin;
+      events.push_back(e);
+      break;
     }
-  };
-  // What the action keeps once it ends (positive) or frees (negative), on its stage's device.
-  auto kept = [&](const Action& a) -> int64_t {
-    const StageCost& c = costs.stages[a.stage];
-    const bool ck = checkpointed(a);
-    switch (a.type) {
-      case ActionType::kForward: return ck ? c.checkpointed_bytes : c.held_bytes;
-      case ActionType::kBackward: return -(ck ? c.checkpointed_bytes : c.held_bytes);
-      case ActionType::kBackwardInput: return ck ? -c.checkpointed_bytes : c.grad_kept_bytes;
-      case ActionType::kBackwardWeight: return ck ? 0 : -(c.held_bytes + c.grad_kept_bytes);
-      default: return 0;
-    }
-  };
-  auto transient = [&](const Action& a) -> int64_t {
-    const StageCost& c = costs.stages[a.stage];
-    switch (a.type) {
-      case ActionType::kForward: return c.forward_workspace_bytes;
-      case ActionType::kBackward:
-      case ActionType::kBackwardInput:
-        return checkpointed(a) ? c.held_bytes + std::max(c.forward_workspace_bytes,
-                                                         c.backward_workspace_bytes)
-                               : c.backward_workspace_bytes;
-      default: return 0;
-    }
-  };
+    case ActionType::kBackwardWeight:
+      if (!ck) {
+        e.kind = Kind::kBackwardWeight;
+        events.push_back(e);
+      }
+      break;
+    default: break;
+  }
+}
+
+// When each action ended, and so when what an action needs is there (detail::Plan::needs): its
+// own worker's actions at once, another worker's handoff_us and the copy later.
+class Dependencies {
+ public:
+  Dependencies(const Schedule& schedule, const PipelineCosts& costs)
+      : costs_(costs),
+        plan_(schedule),
+        done_(static_cast<size_t>(schedule.stages * detail::kTypes * schedule.microbatches), -1) {
+    detail::place_actions(schedule, plan_);
+  }
+
   // The time at which what `a` needs is there, or nullopt while something is not done.
-  std::vector<double> done(static_cast<size_t>(schedule.stages * detail::kTypes *
-                                               schedule.microbatches),
-                           -1);
-  std::vector<Action> local;
-  std::optional<Action> remote;
-  auto ready_at = [&](const Action& a) -> std::optional<double> {
-    plan.needs(a, local, remote);
+  std::optional<double> ready_at(const Action& a) {
+    plan_.needs(a, local_, remote_);
     double t = 0;
-    for (const Action& need : local) {
-      const double d = done[plan.key(need)];
+    for (const Action& need : local_) {
+      const double d = done_[plan_.key(need)];
       if (d < 0) return std::nullopt;
       t = std::max(t, d);
     }
-    if (remote) {
-      const double d = done[plan.key(*remote)];
+    if (remote_) {
+      const double d = done_[plan_.key(*remote_)];
       if (d < 0) return std::nullopt;
       // A forward's input comes from the stage before, a backward's gradient from the one after.
       const int64_t from = a.type == ActionType::kForward ? a.stage - 1 : a.stage;
-      t = std::max(t, d + costs.stages[from].copy_us + costs.handoff_us);
+      t = std::max(t, d + costs_.stages[from].copy_us + costs_.handoff_us);
     }
     return t;
-  };
+  }
 
-  PipelineSimulation sim;
-  std::vector<int64_t> current = costs.static_bytes;
-  std::vector<int64_t> working(devices, 0);
-  sim.peak_bytes = current;
-  auto note_peak = [&](int64_t d) {
-    sim.peak_bytes[d] = std::max(sim.peak_bytes[d], current[d] + working[d]);
-  };
-  std::vector<std::optional<Running>> running(n);
-  std::vector<size_t> next(n, 0);
-  // Taking turns on a CPU's cores: each worker's CPU time (its virtual runtime) and whether it
-  // holds a core now.
-  auto cores_of = [&](int64_t d) { return costs.cores.empty() ? int64_t{0} : costs.cores[d]; };
-  std::vector<double> vruntime(n, 0);
-  std::vector<bool> on_core(n, false), woken(n, false);
-  std::vector<double> since(n, 0);      // when it took its core
-  std::vector<int64_t> core_of(n, -1);  // the device of that core
-  // Per device: the least virtual runtime of its workers, which only grows (Linux's
-  // min_vruntime): a worker waking there comes back at most sleeper_credit_us behind it.
-  std::vector<double> least(devices, 0);
-  auto device_of = [&](int64_t r) { return costs.stages[running[r]->action.stage].device; };
-  double t = 0;
-  constexpr double kEps = 1e-9;
+  // Notes that `a` ended at `t`.
+  void end(const Action& a, double t) { done_[plan_.key(a)] = t; }
+
+ private:
+  const PipelineCosts& costs_;
+  detail::Plan plan_;
+  std::vector<double> done_;  // per action (Plan::key): when it ended, -1 before
+  std::vector<Action> local_;  // what ready_at's action needs, from its own worker and another
+  std::optional<Action> remote_;
+};
+
+// Memory accounting per device (Note [Simulating a step]): the bytes kept (the static bytes and
+// what the micro-batches in flight keep), the running actions' working memory, and the peak of
+// their sum at any action's start or end.
+class Memory {
+ public:
+  explicit Memory(const PipelineCosts& costs)
+      : kept_(costs.static_bytes),
+        working_(costs.static_bytes.size(), 0),
+        peak_(costs.static_bytes) {}
+
+  // Notes an action starting on device d with `transient` bytes of working memory.
+  void start(int64_t d, int64_t transient) {
+    working_[d] += transient;
+    note_peak(d);
+  }
+  // Notes an action ending on device d: it keeps `kept` bytes more (frees -kept when negative);
+  // its working memory counts at the peak with them, then goes.
+  void end(int64_t d, int64_t kept, int64_t transient) {
+    kept_[d] += kept;
+    note_peak(d);
+    working_[d] -= transient;
+  }
+  // Per device: the largest bytes held at once.
+  const std::vector<int64_t>& peak() const { return peak_; }
+
+ private:
+  // Raises device d's peak to what it holds now.
+  void note_peak(int64_t d) { peak_[d] = std::max(peak_[d], kept_[d] + working_[d]); }
+
+  std::vector<int64_t> kept_, working_, peak_;
+};
+
+// The CPU-contention model (Note [Simulating a step]): a device's running workers share it, and
+// where it names its cores and more workers run than that, they take turns on them as Linux's
+// scheduler gives them. Per worker: its CPU time (its virtual runtime) and whether it holds a
+// core now, since when and on which device.
+class Cores {
+ public:
+  Cores(const PipelineCosts& costs, int64_t workers)
+      : costs_(costs),
+        vruntime_(workers, 0),
+        on_core_(workers, false),
+        woken_(workers, false),
+        since_(workers, 0),
+        core_of_(workers, -1),
+        least_(costs.capacity.size(), 0) {}
+
+  // Notes worker r starting an action on device d: it wakes, unless it goes straight on from its
+  // last action on the same device, which keeps its core.
+  void start(int64_t r, int64_t d) {
+    if (core_of_[r] != d) on_core_[r] = false;
+    woken_[r] = !on_core_[r];
+  }
+
+  // Gives out the cores at `t`, given each worker's device (-1: it runs nothing) and each device's
+  // running workers; returns the next preemption at a slice's end (kNever: none).
+  double assign(double t, const std::vector<int64_t>& device, const std::vector<int64_t>& active);
+
+  // Worker r's speed on device d, where `active` workers run: 0 off its core, else its share.
+  double rate(int64_t r, int64_t d, int64_t active) const {
+    if (!on_core_[r]) return 0.0;
+    const int64_t cores = cores_of(d);
+    const int64_t sharing = cores == 0 ? active : std::min(active, cores);
+    return std::min(1.0, costs_.capacity[d] / static_cast<double>(sharing));
+  }
+
+  // Whether worker r holds a core now.
+  bool on_core(int64_t r) const { return on_core_[r]; }
+
+  // Notes worker r running for `us` microseconds.
+  void ran(int64_t r, double us) { vruntime_[r] += us; }
+
+ private:
+  using Workers = std::vector<int64_t>;
+
+  // Device d's cores; 0: its workers share it without turns (processor sharing).
+  int64_t cores_of(int64_t d) const { return costs_.cores.empty() ? int64_t{0} : costs_.cores[d]; }
+
+  // Orders workers by virtual runtime, the furthest behind first.
+  auto by_vruntime() const {
+    return [this](int64_t a, int64_t b) { return vruntime_[a] < vruntime_[b]; };
+  }
+
+  // Gives worker r a core of device d at `t`.
+  void give_core(int64_t r, int64_t d, double t) {
+    on_core_[r] = true;
+    since_[r] = t;
+    core_of_[r] = d;
+  }
+
+  // Moves the waiting worker *q onto a core of device d at `t`.
+  void take(int64_t d, double t, Workers& on, Workers& off, Workers::iterator q) {
+    give_core(*q, d, t);
+    on.push_back(*q);
+    off.erase(q);
+  }
+
+  // Who holds device d's cores at `t` (`device` and `active` as for assign); returns when the next
+  // slice there ends for a worker ahead of the first in line (kNever: none).
+  double assign_device(int64_t d, double t, const std::vector<int64_t>& device, int64_t active);
+
+  // A worker that slept comes back at most sleeper_credit_us behind the others: behind device d's
+  // least virtual runtime, which only grows (Linux's min_vruntime).
+  void credit_sleepers(int64_t d, const std::vector<int64_t>& device, const Workers& off);
+
+  // A worker just woken takes the core of the one furthest ahead when more than wakeup_us behind
+  // it; and one that has held its core for slice_us yields it to one behind it.
+  void preempt(int64_t d, double t, Workers& on, Workers& off);
+
+  const PipelineCosts& costs_;
+  std::vector<double> vruntime_;
+  std::vector<bool> on_core_, woken_;
+  std::vector<double> since_;     // when it took its core
+  std::vector<int64_t> core_of_;  // the device of that core
+  std::vector<double> least_;     // per device: the least virtual runtime of its workers
+};
+
+double Cores::assign(double t, const std::vector<int64_t>& device,
+                     const std::vector<int64_t>& active) {
+  for (size_t r = 0; r < device.size(); ++r) {
+    if (device[r] < 0) on_core_[r] = false;
+  }
+  double turn = kNever;
+  for (int64_t d = 0; d < static_cast<int64_t>(active.size()); ++d) {
+    turn = std::min(turn, assign_device(d, t, device, active[d]));
+  }
+  std::fill(woken_.begin(), woken_.end(), false);
+  return turn;
+}
+
+double Cores::assign_device(int64_t d, double t, const std::vector<int64_t>& device,
+                            int64_t active) {
+  const int64_t cores = cores_of(d);
+  Workers on, off;
+  for (size_t r = 0; r < device.size(); ++r) {
+    if (device[r] == d) (on_core_[r] ? on : off).push_back(static_cast<int64_t>(r));
+  }
+  if (cores > 0) credit_sleepers(d, device, off);
+  if (cores == 0 || active <= cores) {
+    for (int64_t r : off) give_core(r, d, t);
+    return kNever;
+  }
+  // Free cores go to those furthest behind.
+  while (static_cast<int64_t>(on.size()) < cores) {
+    take(d, t, on, off, std::min_element(off.begin(), off.end(), by_vruntime()));
+  }
+  preempt(d, t, on, off);
+  // When the next slice ends for someone ahead of the first in line.
+  if (off.empty()) return kNever;
+  const double behind = vruntime_[*std::min_element(off.begin(), off.end(), by_vruntime())];
+  double turn = kNever;
+  for (int64_t r : on) {
+    turn = std::min(turn, std::max(since_[r] + costs_.slice_us,
+                                   t + std::max(0.0, behind - vruntime_[r]) + 1e-3));
+  }
+  return turn;
+}
+
+void Cores::credit_sleepers(int64_t d, const std::vector<int64_t>& device, const Workers& off) {
+  double now_least = kNever;
+  for (size_t r = 0; r < device.size(); ++r) {
+    if (device[r] == d && !woken_[r]) now_least = std::min(now_least, vruntime_[r]);
+  }
+  if (now_least < kNever) least_[d] = std::max(least_[d], now_least);
+  for (int64_t r : off) {
+    if (woken_[r]) vruntime_[r] = std::max(vruntime_[r], least_[d] - costs_.sleeper_credit_us);
+  }
+}
+
+void Cores::preempt(int64_t d, double t, Workers& on, Workers& off) {
+  for (bool moved = true; moved && !off.empty();) {
+    moved = false;
+    auto q = std::min_element(off.begin(), off.end(), by_vruntime());
+    auto r = std::max_element(on.begin(), on.end(), by_vruntime());
+    const bool wakeup = woken_[*q] && vruntime_[*r] - vruntime_[*q] > costs_.wakeup_us;
+    bool sliced = false;
+    for (auto k = on.begin(); k != on.end() && !wakeup; ++k) {
+      if (vruntime_[*k] > vruntime_[*q] && t - since_[*k] >= costs_.slice_us - kEps) {
+        r = k;
+        sliced = true;
+        break;
+      }
+    }
+    if (wakeup || sliced) {
+      on_core_[*r] = false;
+      const int64_t yielded = *r;
+      on.erase(r);
+      take(d, t, on, off, q);
+      off.push_back(yielded);
+      woken_[yielded] = false;
+      moved = true;
+    }
+  }
+}
+
+// The event loop: starts each worker's actions in order as what they need is there, runs the
+// workers on their devices' cores to the next event (an action's end, an input's arrival, a
+// slice's end), and ends the actions done.
+class Simulator {
+ public:
+  Simulator(const Schedule& schedule, const PipelineCosts& costs)
+      : schedule_(schedule),
+        costs_(costs),
+        n_(schedule.num_ranks()),
+        devices_(static_cast<int64_t>(costs.capacity.size())),
+        dependencies_(schedule, costs),
+        memory_(costs),
+        cores_(costs, n_),
+        running_(n_),
+        next_(n_, 0) {}
+
+  // Runs the schedule to its end (an error where it stalls); once.
+  PipelineSimulation run();
+
+ private:
+  // Starts every action that can start now; returns when the first of the others' inputs will be
+  // there (kNever: none).
+  double start_ready();
+
+  // Runs the workers on cores from now to `until`, or to the first end of their actions before.
+  void advance(double until, const std::vector<int64_t>& device,
+               const std::vector<int64_t>& active);
+
+  // Ends the actions done by now: what they keep or free, when they ended, their timeline.
+  void end_done();
+
+  const Schedule& schedule_;
+  const PipelineCosts& costs_;
+  const int64_t n_;        // workers
+  const int64_t devices_;
+  Dependencies dependencies_;
+  Memory memory_;
+  Cores cores_;
+  std::vector<std::optional<Running>> running_;  // per worker: its action now
+  std::vector<size_t> next_;                     // per worker: its next action's index
+  double t_ = 0;                                 // now, microseconds
+  PipelineSimulation sim_;
+};
+
+PipelineSimulation Simulator::run() {
   for (;;) {
-    // Start every action that can start now; note when the others' inputs will be there.
-    double wake = std::numeric_limits<double>::infinity();
-    for (int64_t r = 0; r < n; ++r) {
-      if (running[r] || next[r] >= schedule.ranks[r].size()) continue;
-      const Action& a = schedule.ranks[r][next[r]];
-      const std::optional<double> at = ready_at(a);
-      if (!at) continue;
-      if (*at > t + kEps) {
-        wake = std::min(wake, *at);
-        continue;
-      }
-      const double w = work(a);
-      const int64_t d = costs.stages[a.stage].device;
-      running[r] = Running{a, w, w, t, transient(a)};
-      working[d] += running[r]->transient;
-      note_peak(d);
-      // A worker going straight on to its next action on the same device keeps its core.
-      if (core_of[r] != d) on_core[r] = false;
-      woken[r] = !on_core[r];
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      if (!running[r]) on_core[r] = false;
-    }
+    const double wake = start_ready();
     // Each device's workers share it.
-    std::vector<int64_t> active(devices, 0);
+    std::vector<int64_t> device(n_, -1), active(devices_, 0);
     bool any = false;
-    for (int64_t r = 0; r < n; ++r) {
-      if (running[r]) {
-        ++active[device_of(r)];
-        any = true;
-      }
+    for (int64_t r = 0; r < n_; ++r) {
+      if (!running_[r]) continue;
+      device[r] = costs_.stages[running_[r]->action.stage].device;
+      ++active[device[r]];
+      any = true;
     }
-    if (!any && wake == std::numeric_limits<double>::infinity()) break;
-    // Who holds a core, where more workers run than the device has cores.
-    double turn = std::numeric_limits<double>::infinity();  // the next preemption at a slice's end
-    for (int64_t d = 0; d < devices; ++d) {
-      const int64_t cores = cores_of(d);
-      std::vector<int64_t> on, off;
-      for (int64_t r = 0; r < n; ++r) {
-        if (running[r] && device_of(r) == d) (on_core[r] ? on : off).push_back(r);
-      }
-      auto give_core = [&](int64_t r) {
-        on_core[r] = true;
-        since[r] = t;
-        core_of[r] = d;
-      };
-      if (cores > 0) {
-        // A worker that slept comes back at most sleeper_credit_us behind the others.
-        double now_least = std::numeric_limits<double>::infinity();
-        for (int64_t r = 0; r < n; ++r) {
-          if (running[r] && device_of(r) == d && !woken[r]) {
-            now_least = std::min(now_least, vruntime[r]);
-          }
-        }
-        if (now_least < std::numeric_limits<double>::infinity()) {
-          least[d] = std::max(least[d], now_least);
-        }
-        for (int64_t r : off) {
-          if (woken[r]) vruntime[r] = std::max(vruntime[r], least[d] - costs.sleeper_credit_us);
-        }
-      }
-      if (cores == 0 || active[d] <= cores) {
-        for (int64_t r : off) give_core(r);
-        continue;
-      }
-      auto by_vruntime = [&](int64_t a, int64_t b) { return vruntime[a] < vruntime[b]; };
-      auto take = [&](std::vector<int64_t>::iterator q) {
-        give_core(*q);
-        on.push_back(*q);
-        off.erase(q);
-      };
-      // Free cores go to those furthest behind.
-      while (static_cast<int64_t>(on.size()) < cores) {
-        take(std::min_element(off.begin(), off.end(), by_vruntime));
-      }
-      // A worker just woken takes the core of the one furthest ahead when more than wakeup_us
-      // behind it; and one that has held its core for slice_us yields it to one behind it.
-      for (bool moved = true; moved && !off.empty();) {
-        moved = false;
-        auto q = std::min_element(off.begin(), off.end(), by_vruntime);
-        auto r = std::max_element(on.begin(), on.end(), by_vruntime);
-        const bool wakeup = woken[*q] && vruntime[*r] - vruntime[*q] > costs.wakeup_us;
-        bool sliced = false;
-        for (auto k = on.begin(); k != on.end() && !wakeup; ++k) {
-          if (vruntime[*k] > vruntime[*q] && t - since[*k] >= costs.slice_us - kEps) {
-            r = k;
-            sliced = true;
-            break;
-          }
-        }
-        if (wakeup || sliced) {
-          on_core[*r] = false;
-          const int64_t yielded = *r;
-          on.erase(r);
-          take(q);
-          off.push_back(yielded);
-          woken[yielded] = false;
-          moved = true;
-        }
-      }
-      // When the next slice ends for someone ahead of the first in line.
-      if (off.empty()) continue;
-      const double behind = vruntime[*std::min_element(off.begin(), off.end(), by_vruntime)];
-      for (int64_t r : on) {
-        turn = std::min(turn, std::max(since[r] + costs.slice_us,
-                                       t + std::max(0.0, behind - vruntime[r]) + 1e-3));
-      }
+    if (!any && wake == kNever) break;
+    const double turn = cores_.assign(t_, device, active);
+    advance(std::min(wake, std::max(turn, t_ + kEps)), device, active);
+    end_done();
+  }
+  for (int64_t r = 0; r < n_; ++r) {
+    TORCH_CHECK(next_[r] == schedule_.ranks[r].size(), "simulate_pipeline: schedule '",
+                schedule_.name, "' stalls at rank ", r, " action ", next_[r]);
+  }
+  sim_.peak_bytes = memory_.peak();
+  return std::move(sim_);
+}
+
+double Simulator::start_ready() {
+  double wake = kNever;
+  for (int64_t r = 0; r < n_; ++r) {
+    if (running_[r] || next_[r] >= schedule_.ranks[r].size()) continue;
+    const Action& a = schedule_.ranks[r][next_[r]];
+    const std::optional<double> at = dependencies_.ready_at(a);
+    if (!at) continue;
+    if (*at > t_ + kEps) {
+      wake = std::min(wake, *at);
+      continue;
     }
-    std::fill(woken.begin(), woken.end(), false);
-    auto rate = [&](int64_t r) {
-      if (!on_core[r]) return 0.0;
-      const int64_t d = device_of(r);
-      const int64_t cores = cores_of(d);
-      const int64_t sharing = cores == 0 ? active[d] : std::min(active[d], cores);
-      return std::min(1.0, costs.capacity[d] / static_cast<double>(sharing));
-    };
-    double until = std::min(wake, std::max(turn, t + kEps));
-    for (int64_t r = 0; r < n; ++r) {
-      if (running[r] && on_core[r]) until = std::min(until, t + running[r]->remaining / rate(r));
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      if (!running[r] || !on_core[r]) continue;
-      running[r]->remaining -= (until - t) * rate(r);
-      vruntime[r] += until - t;
-    }
-    t = until;
-    for (int64_t r = 0; r < n; ++r) {
-      if (!running[r] || running[r]->remaining > kEps * std::max(1.0, running[r]->work)) continue;
-      const Running x = *running[r];
-      running[r].reset();
-      ++next[r];
-      const Action& a = x.action;
-      const StageCost& c = costs.stages[a.stage];
-      const int64_t d = c.device;
-      done[plan.key(a)] = t;
-      current[d] += kept(a);
-      note_peak(d);
-      working[d] -= x.transient;
-      sim.step_us = std::max(sim.step_us, t);
-      // The timeline, as the executor records it.
-      TimelineEvent e{Kind::kCompute, a.microbatch, a.stage};
-      e.start_us = x.start;
-      e.end_us = t;
-      const bool ck = checkpointed(a);
-      switch (a.type) {
-        case ActionType::kForward:
-          e.checkpointed = ck;
-          sim.events.push_back(e);
-          if (c.copy_us > 0 && a.stage + 1 < schedule.stages) {
-            TimelineEvent copy{Kind::kCopy, a.microbatch, a.stage + 1, a.stage};
-            copy.start_us = t;
-            copy.end_us = t + c.copy_us;
-            sim.events.push_back(copy);
-          }
-          break;
-        case ActionType::kBackward:
-        case ActionType::kBackwardInput: {
-          double begin = x.start;
-          if (ck && c.recompute_us > 0 && x.work > 0) {
-            TimelineEvent re{Kind::kRecompute, a.microbatch, a.stage};
-            re.start_us = x.start;
-            re.end_us = begin = x.start + (t - x.start) * c.recompute_us / x.work;
-            sim.events.push_back(re);
-          }
-          e.kind = a.type == ActionType::kBackward || ck ? Kind::kBackward : Kind::kBackwardInput;
-          e.start_us = begin;
-          sim.events.push_back(e);
-          break;
-        }
-        case ActionType::kBackwardWeight:
-          if (!ck) {
-            e.kind = Kind::kBackwardWeight;
-            sim.events.push_back(e);
-          }
-          break;
-        default: break;
-      }
+    const double w = work_us(costs_, a);
+    const int64_t d = costs_.stages[a.stage].device;
+    running_[r] = Running{a, w, w, t_, transient_bytes(costs_, a)};
+    memory_.start(d, running_[r]->transient);
+    cores_.start(r, d);
+  }
+  return wake;
+}
+
+void Simulator::advance(double until, const std::vector<int64_t>& device,
+                        const std::vector<int64_t>& active) {
+  auto rate = [&](int64_t r) { return cores_.rate(r, device[r], active[device[r]]); };
+  for (int64_t r = 0; r < n_; ++r) {
+    if (running_[r] && cores_.on_core(r)) {
+      until = std::min(until, t_ + running_[r]->remaining / rate(r));
     }
   }
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(next[r] == schedule.ranks[r].size(), "simulate_pipeline: schedule '",
-                schedule.name, "' stalls at rank ", r, " action ", next[r]);
+  for (int64_t r = 0; r < n_; ++r) {
+    if (!running_[r] || !cores_.on_core(r)) continue;
+    running_[r]->remaining -= (until - t_) * rate(r);
+    cores_.ran(r, until - t_);
   }
-  return sim;
+  t_ = until;
+}
+
+void Simulator::end_done() {
+  for (int64_t r = 0; r < n_; ++r) {
+    if (!running_[r] || running_[r]->remaining > kEps * std::max(1.0, running_[r]->work)) {
+      continue;
+    }
+    const Running x = *running_[r];
+    running_[r].reset();
+    ++next_[r];
+    const Action& a = x.action;
+    dependencies_.end(a, t_);
+    memory_.end(costs_.stages[a.stage].device, kept_bytes(costs_, a), x.transient);
+    sim_.step_us = std::max(sim_.step_us, t_);
+    record(schedule_, costs_, x, t_, sim_.events);
+  }
+}
+
+}  // namespace
+
+PipelineSimulation simulate_pipeline(const Schedule& schedule, const PipelineCosts& costs) {
+  check_costs(schedule, costs);
+  return Simulator(schedule, costs).run();
 }
 
 }  // namespace gpipe
