@@ -387,8 +387,7 @@ GPipeOptions PipelinePlan::options() const {
       .devices(devices)
       .chunks(chunks)
       .checkpoint(checkpoint)
-      .schedule(schedule)
-      .virtual_stages(virtual_stages);
+      .schedule(PipelineSchedule::of(schedule, virtual_stages));
 }
 
 std::string PipelinePlan::describe() const {

@@ -156,8 +156,10 @@ std::function<void()> pipeline_step(const ProcessGroup& group, int64_t width, in
   auto stage = std::make_shared<PipelineStage>(
       seq, PipelineStageOptions(stage_balance(layers)).chunks(m)
                .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
-               .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
-               .virtual_stages(v).microbatch_group(microbatch_group(m))
+               .schedule(gpipe::PipelineSchedule::of(
+                   gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)),
+                   v,
+                   microbatch_group(m)))
                .shared_memory(absl::GetFlag(FLAGS_shared_memory)),
       group);
   const at::Tensor x = at::randn({rows * m, width});
@@ -309,11 +311,14 @@ int main(int argc, char** argv) {
     const int64_t v = virtual_stages();
     PipelineStage stage(mlp(width, layers),
                         PipelineStageOptions(stage_balance(layers)).chunks(traced)
-                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse).record_timeline(true)
-                            .schedule(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                            .virtual_stages(v).microbatch_group(microbatch_group(traced))
+                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
+                            .schedule(gpipe::PipelineSchedule::of(
+                                gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)),
+                                v,
+                                microbatch_group(traced)))
                             .shared_memory(absl::GetFlag(FLAGS_shared_memory)),
                         group);
+    stage->record_timeline(true);
     const at::Tensor x = at::randn({rows * traced, width});
     const at::Tensor y = at::randn({rows * traced, width});
     for (int s = 0; s < 3; ++s) {  // the last of three steps

@@ -171,7 +171,8 @@ Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::
   torch::nn::Sequential seq = model.make();
   // (Recording costs a little per task: only where the events are used.)
   const bool record = !svg.empty() || absl::GetFlag(FLAGS_detail);
-  gpipe::GPipe pipe(seq, plan.options().record_timeline(record));
+  gpipe::GPipe pipe(seq, plan.options());
+  pipe->record_timeline(record);
   torch::optim::SGD optimizer(pipe->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   gpipe::set_intra_op_threads(static_cast<int>(plan.threads));
   auto loss = [](const gpipe::Batch& out, const at::Tensor& target) {

@@ -103,9 +103,8 @@ int child(const std::string& config) {
                    .devices(std::vector<c10::Device>(balance.size(), device))
                    .chunks(m)
                    .checkpoint(gpipe::Checkpoint::kNever)
-                   .schedule(kind)
-                   .virtual_stages(interleaved ? 2 : 1)
-                   .record_timeline(true));
+                   .schedule(gpipe::PipelineSchedule::of(kind, interleaved ? 2 : 1)));
+    (*pipe)->record_timeline(true);
     step = [&] {
       for (auto& p : (*pipe)->parameters()) p.mutable_grad() = at::Tensor();
       (*pipe)->step(x, y, mse);

@@ -213,9 +213,10 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   auto options = dist::PipelineStageOptions(balance)
                      .chunks(absl::GetFlag(FLAGS_chunks))
                      .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
-                     .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                     .virtual_stages(absl::GetFlag(FLAGS_virtual_stages))
-                     .microbatch_group(absl::GetFlag(FLAGS_microbatch_group))
+                     .schedule(gpipe::PipelineSchedule::of(
+                         schedule_kind(absl::GetFlag(FLAGS_schedule)),
+                         absl::GetFlag(FLAGS_virtual_stages),
+                         absl::GetFlag(FLAGS_microbatch_group)))
                      .loss([](const Batch& logits, const at::Tensor& targets) {
                        return models::next_token_loss(logits.tensor(), targets);
                      });
@@ -339,10 +340,10 @@ int run() {
                   .checkpoint(training::parse_checkpoint(checkpoint))
                   .worker_per_partition(on_cpu && partitions > 1)
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
-                  .schedule(schedule_kind(schedule))
-                  .virtual_stages(shape.virtual_stages)
-                  .microbatch_group(shape.microbatch_group)
-                  .record_timeline(!absl::GetFlag(FLAGS_svg).empty()));
+                  .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
+                                                        shape.virtual_stages,
+                                                        shape.microbatch_group)));
+  model->record_timeline(!absl::GetFlag(FLAGS_svg).empty());
   int64_t parameters = 0;
   for (const at::Tensor& p : model->parameters()) parameters += p.numel();
   const bool amp = absl::GetFlag(FLAGS_amp);

@@ -58,10 +58,10 @@ void run_and_draw(const gpipe::Schedule& schedule, const std::string& path) {
   options.devices(std::vector<c10::Device>(schedule.stages, c10::kCPU))
       .chunks(schedule.microbatches)
       .checkpoint(gpipe::Checkpoint::kNever)
-      .schedule_text(gpipe::schedule_text(schedule))
-      .record_timeline(true);
+      .schedule(gpipe::PipelineSchedule::text(gpipe::schedule_text(schedule)));
   gpipe::set_intra_op_threads(1);
   gpipe::GPipe model(seq, options);
+  model->record_timeline(true);
   const at::Tensor x = at::randn({64 * schedule.microbatches, 512});
   const at::Tensor y = at::randn({64 * schedule.microbatches, 512});
   for (int step = 0; step < 2; ++step) {

@@ -38,8 +38,8 @@ int main(int argc, char** argv) {
   // without passing through the ones in between.
   gpipe::GPipe pipe(model, gpipe::GPipeOptions(balance)
                                .devices(std::vector<c10::Device>(partitions, at::kCPU))
-                               .chunks(absl::GetFlag(FLAGS_chunks))
-                               .record_timeline(absl::GetFlag(FLAGS_timeline)));
+                               .chunks(absl::GetFlag(FLAGS_chunks)));
+  pipe->record_timeline(absl::GetFlag(FLAGS_timeline));
   // [gpipe]
   for (const auto& key : pipe->skip_layout().crossing()) {
     std::printf("skip '%s' crosses partitions\n", key.str().c_str());

@@ -16,8 +16,6 @@
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
 #include "gpipe/pipeline.h"
-#include "gpipe/schedule_check.h"
-#include "gpipe/schedule_text.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
@@ -134,50 +132,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     check_concurrent_generators("GPipe", partitions_, devices_, threads,
                                 checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
-  // step(): the schedule's ranks and their threads (Note [One executor]).
-  const int64_t parts = static_cast<int64_t>(partitions_.size());
-  {
-    // Note [Micro-batch groups] in schedule.h.
-    const int64_t group = options_.microbatch_group();
-    const int64_t v = options_.virtual_stages();
-    TORCH_CHECK(group >= 0, "GPipe microbatch_group must be 0 (the number of ranks) or more, got ",
-                group);
-    TORCH_CHECK(group == 0 || options_.schedule_text().empty(), "GPipe microbatch_group is ",
-                group, " but a schedule_text is given, which sets the order itself; leave "
-                "microbatch_group 0");
-    TORCH_CHECK(group == 0 || (options_.schedule() == ScheduleKind::kInterleaved && v > 1),
-                "GPipe microbatch_group is ", group, " but the schedule is ",
-                schedule_kind_name(options_.schedule()), " with ", v, " virtual stage",
-                v == 1 ? "" : "s", "; micro-batch groups are for ScheduleKind::kInterleaved with "
-                "virtual_stages of 2 or more");
-    if (group != 0 && v > 0 && parts > 0 && parts % v == 0) {
-      TORCH_CHECK(group >= parts / v && options_.chunks() % group == 0, "GPipe microbatch_group "
-                  "is ", group, "; it must be at least the number of ranks (", parts / v, ": ",
-                  parts, " partitions, ", v, " virtual stages per rank) and divide chunks (",
-                  options_.chunks(), "), or be 0 for ", parts / v);
-    }
-  }
-  if (!options_.schedule_text().empty()) {
-    auto parsed = std::make_shared<Schedule>(parse_schedule(options_.schedule_text()));
-    TORCH_CHECK(parsed->stages == parts, "GPipe schedule_text has ", parsed->stages,
-                " stages but the GPipe has ", parts, " partitions (balance {",
-                absl::StrJoin(options_.balance(), ", "), "}); give one stage per partition");
-    TORCH_CHECK(parsed->microbatches == options_.chunks(), "GPipe schedule_text has ",
-                parsed->microbatches, " micro-batches but chunks is ", options_.chunks(),
-                "; write the schedule for chunks micro-batches");
-    check_schedule(*parsed);
-    text_schedule_ = std::move(parsed);
-  } else {
-    const int64_t v = options_.virtual_stages();
-    TORCH_CHECK(v >= 1, "GPipe virtual_stages must be at least 1, got ", v);
-    TORCH_CHECK(v == 1 || options_.schedule() == ScheduleKind::kInterleaved,
-                "GPipe virtual_stages is ", v, " but the schedule is ",
-                schedule_kind_name(options_.schedule()), "; virtual stages are for "
-                "ScheduleKind::kInterleaved");
-    TORCH_CHECK(parts == 0 || parts % v == 0, "GPipe virtual_stages ", v, " must divide the "
-                "number of partitions (", parts, ", balance {",
-                absl::StrJoin(options_.balance(), ", "), "}): each rank runs v of them");
-  }
+  // step()'s schedule (Note [One schedule option]).
+  check_schedule_option(options_.schedule(), static_cast<int64_t>(partitions_.size()),
+                        options_.chunks(), "gpipe::GPipe");
+  record_timeline_ = options_.initially_records_timeline();
   for (const auto j : c10::irange(partitions_.size())) {
     detail::ExecutorPartition p;
     p.layers = partitions_[j];
@@ -206,7 +164,7 @@ namespace {
 std::vector<TimelineEvent> recorded(const GPipeImpl& model, const char* what) {
   std::vector<TimelineEvent> events = model.last_timeline();
   TORCH_CHECK(!events.empty(), "GPipe::", what, ": no timeline was recorded; construct the GPipe "
-              "with GPipeOptions(...).record_timeline(true) and run a forward first");
+              "with model->record_timeline(true) first and run a forward or a step");
   return events;
 }
 
@@ -294,7 +252,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.workers = workers_.get();
   spec.skip_layout = &skip_layout_;
   spec.run = next_run_id();
-  if (options_.record_timeline()) {
+  if (record_timeline_) {
     spec.timeline = std::make_shared<Timeline>(devices_);
   }
   // Not for an input with a history (a layer before the GPipe): each partition's backward of

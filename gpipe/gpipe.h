@@ -3,6 +3,7 @@
 // device, and the partitions work on different micro-batches at the same time.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/loss.h"
 #include "gpipe/schedule.h"
+#include "gpipe/schedule_option.h"
 #include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
 #include "gpipe/tied_parameters.h"
@@ -82,30 +84,32 @@ struct GPipeOptions {
   /// draw random numbers from the CPU generator then draw them in an order that depends on thread
   /// timing.
   TORCH_ARG(bool, worker_per_partition) = false;
-  /// Whether each forward records its tasks and copies (see last_timeline()), with their device
-  /// times on CUDA devices; each CUDA device is then synchronised once at the start of the forward
-  /// to align its clock with the host's (Note [Device times] in timeline.cc).
-  TORCH_ARG(bool, record_timeline) = false;
   /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
   /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every
   /// partition on the CPU and worker_per_partition(true); skips may cross partitions. Gradients
   /// are the same; torch::autograd::grad through the pipeline (rather than backward()) and
   /// create_graph are not supported in this mode.
   TORCH_ARG(bool, stage_local_backward) = false;
-  /// The schedule that step() runs (docs/schedules.md): GPipe's fill-drain, 1F1B, interleaved
-  /// 1F1B or zero bubble (ZB-H1). forward() always runs GPipe's.
-  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
-  /// With ScheduleKind::kInterleaved: partitions per rank (v). The balance then has n * v
-  /// entries and rank r runs partitions r, r + n, ...; chunks must be a multiple of n.
-  TORCH_ARG(int64_t, virtual_stages) = 1;
-  /// With ScheduleKind::kInterleaved and v > 1: the micro-batches that go through a partition
-  /// before the rank's next one starts (Megatron-LM's microbatch_group_size_per_vp_stage): at
-  /// least n, and a divisor of the micro-batches; 0 means n. Larger groups leave the hops between
-  /// ranks more time, for more activations in flight (Note [Micro-batch groups] in schedule.h).
-  TORCH_ARG(int64_t, microbatch_group) = 0;
-  /// A schedule of step() as text (gpipe::parse_schedule's format, one line per rank, stages =
-  /// partitions, micro-batches = chunks) instead of `schedule`; checked at construction.
-  TORCH_ARG(std::string, schedule_text) = "";
+
+ public:
+  /// The schedule that step() runs (docs/schedules.md): a kind — GPipe's fill-drain (the
+  /// default), 1F1B, interleaved 1F1B, zero bubble (ZB-H1) —, interleaved 1F1B with its virtual
+  /// stages (PipelineSchedule::interleaved), or a schedule written as text
+  /// (PipelineSchedule::text); checked at construction. forward() always runs GPipe's.
+  ///
+  ///   gpipe::GPipeOptions({2, 2}).chunks(8).schedule(gpipe::ScheduleKind::k1F1B)
+  ///   gpipe::GPipeOptions({1, 1, 1, 1}).chunks(8)
+  ///       .schedule(gpipe::PipelineSchedule::interleaved(/*virtual_stages=*/2))
+  GPipeOptions& schedule(PipelineSchedule schedule) {
+    schedule_ = std::move(schedule);
+    return *this;
+  }
+  /// A kind, keeping the virtual stages and group set by the deprecated setters below.
+  GPipeOptions& schedule(ScheduleKind kind) {
+    schedule_.set_kind(kind);
+    return *this;
+  }
+  const PipelineSchedule& schedule() const { return schedule_; }
   /// Pairs of parameters ("<layer name>.<parameter>", as the Sequential's named_parameters()
   /// names them) that are one parameter of the model (Varuna's shared_weights): the second takes
   /// the first's value, their gradients are summed and they stay equal (Note [Tied
@@ -114,6 +118,35 @@ struct GPipeOptions {
   ///   // The output projection (layer 5) shares the token embedding's (layer 0) weight.
   ///   gpipe::GPipeOptions({3, 3}).tied_parameters({{"0.weight", "5.weight"}})
   TORCH_ARG(TiedNames, tied_parameters) = {};
+
+ public:
+  // Deprecated spellings (Note [One schedule option]); each sets one field of schedule().
+  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages))")]]
+  GPipeOptions& virtual_stages(int64_t v) {
+    schedule_.set_virtual_stages(v);
+    return *this;
+  }
+  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages, group))")]]
+  GPipeOptions& microbatch_group(int64_t group) {
+    schedule_.set_microbatch_group(group);
+    return *this;
+  }
+  [[deprecated("use schedule(gpipe::PipelineSchedule::text(text))")]]
+  GPipeOptions& schedule_text(std::string text) {
+    schedule_.set_text(std::move(text));
+    return *this;
+  }
+  [[deprecated("use the model's record_timeline(true) (a switch at run time)")]]
+  GPipeOptions& record_timeline(bool on) {
+    record_timeline_ = on;
+    return *this;
+  }
+  /// Whether the deprecated record_timeline option was set: the model's initial switch.
+  bool initially_records_timeline() const { return record_timeline_; }
+
+ private:
+  PipelineSchedule schedule_;
+  bool record_timeline_ = false;
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -179,7 +212,16 @@ class GPipeImpl : public torch::nn::Module {
   const std::vector<torch::nn::Sequential>& partitions() const { return partitions_; }
   /// The total number of layers.
   size_t size() const;
-  /// What the last forward did, when GPipeOptions::record_timeline is set (else empty), and the
+  /// Switches recording on or off for the next forwards and steps: each then records its tasks
+  /// and copies (see last_timeline()), with their device times on CUDA devices; each CUDA device
+  /// is synchronised once at the start of a forward to align its clock with the host's (Note
+  /// [Device times] in timeline.cc). Off by default.
+  ///
+  ///   model->record_timeline(true);
+  void record_timeline(bool on = true) { record_timeline_ = on; }
+  /// Whether forwards and steps record their timelines.
+  bool is_recording_timeline() const { return record_timeline_; }
+  /// What the last forward or step did, when recording (else empty), and the
   /// recomputations and checkpointed backward of its backward so far. Draw it with
   /// gpipe::render_timeline, or write it out with write_chrome_trace / write_timeline_svg. On
   /// CUDA it waits until the devices have run the recorded work, to read its device times.
@@ -191,7 +233,8 @@ class GPipeImpl : public torch::nn::Module {
   /// backward to see the recomputations too. Throws c10::Error when nothing was recorded or the
   /// file cannot be written.
   ///
-  ///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 2}).chunks(8).record_timeline(true));
+  ///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 2}).chunks(8));
+  ///   model->record_timeline(true);
   ///   model->forward(x).sum().backward();
   ///   model->write_chrome_trace("/tmp/step.json");
   void write_chrome_trace(const std::string& path) const;
@@ -254,10 +297,11 @@ class GPipeImpl : public torch::nn::Module {
   // The model's ties and this GPipe's copies of them (Note [Tied parameters]).
   std::vector<Tie> ties_;
   std::shared_ptr<TiedCopies> tied_;
-  // step()'s partitions, lanes' threads (rank 0 runs on the caller) and text schedule.
+  // step()'s partitions and lanes' threads (rank 0 runs on the caller).
   std::vector<detail::ExecutorPartition> step_partitions_;
   std::vector<std::unique_ptr<Worker>> lane_workers_;
-  std::shared_ptr<const Schedule> text_schedule_;
+  // Whether forwards and steps record their timelines (record_timeline()).
+  std::atomic<bool> record_timeline_{false};
   // Serialises forwards (see the class comment).
   mutable absl::Mutex forward_mu_;
   // The last forward's timeline (it goes on filling during backward), or null.

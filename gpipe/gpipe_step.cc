@@ -11,6 +11,7 @@
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
 #include "gpipe/schedule.h"
+#include "gpipe/schedule_option.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"
@@ -19,15 +20,12 @@
 namespace gpipe {
 
 Schedule GPipeImpl::schedule(int64_t microbatches) const {
-  if (text_schedule_) {
-    TORCH_CHECK(microbatches == text_schedule_->microbatches, "GPipe::step: the mini-batch "
-                "makes ", microbatches, " micro-batches but schedule_text is written for ",
-                text_schedule_->microbatches, "; give at least chunks samples");
-    return *text_schedule_;
-  }
-  const int64_t v = options_.virtual_stages();
-  const int64_t ranks = static_cast<int64_t>(partitions_.size()) / v;
-  return make_schedule(options_.schedule(), ranks, microbatches, v, options_.microbatch_group());
+  const PipelineSchedule& option = options_.schedule();
+  TORCH_CHECK(!option.is_text() || microbatches == option.parsed()->microbatches,
+              "GPipe::step: the mini-batch makes ", microbatches, " micro-batches but the "
+              "schedule text is written for ", option.is_text() ? option.parsed()->microbatches : 0,
+              "; give at least chunks samples");
+  return make_schedule_for(option, static_cast<int64_t>(partitions_.size()), microbatches);
 }
 
 at::Tensor GPipeImpl::step(const at::Tensor& input, const at::Tensor& target,
@@ -91,7 +89,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   // Captured before the deferred-batch-norm callback is added: the recomputation observes no
   // operator (Note [Deferred batch norm without replacing modules]).
   spec.recompute_state = std::make_shared<const ThreadState>();
-  if (options_.record_timeline()) spec.timeline = std::make_shared<Timeline>(devices_);
+  if (record_timeline_) spec.timeline = std::make_shared<Timeline>(devices_);
   spec.skip_layout = &skip_layout_;
   spec.copy_streams = &copy_streams_;
   const bool deferred = options_.deferred_batch_norm() && is_training();

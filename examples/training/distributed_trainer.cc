@@ -155,11 +155,13 @@ int train_distributed(const TrainerModel& trainer) {
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
                                 .checkpoint(checkpoint).loss(cross_entropy).device(device)
-                                .local_balance(local_balance).record_timeline(true)
-                                .schedule(schedule_kind(absl::GetFlag(FLAGS_schedule)))
-                                .virtual_stages(virtual_stages)
-                                .microbatch_group(absl::GetFlag(FLAGS_microbatch_group)),
+                                .local_balance(local_balance)
+                                .schedule(gpipe::PipelineSchedule::of(
+                                    schedule_kind(absl::GetFlag(FLAGS_schedule)),
+                                    virtual_stages,
+                                    absl::GetFlag(FLAGS_microbatch_group))),
                             groups.pipeline, groups.replica_group);
+  stage->record_timeline(true);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.
   const bool reporter = stage->is_last() && groups.replica == 0;
   if (reporter) {

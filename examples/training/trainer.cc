@@ -257,10 +257,10 @@ int train(const TrainerModel& trainer) {
                         .deferred_batch_norm(true)
                         .worker_per_partition(on_cpu && partitions > 1)
                         .stage_local_backward(stage_local)
-                        .schedule(schedule_kind(schedule))
-                        .virtual_stages(shape.virtual_stages)
-                        .microbatch_group(shape.microbatch_group)
-                        .record_timeline(true));
+                        .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
+                                                              shape.virtual_stages,
+                                                              shape.microbatch_group)));
+  pipe->record_timeline(true);
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
   const bool use_step = schedule != "gpipe";
   int64_t parameters = 0;

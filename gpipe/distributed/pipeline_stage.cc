@@ -42,6 +42,74 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                                      PipelineStageOptions options, ProcessGroup group)
     : PipelineStageImpl(module, std::move(options), std::move(group), ProcessGroup()) {}
 
+namespace {
+
+// The options against the group and the model, before anything is placed.
+void check_options(const PipelineStageOptions& options, const ProcessGroup& group,
+                   const torch::nn::Sequential& module, const char* who) {
+  TORCH_CHECK(group, who, ": the process group is null; make one with "
+              "gpipe::distributed::new_gloo_group");
+  const std::vector<int64_t>& balance = options.balance();
+  TORCH_CHECK(options.chunks() >= 1, who, ": chunks must be at least 1, got ", options.chunks());
+  const PipelineSchedule& schedule = options.schedule();
+  const int64_t v = schedule.virtual_stages();
+  TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
+              "a stage a ScheduleKind or PipelineSchedule::interleaved(v)");
+  TORCH_CHECK(v >= 1 && v <= kMaxChannels, who, ": virtual_stages must be between 1 and ",
+              kMaxChannels, ", got ", v);
+  TORCH_CHECK(options.shared_memory() == 0 || options.shared_memory() >= kMinSharedRing, who,
+              ": shared_memory is ", options.shared_memory(), " bytes; a ring needs at least ",
+              kMinSharedRing, " (256 KiB), or 0 for none");
+  TORCH_CHECK(options.chunks() <= kMaxMicrobatches, who, ": chunks is ", options.chunks(),
+              "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
+  verify_module(module);
+  verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
+  verify_skippables(module);
+  const int ranks = group->getSize();
+  check_schedule_option(schedule, static_cast<int64_t>(balance.size()), options.chunks(), who);
+  if (schedule.interleaves()) {
+    // Note [Interleaving across processes].
+    TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "
+                "stages, got a group of ", ranks, "; interleave in one process with GPipe");
+    TORCH_CHECK(matches_by_tag(group), who, ": the interleaved schedule across processes needs a "
+                "group that matches transfers by tag (Gloo: new_gloo_group); on a group that "
+                "matches them in posting order (NCCL), use ScheduleKind::k1F1B or kZeroBubble");
+    TORCH_CHECK(options.local_balance().empty() && options.local_devices().empty(), who,
+                ": with the interleaved schedule each of a stage's virtual stages is a partition "
+                "of its own; local_balance and local_devices cannot split them further (leave "
+                "them empty)");
+  }
+}
+
+// Stage `stage`'s layers per partition (Note [Partitions within a stage]), checked.
+std::vector<int64_t> local_balance_of(const PipelineStageOptions& options, int64_t stage,
+                                      const char* who) {
+  const std::vector<int64_t>& balance = options.balance();
+  const std::vector<c10::Device>& local_devices = options.local_devices();
+  std::vector<int64_t> local_balance = options.local_balance();
+  TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
+              local_devices.size(), " devices but local_balance is empty; give this stage's "
+              "layers per partition, one entry per device");
+  if (local_balance.empty()) local_balance = {balance[stage]};
+  const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
+  for (int64_t b : local_balance) {
+    TORCH_CHECK(b > 0, who, ": local_balance ", shown, " has a non-positive entry ", b,
+                "; every partition needs at least one layer");
+  }
+  const int64_t local_sum =
+      std::accumulate(local_balance.begin(), local_balance.end(), int64_t{0});
+  TORCH_CHECK(local_sum == balance[stage], who, ": local_balance ", shown, " adds up to ",
+              local_sum, " layers, but stage ", stage, " has ", balance[stage],
+              " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
+  TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
+              ": local_devices has ", local_devices.size(), " devices but local_balance ",
+              shown, " has ", local_balance.size(), " partitions; give one device per "
+              "partition");
+  return local_balance;
+}
+
+}  // namespace
+
 PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                                      PipelineStageOptions options, ProcessGroup group,
                                      ProcessGroup replica_group)
@@ -49,59 +117,22 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
       group_(std::move(group)),
       replica_group_(std::move(replica_group)) {
   const char* who = "gpipe::distributed::PipelineStage";
-  TORCH_CHECK(group_, who, ": the process group is null; make one with "
-              "gpipe::distributed::new_gloo_group");
+  check_options(options_, group_, module, who);
+  record_timeline_ = options_.initially_records_timeline();
+  std::vector<c10::Device> devices;
+  std::vector<torch::nn::Sequential> local = place(module, devices, who);
+  start_partitions(module, std::move(local), devices, who);
+  connect(module, who);
+}
+
+std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Sequential& module,
+                                                            std::vector<c10::Device>& devices,
+                                                            const char* who) {
   const std::vector<int64_t>& balance = options_.balance();
-  TORCH_CHECK(options_.chunks() >= 1, who, ": chunks must be at least 1, got ",
-              options_.chunks());
-  const int64_t v = options_.virtual_stages();
-  const bool interleaved = this->interleaved();
-  TORCH_CHECK(v >= 1 && v <= kMaxChannels, who, ": virtual_stages must be between 1 and ",
-              kMaxChannels, ", got ", v);
-  TORCH_CHECK(v == 1 || interleaved, who, ": virtual_stages is ", v, " but the schedule is ",
-              schedule_kind_name(options_.schedule()), "; virtual stages are for "
-              "ScheduleKind::kInterleaved");
-  const int64_t mb_group = options_.microbatch_group();
-  TORCH_CHECK(mb_group >= 0, who, ": microbatch_group must be 0 (the number of stages) or more, "
-              "got ", mb_group);
-  TORCH_CHECK(mb_group == 0 || (interleaved && v > 1), who, ": microbatch_group is ", mb_group,
-              " but the schedule is ", schedule_kind_name(options_.schedule()), " with ", v,
-              " virtual stage", v == 1 ? "" : "s", "; micro-batch groups are for "
-              "ScheduleKind::kInterleaved with virtual_stages of 2 or more");
-  TORCH_CHECK(options_.shared_memory() == 0 || options_.shared_memory() >= kMinSharedRing, who,
-              ": shared_memory is ", options_.shared_memory(), " bytes; a ring needs at least ",
-              kMinSharedRing, " (256 KiB), or 0 for none");
-  TORCH_CHECK(options_.chunks() <= kMaxMicrobatches, who, ": chunks is ", options_.chunks(),
-              "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
-  verify_module(module);
-  verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
-  verify_skippables(module);
+  const int64_t v = options_.schedule().virtual_stages();
   const int ranks = group_->getSize();
-  if (interleaved) {
-    // Note [Interleaving across processes].
-    TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "
-                "stages, got a group of ", ranks, "; interleave in one process with GPipe");
-    TORCH_CHECK(matches_by_tag(group_), who, ": the interleaved schedule across processes needs a "
-                "group that matches transfers by tag (Gloo: new_gloo_group); on a group that "
-                "matches them in posting order (NCCL), use ScheduleKind::k1F1B or kZeroBubble");
-    TORCH_CHECK(options_.local_balance().empty() && options_.local_devices().empty(), who,
-                ": with the interleaved schedule each of a stage's virtual stages is a partition "
-                "of its own; local_balance and local_devices cannot split them further (leave "
-                "them empty)");
-    if (mb_group == 0) {
-      TORCH_CHECK(options_.chunks() % ranks == 0, who, ": the interleaved schedule needs chunks "
-                  "to be a multiple of the number of stages (", ranks, "), got ",
-                  options_.chunks());
-    } else {
-      TORCH_CHECK(mb_group >= ranks && options_.chunks() % mb_group == 0, who,
-                  ": microbatch_group is ", mb_group, "; it must be at least the number of "
-                  "stages (", ranks, ") and divide chunks (", options_.chunks(), "), or be 0 "
-                  "for ", ranks);
-    }
-  }
-  // Only this stage's layers move to its device; the others stay on the CPU.
-  std::vector<c10::Device> devices(balance.size(), c10::Device(c10::kCPU));
   const int rank = group_->getRank();
+  // Only this stage's layers move to its device; the others stay on the CPU.
   const std::vector<c10::Device>& local_devices = options_.local_devices();
   if (local_devices.empty()) {
     check_device_available(options_.device(), absl::StrCat(who, ": the stage's device"));
@@ -110,20 +141,16 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     check_device_available(local_devices[j], absl::StrCat(who, ": local partition ", j));
   }
   const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
+  std::vector<c10::Device> placed(balance.size(), c10::Device(c10::kCPU));
   for (int64_t c = 0; c < v; ++c) {
     const size_t k = static_cast<size_t>(c * ranks + rank);
-    if (k < devices.size()) devices[k] = first_device;  // (a wrong balance is refused below)
+    if (k < placed.size()) placed[k] = first_device;  // (a wrong balance is refused below)
   }
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), who);
-  std::vector<int64_t> stage_of_layer;
-  for (size_t k = 0; k < balance.size(); ++k) {
-    stage_of_layer.insert(stage_of_layer.end(), balance[k], static_cast<int64_t>(k) % ranks);
-  }
   const std::vector<torch::nn::Sequential> parts = split_module(
-      clone_across_devices(module, layer_devices(balance, devices), who), balance, devices);
-  const SkipLayout across(parts);
-  const std::vector<SkipKey> crossing = across.crossing();
+      clone_across_devices(module, layer_devices(balance, placed), who), balance, placed);
+  const std::vector<SkipKey> crossing = SkipLayout(parts).crossing();
   const char* part = v > 1 ? "virtual stage" : "stage";
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
               "' is stashed in one ", part, " and popped in another; ",
@@ -138,69 +165,58 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
                                              : "process of the pipeline");
   stage_ = rank;
   std::vector<torch::nn::Sequential> local;
-  std::vector<c10::Device> partition_devices;
   if (v > 1) {
     // This stage's virtual stages, each a partition; layers() holds them all, in order.
     layers_ = torch::nn::Sequential();
     for (int64_t c = 0; c < v; ++c) {
       local.push_back(parts[c * ranks + rank]);
       layers_->extend(*local.back());
-      partition_devices.push_back(first_device);
+      devices.push_back(first_device);
     }
   } else {
-    layers_ = parts[stage_];
-  }
-
-  // This stage's partitions (Note [Partitions within a stage]).
-  if (v == 1) {
-    std::vector<int64_t> local_balance = options_.local_balance();
-    TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
-                local_devices.size(), " devices but local_balance is empty; give this stage's "
-                "layers per partition, one entry per device");
-    if (local_balance.empty()) local_balance = {balance[stage_]};
-    const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
-    for (int64_t b : local_balance) {
-      TORCH_CHECK(b > 0, who, ": local_balance ", shown, " has a non-positive entry ", b,
-                  "; every partition needs at least one layer");
-    }
-    const int64_t local_sum =
-        std::accumulate(local_balance.begin(), local_balance.end(), int64_t{0});
-    TORCH_CHECK(local_sum == balance[stage_], who, ": local_balance ", shown, " adds up to ",
-                local_sum, " layers, but stage ", stage_, " has ", balance[stage_],
-                " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
-    TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
-                ": local_devices has ", local_devices.size(), " devices but local_balance ",
-                shown, " has ", local_balance.size(), " partitions; give one device per "
-                "partition");
-    partition_devices =
-        local_devices.empty() ? std::vector<c10::Device>(local_balance.size(), options_.device())
-                              : local_devices;
-    layers_ = clone_across_devices(layers_, layer_devices(local_balance, partition_devices), who);
-    local = split_module(layers_, local_balance, partition_devices);
+    // This stage's partitions (Note [Partitions within a stage]).
+    const std::vector<int64_t> local_balance = local_balance_of(options_, stage_, who);
+    devices = local_devices.empty()
+                  ? std::vector<c10::Device>(local_balance.size(), options_.device())
+                  : local_devices;
+    layers_ = clone_across_devices(parts[stage_], layer_devices(local_balance, devices), who);
+    local = split_module(layers_, local_balance, devices);
   }
   register_module("layers", layers_);
-  tied_ = std::make_shared<TiedCopies>(ties_, local);
-  {
-    const auto whole = module->named_parameters();
-    std::vector<at::Tensor> shapes;
-    for (const Tie& tie : ties_) shapes.push_back(whole[tie.names[0]]);
-    tied_stages_ = std::make_unique<TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
+  return local;
+}
+
+void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
+                                         std::vector<torch::nn::Sequential> local,
+                                         const std::vector<c10::Device>& devices,
+                                         const char* who) {
+  const int ranks = group_->getSize();
+  std::vector<int64_t> stage_of_layer;
+  const std::vector<int64_t>& balance = options_.balance();
+  for (size_t k = 0; k < balance.size(); ++k) {
+    stage_of_layer.insert(stage_of_layer.end(), balance[k], static_cast<int64_t>(k) % ranks);
   }
+  tied_ = std::make_shared<TiedCopies>(ties_, local);
+  const auto whole = module->named_parameters();
+  std::vector<at::Tensor> shapes;
+  for (const Tie& tie : ties_) shapes.push_back(whole[tie.names[0]]);
+  tied_stages_ = std::make_unique<TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
   skip_layout_ = SkipLayout(local);
   // Partitions run at the same time on threads of their own (as a GPipe's with
   // worker_per_partition, and with the same caveats about random numbers); a stage's virtual
   // stages run on one thread, in the schedule's order.
+  const bool interleaved = this->interleaved();
   if (!interleaved) {
     std::vector<int64_t> threads(local.size());
     std::iota(threads.begin(), threads.end(), int64_t{0});
-    check_concurrent_generators(absl::StrCat(who, " (stage ", stage_, ")"), local,
-                                partition_devices, threads,
+    check_concurrent_generators(absl::StrCat(who, " (stage ", stage_, ")"), local, devices,
+                                threads,
                                 checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   for (size_t j = 0; j < local.size(); ++j) {
     detail::ExecutorPartition p;
     p.layers = local[j];
-    p.device = partition_devices[j];
+    p.device = devices[j];
     p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
     p.grad_record = std::make_shared<GradRecord>();
     // The first partition runs on the thread that calls step(), and so do virtual stages.
@@ -210,6 +226,9 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     }
     partitions_.push_back(std::move(p));
   }
+}
+
+void PipelineStageImpl::connect(const torch::nn::Sequential& module, const char* who) {
   // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
   // GPU (NCCL).
   local_ = partitions_[0].device;
@@ -229,17 +248,17 @@ PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
     shared_ = std::make_unique<SharedLinks>(group_, local_, specs, options_.shared_memory(), who);
   }
   tied_stages_->broadcast(group_, local_);  // Note [Ties across stages]
+  const char* stepping = "gpipe::distributed::PipelineStage::step";
   if (replica_group_) {
     std::vector<at::Tensor> state = layers_->parameters();
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
     broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers", local_);
     if (FaultChannel::can_hear_any(replica_group_)) {
-      replica_faults_ =
-          std::make_unique<FaultChannel>(replica_group_, "gpipe::distributed::PipelineStage::step");
+      replica_faults_ = std::make_unique<FaultChannel>(replica_group_, stepping);
     }
   }
   if (FaultChannel::can_hear_any(group_)) {
-    faults_ = std::make_unique<FaultChannel>(group_, "gpipe::distributed::PipelineStage::step");
+    faults_ = std::make_unique<FaultChannel>(group_, stepping);
   }
 }
 
@@ -248,7 +267,7 @@ PipelineStageImpl::~PipelineStageImpl() = default;
 std::vector<PipelineStageImpl::Link> PipelineStageImpl::links() const {
   std::vector<Link> out;
   if (stages() < 2) return out;
-  const int64_t v = interleaved() ? options_.virtual_stages() : 1;
+  const int64_t v = interleaved() ? options_.schedule().virtual_stages() : 1;
   const int previous = static_cast<int>((stage_ + stages() - 1) % stages());
   const int next = static_cast<int>((stage_ + 1) % stages());
   for (int64_t c = 0; c < v; ++c) {
@@ -287,10 +306,9 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
                       static_cast<int64_t>(fingerprint(absl::StrJoin(options_.balance(), ","))));
   fields.emplace_back("chunks", options_.chunks());
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
-  fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule()));
-  fields.emplace_back("virtual stages", options_.virtual_stages());
-  fields.emplace_back("micro-batch group", options_.microbatch_group());
-  fields.emplace_back("record_timeline", options_.record_timeline() ? 1 : 0);
+  fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule().kind()));
+  fields.emplace_back("virtual stages", options_.schedule().virtual_stages());
+  fields.emplace_back("micro-batch group", options_.schedule().microbatch_group());
   fields.emplace_back("shared_memory", options_.shared_memory());
   fields.emplace_back("deferred_batch_norm", options_.deferred_batch_norm() ? 1 : 0);
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);

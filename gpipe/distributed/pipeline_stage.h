@@ -4,6 +4,7 @@
 // and gradients passing between them on c10d.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -23,6 +24,7 @@
 #include "gpipe/distributed/process_group.h"
 #include "gpipe/loss.h"
 #include "gpipe/schedule.h"
+#include "gpipe/schedule_option.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/skip_layout.h"
@@ -34,6 +36,7 @@ namespace gpipe {
 class Worker;
 namespace detail {
 struct ExecutorPartition;
+class InputSource;
 }  // namespace detail
 namespace distributed {
 class Cancellation;  // fault.h
@@ -142,28 +145,30 @@ struct PipelineStageOptions {
   /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
   /// device(). May differ between stages.
   TORCH_ARG(std::vector<c10::Device>, local_devices);
-  /// The schedule of step(): kGPipe, k1F1B, kInterleaved (with virtual_stages) or kZeroBubble.
-  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::kGPipe;
-  /// With ScheduleKind::kInterleaved: virtual stages per process (v). The balance then has one
-  /// entry per virtual stage, n * v in all, and stage s runs virtual stages s, s + n, ...
-  /// (Note [Interleaving across processes]); chunks must be a multiple of n, and so must the
-  /// micro-batches each mini-batch splits into (a mini-batch of at least chunks samples).
+
+ public:
+  /// The schedule of step(): a kind (ScheduleKind::kGPipe, the default; k1F1B; kZeroBubble) or
+  /// interleaved 1F1B with its virtual stages per process (PipelineSchedule::interleaved(v,
+  /// group)): the balance then has one entry per virtual stage, n * v in all, and stage s runs
+  /// virtual stages s, s + n, ... (Note [Interleaving across processes]); chunks must be a
+  /// multiple of n, and so must the micro-batches each mini-batch splits into (a mini-batch of
+  /// at least chunks samples). The same on every stage. (A schedule written as text is GPipe's
+  /// only.)
   ///
   ///   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
-  ///   PipelineStageOptions({2, 2, 2, 2}).schedule(ScheduleKind::kInterleaved)
-  ///       .virtual_stages(2).chunks(4)
-  TORCH_ARG(int64_t, virtual_stages) = 1;
-  /// With ScheduleKind::kInterleaved and v > 1: the micro-batches that go through a virtual
-  /// stage before the process's next one starts (Megatron-LM's
-  /// microbatch_group_size_per_vp_stage): at least n, and a divisor of the micro-batches; 0 means
-  /// n. A larger group gives each hop between processes more time to arrive before it is
-  /// needed, for more activations in flight (Note [Micro-batch groups] in schedule.h). The same
-  /// on every stage.
-  TORCH_ARG(int64_t, microbatch_group) = 0;
+  ///   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
+  PipelineStageOptions& schedule(PipelineSchedule schedule) {
+    schedule_ = std::move(schedule);
+    return *this;
+  }
+  /// A kind, keeping the virtual stages and group set by the deprecated setters below.
+  PipelineStageOptions& schedule(ScheduleKind kind) {
+    schedule_.set_kind(kind);
+    return *this;
+  }
+  const PipelineSchedule& schedule() const { return schedule_; }
   /// The last stage's loss function; required there, ignored elsewhere.
   TORCH_ARG(LossFunction, loss) = nullptr;
-  /// Record what each step did (forward and backward of each micro-batch); see timeline().
-  TORCH_ARG(bool, record_timeline) = false;
   /// Whether this stage's BatchNorm layers update their running statistics once per mini-batch,
   /// as if they had seen it whole, instead of once per micro-batch (GPipeOptions'
   /// deferred_batch_norm; Note [Pipeline stages and batch norm]).
@@ -179,6 +184,30 @@ struct PipelineStageOptions {
   /// over the process group. Used with Gloo only. A micro-batch larger than half a ring, or one
   /// that finds the ring full, goes over the process group. The same on every stage.
   TORCH_ARG(int64_t, shared_memory) = int64_t{8} << 20;
+
+ public:
+  // Deprecated spellings (Note [One schedule option] in gpipe/schedule_option.h).
+  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages))")]]
+  PipelineStageOptions& virtual_stages(int64_t v) {
+    schedule_.set_virtual_stages(v);
+    return *this;
+  }
+  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages, group))")]]
+  PipelineStageOptions& microbatch_group(int64_t group) {
+    schedule_.set_microbatch_group(group);
+    return *this;
+  }
+  [[deprecated("use the stage's record_timeline(true) (a switch at run time)")]]
+  PipelineStageOptions& record_timeline(bool on) {
+    record_timeline_ = on;
+    return *this;
+  }
+  /// Whether the deprecated record_timeline option was set: the stage's initial switch.
+  bool initially_records_timeline() const { return record_timeline_; }
+
+ private:
+  PipelineSchedule schedule_;
+  bool record_timeline_ = false;
 };
 
 // Note [Pipeline stages and batch norm]
@@ -269,7 +298,7 @@ class PipelineStageImpl : public torch::nn::Module {
   /// This process's stage and the number of stages.
   int64_t stage() const { return stage_; }
   int64_t stages() const {
-    return static_cast<int64_t>(options_.balance().size()) / options_.virtual_stages();
+    return static_cast<int64_t>(options_.balance().size()) / options_.schedule().virtual_stages();
   }
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ == stages() - 1; }
@@ -284,7 +313,11 @@ class PipelineStageImpl : public torch::nn::Module {
   /// and /dev/shm usable by every rank; the others go over the process group.
   int64_t shared_memory_links() const;
 
-  /// What the last step did on this stage (with record_timeline): kCompute for each
+  /// Switches recording on or off for the next steps (off by default): each step then records
+  /// what it did on this stage (timeline(), gather_timeline()). The same on every stage.
+  void record_timeline(bool on = true) { record_timeline_ = on; }
+  bool is_recording_timeline() const { return record_timeline_; }
+  /// What the last step did on this stage (when recording): kCompute for each
   /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
   /// (0 when it has one).
   std::shared_ptr<const Timeline> timeline() const { return timeline_; }
@@ -308,12 +341,19 @@ class PipelineStageImpl : public torch::nn::Module {
   std::vector<TimelineEvent> gather_timeline();
 
  private:
+  // The constructor's parts: this stage's layers cloned onto their devices and split into its
+  // partitions (their devices in `devices`); the partitions' executor state, ties, skips and
+  // threads; the transport to the other stages and replicas.
+  std::vector<torch::nn::Sequential> place(const torch::nn::Sequential& module,
+                                           std::vector<c10::Device>& devices, const char* who);
+  void start_partitions(const torch::nn::Sequential& module,
+                        std::vector<torch::nn::Sequential> local,
+                        const std::vector<c10::Device>& devices, const char* who);
+  void connect(const torch::nn::Sequential& module, const char* who);
   void check_same_configuration(const torch::nn::Module& whole);
   // Whether this stage holds several virtual stages (Note [Interleaving across processes]); with
   // one, the interleaved schedule is 1F1B and placed as any other.
-  bool interleaved() const {
-    return options_.schedule() == ScheduleKind::kInterleaved && options_.virtual_stages() > 1;
-  }
+  bool interleaved() const { return options_.schedule().interleaves(); }
   // A link with a neighbouring stage: to the next stage (`downstream`: activations out, gradients
   // in) or from the previous one, with `peer`'s rank, on `channel` (the sending virtual stage's
   // chunk: transfer_tag), for this stage's partition (virtual stage chunk) `chunk`.
@@ -327,6 +367,14 @@ class PipelineStageImpl : public torch::nn::Module {
   // stage but at the pipeline's two ends; those from the previous stage first, by chunk.
   std::vector<Link> links() const;
   // Step `index` (step()'s count) after step()'s checks, with the step's cancellation.
+  // run_step's parts: the step's timeline, tied copies and replicas' buffers (returns whether
+  // batch norm is deferred); stage 0's micro-batches; deferred statistics, tied and replicas'
+  // gradients after the executor.
+  bool begin_step(bool grad_enabled);
+  std::unique_ptr<detail::InputSource> input_source(const Batch& input, bool grad_enabled,
+                                                    const char* who) const;
+  void end_step(int64_t index, bool grad_enabled, bool deferred,
+                const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms);
   at::Tensor run_step(const Batch& input, const at::Tensor& target, int64_t index,
                       std::shared_ptr<Cancellation> cancellation);
 
@@ -347,6 +395,7 @@ class PipelineStageImpl : public torch::nn::Module {
   c10::Device local_{c10::kCPU};
   c10::Device wire_{c10::kCPU};
   std::shared_ptr<Timeline> timeline_;
+  std::atomic<bool> record_timeline_{false};  // record_timeline()
   Batch output_{std::vector<at::Tensor>{}};
   // Steps from two threads run one after the other: their transfers share tags.
   absl::Mutex step_mu_;

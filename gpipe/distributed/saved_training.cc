@@ -49,7 +49,7 @@ SaveFiles stage_files(const PipelineStageImpl& stage) {
   const ProcessGroup& replicas = stage.replica_group();
   const int replica = replicas ? replicas->getRank() : 0;
   return {absl::StrCat("stage ", stage.stage(), " of ", stage.stages(), " (balance {",
-                       absl::StrJoin(options.balance(), ", "), "}, ", options.virtual_stages(),
+                       absl::StrJoin(options.balance(), ", "), "}, ", options.schedule().virtual_stages(),
                        " virtual stage(s) each, ", replicas ? replicas->getSize() : 1,
                        " replica(s))"),
           absl::StrCat("stage", stage.stage(), ".pt"),

@@ -2,6 +2,7 @@
 // the executor's run of its partitions, and what follows (deferred batch norm, replicas); see
 // pipeline_stage.h and Note [Failing fast across processes] in fault.h.
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,7 +42,129 @@ void throw_if_heard(const FaultChannel* channel, int64_t index) {
   if (std::optional<std::string> heard = channel->heard(index)) TORCH_CHECK(false, *heard);
 }
 
+// This stage's actions for m micro-batches: each of its partitions runs them in order (Note
+// [Partitions within a stage] in pipeline_stage.h), or, interleaved, its one lane runs its
+// virtual stages'.
+std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind kind,
+                                                                  int64_t stages, int64_t me,
+                                                                  int64_t k, int64_t v,
+                                                                  int64_t group,
+                                                                  bool interleaved) {
+  return [kind, stages, me, k, v, group, interleaved](int64_t m) {
+    std::vector<Action> mine = make_schedule(kind, stages, m, v, group).ranks[me];
+    std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
+    for (size_t j = 0; j < lanes.size(); ++j) {
+      for (Action a : mine) {
+        if (is_communication(a.type)) continue;
+        a.stage = interleaved ? a.stage / stages : static_cast<int64_t>(j);
+        lanes[j].push_back(a);
+      }
+    }
+    return lanes;
+  };
+}
+
+// The executor's ends of this stage's partitions: the input or remote upstreams, the loss or
+// remote downstreams; `v` > 0: interleaved, virtual stage c * stages + me's own links.
+void attach_links(detail::ExecutorSpec& spec, detail::InputSource* source, detail::LossSink* sink,
+                  const std::vector<std::unique_ptr<RemoteUpstream>>& remote_upstreams,
+                  const std::vector<std::unique_ptr<RemoteDownstream>>& remote_downstreams,
+                  int64_t v) {
+  if (v == 0) {
+    spec.upstream = source ? static_cast<detail::Upstream*>(source) : remote_upstreams[0].get();
+    spec.downstream = sink ? static_cast<detail::Downstream*>(sink) : remote_downstreams[0].get();
+    return;
+  }
+  size_t up = 0, down = 0;
+  for (int64_t c = 0; c < v; ++c) {
+    spec.upstreams.push_back(c == 0 && source ? static_cast<detail::Upstream*>(source)
+                                              : remote_upstreams[up++].get());
+    spec.downstreams.push_back(c == v - 1 && sink ? static_cast<detail::Downstream*>(sink)
+                                                  : remote_downstreams[down++].get());
+  }
+}
+
+// The last stage's loss. GPipe's order on the last stage (forwards first): the loss sees the
+// whole mini-batch. The same rule as GPipe::step's, on the schedule of as many micro-batches as
+// chunks (fewer, for a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one
+// micro-batch, where the two losses are the same).
+std::unique_ptr<detail::LossSink> loss_sink(const PipelineStageOptions& options, int64_t stages,
+                                            const at::Tensor& target, const char* who) {
+  const PipelineSchedule& schedule = options.schedule();
+  const int64_t v = schedule.virtual_stages();
+  const int64_t group = schedule.interleaves() ? schedule.microbatch_group() : 0;
+  const bool whole = detail::forwards_before_backwards(
+      make_schedule(schedule.kind(), stages, options.chunks(), v, group).ranks, stages * v - 1);
+  return std::make_unique<detail::LossSink>(options.loss(), target, whole, who);
+}
+
 }  // namespace
+
+bool PipelineStageImpl::begin_step(bool grad_enabled) {
+  timeline_ = record_timeline_ ? std::make_shared<Timeline>() : nullptr;
+  tied_->refresh();
+  // Note [Pipeline stages and batch norm].
+  bool any_batch_norm = false;
+  for (const detail::ExecutorPartition& p : partitions_) {
+    any_batch_norm |= p.batch_norms->size() > 0;
+  }
+  const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
+  if (replica_group_ && grad_enabled && is_training() && !deferred &&
+      !layers_->buffers().empty()) {
+    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
+  }
+  return deferred;
+}
+
+std::unique_ptr<detail::InputSource> PipelineStageImpl::input_source(const Batch& input,
+                                                                     bool grad_enabled,
+                                                                     const char* who) const {
+  check_input(input);
+  for (const at::Tensor& t : input.values()) {
+    TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
+                " but stage 0 runs on ", partitions_[0].device, "; move it there first");
+  }
+  std::vector<Batch> microbatches = scatter(input, options_.chunks());
+  const int64_t m = static_cast<int64_t>(microbatches.size());
+  // Note [Micro-batch groups] in schedule.h (0: the default, n).
+  const int64_t group = options_.schedule().microbatch_group();
+  const int64_t stages = this->stages();
+  TORCH_CHECK(!interleaved() || m % (group > 0 ? group : stages) == 0, who, ": the mini-batch of ",
+              input[0].size(0), " samples splits into ", m, " micro-batches (chunks ",
+              options_.chunks(), "), but the interleaved schedule needs a multiple of ",
+              group > 0 ? "the micro-batch group, " : "the stages, ",
+              group > 0 ? group : stages, "; give a mini-batch that splits into chunks "
+              "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
+  return std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
+}
+
+void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred,
+                                 const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms) {
+  if (deferred) {
+    StatisticsCombiner combine;
+    if (replica_group_) {
+      // A replica that failed tells this one over the replica group's channel (Note [Failing
+      // fast across processes]): the all-gather waits no longer.
+      combine = [this, index](std::vector<BatchNormStatistics>& statistics) {
+        combine_statistics(replica_group_, statistics, local_,
+                           [this, index] { throw_if_heard(replica_faults_.get(), index); });
+      };
+    }
+    commit_deferred(batch_norms, combine);
+  }
+  if (grad_enabled) {
+    // Note [Tied parameters], then Note [Ties across stages].
+    tied_->sum_gradients();
+    if (!tied_stages_->empty()) {
+      tied_stages_->sum_gradients(group_, local_,
+                                  [this, index] { throw_if_heard(faults_.get(), index); });
+    }
+  }
+  if (grad_enabled && replica_group_) {
+    average_gradients(replica_group_, layers_->parameters(), local_,
+                      [this, index] { throw_if_heard(replica_faults_.get(), index); });
+  }
+}
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
   const char* who = "gpipe::distributed::PipelineStage::step";
@@ -105,33 +228,23 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
                                        int64_t index, std::shared_ptr<Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
-  timeline_ = options_.record_timeline() ? std::make_shared<Timeline>() : nullptr;
   const bool grad_enabled = at::GradMode::is_enabled();
-  tied_->refresh();
-  // Note [Pipeline stages and batch norm].
-  bool any_batch_norm = false;
-  for (const detail::ExecutorPartition& p : partitions_) {
-    any_batch_norm |= p.batch_norms->size() > 0;
-  }
-  const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
-  if (replica_group_ && grad_enabled && is_training() && !deferred &&
-      !layers_->buffers().empty()) {
-    broadcast_from_rank0(replica_group_, layers_->buffers(), "replica 0's buffers", local_);
-  }
+  const bool deferred = begin_step(grad_enabled);
   const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation),
                   is_training()};
   // On a group that matches in posting order, schedules that interleave forwards and backwards
   // post each pair's transfers in turn (Note [When gradients' receives are posted]).
-  const bool in_turn = options_.schedule() != ScheduleKind::kGPipe && !matches_by_tag(group_);
+  const bool in_turn =
+      options_.schedule().kind() != ScheduleKind::kGPipe && !matches_by_tag(group_);
   const auto turns_with = [&](int64_t peer) -> TurnsOf {
     if (!in_turn) return nullptr;
-    return [kind = options_.schedule(), stages = stages(), me = stage_, peer](int64_t m) {
+    return [kind = options_.schedule().kind(), stages = stages(), me = stage_, peer](int64_t m) {
       return pair_turns(kind, stages, m, me, peer);
     };
   };
-  const ScheduleKind kind = options_.schedule();
+  const ScheduleKind kind = options_.schedule().kind();
   const int64_t stages = this->stages();
-  const int64_t v = options_.virtual_stages();
+  const int64_t v = options_.schedule().virtual_stages();
   const int64_t me = stage_;
   const int64_t k = static_cast<int64_t>(partitions_.size());
   // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
@@ -141,23 +254,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
   // Note [Micro-batch groups] in schedule.h (0: the default, n).
-  const int64_t group = interleaved ? options_.microbatch_group() : 0;
-  if (is_first()) {
-    check_input(input);
-    for (const at::Tensor& t : input.values()) {
-      TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
-                  " but stage 0 runs on ", partitions_[0].device, "; move it there first");
-    }
-    std::vector<Batch> microbatches = scatter(input, options_.chunks());
-    const int64_t m = static_cast<int64_t>(microbatches.size());
-    TORCH_CHECK(!interleaved || m % (group > 0 ? group : stages) == 0, who, ": the mini-batch of ",
-                input[0].size(0), " samples splits into ", m, " micro-batches (chunks ",
-                options_.chunks(), "), but the interleaved schedule needs a multiple of ",
-                group > 0 ? "the micro-batch group, " : "the stages, ",
-                group > 0 ? group : stages, "; give a mini-batch that splits into chunks "
-                "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
-    source = std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
-  }
+  const int64_t group = interleaved ? options_.schedule().microbatch_group() : 0;
+  if (is_first()) source = input_source(input, grad_enabled, who);
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
   // one message per micro-batch (Note [One message per micro-batch]).
   const bool packs = packs_activations(group_);
@@ -169,30 +267,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
         turns_with(l.peer), l.channel, packs ? &received_bytes_[l.channel] : nullptr,
         shared_ ? shared_->find(false, l.channel) : nullptr));
   }
-  // This stage's actions; each of its partitions runs them in order (Note [Partitions within a
-  // stage] in pipeline_stage.h), or, interleaved, its one lane runs its virtual stages'.
-  const auto plan = [kind, stages, me, k, v, group, interleaved](int64_t m) {
-    std::vector<Action> mine = make_schedule(kind, stages, m, v, group).ranks[me];
-    std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
-    for (size_t j = 0; j < lanes.size(); ++j) {
-      for (Action a : mine) {
-        if (is_communication(a.type)) continue;
-        a.stage = interleaved ? a.stage / stages : static_cast<int64_t>(j);
-        lanes[j].push_back(a);
-      }
-    }
-    return lanes;
-  };
-  std::unique_ptr<detail::LossSink> sink;
-  if (is_last()) {
-    // GPipe's order on the last stage (forwards first): the loss sees the whole mini-batch. The
-    // same rule as GPipe::step's, on the schedule of as many micro-batches as chunks (fewer, for
-    // a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one micro-batch,
-    // where the two losses are the same).
-    const bool whole = detail::forwards_before_backwards(
-        make_schedule(kind, stages, options_.chunks(), v, group).ranks, stages * v - 1);
-    sink = std::make_unique<detail::LossSink>(options_.loss(), target, whole, who);
-  }
+  std::unique_ptr<detail::LossSink> sink =
+      is_last() ? loss_sink(options_, stages, target, who) : nullptr;
   // Note [When gradients' receives are posted] in remote_link.h.
   const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
                                 : in_turn                    ? GradientReceives::kInTurn
@@ -208,24 +284,10 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   detail::ExecutorSpec spec;
   spec.who = who;
   spec.partitions = &partitions_;
-  spec.plan = plan;
+  spec.plan = lanes_of(kind, stages, me, k, v, group, interleaved);
   for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
-  if (interleaved) {
-    // Virtual stage c * stages + me's links: the input or the last stage's upstream, the loss or
-    // the next stage's downstream.
-    size_t up = 0, down = 0;
-    for (int64_t c = 0; c < v; ++c) {
-      spec.upstreams.push_back(c == 0 && source ? static_cast<detail::Upstream*>(source.get())
-                                                : remote_upstreams[up++].get());
-      spec.downstreams.push_back(c == v - 1 && sink ? static_cast<detail::Downstream*>(sink.get())
-                                                    : remote_downstreams[down++].get());
-    }
-  } else {
-    spec.upstream = source ? static_cast<detail::Upstream*>(source.get())
-                           : remote_upstreams[0].get();
-    spec.downstream = sink ? static_cast<detail::Downstream*>(sink.get())
-                           : remote_downstreams[0].get();
-  }
+  attach_links(spec, source.get(), sink.get(), remote_upstreams, remote_downstreams,
+               interleaved ? v : 0);
   spec.microbatches = 0;  // as the upstream's first activation says
   spec.grad_enabled = grad_enabled;
   spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
@@ -251,30 +313,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   for (const auto& remote : remote_upstreams) remote->finish();
   // The input's own graph, once.
   if (source) source->finish();
-  if (deferred) {
-    StatisticsCombiner combine;
-    if (replica_group_) {
-      // A replica that failed tells this one over the replica group's channel (Note [Failing
-      // fast across processes]): the all-gather waits no longer.
-      combine = [this, index](std::vector<BatchNormStatistics>& statistics) {
-        combine_statistics(replica_group_, statistics, local_,
-                           [this, index] { throw_if_heard(replica_faults_.get(), index); });
-      };
-    }
-    commit_deferred(batch_norms, combine);
-  }
-  if (grad_enabled) {
-    // Note [Tied parameters], then Note [Ties across stages].
-    tied_->sum_gradients();
-    if (!tied_stages_->empty()) {
-      tied_stages_->sum_gradients(group_, local_,
-                                  [this, index] { throw_if_heard(faults_.get(), index); });
-    }
-  }
-  if (grad_enabled && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters(), local_,
-                      [this, index] { throw_if_heard(replica_faults_.get(), index); });
-  }
+  end_step(index, grad_enabled, deferred, batch_norms);
   if (sink) {
     output_ = sink->output();
     return sink->loss();

@@ -7,6 +7,7 @@
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include "absl/strings/str_join.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/process_group.h"
 #include "gpipe/timeline.h"
@@ -15,17 +16,24 @@ namespace gpipe {
 namespace distributed {
 
 std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
-  TORCH_CHECK(timeline_, "gpipe::distributed::PipelineStage::gather_timeline: no timeline was "
-              "recorded; set PipelineStageOptions::record_timeline and run a step first");
-  // Each stage's number of events and of partitions; then each event as 6 doubles: kind,
-  // micro-batch, checkpointed, start and end on the host's clock, partition within its stage.
-  const std::vector<TimelineEvent> mine = timeline_->events();
-  const double origin = timeline_->origin_us();
+  // Each stage's number of events (-1: it recorded none) and of partitions; then each event as 6
+  // doubles: kind, micro-batch, checkpointed, start and end on the host's clock, partition within
+  // its stage. A stage that recorded nothing still takes part, so that every stage throws.
+  const std::vector<TimelineEvent> mine =
+      timeline_ ? timeline_->events() : std::vector<TimelineEvent>{};
+  const double origin = timeline_ ? timeline_->origin_us() : 0.0;
   const int size = group_->getSize();
   const char* what = "the gather of the stages' timelines";
-  const std::vector<at::Tensor> counts = all_gather(
-      group_, at::tensor({static_cast<int64_t>(mine.size()), partitions()}, at::kLong), local_,
-      what);
+  const int64_t count = timeline_ ? static_cast<int64_t>(mine.size()) : -1;
+  const std::vector<at::Tensor> counts =
+      all_gather(group_, at::tensor({count, partitions()}, at::kLong), local_, what);
+  std::vector<int> without;
+  for (int r = 0; r < size; ++r) {
+    if (counts[r][0].item<int64_t>() < 0) without.push_back(r);
+  }
+  TORCH_CHECK(without.empty(), "gpipe::distributed::PipelineStage::gather_timeline: stage",
+              without.size() == 1 ? " " : "s ", absl::StrJoin(without, ", "), " recorded no "
+              "timeline; call record_timeline(true) on every stage and run a step first");
   int64_t most = 0;
   for (const at::Tensor& c : counts) most = std::max(most, c[0].item<int64_t>());
   at::Tensor packed = at::zeros({std::max<int64_t>(most, 1), 6}, at::kDouble);
@@ -52,7 +60,7 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
       const int64_t local = static_cast<int64_t>(rows[k][5].item<double>());
       TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
                       static_cast<int64_t>(rows[k][1].item<double>()),
-                      options_.virtual_stages() > 1 ? local * size + r : first_partition + local};
+                      interleaved() ? local * size + r : first_partition + local};
       e.checkpointed = rows[k][2].item<double>() != 0;
       e.start_us = rows[k][3].item<double>();
       e.end_us = rows[k][4].item<double>();

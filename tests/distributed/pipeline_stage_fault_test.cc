@@ -80,8 +80,8 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
                                                               : std::vector<int64_t>{2, 2, 2})
                                  .chunks(interleaved ? 3 : 4).loss(mse)
                                  .checkpoint(Checkpoint::kNever)
-                                 .schedule(schedule_kind(schedule))
-                                 .virtual_stages(interleaved ? 2 : 1), join());
+                                 .schedule(PipelineSchedule::of(schedule_kind(schedule),
+                                                                interleaved ? 2 : 1)), join());
     const auto step = [&](bool bad_input) {
       auto [x, y] = batch(0);
       if (stage->is_first()) return stage->step(bad_input ? no_input() : Batch(x));

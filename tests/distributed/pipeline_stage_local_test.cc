@@ -60,8 +60,9 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),
                           gpipe_test::contains("needs a loss function"));
   PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).chunks(kChunks).loss(mse).record_timeline(true),
+                      PipelineStageOptions({6}).chunks(kChunks).loss(mse),
                       group);
+  stage->record_timeline(true);
   CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
                           gpipe_test::contains("stage 0 needs the mini-batch as input"));
   nn::Sequential plain = make_model();
@@ -119,8 +120,9 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
                                << "}, checkpoint mode " << static_cast<int>(mode));
   PipelineStage stage(make_model(),
                       PipelineStageOptions({6}).local_balance(local).chunks(kChunks)
-                          .checkpoint(mode).loss(mse).record_timeline(true),
+                          .checkpoint(mode).loss(mse),
                       group);
+  stage->record_timeline(true);
   CATCH_CHECK(stage->partitions() == 3);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;

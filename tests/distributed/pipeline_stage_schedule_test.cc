@@ -25,8 +25,8 @@ constexpr const char* kSchedules =
 
 CATCH_TEST_CASE(kSchedules, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(true));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
     return;
   }
   const std::string schedule = GENERATE(as<std::string>(), "1f1b", "zb");
@@ -84,9 +84,9 @@ PipelineStage two_stages(const std::string& schedule, LossFunction loss) {
                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
                                                         : kBalance)
                            .chunks(interleaved ? 4 : kChunks)
-                           .virtual_stages(interleaved ? 2 : 1)
                            .loss(std::move(loss))
-                           .schedule(schedule_kind(schedule)),
+                           .schedule(PipelineSchedule::of(schedule_kind(schedule),
+                                                          interleaved ? 2 : 1)),
                        join());
 }
 
@@ -186,8 +186,7 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
     train_stage(PipelineStageOptions(balance_from_env())
                     .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
                     .checkpoint(mode_from_env())
-                    .virtual_stages(2)
-                    .record_timeline(true));
+                    .schedule(PipelineSchedule::interleaved(2)), /*record_timeline=*/true);
     return;
   }
   // (balance of the virtual stages, chunks, checkpoint mode, micro-batch group). The skip stays
@@ -227,8 +226,7 @@ CATCH_TEST_CASE(kInterleavedCuda, "[distributed][stage][schedule][cuda]") {
     train_stage(PipelineStageOptions(balance_from_env())
                     .chunks(4)
                     .checkpoint(mode_from_env())
-                    .virtual_stages(2)
-                    .record_timeline(true));
+                    .schedule(PipelineSchedule::interleaved(2)), /*record_timeline=*/true);
     return;
   }
   // Both processes on cuda:0, each with two virtual stages on it (Gloo carries the tensors
@@ -249,8 +247,8 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
   if (test_rank() >= 0) {
     ProcessGroup gloo = join();
     const auto options = [] {
-      return PipelineStageOptions({1, 2, 2, 1}).chunks(4).loss(mse).virtual_stages(2)
-          .schedule(ScheduleKind::kInterleaved);
+      return PipelineStageOptions({1, 2, 2, 1}).chunks(4).loss(mse)
+          .schedule(PipelineSchedule::interleaved(2));
     };
     // On a group that matches in posting order (NCCL's way).
     CATCH_CHECK_THROWS_WITH(
@@ -259,7 +257,8 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         gpipe_test::contains("needs a group that matches transfers by tag"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().chunks(3), gloo),
                             gpipe_test::contains("chunks to be a multiple of the number of "
-                                                 "stages (2), got 3"));
+                                                 "ranks (2: 4 partitions, 2 virtual stages "
+                                                 "per rank), got 3"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().local_balance({1, 1}), gloo),
                             gpipe_test::contains("local_balance and local_devices cannot split"));
     CATCH_CHECK_THROWS_WITH(
@@ -269,25 +268,36 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().schedule(ScheduleKind::k1F1B), gloo),
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
-    CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().virtual_stages(0), gloo),
+    CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().schedule(PipelineSchedule::of(
+        ScheduleKind::kInterleaved,
+        0)),
+                                          gloo),
                             gpipe_test::contains("virtual_stages must be between 1 and 64, got 0"));
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), options().microbatch_group(1), gloo),
-        gpipe_test::contains("microbatch_group is 1; it must be at least the number of stages "
-                             "(2) and divide chunks (4), or be 0 for 2"));
+        PipelineStage(make_model(), options().schedule(PipelineSchedule::interleaved(2, 1)), gloo),
+        gpipe_test::contains("microbatch_group is 1; it must be at least the number of ranks (2: "
+                             "4 partitions, 2 virtual stages per rank) and divide chunks (4), or "
+                             "be 0 for 2"));
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), options().microbatch_group(3), gloo),
+        PipelineStage(make_model(), options().schedule(PipelineSchedule::interleaved(2, 3)), gloo),
         gpipe_test::contains("microbatch_group is 3; it must be at least"));
     // A group need not be a multiple of the stages: 3 of 2 stages, chunks 3.
     CATCH_CHECK_NOTHROW(
-        PipelineStage(make_model(), options().microbatch_group(3).chunks(3), gloo));
-    CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), options().microbatch_group(-2), gloo),
-        gpipe_test::contains("microbatch_group must be 0 (the number of stages) or more, got -2"));
+        PipelineStage(make_model(),
+                      options().schedule(PipelineSchedule::interleaved(2, 3)).chunks(3), gloo));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(),
-                      options().balance({3, 3}).virtual_stages(1).schedule(ScheduleKind::k1F1B)
-                          .microbatch_group(2),
+                      options().schedule(PipelineSchedule::of(ScheduleKind::kInterleaved, 2, -2)),
+                      gloo),
+        gpipe_test::contains("microbatch_group must be 0 (the number of ranks) or more, got -2"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(),
+                      options().schedule(PipelineSchedule::text("0F0 0B0\n1F0 1B0\n")), gloo),
+        gpipe_test::contains("a schedule written as text is for gpipe::GPipe"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(),
+                      options().balance({3, 3})
+                          .schedule(PipelineSchedule::of(ScheduleKind::k1F1B, 1, 2)),
                       gloo),
         gpipe_test::contains("microbatch_group is 2 but the schedule is 1f1b"));
     CATCH_CHECK_THROWS_WITH(

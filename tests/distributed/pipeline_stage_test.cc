@@ -16,8 +16,8 @@ constexpr const char* kTransparency =
 
 CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(true));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
     return;
   }
   const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
@@ -33,8 +33,8 @@ constexpr const char* kLocalPartitions =
 
 CATCH_TEST_CASE(kLocalPartitions, "[distributed][stage][partitions]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(true));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
     return;
   }
   // "1,2": stage 0 Linear | Stash, PopPair (the skip within a partition), stage 1 PairLinear |
@@ -57,8 +57,8 @@ constexpr const char* kInOrder =
 CATCH_TEST_CASE(kInOrder, "[distributed][stage][order]") {
   if (test_rank() >= 0) {
     // (The schedule is checked where both stages run backward.)
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(freeze_from_env() != "stage0"));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/freeze_from_env() != "stage0");
     return;
   }
   // Note [Point-to-point order]: the stages post in an order both agree on, so a group that
@@ -108,8 +108,8 @@ constexpr const char* kCudaStages =
 
 CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(true));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
     return;
   }
   // Both processes on cuda:0 (one GPU is enough: Gloo carries the tensors through the CPU).
@@ -127,8 +127,8 @@ constexpr const char* kNccl =
 
 CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env())
-                    .record_timeline(true));
+    train_stage(PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
     return;
   }
   // The activations and gradients go from GPU to GPU, on NCCL's streams (Note [Point-to-point

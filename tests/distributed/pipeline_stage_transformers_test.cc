@@ -67,7 +67,9 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     auto options = PipelineStageOptions(balance).chunks(4).checkpoint(mode_from_env()).loss(mse);
     if (named) options.tied_parameters({{"0.weight", "4.weight"}});
     if (schedule == "1f1b") options.schedule(ScheduleKind::k1F1B);
-    if (schedule == "interleaved") options.schedule(ScheduleKind::kInterleaved).virtual_stages(2);
+    if (schedule == "interleaved") options.schedule(PipelineSchedule::of(
+        ScheduleKind::kInterleaved,
+        2));
     // Named: the last place starts apart and must take the first's value.
     nn::Sequential model = tied_test::tied_model(/*shared=*/!named);
     PipelineStage stage = groups.replicas > 1

@@ -188,7 +188,7 @@ inline void check_schedule(const std::vector<TimelineEvent>& events, int64_t par
 
 // One rank's training: kSteps SGD steps with momentum; writes its stage's parameters and, on the
 // last stage, the losses.
-inline void train_stage(PipelineStageOptions options) {
+inline void train_stage(PipelineStageOptions options, bool record_timeline = false) {
   // "cuda:rank": each rank on the GPU of its number.
   const char* device_name = std::getenv("GPIPE_TEST_DEVICE");
   const std::string name = device_name != nullptr ? device_name : "cpu";
@@ -203,8 +203,11 @@ inline void train_stage(PipelineStageOptions options) {
   if (local.size() == 2 && device.is_cuda()) local_devices = {device, c10::Device(c10::kCPU)};
   const char* schedule_name = std::getenv("GPIPE_TEST_SCHEDULE");
   const std::string schedule = schedule_name != nullptr ? schedule_name : "gpipe";
+  // The caller's virtual stages, with the kind and group the test runner gives.
+  PipelineSchedule chosen = options.schedule();
+  chosen.set_kind(schedule_kind(schedule));
   if (const char* group = std::getenv("GPIPE_TEST_GROUP")) {
-    options.microbatch_group(std::stoll(group));
+    chosen.set_microbatch_group(std::stoll(group));
   }
   // Note [Shared memory between stages on one host]: its rings (the default), none, or rings
   // whose larger messages (over GPIPE_TEST_SHARED_LIMIT bytes) go over the group.
@@ -221,7 +224,8 @@ inline void train_stage(PipelineStageOptions options) {
   if (fails) warnings.emplace();
   PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
                                  .local_devices(local_devices)
-                                 .schedule(schedule_kind(schedule)), group);
+                                 .schedule(chosen), group);
+  stage->record_timeline(record_timeline);
   if (fails) {
     CATCH_REQUIRE(warnings->messages.size() == 1);
     CATCH_CHECK_THAT(warnings->messages[0],
@@ -245,7 +249,7 @@ inline void train_stage(PipelineStageOptions options) {
     if (loss.defined()) losses.push_back(loss.detach());
     sgd.step();
   }
-  if (options.record_timeline()) {
+  if (stage->is_recording_timeline()) {
     const char* spec = std::getenv("GPIPE_TEST_LOCAL");
     const int64_t per_stage = spec != nullptr ? 2 : 1;
     const std::vector<TimelineEvent> events = stage->gather_timeline();
@@ -253,10 +257,10 @@ inline void train_stage(PipelineStageOptions options) {
       check_schedule(events, 2 * per_stage);  // two per stage, or one
     } else if (schedule == "interleaved") {
       // Each virtual stage keeps at most what the schedule's definition says (its simulation).
-      const int64_t n = stage->stages(), v = options.virtual_stages();
+      const int64_t n = stage->stages(), v = chosen.virtual_stages();
       const int64_t m = options.chunks();
       const ScheduleSimulation ideal =
-          simulate_schedule(interleaved_schedule(n, m, v, options.microbatch_group()));
+          simulate_schedule(interleaved_schedule(n, m, v, chosen.microbatch_group()));
       const std::map<int64_t, int64_t> peak = gpipe::testing::peak_in_flight(events);
       CATCH_CHECK(peak.size() == static_cast<size_t>(n * v));
       for (const auto& [p, most] : peak) {
@@ -265,7 +269,7 @@ inline void train_stage(PipelineStageOptions options) {
       }
       // Each process ran its forwards and backwards in the schedule's order (with a micro-batch
       // group: the group's, Note [Micro-batch groups]).
-      const Schedule planned = interleaved_schedule(n, m, v, options.microbatch_group());
+      const Schedule planned = interleaved_schedule(n, m, v, chosen.microbatch_group());
       for (int64_t r = 0; r < n; ++r) {
         std::vector<const TimelineEvent*> mine;
         for (const TimelineEvent& e : events) {

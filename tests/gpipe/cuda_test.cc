@@ -206,8 +206,8 @@ CATCH_TEST_CASE("skips between GPUs arrive complete: GPipe equals the plain Sequ
   GPipe model(build(skip_model, 3), GPipeOptions({3, 3, 3, 3})
                                         .devices({first, second, first, second})
                                         .chunks(chunks)
-                                        .checkpoint(mode)
-                                        .record_timeline(true));
+                                        .checkpoint(mode));
+  model->record_timeline(true);
   plain->train();
   model->train();
   const at::Tensor x = at::randn({8, 5}, at::TensorOptions(at::kDouble).device(first));
@@ -369,7 +369,8 @@ bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
   const std::vector<int64_t> balance = gpu_first ? std::vector<int64_t>{5, 1}
                                                  : std::vector<int64_t>{1, 5};
   GPipe pipe(model, GPipeOptions(balance).devices(devices).chunks(8).schedule(kind)
-                        .checkpoint(Checkpoint::kNever).record_timeline(true));
+                        .checkpoint(Checkpoint::kNever));
+  pipe->record_timeline(true);
   auto loss = [](const Batch& out, const at::Tensor& target) {
     return (out[0] - target.to(out[0].device())).pow(2).mean();
   };

@@ -342,7 +342,7 @@ void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
       if (kind == "interleaved" && v == 1) kind = "1f1b";
       CATCH_INFO("GPipe::step, schedule " << kind);
       GPipe stepped(build(c.make, model_seed),
-                    GPipeOptions(options).schedule(schedule_kind(kind)).virtual_stages(v));
+                    GPipeOptions(options).schedule(PipelineSchedule::of(schedule_kind(kind), v)));
       stepped->train();
       const at::Tensor x = pipe_inputs[0].clone().requires_grad_(true);
       const Batch in = c.tuple ? Batch(std::vector<at::Tensor>{x, pipe_inputs[1]}) : Batch(x);

@@ -239,8 +239,8 @@ CATCH_TEST_CASE("the recorded timeline draws the schedule that ran", "[pipeline]
   GPipe model(seq, GPipeOptions({2, 2})
                        .devices({at::kCPU, at::kCPU})
                        .chunks(3)
-                       .checkpoint(Checkpoint::kExceptLast)
-                       .record_timeline(true));
+                       .checkpoint(Checkpoint::kExceptLast));
+  model->record_timeline(true);
   model->train();
   model->forward(rows_input(6, 3).requires_grad_(true));
   const std::vector<TimelineEvent> events = model->last_timeline();

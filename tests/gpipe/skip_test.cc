@@ -150,7 +150,8 @@ CATCH_TEST_CASE("a skipped tensor moves once, straight from its stashing to its 
                 "[skip][copy]") {
   const int64_t chunks = 3;
   GPipe model(build(skip_model, 1),
-              cpu({2, 3, 3, 3}).chunks(chunks).checkpoint(Checkpoint::kExceptLast).record_timeline(true));
+              cpu({2, 3, 3, 3}).chunks(chunks).checkpoint(Checkpoint::kExceptLast));
+  model->record_timeline(true);
   model->train();
   model->forward(at::randn({6, 5}, at::kDouble)).sum().backward();
   std::map<std::pair<int64_t, int64_t>, int64_t> moves;  // (from, to) -> tensors

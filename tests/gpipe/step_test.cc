@@ -142,8 +142,7 @@ CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer s
                                   .devices(std::vector<c10::Device>(partitions, at::kCPU))
                                   .chunks(chunks)
                                   .checkpoint(mode)
-                                  .schedule(schedule_kind(kind))
-                                  .virtual_stages(v));
+                                  .schedule(PipelineSchedule::of(schedule_kind(kind), v)));
   auto plain_opt = optimizer(opt, plain->parameters());
   auto pipe_opt = optimizer(opt, model->parameters());
   for (int step = 0; step < 4; ++step) {
@@ -176,9 +175,8 @@ CATCH_TEST_CASE("Interleaved with a micro-batch group of 4 trains as the plain S
                                         .devices(std::vector<c10::Device>(4, at::kCPU))
                                         .chunks(chunks)
                                         .checkpoint(mode)
-                                        .schedule(ScheduleKind::kInterleaved)
-                                        .virtual_stages(2)
-                                        .microbatch_group(4));
+                                        .schedule(PipelineSchedule::of(ScheduleKind::kInterleaved,
+                                                                       2, 4)));
   CATCH_CHECK(schedule_text(model->schedule(chunks)) ==
               schedule_text(interleaved_schedule(2, chunks, 2, 4)));
   auto plain_opt = optimizer("sgd", plain->parameters());
@@ -198,34 +196,75 @@ CATCH_TEST_CASE("Interleaved with a micro-batch group of 4 trains as the plain S
   }
   check_same(plain->parameters(), model->parameters(), 1e-10);
   // What it refuses, naming the option.
-  const auto options = [] {
+  const auto options = [](PipelineSchedule schedule) {
     return GPipeOptions(balance_of(4)).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(8)
-        .schedule(ScheduleKind::kInterleaved).virtual_stages(2);
+        .schedule(std::move(schedule));
   };
-  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(3)),
-                          gpipe_test::contains("GPipe microbatch_group is 3; it must be at least "
-                                               "the number of ranks (2: 4 partitions, 2 virtual "
-                                               "stages per rank) and divide chunks (8), or be 0 "
-                                               "for 2"));
-  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().virtual_stages(1)
-                                                          .microbatch_group(4)),
-                          gpipe_test::contains("GPipe microbatch_group is 4 but the schedule is "
-                                               "interleaved with 1 virtual stage; micro-batch "
-                                               "groups are for ScheduleKind::kInterleaved with "
-                                               "virtual_stages of 2 or more"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options(PipelineSchedule::interleaved(2, 3))),
+                          gpipe_test::contains("gpipe::GPipe: microbatch_group is 3; it must be "
+                                               "at least the number of ranks (2: 4 partitions, 2 "
+                                               "virtual stages per rank) and divide chunks (8), "
+                                               "or be 0 for 2"));
+  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options(PipelineSchedule::interleaved(1, 4))),
+                          gpipe_test::contains("gpipe::GPipe: microbatch_group is 4 but the "
+                                               "schedule is interleaved with 1 virtual stage; "
+                                               "micro-batch groups are for the interleaved "
+                                               "schedule with 2 or more virtual stages"));
+  CATCH_CHECK_THROWS_WITH(PipelineSchedule::interleaved(2, -1),
+                          gpipe_test::contains("PipelineSchedule::interleaved: microbatch_group "
+                                               "must be 0 (the number of ranks) or more, got -1"));
+  CATCH_CHECK_THROWS_WITH(PipelineSchedule::interleaved(0),
+                          gpipe_test::contains("PipelineSchedule::interleaved: virtual_stages "
+                                               "must be at least 1, got 0"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 3), options(PipelineSchedule::of(ScheduleKind::k1F1B, 1, 4))),
+      gpipe_test::contains("gpipe::GPipe: microbatch_group is 4 but the schedule is 1f1b"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 3), options(PipelineSchedule::of(ScheduleKind::k1F1B, 2))),
+      gpipe_test::contains("gpipe::GPipe: virtual_stages is 2 but the schedule is 1f1b; virtual "
+                           "stages are for the interleaved schedule: "
+                           "PipelineSchedule::interleaved(2)"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 3),
-            options().schedule_text(schedule_text(interleaved_schedule(2, 8, 2)))
-                .microbatch_group(4)),
-      gpipe_test::contains("GPipe microbatch_group is 4 but a schedule_text is given"));
-  CATCH_CHECK_THROWS_WITH(GPipe(build(skip_model, 3), options().microbatch_group(-1)),
-                          gpipe_test::contains("GPipe microbatch_group must be 0 (the number of "
-                                               "ranks) or more, got -1"));
-  CATCH_CHECK_THROWS_WITH(
-      GPipe(build(skip_model, 3),
-            options().virtual_stages(1).schedule(ScheduleKind::k1F1B).microbatch_group(4)),
-      gpipe_test::contains("GPipe microbatch_group is 4 but the schedule is 1f1b"));
+            GPipeOptions(balance_of(4)).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(5)
+                .schedule(PipelineSchedule::interleaved(2))),
+      gpipe_test::contains("gpipe::GPipe: the interleaved schedule needs chunks to be a multiple "
+                           "of the number of ranks (2: 4 partitions, 2 virtual stages per rank), "
+                           "got 5"));
 }
+
+// The spellings that schedule() replaced (Note [One schedule option]) stay one release; each sets
+// one field of the schedule, in whatever order with schedule(kind).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+CATCH_TEST_CASE("the deprecated schedule options set one field of the schedule each, in any order",
+                "[gpipe][step][schedule]") {
+  const auto cpus = std::vector<c10::Device>(4, at::kCPU);
+  GPipe before(build(skip_model, 3), GPipeOptions(balance_of(4)).devices(cpus).chunks(8)
+                                         .virtual_stages(2).microbatch_group(4)
+                                         .schedule(ScheduleKind::kInterleaved));
+  GPipe after(build(skip_model, 3), GPipeOptions(balance_of(4)).devices(cpus).chunks(8)
+                                        .schedule(ScheduleKind::kInterleaved)
+                                        .microbatch_group(4).virtual_stages(2));
+  const std::string expected = schedule_text(interleaved_schedule(2, 8, 2, 4));
+  CATCH_CHECK(schedule_text(before->schedule(8)) == expected);
+  CATCH_CHECK(schedule_text(after->schedule(8)) == expected);
+  const std::string text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n";
+  GPipe written(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
+                                          .schedule_text(text));
+  CATCH_CHECK(schedule_text(written->schedule(2)) == schedule_text(parse_schedule(text)));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
+                                      .schedule_text(text).microbatch_group(4)),
+      gpipe_test::contains("gpipe::GPipe: the schedule is written as text, which sets its own "
+                           "order, but virtual_stages is 1 and microbatch_group 4"));
+  // record_timeline as an option: the model starts recording.
+  GPipe recording(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU})
+                                            .chunks(2).record_timeline(true));
+  CATCH_CHECK(recording->is_recording_timeline());
+  CATCH_CHECK(!written->is_recording_timeline());
+}
+#pragma GCC diagnostic pop
 
 CATCH_TEST_CASE("step's input gradient reaches layers before the GPipe as in the plain model",
                 "[gpipe][step]") {
@@ -313,9 +352,10 @@ CATCH_TEST_CASE("steps called from two threads at once run one after the other",
                                        : std::vector<int64_t>{4, 4})
                   .devices(std::vector<c10::Device>(interleaved ? 4 : 2, at::kCPU))
                   .chunks(chunks)
-                  .schedule(schedule_kind(interleaved ? "interleaved" : kind))
-                  .virtual_stages(interleaved ? 2 : 1)
-                  .microbatch_group(group));
+                  .schedule(PipelineSchedule::of(
+                      schedule_kind(interleaved ? "interleaved" : kind),
+                      interleaved ? 2 : 1,
+                      group)));
   // Evaluation-mode BatchNorm: the two steps' order does not change what they compute.
   plain->eval();
   model->eval();
@@ -384,8 +424,7 @@ CATCH_TEST_CASE("The bytes a step holds are what each schedule promises",
         .devices(std::vector<c10::Device>(parts, at::kCPU))
         .chunks(m)
         .checkpoint(Checkpoint::kNever)
-        .schedule(schedule)
-        .virtual_stages(stages);
+        .schedule(PipelineSchedule::of(schedule, stages));
   };
   const at::Tensor x = at::randn({m * 256, 64}, at::kDouble);
   const at::Tensor y = at::randn({m * 256, 64}, at::kDouble);
@@ -417,7 +456,7 @@ CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
   nn::Sequential plain = build(skip_model, 8);
   const std::string text = "0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n";
   GPipe model(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
-                                        .schedule_text(text));
+                                        .schedule(PipelineSchedule::text(text)));
   at::manual_seed(9);
   const at::Tensor x = at::randn({4, 5}, at::kDouble);
   const at::Tensor y = at::randn({4, 3}, at::kDouble);
@@ -429,20 +468,22 @@ CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
   // 0B0 waits for 1B0, which waits for 1F1, which waits for 0F1, behind 0B0: refused.
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
-                                      .schedule_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n")),
+                                      .schedule(PipelineSchedule::text(
+                                          "0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n"))),
       gpipe_test::contains("deadlock"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(3)
-                                      .schedule_text(text)),
+                                      .schedule(PipelineSchedule::text(text))),
       gpipe_test::contains("2 micro-batches but chunks is 3"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({2, 3, 3}).devices({at::kCPU, at::kCPU, at::kCPU})
-                                      .schedule(ScheduleKind::kInterleaved).virtual_stages(2)),
+                                      .schedule(PipelineSchedule::of(ScheduleKind::kInterleaved,
+                                                                     2))),
       gpipe_test::contains("virtual_stages 2 must divide the number of partitions (3"));
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU})
-                                      .virtual_stages(2)),
-      gpipe_test::contains("virtual stages are for ScheduleKind::kInterleaved"));
+                                      .schedule(PipelineSchedule::of(ScheduleKind::kGPipe, 2))),
+      gpipe_test::contains("virtual stages are for the interleaved schedule"));
 }
 
 CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not a scalar",
@@ -477,8 +518,8 @@ CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the ne
   }
   GPipe model(seq, GPipeOptions({2, 2, 2, 2}).devices(std::vector<c10::Device>(4, at::kCPU))
                        .chunks(4)
-                       .schedule(schedule_kind(kind))
-                       .virtual_stages(kind == "interleaved" ? 2 : 1));
+                       .schedule(PipelineSchedule::of(schedule_kind(kind),
+                                                      kind == "interleaved" ? 2 : 1)));
   const at::Tensor x = at::randn({8, 4});
   const at::Tensor y = at::randn({8, 4});
   LossFunction loss = [](const Batch& out, const at::Tensor& t) {
@@ -515,7 +556,7 @@ CATCH_TEST_CASE("Dropout trains under every schedule as in the plain model micro
   GPipe model(build(dropout_model, 3),
               GPipeOptions(balance).devices(std::vector<c10::Device>(partitions, at::kCPU))
                   .chunks(chunks).checkpoint(Checkpoint::kNever)
-                  .schedule(schedule_kind(kind)).virtual_stages(v));
+                  .schedule(PipelineSchedule::of(schedule_kind(kind), v)));
   torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD pipe_opt(model->parameters(), torch::optim::SGDOptions(0.1));
   for (int step = 0; step < 3; ++step) {
@@ -582,8 +623,10 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
   GPipe model(make(), interleaved
                           ? GPipeOptions({1, 1, 1, 2}).devices({at::kCPU, at::kCPU, at::kCPU,
                                                                 at::kCPU})
-                                .chunks(m).schedule(ScheduleKind::kInterleaved).virtual_stages(2)
-                                .microbatch_group(kind == "interleaved_g4" ? 4 : 0)
+                                .chunks(m).schedule(PipelineSchedule::of(
+                                    ScheduleKind::kInterleaved,
+                                    2,
+                                    kind == "interleaved_g4" ? 4 : 0))
                           : GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(m)
                                 .schedule(schedule_kind(kind)));
   at::manual_seed(12);
@@ -633,8 +676,9 @@ CATCH_TEST_CASE("Every schedule trains on GPUs as the plain Sequential on the CP
   nn::Sequential plain = build(skip_model, 3);
   GPipe model(build(skip_model, 3), GPipeOptions({2, 2, 2, 2}).devices(devices).chunks(4)
                                         .checkpoint(mode)
-                                        .schedule(schedule_kind(kind))
-                                        .virtual_stages(kind == "interleaved" ? 2 : 1));
+                                        .schedule(PipelineSchedule::of(
+                                            schedule_kind(kind),
+                                            kind == "interleaved" ? 2 : 1)));
   torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int step = 0; step < 2; ++step) {

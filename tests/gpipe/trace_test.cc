@@ -58,8 +58,8 @@ CATCH_TEST_CASE("a training step's Chrome trace holds every task in clock-cycle 
                                    .devices({at::kCPU, at::kCPU, at::kCPU})
                                    .chunks(chunks)
                                    .checkpoint(Checkpoint::kExceptLast)
-                                   .worker_per_partition(workers)
-                                   .record_timeline(true));
+                                   .worker_per_partition(workers));
+  model->record_timeline(true);
   model->train();
   model->forward(at::randn({8, 4}).requires_grad_(true)).sum().backward();
   const std::string path = temp_path("gpipe_trace_test.json");
@@ -149,8 +149,8 @@ CATCH_TEST_CASE("the schedule's pictures draw every event and every cell", "[tra
   GPipe model(linear_stack(2), GPipeOptions({2, 2})
                                    .devices({at::kCPU, at::kCPU})
                                    .chunks(3)
-                                   .checkpoint(Checkpoint::kAlways)
-                                   .record_timeline(true));
+                                   .checkpoint(Checkpoint::kAlways));
+  model->record_timeline(true);
   model->forward(at::randn({6, 4}).requires_grad_(true)).sum().backward();
   const std::vector<TimelineEvent> events = model->last_timeline();
   const std::string svg = timeline_svg(events, model->devices());
@@ -228,8 +228,8 @@ CATCH_TEST_CASE("on CUDA the trace has each task's device times, in clock-cycle 
   GPipe model(linear_stack(2), GPipeOptions({2, 2})
                                    .devices({first, second})
                                    .chunks(chunks)
-                                   .checkpoint(Checkpoint::kExceptLast)
-                                   .record_timeline(true));
+                                   .checkpoint(Checkpoint::kExceptLast));
+  model->record_timeline(true);
   model->train();
   model->forward(at::randn({8, 4}, first).requires_grad_(true)).sum().backward();
   const std::vector<TimelineEvent> events = model->last_timeline();
@@ -279,11 +279,38 @@ CATCH_TEST_CASE("writing a trace says what is missing or which file cannot be wr
   quiet->forward(at::randn({4, 4}));
   CATCH_CHECK_THROWS_WITH(quiet->write_chrome_trace(temp_path("never.json")),
                           gpipe_test::contains("record_timeline(true)"));
-  GPipe model(linear_stack(1),
-              GPipeOptions({2}).devices({at::kCPU}).chunks(2).record_timeline(true));
+  GPipe model(linear_stack(1), GPipeOptions({2}).devices({at::kCPU}).chunks(2));
+  model->record_timeline(true);
   model->forward(at::randn({4, 4}));
   CATCH_CHECK_THROWS_WITH(model->write_chrome_trace("/nonexistent-dir/trace.json"),
                           gpipe_test::contains("cannot open '/nonexistent-dir/trace.json'"));
+}
+
+CATCH_TEST_CASE("recording is a switch at run time: forwards and steps record while it is on",
+                "[trace]") {
+  GPipe model(linear_stack(2), GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(3));
+  CATCH_CHECK(!model->is_recording_timeline());
+  const at::Tensor x = at::randn({6, 4});
+  model->forward(x);
+  CATCH_CHECK(model->last_timeline().empty());
+  const auto count = [&](TimelineEvent::Kind kind) {
+    int64_t n = 0;
+    for (const TimelineEvent& e : model->last_timeline()) n += e.kind == kind ? 1 : 0;
+    return n;
+  };
+  model->record_timeline(true);
+  CATCH_CHECK(model->is_recording_timeline());
+  model->forward(x);
+  CATCH_CHECK(count(TimelineEvent::Kind::kCompute) == 3 * 2);  // every micro-batch, partition
+  const LossFunction loss = [](const Batch& out, const at::Tensor& y) {
+    return (out.tensor() - y).pow(2).mean();
+  };
+  model->step(x, at::randn({6, 4}), loss);
+  CATCH_CHECK(count(TimelineEvent::Kind::kCompute) == 3 * 2);
+  CATCH_CHECK(count(TimelineEvent::Kind::kBackward) == 3 * 2);
+  model->record_timeline(false);
+  model->forward(x);
+  CATCH_CHECK(model->last_timeline().empty());
 }
 
 }  // namespace
