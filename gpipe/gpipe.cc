@@ -163,8 +163,8 @@ namespace {
 
 std::vector<TimelineEvent> recorded(const GPipeImpl& model, const char* what) {
   std::vector<TimelineEvent> events = model.last_timeline();
-  TORCH_CHECK(!events.empty(), "GPipe::", what, ": no timeline was recorded; construct the GPipe "
-              "with model->record_timeline(true) first and run a forward or a step");
+  TORCH_CHECK(!events.empty(), "GPipe::", what, ": no timeline was recorded; call "
+              "model->record_timeline(true) and run a forward or a step first");
   return events;
 }
 

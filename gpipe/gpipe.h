@@ -100,6 +100,7 @@ struct GPipeOptions {
   ///   gpipe::GPipeOptions({2, 2}).chunks(8).schedule(gpipe::ScheduleKind::k1F1B)
   ///   gpipe::GPipeOptions({1, 1, 1, 1}).chunks(8)
   ///       .schedule(gpipe::PipelineSchedule::interleaved(/*virtual_stages=*/2))
+  /// (It replaces the whole value, including what the deprecated setters below set before.)
   GPipeOptions& schedule(PipelineSchedule schedule) {
     schedule_ = std::move(schedule);
     return *this;

@@ -83,15 +83,12 @@ int64_t check_schedule_option(const PipelineSchedule& schedule, int64_t partitio
   TORCH_CHECK(partitions % v == 0, who, ": virtual_stages ", v, " must divide the number of "
               "partitions (", partitions, "): each rank runs ", v, " of them");
   const int64_t ranks = partitions / v;
+  if (ranks == 0) return 0;  // an empty pipeline runs no schedule
   if (group != 0) {
     TORCH_CHECK(group >= ranks && chunks % group == 0, who, ": microbatch_group is ", group,
                 "; it must be at least the number of ranks (", ranks, ": ", partitions,
                 " partitions, ", v, " virtual stages per rank) and divide chunks (", chunks,
                 "), or be 0 for ", ranks);
-  } else if (schedule.interleaves()) {
-    TORCH_CHECK(chunks % ranks == 0, who, ": the interleaved schedule needs chunks to be a "
-                "multiple of the number of ranks (", ranks, ": ", partitions, " partitions, ", v,
-                " virtual stages per rank), got ", chunks);
   }
   return ranks;
 }

@@ -92,7 +92,7 @@ class PipelineSchedule {
 /// throws c10::Error naming `who` ("gpipe::GPipe"), the wrong value and what would be right:
 /// virtual stages at least 1, dividing the partitions, only with the interleaved schedule; a
 /// micro-batch group only with two or more virtual stages, at least the ranks and dividing
-/// chunks; chunks a multiple of the ranks when interleaved; a text with one stage per partition,
+/// chunks; a text with one stage per partition,
 /// written for `chunks` micro-batches, and valid (check_schedule). Returns the number of ranks
 /// (partitions / virtual stages).
 int64_t check_schedule_option(const PipelineSchedule& schedule, int64_t partitions, int64_t chunks,

@@ -66,7 +66,16 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
   verify_skippables(module);
   const int ranks = group->getSize();
-  check_schedule_option(schedule, static_cast<int64_t>(balance.size()), options.chunks(), who);
+  // (A balance of the wrong size is refused, naming it, once the skips are checked: place().)
+  if (static_cast<int64_t>(balance.size()) == ranks * v) {
+    check_schedule_option(schedule, static_cast<int64_t>(balance.size()), options.chunks(), who);
+  }
+  // (A GPipe's step may split a mini-batch into fewer micro-batches than chunks, a multiple of
+  // the ranks; a stage's cannot: every stage plans the step for chunks micro-batches.)
+  TORCH_CHECK(!schedule.interleaves() || schedule.microbatch_group() > 0 ||
+                  options.chunks() % ranks == 0,
+              who, ": the interleaved schedule needs chunks to be a multiple of the number of "
+              "stages (", ranks, "), got ", options.chunks());
   if (schedule.interleaves()) {
     // Note [Interleaving across processes].
     TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "

@@ -157,6 +157,7 @@ struct PipelineStageOptions {
   ///
   ///   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
   ///   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
+  /// (It replaces the whole value, including what the deprecated setters below set before.)
   PipelineStageOptions& schedule(PipelineSchedule schedule) {
     schedule_ = std::move(schedule);
     return *this;

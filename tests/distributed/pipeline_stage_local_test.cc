@@ -59,10 +59,23 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(2), group);
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),
                           gpipe_test::contains("needs a loss function"));
-  PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).chunks(kChunks).loss(mse),
-                      group);
+  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks).loss(mse), group);
+  // Recording is a switch: a stage that did not record says so (on every stage: a collective).
+  CATCH_CHECK_THROWS_WITH(stage->gather_timeline(),
+                          gpipe_test::contains("stage 0 recorded no timeline; call "
+                                               "record_timeline(true) on every stage"));
   stage->record_timeline(true);
+  {
+    // The deprecated option (Note [One schedule option]) starts the stage recording.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    PipelineStage recording(make_model(),
+                            PipelineStageOptions({6}).chunks(2).loss(mse).record_timeline(true),
+                            group);
+#pragma GCC diagnostic pop
+    CATCH_CHECK(recording->is_recording_timeline());
+    CATCH_CHECK(!no_loss->is_recording_timeline());
+  }
   CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
                           gpipe_test::contains("stage 0 needs the mini-batch as input"));
   nn::Sequential plain = make_model();

@@ -132,6 +132,10 @@ CATCH_TEST_CASE("GPipe of an empty Sequential returns its input", "[gpipe][api]"
   at::Tensor x = at::randn({3, 2});
   CATCH_CHECK(model->forward(x).equal(x));
   CATCH_CHECK(model->partitions().empty());
+  // A schedule for no partitions is no schedule: nothing to check, nothing refused.
+  GPipe interleaved(nn::Sequential(), GPipeOptions(std::vector<int64_t>{})
+                                          .schedule(PipelineSchedule::interleaved(2)));
+  CATCH_CHECK(interleaved->forward(x).equal(x));
 }
 
 CATCH_TEST_CASE("train and eval reach every partition's layers", "[gpipe][api]") {
