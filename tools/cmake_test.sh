@@ -55,7 +55,7 @@ run_tests() {
 
 # Prints the last lines and time of test binary $1's run and adds its counts.
 report_test() {
-  local t=$1 log="$build/logs/$1.log" line p f s rc=1 secs=0
+  local t=$1 log="$build/logs/$1.log" line p=0 f=1 s=0 rc=1 secs=0
   [[ -f "$build/logs/$t.rc" ]] && read -r rc secs < "$build/logs/$t.rc"
   tail -n 3 "$log"
   echo "$t: $secs s"
