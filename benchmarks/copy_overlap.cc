@@ -1,0 +1,173 @@
+// How much of GPipe::step's copies between a GPU and the CPU run while that GPU computes another
+// micro-batch (Note [Links on copy streams] in gpipe/link.h): a {cuda:0, cpu} and a {cpu, cuda:0}
+// pipeline of 2048-wide layers under GPipe's schedule and 1F1B, from the device times of the last
+// step's timeline. On the compute stream no copy could overlap its GPU's computation (0%).
+// Needs a GPU; writes each configuration's timeline as SVG and Chrome-trace JSON with --trace_dir.
+//
+//   copy_overlap --chunks=8 --rows=4096 --steps=5 --trace_dir=/tmp/overlap
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "benchmarks/timing.h"
+#include "gpipe/gpipe.h"
+#include "gpipe/stream.h"
+#include "gpipe/trace.h"
+
+ABSL_FLAG(std::string, schedules, "gpipe,1f1b", "schedules to run");
+ABSL_FLAG(int64_t, chunks, 8, "micro-batches per step");
+ABSL_FLAG(int64_t, rows, 4096, "samples per step");
+ABSL_FLAG(int64_t, width, 2048, "features of each Linear layer");
+ABSL_FLAG(int, steps, 5, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(std::string, trace_dir, "", "write each configuration's last timeline here (SVG, JSON)");
+ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+
+namespace {
+
+namespace nn = torch::nn;
+using gpipe::TimelineEvent;
+using Interval = std::pair<double, double>;
+
+// Three Linear layers on the GPU and one elementwise layer on the CPU, so that the GPU's
+// computation and the copies are both long enough to be seen beside each other.
+std::pair<nn::Sequential, std::vector<int64_t>> make_model(bool gpu_first, int64_t w) {
+  torch::manual_seed(0);
+  if (gpu_first) {
+    return {nn::Sequential(nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
+                           nn::Linear(w, w), nn::Tanh()),
+            {5, 1}};
+  }
+  return {nn::Sequential(nn::Tanh(), nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
+                         nn::Linear(w, w)),
+          {1, 5}};
+}
+
+// The length of [from, to] covered by the union of `busy`.
+double covered(double from, double to, std::vector<Interval> busy) {
+  std::sort(busy.begin(), busy.end());
+  double total = 0, reach = from;
+  for (const auto& [start, end] : busy) {
+    const double lo = std::max(start, reach), hi = std::min(end, to);
+    if (hi > lo) total += hi - lo;
+    reach = std::max(reach, std::min(end, to));
+  }
+  return total;
+}
+
+struct Overlap {
+  double copy_us = 0;       // device time of the activation and gradient copies
+  double overlapped_us = 0;  // of which the copying GPU computed another micro-batch
+};
+
+// Each copy is timed on the GPU that issues it: the sender's, or the receiver's when the sender
+// is the CPU (as tests/gpipe/cuda_test.cc's copies_overlap_compute reads it).
+Overlap overlap_of(const std::vector<TimelineEvent>& events,
+                   const std::vector<c10::Device>& devices) {
+  Overlap o;
+  for (const TimelineEvent& copy : events) {
+    if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
+    const c10::Device gpu =
+        devices[copy.from].is_cuda() ? devices[copy.from] : devices[copy.partition];
+    std::vector<Interval> busy;
+    for (const TimelineEvent& work : events) {
+      if (work.kind == TimelineEvent::Kind::kCopy || !work.has_device_times() ||
+          work.microbatch == copy.microbatch || devices[work.partition] != gpu) {
+        continue;
+      }
+      busy.emplace_back(work.device_start_us, work.device_end_us);
+    }
+    o.copy_us += copy.device_end_us - copy.device_start_us;
+    o.overlapped_us += covered(copy.device_start_us, copy.device_end_us, std::move(busy));
+  }
+  return o;
+}
+
+struct Result {
+  std::string name;
+  double step_ms = 0;
+  Overlap overlap;
+};
+
+Result run(const std::string& schedule, bool gpu_first) {
+  const int64_t w = absl::GetFlag(FLAGS_width), rows = absl::GetFlag(FLAGS_rows);
+  const c10::Device gpu("cuda:0");
+  const std::vector<c10::Device> devices =
+      gpu_first ? std::vector<c10::Device>{gpu, at::kCPU} : std::vector<c10::Device>{at::kCPU, gpu};
+  auto [model, balance] = make_model(gpu_first, w);
+  gpipe::GPipe pipe(model, gpipe::GPipeOptions(balance)
+                               .devices(devices)
+                               .chunks(absl::GetFlag(FLAGS_chunks))
+                               .checkpoint(gpipe::Checkpoint::kNever)
+                               .schedule(gpipe::schedule_kind(schedule)));
+  pipe->record_timeline(true);
+  const auto loss = [](const gpipe::Batch& out, const at::Tensor& target) {
+    return (out[0] - target.to(out[0].device())).pow(2).mean();
+  };
+  const at::Tensor x = at::randn({rows, w}, devices.front());
+  const at::Tensor y = at::randn({rows, w});
+  Result r;
+  r.name = absl::StrFormat("%s {%s, %s}", schedule, devices[0].str(), devices[1].str());
+  r.step_ms = gpipe_benchmarks::median_ms(
+      [&] {
+        for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
+        pipe->step(x, y, loss);
+        gpipe::synchronize(gpu);
+      },
+      absl::GetFlag(FLAGS_steps), /*warmup=*/true);
+  r.overlap = overlap_of(pipe->last_timeline(), devices);
+  const std::string dir = absl::GetFlag(FLAGS_trace_dir);
+  if (!dir.empty()) {
+    const std::string stem =
+        absl::StrFormat("%s/%s_%s", dir, schedule, gpu_first ? "gpu_cpu" : "cpu_gpu");
+    gpipe::write_file(stem + ".svg", gpipe::timeline_svg(pipe->last_timeline(), devices));
+    gpipe::write_file(stem + ".json", gpipe::chrome_trace_json(pipe->last_timeline(), devices));
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "copy_overlap needs a GPU; none is visible\n");
+    return 1;
+  }
+  std::vector<Result> results;
+  std::printf("%-24s %9s %12s %12s\n", "pipeline", "step ms", "copies ms", "overlapped");
+  const std::vector<std::string> schedules = absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',');
+  for (const std::string& schedule : schedules) {
+    for (const bool gpu_first : {true, false}) {
+      const Result r = run(schedule, gpu_first);
+      std::printf("%-24s %9.2f %12.2f %11.1f%%\n", r.name.c_str(), r.step_ms,
+                  r.overlap.copy_us / 1e3, 100 * r.overlap.overlapped_us / r.overlap.copy_us);
+      std::fflush(stdout);
+      results.push_back(r);
+    }
+  }
+  if (const std::string out = absl::GetFlag(FLAGS_json_out); !out.empty()) {
+    std::string json = "[";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      json += absl::StrFormat(
+          "%s\n {\"pipeline\": \"%s\", \"step_ms\": %.3f, \"copy_ms\": %.3f, "
+          "\"overlapped_ms\": %.3f}",
+          i ? "," : "", r.name, r.step_ms, r.overlap.copy_us / 1e3, r.overlap.overlapped_us / 1e3);
+    }
+    gpipe::write_file(out, json + "\n]\n");
+  }
+  return 0;
+}
