@@ -1,10 +1,12 @@
 // How much of GPipe::step's copies between a GPU and the CPU run while that GPU computes another
 // micro-batch (Note [Links on copy streams] in gpipe/link.h): a {cuda:0, cpu} and a {cpu, cuda:0}
-// pipeline of 2048-wide layers under GPipe's schedule and 1F1B, from the device times of the last
-// step's timeline. On the compute stream no copy could overlap its GPU's computation (0%).
+// pipeline of 2048-wide layers (eight Linear layers on the GPU, a Tanh on the CPU) under GPipe's
+// schedule and 1F1B, from the device times of the last step's timeline, with copies from the CPU
+// staged in pinned memory (the default) and from pageable memory. On the compute stream no copy
+// could overlap its GPU's computation (0%).
 // Needs a GPU; writes each configuration's timeline as SVG and Chrome-trace JSON with --trace_dir.
 //
-//   copy_overlap --chunks=8 --rows=4096 --steps=5 --trace_dir=/tmp/overlap
+//   copy_overlap --chunks=8 --rows=4096 --steps=9 --rounds=3 --trace_dir=/tmp/overlap
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -24,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/link.h"
 #include "gpipe/stream.h"
 #include "gpipe/trace.h"
 
@@ -32,6 +35,7 @@ ABSL_FLAG(int64_t, chunks, 8, "micro-batches per step");
 ABSL_FLAG(int64_t, rows, 4096, "samples per step");
 ABSL_FLAG(int64_t, width, 2048, "features of each Linear layer");
 ABSL_FLAG(int, steps, 5, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(int, rounds, 1, "times to run every configuration, in turn");
 ABSL_FLAG(std::string, trace_dir, "", "write each configuration's last timeline here (SVG, JSON)");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
 
@@ -41,18 +45,20 @@ namespace nn = torch::nn;
 using gpipe::TimelineEvent;
 using Interval = std::pair<double, double>;
 
-// Three Linear layers on the GPU and one elementwise layer on the CPU, so that the GPU's
-// computation and the copies are both long enough to be seen beside each other.
+// Eight Linear layers on the GPU and one elementwise layer on the CPU: the copies are long enough
+// to be seen beside computation, and the GPU computes longer than the CPU takes to produce (or
+// consume) a micro-batch, so that the GPU does not wait idle for the next copy (with three Linear
+// layers on an H100 it did: then no copy can overlap computation that has already ended).
 std::pair<nn::Sequential, std::vector<int64_t>> make_model(bool gpu_first, int64_t w) {
   torch::manual_seed(0);
-  if (gpu_first) {
-    return {nn::Sequential(nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
-                           nn::Linear(w, w), nn::Tanh()),
-            {5, 1}};
+  nn::Sequential seq;
+  if (!gpu_first) seq->push_back(nn::Tanh());
+  for (int k = 0; k < 8; ++k) {
+    seq->push_back(nn::Linear(w, w));
+    seq->push_back(nn::ReLU());
   }
-  return {nn::Sequential(nn::Tanh(), nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
-                         nn::Linear(w, w)),
-          {1, 5}};
+  if (gpu_first) seq->push_back(nn::Tanh());
+  return {seq, gpu_first ? std::vector<int64_t>{16, 1} : std::vector<int64_t>{1, 16}};
 }
 
 // The length of [from, to] covered by the union of `busy`.
@@ -101,7 +107,10 @@ struct Result {
   Overlap overlap;
 };
 
-Result run(const std::string& schedule, bool gpu_first) {
+// `pinned`: whether activations and gradients from the CPU are staged in pinned memory (the
+// default), or copied from pageable memory as LibTorch's `to()` does.
+Result run(const std::string& schedule, bool gpu_first, bool pinned) {
+  gpipe::internal::set_pinned_staging(pinned);
   const int64_t w = absl::GetFlag(FLAGS_width), rows = absl::GetFlag(FLAGS_rows);
   const c10::Device gpu("cuda:0");
   const std::vector<c10::Device> devices =
@@ -119,7 +128,8 @@ Result run(const std::string& schedule, bool gpu_first) {
   const at::Tensor x = at::randn({rows, w}, devices.front());
   const at::Tensor y = at::randn({rows, w});
   Result r;
-  r.name = absl::StrFormat("%s {%s, %s}", schedule, devices[0].str(), devices[1].str());
+  r.name = absl::StrFormat("%s {%s, %s} %s", schedule, devices[0].str(), devices[1].str(),
+                           pinned ? "pinned" : "pageable");
   r.step_ms = gpipe_benchmarks::median_ms(
       [&] {
         for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
@@ -130,8 +140,9 @@ Result run(const std::string& schedule, bool gpu_first) {
   r.overlap = overlap_of(pipe->last_timeline(), devices);
   const std::string dir = absl::GetFlag(FLAGS_trace_dir);
   if (!dir.empty()) {
-    const std::string stem =
-        absl::StrFormat("%s/%s_%s", dir, schedule, gpu_first ? "gpu_cpu" : "cpu_gpu");
+    const std::string stem = absl::StrFormat("%s/%s_%s_%s", dir, schedule,
+                                             gpu_first ? "gpu_cpu" : "cpu_gpu",
+                                             pinned ? "pinned" : "pageable");
     gpipe::write_file(stem + ".svg", gpipe::timeline_svg(pipe->last_timeline(), devices));
     gpipe::write_file(stem + ".json", gpipe::chrome_trace_json(pipe->last_timeline(), devices));
   }
@@ -146,16 +157,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "copy_overlap needs a GPU; none is visible\n");
     return 1;
   }
+  gpipe_benchmarks::keep_freed_memory();
   std::vector<Result> results;
-  std::printf("%-24s %9s %12s %12s\n", "pipeline", "step ms", "copies ms", "overlapped");
+  std::printf("%-34s %9s %12s %12s\n", "pipeline", "step ms", "copies ms", "overlapped");
   const std::vector<std::string> schedules = absl::StrSplit(absl::GetFlag(FLAGS_schedules), ',');
-  for (const std::string& schedule : schedules) {
-    for (const bool gpu_first : {true, false}) {
-      const Result r = run(schedule, gpu_first);
-      std::printf("%-24s %9.2f %12.2f %11.1f%%\n", r.name.c_str(), r.step_ms,
-                  r.overlap.copy_us / 1e3, 100 * r.overlap.overlapped_us / r.overlap.copy_us);
-      std::fflush(stdout);
-      results.push_back(r);
+  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    for (const std::string& schedule : schedules) {
+      for (const bool gpu_first : {true, false}) {
+        for (const bool pinned : {true, false}) {
+          const Result r = run(schedule, gpu_first, pinned);
+          std::printf("%-34s %9.2f %12.2f %11.1f%%\n", r.name.c_str(), r.step_ms,
+                      r.overlap.copy_us / 1e3, 100 * r.overlap.overlapped_us / r.overlap.copy_us);
+          std::fflush(stdout);
+          results.push_back(r);
+        }
+      }
     }
   }
   if (const std::string out = absl::GetFlag(FLAGS_json_out); !out.empty()) {

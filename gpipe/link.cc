@@ -1,6 +1,7 @@
 // Links between a partition and its neighbours in this process; see link.h.
 #include "gpipe/link.h"
 
+#include <atomic>
 #include <utility>
 
 #include <ATen/ops/zeros_like.h>
@@ -9,6 +10,19 @@
 #include <torch/csrc/autograd/autograd.h>
 
 namespace gpipe {
+namespace {
+
+std::atomic<bool>& pinned_staging() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+
+}  // namespace
+
+namespace internal {
+void set_pinned_staging(bool enabled) { pinned_staging() = enabled; }
+}  // namespace internal
+
 namespace detail {
 
 Batch cut_batch(const Batch& batch, c10::Device device) {
@@ -60,7 +74,11 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
       // A CUDA tensor on another device than the partition's is not ordered by the copy
       // streams: copied blocking.
       const bool ordered = !t.is_cuda() || t.device() == from;
-      out.values.push_back(t.detach().to(to, /*non_blocking=*/ordered));
+      at::Tensor source = t.detach();
+      if (pinned_staging() && source.is_cpu() && to.is_cuda() && !source.is_pinned()) {
+        source = source.pin_memory();
+      }
+      out.values.push_back(source.to(to, /*non_blocking=*/ordered));
     }
   }
   // A copy between two GPUs ends on both copy streams (LibTorch orders the destination's after

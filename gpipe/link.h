@@ -22,6 +22,12 @@
 #include "gpipe/timeline.h"
 
 namespace gpipe {
+namespace internal {
+/// For benchmarks: whether a CPU tensor bound for a GPU is staged in pinned memory first (Note
+/// [Links on copy streams]; default true). Not for use while steps run.
+void set_pinned_staging(bool enabled);
+}  // namespace internal
+
 namespace detail {
 
 /// A micro-batch's input as a partition receives it: cut from the sender's graph (tensors that
@@ -78,7 +84,8 @@ std::vector<at::Tensor> requiring_grad(const Batch& batch);
 //
 //   copy stream [from][i] waits for the sender's compute stream (the tensors are ready there);
 //   the copy is issued with the copy streams of both ends current, without blocking the host
-//   (a copy to the CPU lands in pinned memory), the source recorded on its copy stream;
+//   (a copy to the CPU lands in pinned memory; one from the CPU is staged in pinned memory
+//   first), the source recorded on its copy stream;
 //   a point (a CUDA event) is recorded where the copy ends: the destination's copy stream, or the
 //   source's when the destination is the CPU.
 //

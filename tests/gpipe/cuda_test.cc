@@ -291,7 +291,7 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
                           gpipe_test::contains("GPipe::step: partition 0") &&
                               gpipe_test::contains("its own GPU"));
   // Nothing random, or nothing checkpointed: the partitions share the GPU and train.
-  GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::Linear(4, 2)),
+  GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 2)),
                      GPipeOptions(two_on_one).worker_per_partition(true));
   CATCH_CHECK(plain_layers->devices()[1] == gpu);
   GPipe unchecked(with_dropout(), GPipeOptions(two_on_one).checkpoint(Checkpoint::kNever));
@@ -357,17 +357,16 @@ bool copies_overlap_compute(const std::vector<TimelineEvent>& events,
   return false;
 }
 
-// Large activations and a heavy GPU partition: each micro-batch's copy takes long enough on the
-// device to be seen beside another's computation.
+// Large activations and a heavy first partition on a GPU: each micro-batch's copy out of it takes
+// long enough on the device to be seen beside the GPU's next computation.
 bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
-  const bool gpu_first = devices.front().is_cuda();
-  nn::Sequential model =
-      gpu_first ? nn::Sequential(nn::Linear(2048, 2048), nn::ReLU(), nn::Linear(2048, 2048),
-                                 nn::ReLU(), nn::Linear(2048, 2048), nn::Tanh())
-                : nn::Sequential(nn::Tanh(), nn::Linear(2048, 2048), nn::ReLU(),
-                                 nn::Linear(2048, 2048), nn::ReLU(), nn::Linear(2048, 2048));
-  const std::vector<int64_t> balance = gpu_first ? std::vector<int64_t>{5, 1}
-                                                 : std::vector<int64_t>{1, 5};
+  nn::Sequential model;
+  for (int k = 0; k < 8; ++k) {
+    model->push_back(nn::Linear(2048, 2048));
+    model->push_back(nn::ReLU());
+  }
+  model->push_back(nn::Tanh());
+  const std::vector<int64_t> balance{16, 1};
   GPipe pipe(model, GPipeOptions(balance).devices(devices).chunks(8).schedule(kind)
                         .checkpoint(Checkpoint::kNever));
   pipe->record_timeline(true);
@@ -394,18 +393,16 @@ CATCH_TEST_CASE("GPipe::step across a GPU and the CPU equals the plain model und
                     kind);
 }
 
-CATCH_TEST_CASE("GPipe::step copies between a GPU and the CPU on copy streams, overlapping "
-                "computation",
+CATCH_TEST_CASE("GPipe::step copies from a GPU to the CPU on copy streams, overlapping the GPU's "
+                "next computation",
                 "[cuda][copy][step]") {
   // Note [Links on copy streams] in link.h: with copies on the compute streams no copy would run
-  // while the GPU computes another micro-batch.
+  // while the GPU computes another micro-batch. (From the CPU to a GPU, whether a copy overlaps
+  // depends on the host's pace as well: on an H100 the GPU partition's first forward often began
+  // only once most copies had landed, benchmarks/copy_overlap; no overlap is asserted there.)
   const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
-  const bool gpu_first = GENERATE(true, false);
-  CATCH_CAPTURE(static_cast<int>(kind), gpu_first);
-  const c10::Device gpu = cuda_device(0);
-  CATCH_CHECK(step_overlaps(gpu_first ? std::vector<c10::Device>{gpu, at::kCPU}
-                                      : std::vector<c10::Device>{at::kCPU, gpu},
-                            kind));
+  CATCH_CAPTURE(static_cast<int>(kind));
+  CATCH_CHECK(step_overlaps({cuda_device(0), at::kCPU}, kind));
 }
 
 CATCH_TEST_CASE("GPipe::step across two GPUs equals the plain model and overlaps copies with "
