@@ -155,7 +155,7 @@ std::function<void()> pipeline_step(const ProcessGroup& group, int64_t width, in
   const int64_t v = virtual_stages();
   auto stage = std::make_shared<PipelineStage>(
       seq, PipelineStageOptions(stage_balance(layers)).chunks(m)
-               .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
+               .checkpoint(gpipe::Checkpoint::kNever)
                .schedule(gpipe::PipelineSchedule::of(
                    gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)),
                    v,
@@ -166,8 +166,8 @@ std::function<void()> pipeline_step(const ProcessGroup& group, int64_t width, in
   const at::Tensor y = at::randn({rows * m, width});
   return [stage, x, y] {
     (*stage)->zero_grad();
-    (*stage)->is_first() ? (*stage)->step(gpipe::Batch(x))
-                         : (*stage)->step(gpipe::distributed::no_input(), y);
+    (*stage)->is_first() ? (*stage)->step(gpipe::Batch(x), {}, mse)
+                         : (*stage)->step(gpipe::distributed::no_input(), y, mse);
   };
 }
 
@@ -184,13 +184,13 @@ std::function<void()> partitions_step(const ProcessGroup& alone, int64_t width, 
   auto stage = std::make_shared<PipelineStage>(
       mlp(width, layers),
       PipelineStageOptions({4 * layers}).local_balance({2 * layers, 2 * layers})
-          .chunks(m).checkpoint(gpipe::Checkpoint::kNever).loss(mse),
+          .chunks(m).checkpoint(gpipe::Checkpoint::kNever),
       alone);
   const at::Tensor x = at::randn({rows * m, width});
   const at::Tensor y = at::randn({rows * m, width});
   return [stage, x, y] {
     (*stage)->zero_grad();
-    (*stage)->step(gpipe::Batch(x), y);
+    (*stage)->step(gpipe::Batch(x), y, mse);
   };
 }
 
@@ -311,7 +311,7 @@ int main(int argc, char** argv) {
     const int64_t v = virtual_stages();
     PipelineStage stage(mlp(width, layers),
                         PipelineStageOptions(stage_balance(layers)).chunks(traced)
-                            .checkpoint(gpipe::Checkpoint::kNever).loss(mse)
+                            .checkpoint(gpipe::Checkpoint::kNever)
                             .schedule(gpipe::PipelineSchedule::of(
                                 gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)),
                                 v,
@@ -323,8 +323,8 @@ int main(int argc, char** argv) {
     const at::Tensor y = at::randn({rows * traced, width});
     for (int s = 0; s < 3; ++s) {  // the last of three steps
       stage->zero_grad();
-      stage->is_first() ? stage->step(gpipe::Batch(x))
-                        : stage->step(gpipe::distributed::no_input(), y);
+      stage->is_first() ? stage->step(gpipe::Batch(x), {}, mse)
+                        : stage->step(gpipe::distributed::no_input(), y, mse);
     }
     const auto events = stage->gather_timeline();
     const std::vector<c10::Device> devices(2 * v, c10::Device(c10::kCPU));

@@ -216,10 +216,10 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                      .schedule(gpipe::PipelineSchedule::of(
                          schedule_kind(absl::GetFlag(FLAGS_schedule)),
                          absl::GetFlag(FLAGS_virtual_stages),
-                         absl::GetFlag(FLAGS_microbatch_group)))
-                     .loss([](const Batch& logits, const at::Tensor& targets) {
-                       return models::next_token_loss(logits.tensor(), targets);
-                     });
+                         absl::GetFlag(FLAGS_microbatch_group)));
+  const gpipe::LossFunction next_token = [](const Batch& logits, const at::Tensor& targets) {
+    return models::next_token_loss(logits.tensor(), targets);
+  };
   dist::PipelineStage stage =
       groups.replicas > 1 ? dist::PipelineStage(named.model, options, groups.pipeline,
                                                 groups.replica_group)
@@ -252,14 +252,14 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
     const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
     optimizer.zero_grad();
     stage->step(stage->is_first() ? Batch(ids) : dist::no_input(),
-                stage->is_last() ? targets : at::Tensor());
+                stage->is_last() ? targets : at::Tensor(), next_token);
     optimizer.step();
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       const auto [vids, vnext] = training::consecutive_windows(
           corpus.validation, 0, validation_windows(corpus.validation, length), length);
       stage->eval();
       const auto result = stage->evaluate(stage->is_first() ? Batch(vids) : dist::no_input(),
-                                          stage->is_last() ? vnext : at::Tensor());
+                                          stage->is_last() ? vnext : at::Tensor(), next_token);
       stage->train();
       validation = result.loss.item<double>();
       if (leader) {

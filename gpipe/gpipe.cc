@@ -61,43 +61,11 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
 
 }  // namespace
 
-std::string checkpoint_name(Checkpoint mode) {
-  switch (mode) {
-    case Checkpoint::kAlways: return "always";
-    case Checkpoint::kExceptLast: return "except_last";
-    case Checkpoint::kNever: return "never";
-  }
-  return "?";
-}
-
-Checkpoint checkpoint_from_name(const std::string& name) {
-  if (name == "always") return Checkpoint::kAlways;
-  if (name == "except_last") return Checkpoint::kExceptLast;
-  if (name == "never") return Checkpoint::kNever;
-  TORCH_CHECK(false, "unknown checkpoint mode '", name, "'; use always, except_last or never");
-}
-
-int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
-  switch (mode) {
-    case Checkpoint::kAlways:
-      return chunks;
-    case Checkpoint::kExceptLast:
-      return chunks - 1;
-    case Checkpoint::kNever:
-      return 0;
-  }
-  return 0;
-}
-
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     : options_(std::move(options)) {
   TORCH_CHECK(module, "GPipe needs a Sequential, but the given one is empty (null)");
-  TORCH_CHECK(options_.chunks() > 0, "GPipe chunks must be a positive number of micro-batches, "
-              "got ", options_.chunks());
-  verify_module(module);
-  verify_skippables(module);
   std::vector<c10::Device> devices = choose_devices(options_.devices(), options_.balance().size());
-  verify_balance(options_.balance(), static_cast<int64_t>(module->size()), devices.size());
+  detail::check_shared_options(options_, module, devices.size(), "GPipe");
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), "GPipe");

@@ -21,6 +21,7 @@
 #include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
 #include "gpipe/loss.h"
+#include "gpipe/pipeline_options.h"
 #include "gpipe/schedule.h"
 #include "gpipe/schedule_option.h"
 #include "gpipe/skip_layout.h"
@@ -36,26 +37,6 @@ namespace detail {
 struct ExecutorPartition;
 }  // namespace detail
 
-/// When micro-batches are checkpointed (their activations recomputed in backward instead of
-/// kept). Only in training mode with grad mode on; never in eval mode.
-enum class Checkpoint {
-  /// Every micro-batch.
-  kAlways,
-  /// Every micro-batch but the last, whose backward starts right after its forward (default).
-  kExceptLast,
-  /// None: fastest, most memory.
-  kNever,
-};
-
-/// How many micro-batches of `chunks` a training forward with `mode` checkpoints (the first ones):
-/// chunks, chunks - 1 or 0.
-int64_t checkpoint_stop(Checkpoint mode, int64_t chunks);
-
-/// A checkpoint mode's name ("always", "except_last", "never") and back; the latter throws
-/// c10::Error naming the unknown name.
-std::string checkpoint_name(Checkpoint mode);
-Checkpoint checkpoint_from_name(const std::string& name);
-
 /// Options of a GPipe.
 ///
 ///   gpipe::GPipeOptions({2, 3})
@@ -63,22 +44,17 @@ Checkpoint checkpoint_from_name(const std::string& name);
 ///       .chunks(8)
 ///       .checkpoint(gpipe::Checkpoint::kExceptLast)
 ///       .deferred_batch_norm(true);
-struct GPipeOptions {
+struct GPipeOptions : PipelineOptions<GPipeOptions> {
   /// `balance[j]` is the number of consecutive layers in partition j.
-  /* implicit */ GPipeOptions(std::vector<int64_t> balance) : balance_(std::move(balance)) {}
+  /* implicit */ GPipeOptions(std::vector<int64_t> balance) : PipelineOptions(std::move(balance)) {}
 
-  /// Layers per partition; must add up to the number of layers.
-  TORCH_ARG(std::vector<int64_t>, balance);
+  // balance, chunks, checkpoint, deferred_batch_norm, tied_parameters and schedule: the options a
+  // GPipe shares with a PipelineStage (pipeline_options.h). forward() always runs GPipe's
+  // schedule; step() runs schedule().
+
   /// One device per partition (repeats allowed). Empty (the default) means every CUDA device
   /// when CUDA is available, else the CPU for every partition. Extra devices are ignored.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
-  /// The number of micro-batches a mini-batch is split into.
-  TORCH_ARG(int64_t, chunks) = 1;
-  /// Which micro-batches are checkpointed.
-  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
-  /// Whether BatchNorm layers update their running statistics once per mini-batch instead of once
-  /// per micro-batch (see Note [Deferred batch norm without replacing modules]).
-  TORCH_ARG(bool, deferred_batch_norm) = false;
   /// Whether every partition gets a worker thread of its own, even partitions on the same device
   /// (see Note [Workers and the calling thread]). For testing concurrency on the CPU: layers that
   /// draw random numbers from the CPU generator then draw them in an order that depends on thread
@@ -92,62 +68,11 @@ struct GPipeOptions {
   TORCH_ARG(bool, stage_local_backward) = false;
 
  public:
-  /// The schedule that step() runs (docs/schedules.md): a kind — GPipe's fill-drain (the
-  /// default), 1F1B, interleaved 1F1B, zero bubble (ZB-H1) —, interleaved 1F1B with its virtual
-  /// stages (PipelineSchedule::interleaved), or a schedule written as text
-  /// (PipelineSchedule::text); checked at construction. forward() always runs GPipe's.
-  ///
-  ///   gpipe::GPipeOptions({2, 2}).chunks(8).schedule(gpipe::ScheduleKind::k1F1B)
-  ///   gpipe::GPipeOptions({1, 1, 1, 1}).chunks(8)
-  ///       .schedule(gpipe::PipelineSchedule::interleaved(/*virtual_stages=*/2))
-  /// (It replaces the whole value, including what the deprecated setters below set before.)
-  GPipeOptions& schedule(PipelineSchedule schedule) {
-    schedule_ = std::move(schedule);
-    return *this;
-  }
-  /// A kind, keeping the virtual stages and group set by the deprecated setters below.
-  GPipeOptions& schedule(ScheduleKind kind) {
-    schedule_.set_kind(kind);
-    return *this;
-  }
-  const PipelineSchedule& schedule() const { return schedule_; }
-  /// Pairs of parameters ("<layer name>.<parameter>", as the Sequential's named_parameters()
-  /// names them) that are one parameter of the model (Varuna's shared_weights): the second takes
-  /// the first's value, their gradients are summed and they stay equal (Note [Tied
-  /// parameters]). A tensor held by several layers is tied without being named.
-  ///
-  ///   // The output projection (layer 5) shares the token embedding's (layer 0) weight.
-  ///   gpipe::GPipeOptions({3, 3}).tied_parameters({{"0.weight", "5.weight"}})
-  TORCH_ARG(TiedNames, tied_parameters) = {};
-
- public:
-  // Deprecated spellings (Note [One schedule option]); each sets one field of schedule().
-  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages))")]]
-  GPipeOptions& virtual_stages(int64_t v) {
-    schedule_.set_virtual_stages(v);
-    return *this;
-  }
-  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages, group))")]]
-  GPipeOptions& microbatch_group(int64_t group) {
-    schedule_.set_microbatch_group(group);
-    return *this;
-  }
   [[deprecated("use schedule(gpipe::PipelineSchedule::text(text))")]]
   GPipeOptions& schedule_text(std::string text) {
     schedule_.set_text(std::move(text));
     return *this;
   }
-  [[deprecated("use the model's record_timeline(true) (a switch at run time)")]]
-  GPipeOptions& record_timeline(bool on) {
-    record_timeline_ = on;
-    return *this;
-  }
-  /// Whether the deprecated record_timeline option was set: the model's initial switch.
-  bool initially_records_timeline() const { return record_timeline_; }
-
- private:
-  PipelineSchedule schedule_;
-  bool record_timeline_ = false;
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:

@@ -154,7 +154,7 @@ int train_distributed(const TrainerModel& trainer) {
   };
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
-                                .checkpoint(checkpoint).loss(cross_entropy).device(device)
+                                .checkpoint(checkpoint).device(device)
                                 .local_balance(local_balance)
                                 .schedule(gpipe::PipelineSchedule::of(
                                     schedule_kind(absl::GetFlag(FLAGS_schedule)),
@@ -215,7 +215,7 @@ int train_distributed(const TrainerModel& trainer) {
       torch::data::DataLoaderOptions(local_batch).drop_last(true));
   const auto run = [&](const at::Tensor& images, const at::Tensor& labels) {
     return stage->step(stage->is_first() ? Batch(images.to(device)) : dist::no_input(),
-                       stage->is_last() ? labels.to(device) : at::Tensor());
+                       stage->is_last() ? labels.to(device) : at::Tensor(), cross_entropy);
   };
 
   const int64_t epochs = absl::GetFlag(FLAGS_epochs);

@@ -50,7 +50,7 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   TORCH_CHECK(group, who, ": the process group is null; make one with "
               "gpipe::distributed::new_gloo_group");
   const std::vector<int64_t>& balance = options.balance();
-  TORCH_CHECK(options.chunks() >= 1, who, ": chunks must be at least 1, got ", options.chunks());
+  detail::check_shared_options(options, module, balance.size(), who);
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
   TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
@@ -62,9 +62,6 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
               kMinSharedRing, " (256 KiB), or 0 for none");
   TORCH_CHECK(options.chunks() <= kMaxMicrobatches, who, ": chunks is ", options.chunks(),
               "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
-  verify_module(module);
-  verify_balance(balance, static_cast<int64_t>(module->size()), balance.size());
-  verify_skippables(module);
   const int ranks = group->getSize();
   // (A balance of the wrong size is refused, naming it, once the skips are checked: place().)
   if (static_cast<int64_t>(balance.size()) == ranks * v) {

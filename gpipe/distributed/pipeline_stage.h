@@ -120,17 +120,27 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // bubble is GPipe's divided by v, at the price of v times as many transfers.
 
 /// Options of a pipeline stage. Every process of a pipeline must pass the same ones.
-struct PipelineStageOptions {
+struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   /// Layers per stage, one entry per process of the pipeline (rank order): stage s owns layers
   /// sum(balance[0 .. s)) .. sum(balance[0 .. s]) of the Sequential. With virtual stages, one
-  /// entry per virtual stage (see virtual_stages).
+  /// entry per virtual stage (PipelineSchedule::interleaved).
   /* implicit */ PipelineStageOptions(std::vector<int64_t> balance)
-      : balance_(std::move(balance)) {}
-  TORCH_ARG(std::vector<int64_t>, balance);
-  /// Micro-batches per mini-batch (fewer when the mini-batch has fewer samples).
-  TORCH_ARG(int64_t, chunks) = 1;
-  /// Which micro-batches are checkpointed: the same modes as a GPipe's.
-  TORCH_ARG(Checkpoint, checkpoint) = Checkpoint::kExceptLast;
+      : PipelineOptions(std::move(balance)) {}
+
+  // balance, chunks, checkpoint, deferred_batch_norm, tied_parameters and schedule: the options a
+  // stage shares with a GPipe (pipeline_options.h), the same on every stage. Here, schedule() is
+  // a kind (ScheduleKind::kGPipe, the default; k1F1B; kZeroBubble) or interleaved 1F1B with its
+  // virtual stages per process (PipelineSchedule::interleaved(v, group)): the balance then has
+  // one entry per virtual stage, n * v in all, and stage s runs virtual stages s, s + n, ... (Note
+  // [Interleaving across processes]); chunks must be a multiple of n, and so must the
+  // micro-batches each mini-batch splits into (a mini-batch of at least chunks samples). A
+  // schedule written as text is GPipe's only.
+  //
+  //   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
+  //   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
+  // Batch norm: Note [Pipeline stages and batch norm]; ties across stages: Note [Ties across
+  // stages] in tied_stages.h.
+
   /// Where this stage's layers run (tensors cross processes through the CPU with Gloo, from GPU to
   /// GPU with NCCL: Note [Point-to-point order] in process_group.h).
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
@@ -145,39 +155,9 @@ struct PipelineStageOptions {
   /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
   /// device(). May differ between stages.
   TORCH_ARG(std::vector<c10::Device>, local_devices);
-
- public:
-  /// The schedule of step(): a kind (ScheduleKind::kGPipe, the default; k1F1B; kZeroBubble) or
-  /// interleaved 1F1B with its virtual stages per process (PipelineSchedule::interleaved(v,
-  /// group)): the balance then has one entry per virtual stage, n * v in all, and stage s runs
-  /// virtual stages s, s + n, ... (Note [Interleaving across processes]); chunks must be a
-  /// multiple of n, and so must the micro-batches each mini-batch splits into (a mini-batch of
-  /// at least chunks samples). The same on every stage. (A schedule written as text is GPipe's
-  /// only.)
-  ///
-  ///   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
-  ///   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
-  /// (It replaces the whole value, including what the deprecated setters below set before.)
-  PipelineStageOptions& schedule(PipelineSchedule schedule) {
-    schedule_ = std::move(schedule);
-    return *this;
-  }
-  /// A kind, keeping the virtual stages and group set by the deprecated setters below.
-  PipelineStageOptions& schedule(ScheduleKind kind) {
-    schedule_.set_kind(kind);
-    return *this;
-  }
-  const PipelineSchedule& schedule() const { return schedule_; }
-  /// The last stage's loss function; required there, ignored elsewhere.
+  /// The last stage's loss function for step(input, target) and evaluate(input, target): the
+  /// older spelling of step()'s and evaluate()'s argument `loss`, which takes precedence.
   TORCH_ARG(LossFunction, loss) = nullptr;
-  /// Whether this stage's BatchNorm layers update their running statistics once per mini-batch,
-  /// as if they had seen it whole, instead of once per micro-batch (GPipeOptions'
-  /// deferred_batch_norm; Note [Pipeline stages and batch norm]).
-  TORCH_ARG(bool, deferred_batch_norm) = false;
-  /// Pairs of parameter names of the Sequential that are one parameter (GPipeOptions'
-  /// tied_parameters); a tensor held by several layers is tied without being named. Ties across
-  /// stages: Note [Ties across stages] in tied_stages.h.
-  TORCH_ARG(TiedNames, tied_parameters) = {};
   /// The bytes of each ring of shared memory between this stage and a neighbour in another
   /// process on the same host (one ring per direction of each link, in /dev/shm), through which
   /// the computing threads pass activations and gradients themselves instead of over the process
@@ -185,30 +165,6 @@ struct PipelineStageOptions {
   /// over the process group. Used with Gloo only. A micro-batch larger than half a ring, or one
   /// that finds the ring full, goes over the process group. The same on every stage.
   TORCH_ARG(int64_t, shared_memory) = int64_t{8} << 20;
-
- public:
-  // Deprecated spellings (Note [One schedule option] in gpipe/schedule_option.h).
-  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages))")]]
-  PipelineStageOptions& virtual_stages(int64_t v) {
-    schedule_.set_virtual_stages(v);
-    return *this;
-  }
-  [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages, group))")]]
-  PipelineStageOptions& microbatch_group(int64_t group) {
-    schedule_.set_microbatch_group(group);
-    return *this;
-  }
-  [[deprecated("use the stage's record_timeline(true) (a switch at run time)")]]
-  PipelineStageOptions& record_timeline(bool on) {
-    record_timeline_ = on;
-    return *this;
-  }
-  /// Whether the deprecated record_timeline option was set: the stage's initial switch.
-  bool initially_records_timeline() const { return record_timeline_; }
-
- private:
-  PipelineSchedule schedule_;
-  bool record_timeline_ = false;
 };
 
 // Note [Pipeline stages and batch norm]
@@ -233,10 +189,11 @@ struct PipelineStageOptions {
 ///
 ///   auto group = gpipe::distributed::new_gloo_group(gpipe::distributed::options_from_env());
 ///   gpipe::distributed::PipelineStage stage(
-///       model, gpipe::distributed::PipelineStageOptions({3, 2}).chunks(8).loss(loss_fn), group);
+///       model, gpipe::distributed::PipelineStageOptions({3, 2}).chunks(8), group);
 ///   torch::optim::SGD sgd(stage->parameters(), 0.1);
-///   at::Tensor loss = stage->is_first() ? stage->step(gpipe::Batch(input))
-///                                       : stage->step(gpipe::distributed::no_input(), target);
+///   at::Tensor loss = stage->is_first()
+///                         ? stage->step(gpipe::Batch(input), {}, loss_fn)
+///                         : stage->step(gpipe::distributed::no_input(), target, loss_fn);
 ///   sgd.step();
 ///
 /// Skips (gpipe::stash / pop) must be stashed and popped within one stage (in any of its
@@ -262,13 +219,18 @@ class PipelineStageImpl : public torch::nn::Module {
   ~PipelineStageImpl() override;
 
   /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
-  /// on the last, `target` is passed to the loss function. Other stages take neither: step()
-  /// (no_input() and an undefined tensor). Returns the loss on the last stage, an undefined tensor
-  /// elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
+  /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does).
+  /// Other stages take neither: no_input(), an undefined tensor and any loss (or none); every
+  /// stage may pass the same three, as a program that does not ask which stage it is does.
+  /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
   /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs, and the
   /// last stage calls the loss only when given a target. After a
   /// step that threw (a peer died, a layer failed), the stage refuses further steps. Steps called
   /// from several threads run one at a time.
+  ///
+  ///   at::Tensor loss = stage->step(stage->is_first() ? gpipe::Batch(x) : no_input(), y, mse);
+  at::Tensor step(const Batch& input, const at::Tensor& target, LossFunction loss);
+  /// step() with PipelineStageOptions::loss as the loss function (the older spelling).
   at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {});
 
   /// What evaluate() returns on every stage.
@@ -277,14 +239,16 @@ class PipelineStageImpl : public torch::nn::Module {
     at::Tensor loss;  // the last stage's loss (a double scalar on the CPU), given a target there
   };
   /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
-  /// only; the last stage calls the loss when given a target), then the last stage's output and
+  /// only; the last stage calls `loss` when given a target), then the last stage's output and
   /// loss broadcast to every stage of the pipeline. A collective: every stage calls it, e.g. to
   /// log the loss or count accuracy on any rank.
   ///
   ///   stage->eval();
-  ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y);
+  ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y, loss);
   ///   double accuracy =
   ///       result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
+  Evaluation evaluate(const Batch& input, const at::Tensor& target, LossFunction loss);
+  /// evaluate() with PipelineStageOptions::loss as the loss function (the older spelling).
   Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {});
 
   /// On the last stage, the last step's output of the whole mini-batch (gathered from the
@@ -376,8 +340,8 @@ class PipelineStageImpl : public torch::nn::Module {
                                                     const char* who) const;
   void end_step(int64_t index, bool grad_enabled, bool deferred,
                 const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms);
-  at::Tensor run_step(const Batch& input, const at::Tensor& target, int64_t index,
-                      std::shared_ptr<Cancellation> cancellation);
+  at::Tensor run_step(const Batch& input, const at::Tensor& target, const LossFunction& loss,
+                      int64_t index, std::shared_ptr<Cancellation> cancellation);
 
   PipelineStageOptions options_;
   ProcessGroup group_;

@@ -28,10 +28,16 @@ at::Tensor broadcast(const ProcessGroup& group, at::Tensor tensor, int root, c10
 
 PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
                                                           const at::Tensor& target) {
+  return evaluate(input, target, options_.loss());
+}
+
+PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
+                                                          const at::Tensor& target,
+                                                          LossFunction loss) {
   at::Tensor last_loss;
   {
     at::NoGradGuard no_grad;
-    last_loss = step(input, target);
+    last_loss = step(input, target, std::move(loss));
   }
   const int last = static_cast<int>(stages()) - 1;
   const std::string what = "the broadcast of the last stage's output";
@@ -47,10 +53,10 @@ PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
   Evaluation result{shape.atomic ? Batch(std::move(values[0])) : Batch(std::move(values)),
                     at::Tensor()};
   const bool has_loss = is_last() && last_loss.defined();
-  at::Tensor loss = at::tensor({has_loss ? 1.0 : 0.0, has_loss ? last_loss.item<double>() : 0.0},
+  at::Tensor sent = at::tensor({has_loss ? 1.0 : 0.0, has_loss ? last_loss.item<double>() : 0.0},
                                at::kDouble);
-  loss = broadcast(group_, loss, last, c10::Device(c10::kCPU), "the broadcast of the loss");
-  if (loss[0].item<double>() > 0) result.loss = loss[1];
+  sent = broadcast(group_, sent, last, c10::Device(c10::kCPU), "the broadcast of the loss");
+  if (sent[0].item<double>() > 0) result.loss = sent[1];
   return result;
 }
 

@@ -89,13 +89,14 @@ void attach_links(detail::ExecutorSpec& spec, detail::InputSource* source, detai
 // chunks (fewer, for a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one
 // micro-batch, where the two losses are the same).
 std::unique_ptr<detail::LossSink> loss_sink(const PipelineStageOptions& options, int64_t stages,
-                                            const at::Tensor& target, const char* who) {
+                                            const at::Tensor& target, const LossFunction& loss,
+                                            const char* who) {
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
   const int64_t group = schedule.interleaves() ? schedule.microbatch_group() : 0;
   const bool whole = detail::forwards_before_backwards(
       make_schedule(schedule.kind(), stages, options.chunks(), v, group).ranks, stages * v - 1);
-  return std::make_unique<detail::LossSink>(options.loss(), target, whole, who);
+  return std::make_unique<detail::LossSink>(loss, target, whole, who);
 }
 
 }  // namespace
@@ -167,6 +168,11 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
 }
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
+  return step(input, target, options_.loss());
+}
+
+at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
+                                   LossFunction loss) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
@@ -198,10 +204,10 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
     TORCH_CHECK(!is_first() || input.size() > 0, who, ": stage 0 needs the mini-batch as input");
     TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
                 "stage 0 does; its activations come from stage ", stage_ - 1, ")");
-    TORCH_CHECK(!is_last() || options_.loss(), who, ": the last stage (", stage_, ") needs a "
-                "loss function: PipelineStageOptions::loss");
+    TORCH_CHECK(!is_last() || loss, who, ": the last stage (", stage_, ") needs a loss "
+                "function: pass it to step(input, target, loss)");
     checked = true;
-    return run_step(input, target, index, cancellation);
+    return run_step(input, target, loss, index, cancellation);
   } catch (const std::exception& e) {
     // The other stages wait for this one's transfers: the pipeline is broken for good.
     if (checked || stages() > 1) failed_ = true;
@@ -226,7 +232,8 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
 }
 
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
-                                       int64_t index, std::shared_ptr<Cancellation> cancellation) {
+                                       const LossFunction& loss, int64_t index,
+                                       std::shared_ptr<Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   const bool grad_enabled = at::GradMode::is_enabled();
   const bool deferred = begin_step(grad_enabled);
@@ -268,7 +275,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
         shared_ ? shared_->find(false, l.channel) : nullptr));
   }
   std::unique_ptr<detail::LossSink> sink =
-      is_last() ? loss_sink(options_, stages, target, who) : nullptr;
+      is_last() ? loss_sink(options_, stages, target, loss, who) : nullptr;
   // Note [When gradients' receives are posted] in remote_link.h.
   const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
                                 : in_turn                    ? GradientReceives::kInTurn

@@ -99,6 +99,37 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   CATCH_CHECK(order == expected_order);
 }
 
+CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, before the option",
+                "[distributed][stage]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  auto [x, y] = batch(0);
+  // An option that would give another loss: the argument wins.
+  const LossFunction doubled = [](const Batch& out, const at::Tensor& target) {
+    return 2 * nn::functional::mse_loss(out.tensor(), target);
+  };
+  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks).loss(doubled), group);
+  nn::Sequential plain = make_model();
+  at::Tensor expected = nn::functional::mse_loss(plain->forward(x), y);
+  expected.backward();
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y, mse), expected, 0, 1e-12));
+  const auto got = stage->parameters();
+  const auto want = plain->parameters();
+  CATCH_REQUIRE(got.size() == want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    CATCH_CHECK(at::allclose(got[k].grad(), want[k].grad(), 0, 1e-12));
+  }
+  // Without an argument, the option's.
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y), 2 * expected, 0, 1e-12));
+  stage->eval();
+  CATCH_CHECK(at::allclose(stage->evaluate(Batch(x), y, mse).loss, expected.detach(), 0, 1e-12));
+  PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(kChunks), group);
+  CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y, nullptr),
+                          gpipe_test::contains("needs a loss function: pass it to step(input, "
+                                               "target, loss)"));
+}
+
 CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip within or "
                 "across partitions as the plain model over several steps, and local balances "
                 "that cannot work are refused naming the value",
