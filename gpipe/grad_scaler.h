@@ -27,9 +27,9 @@ namespace gpipe {
 // with isfinite and mul_), each device's finding is one flag, and one read on the host joins them.
 // Across processes (PipelineStage, DataParallel) that flag must be the same on every rank, or
 // the stages' optimizers would disagree: step() takes `any_rank`, which ORs it over the ranks
-// (gpipe::distributed::found_inf_on_any_rank: one all-reduce of one number). The scale lives on
-// the host, not in a device tensor as in _amp_update_scale_: the decision to skip must reach the
-// host anyway, and the rule is the same.
+// (gpipe::distributed::any_rank in distributed/replication.h: one all-reduce of one number).
+// The scale lives on the host, not in a device tensor as in _amp_update_scale_: the decision to
+// skip must reach the host anyway, and the rule is the same.
 
 /// Options of a GradScaler: PyTorch's defaults.
 struct GradScalerOptions {

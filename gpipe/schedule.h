@@ -92,7 +92,8 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 // rank's next chunk starts on micro-batch i as soon as the group of n micro-batches before it is
 // done: the output it needs left the last rank at most a task earlier. With free communication
 // that costs nothing; where a hop takes time (another process on a busy machine: about 0.2-0.6 ms
-// on the project's 2-core VM, docs/benchmarks.md), each wait for it lands on the critical path.
+// on the project's 2-core VM, docs/journal/2026-11-26-benchmarks.md, "measured in rounds, and
+// micro-batch groups"), each wait for it lands on the critical path.
 // A larger group g (Megatron-LM's microbatch_group_size_per_vp_stage) runs g micro-batches through
 // a chunk before the next: the output then has g - n tasks' time to arrive. The price is memory:
 // (v - 1)(g - n) more stage-micro-batches in flight on every rank during the warm-up. The bubble

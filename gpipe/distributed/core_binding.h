@@ -23,7 +23,7 @@ namespace distributed {
 // (or `taskset` around each rank), not an option of the stage: the trainers' and benchmarks'
 // --bind_cores_to_rank. What it is worth depends on the host: on the project's 2-vCPU VM, two
 // interleaved stages measured the same bound and unbound, within the machine's noise
-// (docs/benchmarks.md).
+// (docs/journal/2026-11-27-benchmarks.md, "each process bound to a core of its own").
 
 /// The CPUs this process's calling thread may run on (its affinity mask), ascending.
 std::vector<int> allowed_cpus();
