@@ -98,6 +98,7 @@ struct PipelineProfileOptions {
   /// The smallest and largest micro-batch to profile (and their geometric mean); 0: 1 and the
   /// sample's batch.
   TORCH_ARG(int64_t, min_batch) = 0;
+  /// The largest micro-batch to profile (see min_batch); 0: the sample's batch.
   TORCH_ARG(int64_t, max_batch) = 0;
   /// Intra-op threads of each CPU worker, set while profiling and kept in the plans; 0: the cores
   /// divided among the devices (at least 1), as the trainers' --threads=0.
@@ -117,11 +118,13 @@ struct PipelineProfile {
   std::vector<CopyStats> copies;
   /// The devices a pipeline may use, one per partition at most.
   std::vector<c10::Device> devices;
-  /// The mini-batch's size and its bytes (the input the first partition holds).
+  /// The mini-batch's size.
   int64_t batch = 0;
+  /// The mini-batch's bytes (the input the first partition holds).
   int64_t input_bytes = 0;
-  /// The machine's cores and each CPU worker's intra-op threads.
+  /// The machine's cores.
   int64_t cores = 1;
+  /// Each CPU worker's intra-op threads.
   int64_t threads = 1;
   /// How many workers' worth of compute the CPU gives cores / threads workers running at once
   /// (cpu_capacity); 0: cores / threads, as if each had its own cores.
@@ -133,22 +136,28 @@ struct PipelineProfile {
   /// `split`: what the backward split in two (zero bubble's I and W) costs beyond `ratio`, from a
   /// step of the zero-bubble schedule: I and W are scaled by ratio x split.
   struct Calibration {
+    /// The micro-batch size of the calibrating steps.
     int64_t batch = 0;
+    /// The whole-model step measured over its simulation.
     double ratio = 1;
+    /// What the split backward costs beyond `ratio` (see above).
     double split = 1;
   };
+  /// One entry per micro-batch size calibrated; empty: not calibrated (a ratio of 1).
   std::vector<Calibration> calibration;
   /// The calibration's ratio at micro-batches of `batch` (interpolated; 1 without one).
   double time_scale(int64_t batch) const;
   /// The scale of I and W at micro-batches of `batch`: time_scale x the interpolated split.
   double split_scale(int64_t batch) const;
 
+  /// The number of layers profiled (0 without a profile).
   int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
   /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).
   LayerStats layer(int64_t k, int64_t batch) const;
   /// What copying `bytes` from `from` to `to` costs (0 on one device).
   double copy_us(c10::Device from, c10::Device to, int64_t bytes) const;
 
+  /// The profile as JSON text (a profile file), which from_json reads back.
   std::string to_json() const;
   /// Reads to_json's text; throws c10::Error naming what is missing or malformed.
   static PipelineProfile from_json(const std::string& text);
@@ -165,18 +174,24 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
 
 /// One configuration and what it is predicted to cost.
 struct PipelinePlan {
+  /// Layers per partition (GPipeOptions::balance).
   std::vector<int64_t> balance;
   /// One device per partition.
   std::vector<c10::Device> devices;
+  /// Micro-batches per mini-batch.
   int64_t chunks = 1;
+  /// Which micro-batches are checkpointed.
   Checkpoint checkpoint = Checkpoint::kExceptLast;
+  /// The schedule of a training step (GPipeImpl::step).
   ScheduleKind schedule = ScheduleKind::kGPipe;
+  /// Stages per worker: more than 1 only with the interleaved schedule.
   int64_t virtual_stages = 1;
   /// Intra-op threads of each CPU worker.
   int64_t threads = 1;
-  /// Predicted: the step's time (forward and backward of every micro-batch) and each distinct
-  /// device's peak bytes (in the order of first appearance in `devices`).
+  /// Predicted: the step's time (forward and backward of every micro-batch), microseconds.
   double step_us = 0;
+  /// Predicted: each distinct device's peak bytes (in the order of first appearance in
+  /// `devices`).
   std::vector<int64_t> peak_bytes;
 
   /// The options to build this pipeline with.
@@ -185,6 +200,7 @@ struct PipelinePlan {
   GPipeOptions options() const;
   /// "balance {3, 2}, 8 micro-batches, checkpoint except_last, schedule 1f1b: 12.3 ms, 45.6 MiB".
   std::string describe() const;
+  /// The plan as JSON text (a plan file, the trainers' --plan), which from_json reads back.
   std::string to_json() const;
   /// Reads to_json's text (the predictions may be absent); throws c10::Error naming what is
   /// missing or malformed.

@@ -29,11 +29,14 @@ struct ProfileOptions {
 
 /// One layer's measurements.
 struct LayerStats {
-  std::string name;  // the layer's name in the Sequential
-  std::string type;  // e.g. torch::nn::Conv2dImpl
+  /// The layer's name in the Sequential.
+  std::string name;
+  /// The layer's type, e.g. torch::nn::Conv2dImpl.
+  std::string type;
   /// Median wall time of forward and of backward over the timed passes (synchronised on CUDA),
   /// microseconds: a pass slowed by something else on the machine does not move it.
   double forward_us = 0;
+  /// The same for backward (the gradients of the layer's input and parameters together).
   double backward_us = 0;
   /// Forward under no-grad mode (a checkpointed micro-batch's first forward; its recomputation
   /// is a forward with autograd, forward_us).
@@ -42,6 +45,7 @@ struct LayerStats {
   /// of the layer's input only (0 where the input needs none: the first layer), and of its
   /// parameters only (0 without parameters).
   double backward_input_us = 0;
+  /// The gradient of the layer's parameters only (0 without parameters); see backward_input_us.
   double backward_weight_us = 0;
   /// Bytes allocated by forward and still held when it returns: the output and what autograd
   /// saved for backward. Measured through LibTorch's allocator reports, on CPU as on CUDA.
@@ -49,21 +53,30 @@ struct LayerStats {
   /// Whether what the forward keeps for backward (or stashes) includes its input, and its
   /// output: in a chain of layers an output that neither it nor the next layer keeps is freed.
   bool saves_input = false;
+  /// Whether it keeps its output (see saves_input).
   bool saves_output = false;
   /// The most bytes its forward had allocated at once (at least held_bytes), and its backward
   /// (from the backward's start: gradients made less saved tensors freed), on the same reports.
   int64_t forward_peak_bytes = 0;
+  /// The most bytes its backward had allocated at once (see forward_peak_bytes).
   int64_t backward_peak_bytes = 0;
+  /// The bytes of its parameters.
   int64_t param_bytes = 0;
+  /// The bytes of its buffers (BatchNorm's running statistics, ...).
   int64_t buffer_bytes = 0;
+  /// The bytes of its input at the profile's batch (every tensor of a tuple).
   int64_t input_bytes = 0;
+  /// The bytes of its output at the profile's batch (every tensor of a tuple).
   int64_t output_bytes = 0;
 };
 
 /// A per-layer profile.
 struct LayerProfile {
+  /// One entry per layer of the Sequential, in order.
   std::vector<LayerStats> layers;
+  /// Where the layers ran (ProfileOptions::device).
   c10::Device device = c10::Device(c10::kCPU);
+  /// How many timed passes the medians are over (the first, untimed pass not counted).
   int64_t passes = 0;
   /// The sample's size in dimension 0.
   int64_t batch = 0;
@@ -98,8 +111,11 @@ double handoff_us(int rounds = 200);
 
 /// What copying a tensor from one device to another costs: `latency_us + bytes / bandwidth`.
 struct CopyStats {
+  /// The device copied from.
   c10::Device from = c10::Device(c10::kCPU);
+  /// The device copied to.
   c10::Device to = c10::Device(c10::kCPU);
+  /// The fixed cost of a copy, microseconds: the time of a 4-byte tensor's copy.
   double latency_us = 0;
   /// Bytes per microsecond (= MB/s).
   double bytes_per_us = 0;
@@ -128,6 +144,7 @@ std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices);
 /// when the sample does not go through the model (naming the layer).
 LayerProfile profile_layers(const torch::nn::Sequential& module,
                             const std::vector<at::Tensor>& sample, const ProfileOptions& options);
+/// The same for a one-tensor sample.
 LayerProfile profile_layers(const torch::nn::Sequential& module, const at::Tensor& sample,
                             const ProfileOptions& options);
 

@@ -60,33 +60,42 @@ namespace gpipe {
 
 /// One stage (partition) of a configuration: where it runs and what one micro-batch costs it.
 struct StageCost {
-  /// The worker (schedule rank) that runs it and the index of its device in
-  /// PipelineCosts::capacity.
+  /// The worker (schedule rank) that runs it.
   int64_t lane = 0;
+  /// The index of its device in PipelineCosts::capacity.
   int64_t device = 0;
-  /// Microseconds per micro-batch (Note [Simulating a step]).
+  /// Microseconds per micro-batch (Note [Simulating a step]): a forward with autograd.
   double forward_us = 0;
+  /// A forward without autograd (a checkpointed micro-batch's first forward).
   double forward_nograd_us = 0;
+  /// A whole backward (B).
   double backward_us = 0;
+  /// The input-gradient half of a split backward (I).
   double backward_input_us = 0;
+  /// The weight-gradient half of a split backward (W).
   double backward_weight_us = 0;
   /// A forward with autograd again, before a checkpointed micro-batch's backward.
   double recompute_us = 0;
   /// Moving the stage's output to the next stage's device, and the gradient back (0 on one
   /// device).
   double copy_us = 0;
-  /// Bytes per micro-batch.
+  /// Bytes per micro-batch (Note [Simulating a step]): what a micro-batch in flight keeps from
+  /// its F to its B (or W), when not checkpointed.
   int64_t held_bytes = 0;
+  /// What a checkpointed micro-batch keeps instead: its output, and its input where it was
+  /// copied from another device.
   int64_t checkpointed_bytes = 0;
+  /// What I keeps for W: the gradients at the layers' outputs.
   int64_t grad_kept_bytes = 0;
-  /// Working memory above what the stage keeps: while a forward runs, and while a backward (or
-  /// I) runs, above what it started with.
+  /// Working memory above what the stage keeps while a forward runs.
   int64_t forward_workspace_bytes = 0;
+  /// Working memory while a backward (or I) runs, above what it started with.
   int64_t backward_workspace_bytes = 0;
 };
 
 /// A configuration's costs.
 struct PipelineCosts {
+  /// One entry per stage of the schedule, indexed by stage.
   std::vector<StageCost> stages;
   /// Per device: workers' worth of compute (Note [Simulating a step]).
   std::vector<double> capacity;
@@ -99,7 +108,9 @@ struct PipelineCosts {
   /// named), how far behind a woken worker must be to take a core at once (`wakeup_us`), and how
   /// much CPU time a worker that slept is credited at most (`sleeper_credit_us`).
   double slice_us = 0;
+  /// How far behind a woken worker must be to take a core at once (see slice_us).
   double wakeup_us = 0;
+  /// How much CPU time a worker that slept is credited at most (see slice_us).
   double sleeper_credit_us = 0;
   /// Per device: bytes held throughout (parameters, gradients, optimizer state, buffers, input).
   std::vector<int64_t> static_bytes;

@@ -129,7 +129,8 @@ std::vector<int64_t> stage_balance(int layers) {
 // Note [Measuring in rounds]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // On the shared 2-core machine the same configuration's speed-up moved between 65% and 83% of
-// its ideal from one run to the next (docs/benchmarks.md): the machine's speed drifts over
+// its ideal from one run to the next (docs/journal/2026-11-26-benchmarks.md, "measured in
+// rounds, and micro-batch groups"): the machine's speed drifts over
 // seconds, and a baseline timed a few seconds away from the pipeline is timed on another
 // machine, in effect. So each m is measured in rounds, each the pipeline's steps right before the
 // baseline's, and the speed-up reported is the median of the rounds' speed-ups (a round's ratio

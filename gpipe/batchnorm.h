@@ -52,8 +52,11 @@ namespace gpipe {
 /// per channel, and per channel their mean and sum of squared deviations (float64, on the layer's
 /// device). A layer that saw nothing has count 0 and zeros.
 struct BatchNormStatistics {
+  /// The number of values seen per channel.
   double count = 0;
+  /// Their mean, per channel.
   at::Tensor mean;
+  /// Their sum of squared deviations from the mean, per channel.
   at::Tensor m2;
 
   /// Adds `n` more values whose per-channel mean and sum of squared deviations are `mean` and

@@ -43,7 +43,8 @@ bool is_recomputing();
 // queued on the compute stream before the wait for the gradient's copy, so they overlap the copy
 // (the Python reference's reason for not using a plain checkpoint function; it puts the node on a
 // fork and a join of the lane instead — two more autograd nodes per task for the same order, which
-// cost 5–7 µs per task on the CPU, see docs/benchmarks.md). RecomputeBackward reruns the partition
+// cost 5–7 µs per task on the CPU, see docs/journal/2026-11-23-benchmarks.md, "checkpointing
+// with four autograd nodes fewer per task"). RecomputeBackward reruns the partition
 // with grad enabled on detached copies of the inputs, restoring the random generator state saved
 // at the first forward (dropout masks are identical) and the caller's thread state (see Note
 // [Thread-local state in workers]); CheckpointBackward then runs backward through the recomputed

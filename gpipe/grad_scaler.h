@@ -27,15 +27,19 @@ namespace gpipe {
 // with isfinite and mul_), each device's finding is one flag, and one read on the host joins them.
 // Across processes (PipelineStage, DataParallel) that flag must be the same on every rank, or
 // the stages' optimizers would disagree: step() takes `any_rank`, which ORs it over the ranks
-// (gpipe::distributed::found_inf_on_any_rank: one all-reduce of one number). The scale lives on
-// the host, not in a device tensor as in _amp_update_scale_: the decision to skip must reach the
-// host anyway, and the rule is the same.
+// (gpipe::distributed::any_rank in distributed/replication.h: one all-reduce of one number).
+// The scale lives on the host, not in a device tensor as in _amp_update_scale_: the decision to
+// skip must reach the host anyway, and the rule is the same.
 
 /// Options of a GradScaler: PyTorch's defaults.
 struct GradScalerOptions {
+  /// The scale to start with (positive).
   TORCH_ARG(double, init_scale) = 65536.0;
+  /// What update() multiplies the scale by after growth_interval clean steps in a row (above 1).
   TORCH_ARG(double, growth_factor) = 2.0;
+  /// What update() multiplies the scale by after a step with an inf or NaN (in (0, 1)).
   TORCH_ARG(double, backoff_factor) = 0.5;
+  /// The clean steps in a row after which the scale grows (at least 1).
   TORCH_ARG(int64_t, growth_interval) = 2000;
   /// Disabled, scale() and unscaling do nothing and step() always steps: one code path for
   /// float32, bfloat16 (which has float32's range) and float16 runs.
@@ -54,12 +58,14 @@ struct GradScalerOptions {
 ///   scaler.update();
 class GradScaler {
  public:
+  /// A scaler at options.init_scale(). Throws c10::Error naming an option out of its range.
   explicit GradScaler(GradScalerOptions options = {});
 
   /// `loss` * the scale (as is when disabled).
   at::Tensor scale(const at::Tensor& loss) const;
   /// The scale (1 when disabled).
   double scale_value() const { return options_.enabled() ? scale_ : 1.0; }
+  /// Whether the scaler is enabled (GradScalerOptions::enabled).
   bool is_enabled() const { return options_.enabled(); }
 
   /// Divides the gradients of `params` by the scale, on their devices, and returns whether any
@@ -81,6 +87,7 @@ class GradScaler {
   /// The state (scale, clean steps, skipped steps), for saving (gpipe::save_training takes a
   /// scaler).
   void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores the state that save() wrote.
   void load(torch::serialize::InputArchive& archive);
 
  private:

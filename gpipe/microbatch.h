@@ -29,9 +29,13 @@ class Batch {
   const at::Tensor& tensor() const;
   /// The tensors: one for an atomic batch.
   std::vector<at::Tensor>& values() { return values_; }
+  /// The tensors, read-only.
   const std::vector<at::Tensor>& values() const { return values_; }
+  /// The number of tensors: 1 for an atomic batch.
   size_t size() const { return values_.size(); }
+  /// Tensor `i` (unchecked, as std::vector's).
   at::Tensor& operator[](size_t i) { return values_[i]; }
+  /// Tensor `i`, read-only.
   const at::Tensor& operator[](size_t i) const { return values_[i]; }
 
   /// The index of the tensor that carries the pipeline's autograd dependencies (the first defined

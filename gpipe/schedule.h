@@ -13,8 +13,11 @@ namespace gpipe {
 
 /// One task of the pipeline: micro-batch `microbatch` through partition `partition`.
 struct Task2D {
+  /// The micro-batch's index in the mini-batch.
   int64_t microbatch;
+  /// The partition's index.
   int64_t partition;
+  /// Whether both are the same task.
   bool operator==(const Task2D& other) const {
     return microbatch == other.microbatch && partition == other.partition;
   }
@@ -89,7 +92,8 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 // rank's next chunk starts on micro-batch i as soon as the group of n micro-batches before it is
 // done: the output it needs left the last rank at most a task earlier. With free communication
 // that costs nothing; where a hop takes time (another process on a busy machine: about 0.2-0.6 ms
-// on the project's 2-core VM, docs/benchmarks.md), each wait for it lands on the critical path.
+// on the project's 2-core VM, docs/journal/2026-11-26-benchmarks.md, "measured in rounds, and
+// micro-batch groups"), each wait for it lands on the critical path.
 // A larger group g (Megatron-LM's microbatch_group_size_per_vp_stage) runs g micro-batches through
 // a chunk before the next: the output then has g - n tasks' time to arrive. The price is memory:
 // (v - 1)(g - n) more stage-micro-batches in flight on every rank during the warm-up. The bubble
@@ -97,24 +101,29 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 
 /// What an action does (Note [Schedules as data]).
 enum class ActionType : uint8_t {
-  kForward,         // F
-  kBackward,        // B
-  kBackwardInput,   // I
-  kBackwardWeight,  // W
-  kSendForward,     // SEND_F
-  kRecvForward,     // RECV_F
-  kSendBackward,    // SEND_B
-  kRecvBackward,    // RECV_B
+  kForward,         ///< F
+  kBackward,        ///< B
+  kBackwardInput,   ///< I
+  kBackwardWeight,  ///< W
+  kSendForward,     ///< SEND_F
+  kRecvForward,     ///< RECV_F
+  kSendBackward,    ///< SEND_B
+  kRecvBackward,    ///< RECV_B
 };
 
 /// One action of a schedule: `type` of micro-batch `microbatch` on stage `stage`.
 struct Action {
+  /// What it does.
   ActionType type = ActionType::kForward;
+  /// The stage it runs on (or sends from, or receives for).
   int64_t stage = 0;
+  /// The micro-batch it is for.
   int64_t microbatch = 0;
+  /// Whether both have the same type, stage and micro-batch.
   bool operator==(const Action& other) const {
     return type == other.type && stage == other.stage && microbatch == other.microbatch;
   }
+  /// Whether they differ in type, stage or micro-batch.
   bool operator!=(const Action& other) const { return !(*this == other); }
 };
 
@@ -140,6 +149,7 @@ struct Schedule {
   /// ranks[r]: the actions of rank r, in the order it runs them.
   std::vector<std::vector<Action>> ranks;
 
+  /// The number of ranks: ranks.size().
   int64_t num_ranks() const { return static_cast<int64_t>(ranks.size()); }
   /// v: stages per rank (1 unless interleaved).
   int64_t virtual_stages() const;
@@ -147,7 +157,7 @@ struct Schedule {
   std::vector<int64_t> stages_of(int64_t rank) const;
 };
 
-/// GPipe's fill-drain over `partitions` ranks: every stage runs F0 .. F(m-1), then B(m-1) .. B0,
+/// GPipe's fill-drain over `partitions` ranks: every stage runs F0 to F(m-1), then B(m-1) to B0,
 /// the order of the clock-cycle schedule.
 ///
 ///   auto schedule = gpipe::gpipe_schedule(/*partitions=*/4, /*microbatches=*/8);
@@ -179,6 +189,7 @@ enum class ScheduleKind { kGPipe, k1F1B, kInterleaved, kZeroBubble };
 /// `kind` by its name: "gpipe", "1f1b", "interleaved", "zb". Throws c10::Error naming the
 /// unknown name and the known ones.
 ScheduleKind schedule_kind(const std::string& name);
+/// The name of `kind`, as schedule_kind reads it.
 std::string schedule_kind_name(ScheduleKind kind);
 
 /// The schedule of `kind` (`virtual_stages` only for kInterleaved; 1 elsewhere).

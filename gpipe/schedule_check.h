@@ -47,8 +47,11 @@ Schedule with_communication(const Schedule& schedule);
 
 /// The time each kind of action takes in simulate_schedule, in any unit. B costs I + W.
 struct ActionCosts {
+  /// An F's time.
   double forward = 1;
+  /// An I's time (the input-gradient half of B).
   double backward_input = 1;
+  /// A W's time (the weight-gradient half of B).
   double backward_weight = 1;
   /// One transfer between ranks (or, without sends and receives, each crossing dependency).
   double transfer = 0;
@@ -56,9 +59,13 @@ struct ActionCosts {
 
 /// One action as simulated: on which rank, from when to when.
 struct SimulatedAction {
+  /// The action.
   Action action;
+  /// The rank that ran it.
   int64_t rank = 0;
+  /// When it started, on the simulated clock.
   double start = 0;
+  /// When it ended.
   double end = 0;
 };
 

@@ -32,9 +32,13 @@ class Namespace {
   Namespace();
   /// The namespace of names that were not isolated.
   static Namespace global() { return Namespace(0); }
+  /// Its number: 0 for the global namespace, then 1, 2, ... in the order they were made.
   uint64_t id() const { return id_; }
+  /// Whether both are the same namespace (one and its copies).
   bool operator==(const Namespace& o) const { return id_ == o.id_; }
+  /// Whether they are different namespaces.
   bool operator!=(const Namespace& o) const { return id_ != o.id_; }
+  /// An order of namespaces (by id), for maps.
   bool operator<(const Namespace& o) const { return id_ < o.id_; }
 
  private:
@@ -44,11 +48,15 @@ class Namespace {
 
 /// A skip's identity: its name within a namespace.
 struct SkipKey {
+  /// The namespace the name lives in.
   Namespace ns;
+  /// The name given to gpipe::stash and gpipe::pop.
   std::string name;
+  /// An order of keys (by namespace, then name), for maps.
   bool operator<(const SkipKey& o) const {
     return ns < o.ns || (ns == o.ns && name < o.name);
   }
+  /// Whether both name the same skip.
   bool operator==(const SkipKey& o) const { return ns == o.ns && name == o.name; }
   /// "skip", or "skip@3" in namespace 3.
   std::string str() const;
@@ -59,7 +67,9 @@ struct SkipKey {
 ///   gpipe::SkippableOptions().stash({"skip"})
 ///   gpipe::SkippableOptions().pop({"skip"})
 struct SkippableOptions {
+  /// The names the layer's forward stashes (gpipe::stash), each once per forward.
   TORCH_ARG(std::vector<std::string>, stash) = {};
+  /// The names the layer's forward pops (gpipe::pop), each once per forward.
   TORCH_ARG(std::vector<std::string>, pop) = {};
 };
 
@@ -71,8 +81,9 @@ class SkippableBase : public torch::nn::Module {
   /// `name` is the module name, e.g. "gpipe::Skippable(DownImpl)".
   SkippableBase(SkippableOptions options, std::string name);
 
-  /// The names declared as stashed and as popped.
+  /// The names declared as stashed.
   const std::vector<std::string>& stash_names() const { return options_.stash(); }
+  /// The names declared as popped.
   const std::vector<std::string>& pop_names() const { return options_.pop(); }
 
   /// Puts this layer's names (or only those in `only`) into `ns`, so the same layer class can be
@@ -91,6 +102,7 @@ class SkippableBase : public torch::nn::Module {
 
   /// Copies another layer's namespaces (for clone()).
   void copy_namespaces(const SkippableBase& other) { namespaces_ = other.namespaces_; }
+  /// The declarations this layer was made with.
   const SkippableOptions& options() const { return options_; }
 
   /// Makes this layer the one gpipe::stash and gpipe::pop act for during a forward, and checks at
@@ -124,11 +136,14 @@ class SkippableImpl;
 template <typename ModuleType, typename Return, typename... Args>
 class SkippableImpl<ModuleType, Return (ModuleType::*)(Args...)> : public SkippableBase {
  public:
+  /// Wraps `module` (registered as the submodule "module") with the declarations of `options`.
   SkippableImpl(std::shared_ptr<ModuleType> module, SkippableOptions options)
       : SkippableBase(std::move(options),
                       "gpipe::Skippable(" + module->torch::nn::Module::name() + ")"),
         module_(register_module("module", std::move(module))) {}
 
+  /// The wrapped module's forward, during which gpipe::stash and gpipe::pop act for this layer;
+  /// throws c10::Error when it did not stash or pop every name this layer declares.
   Return forward(Args... args) {
     ForwardScope scope(*this);
     Return out = module_->forward(std::forward<Args>(args)...);
@@ -173,6 +188,7 @@ template <typename ModuleType>
 class Skippable : public torch::nn::ModuleHolder<SkippableImpl<ModuleType>> {
  public:
   using torch::nn::ModuleHolder<SkippableImpl<ModuleType>>::ModuleHolder;
+  /// Wraps the module that `module` holds (not a copy) with the declarations of `options`.
   Skippable(const torch::nn::ModuleHolder<ModuleType>& module, SkippableOptions options)
       : torch::nn::ModuleHolder<SkippableImpl<ModuleType>>(module.ptr(), std::move(options)) {}
 };
@@ -202,8 +218,11 @@ struct MicroBatch {
   uint64_t run = 0;
   /// The micro-batch's index in its mini-batch.
   int64_t index = 0;
+  /// Whether both are the same micro-batch of the same run.
   bool operator==(const MicroBatch& o) const { return run == o.run && index == o.index; }
+  /// Whether they differ in run or index.
   bool operator!=(const MicroBatch& o) const { return !(*this == o); }
+  /// An order (by run, then index), for maps.
   bool operator<(const MicroBatch& o) const {
     return run < o.run || (run == o.run && index < o.index);
   }

@@ -99,6 +99,8 @@ class AutocastCacheOff {
 ///   loss.backward();
 class Autocast {
  public:
+  /// Turns autocast on for `device_type` with `dtype` until the destructor, which restores the
+  /// previous setting.
   explicit Autocast(c10::DeviceType device_type = c10::kCPU,
                     c10::ScalarType dtype = c10::kBFloat16);
   ~Autocast();

@@ -42,9 +42,9 @@ namespace gpipe {
 //   step's backward the stages sum its gradient (Note [Ties across stages] in
 //   gpipe/distributed/tied_stages.h).
 
-/// Pairs of parameter names, as the Sequential's named_parameters() gives them ("<layer
-/// name>.<parameter>", e.g. "0.weight"), each naming two tensors that are one parameter of the
-/// model (Varuna's shared_weights).
+/// Pairs of parameter names, as the Sequential's named_parameters() gives them
+/// ("<layer name>.<parameter>", e.g. "0.weight"), each naming two tensors that are one parameter
+/// of the model (Varuna's shared_weights).
 using TiedNames = std::vector<std::pair<std::string, std::string>>;
 
 /// One tied parameter: its places, in the Sequential's order (named_parameters()'s names).

@@ -17,6 +17,7 @@ namespace gpipe {
 
 /// One thing the pipeline did during a forward.
 struct TimelineEvent {
+  /// What the pipeline did.
   enum class Kind {
     /// Task (microbatch, partition) ran its partition's layers.
     kCompute,
@@ -34,19 +35,29 @@ struct TimelineEvent {
     /// A step's weight-gradient half of a split backward (zero bubble's W).
     kBackwardWeight,
   };
+  /// What the pipeline did.
   Kind kind;
+  /// The micro-batch's index.
   int64_t microbatch;
+  /// The partition that did it (a copy's destination).
   int64_t partition;
+  /// A copy's source partition; -1 for other kinds.
   int64_t from = -1;
+  /// How many tensors a copy moved; 0 for other kinds.
   int64_t tensors = 0;
+  /// Whether the task's micro-batch is checkpointed (kCompute).
   bool checkpointed = false;
   /// Microseconds since the forward started (host clock): when the host issued the work.
   double start_us = 0;
+  /// When the host was done with it (on the CPU: had run it; on CUDA: had queued it), on the
+  /// same clock.
   double end_us = 0;
   /// When the device ran it, on the same clock (Note [Device times]): set for work on CUDA
   /// devices (tasks, recomputations, checkpointed backward, activation copies); -1 elsewhere.
   double device_start_us = -1;
+  /// When the device finished it (see device_start_us); -1 where not measured.
   double device_end_us = -1;
+  /// Whether the device times are set.
   bool has_device_times() const { return device_start_us >= 0; }
 };
 
@@ -75,7 +86,9 @@ class Timeline {
   /// When a piece of work started: the host time and, where the device's times are measured, a
   /// mark on its stream.
   struct Started {
+    /// The host time, as now_us().
     double us = 0;
+    /// The mark on the work's stream; null where device times are not measured.
     std::shared_ptr<StreamMark> mark;
   };
   /// Starts timing work on `stream`.

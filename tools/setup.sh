@@ -2,9 +2,9 @@
 # Installs everything gpipe needs to build and test on a fresh Debian 12 machine, from Debian's
 # packages: a C++ compiler, Bazel 4 with Debian's Java rules, CMake and Ninja, LibTorch (CPU),
 # Abseil, Catch2 2, nlohmann's JSON (the planner's files), OpenBLAS (LibTorch's CPU kernels use the reference BLAS otherwise, several
-# times slower), zlib and Fashion-MNIST (the example trainers' data), and the Gloo headers (c10d's CPU
-# process group, compiled into Debian's LibTorch; gpipe/distributed). Idempotent: installs only what
-# is missing.
+# times slower), zlib and Fashion-MNIST (the example trainers' data), the Gloo headers (c10d's CPU
+# process group, compiled into Debian's LibTorch; gpipe/distributed), and Doxygen (the API
+# reference, tools/api_docs.sh). Idempotent: installs only what is missing.
 #
 #   sudo tools/setup.sh
 set -euo pipefail
@@ -39,6 +39,9 @@ PACKAGES=(
   # gpipe/distributed: Gloo's headers (LibTorch has c10d and Gloo compiled in), and torchrun (in
   # PyTorch's Python package) to launch the distributed trainers and benchmarks.
   libgloo-dev python3-torch
+  # The API reference from the public headers' `///` comments (tools/api_docs.sh; CI fails on an
+  # undocumented public member).
+  doxygen
 )
 
 missing=()

@@ -23,7 +23,7 @@ namespace distributed {
 // (or `taskset` around each rank), not an option of the stage: the trainers' and benchmarks'
 // --bind_cores_to_rank. What it is worth depends on the host: on the project's 2-vCPU VM, two
 // interleaved stages measured the same bound and unbound, within the machine's noise
-// (docs/benchmarks.md).
+// (docs/journal/2026-11-27-benchmarks.md, "each process bound to a core of its own").
 
 /// The CPUs this process's calling thread may run on (its affinity mask), ascending.
 std::vector<int> allowed_cpus();
@@ -39,12 +39,13 @@ void bind_to_cpus(const std::vector<int>& cpus);
 /// first thread (Linux numbers a core's threads far apart: CPUs 0 and 8 of an 8-core host), so
 /// that contiguous shares (cores_of_rank) take whole cores. `core_of(cpu)` names cpu's core (the
 /// first of its siblings); the overload without it reads
-/// /sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list (a CPU without one is a core
+/// `/sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list` (a CPU without one is a core
 /// of its own).
 ///
 ///   order_by_core({0, 1, 2, 3}, [](int cpu) { return cpu % 2; })  // {0, 2, 1, 3}
 std::vector<int> order_by_core(const std::vector<int>& cpus,
                                const std::function<int(int cpu)>& core_of);
+/// The same, each CPU's core read from /sys (see above).
 std::vector<int> order_by_core(const std::vector<int>& cpus);
 
 /// The `local_rank`-th of `local_world_size` contiguous shares of `cpus` (in order): each

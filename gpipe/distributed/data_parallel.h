@@ -55,6 +55,9 @@ namespace distributed {
 // on or off) that fails joins nothing, as the others run no collective after theirs. A
 // collective that fails itself (a peer died) leaves the group broken.
 
+/// Options of a DataParallel.
+///
+///   gpipe::distributed::DataParallelOptions().bucket_bytes(int64_t{4} << 20)
 struct DataParallelOptions {
   /// The size of a gradient bucket (Note [Buckets that start during backward]).
   TORCH_ARG(int64_t, bucket_bytes) = int64_t{25} << 20;
@@ -107,6 +110,7 @@ class DataParallelImpl : public torch::nn::Module {
   ///   loss(model->forward(b)).backward();  // averages the gradients of a and b
   class NoSync {
    public:
+    /// Takes over `other`'s region: it ends when this guard does.
     NoSync(NoSync&& other) noexcept : owner_(other.owner_) { other.owner_ = nullptr; }
     ~NoSync();
 
@@ -115,15 +119,18 @@ class DataParallelImpl : public torch::nn::Module {
     explicit NoSync(DataParallelImpl* owner) : owner_(owner) {}
     DataParallelImpl* owner_;
   };
+  /// A guard for backwards that only accumulate (see NoSync); guards may nest.
   NoSync no_sync();
 
   /// The parameters, each once (a tensor that several layers share, a GPipe's tie, is listed
   /// once); give these to an optimizer. (They hide torch::nn::Module's.)
   std::vector<at::Tensor> parameters(bool recurse = true) const;
+  /// The same with their names, each under its first name.
   torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
 
   /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_ptr_; }
+  /// The group of the replicas.
   const ProcessGroup& group() const { return group_; }
   /// What the last averaging backward's reduction did.
   ReductionStats last_reduction() const { return reducer_->last_stats(); }

@@ -26,6 +26,7 @@ using ProcessGroupBase = c10d::Backend;
 #else
 using ProcessGroupBase = c10d::ProcessGroup;
 #endif
+/// A process group, as gpipe's functions and classes take one.
 using ProcessGroup = c10::intrusive_ptr<ProcessGroupBase>;
 
 /// Where a process is in a distributed run and how to reach the others.
@@ -38,6 +39,7 @@ struct GroupOptions {
   TORCH_ARG(int, world_size) = 1;
   /// The host of rank 0, where the TCPStore that the processes meet at listens.
   TORCH_ARG(std::string, master_addr) = "127.0.0.1";
+  /// The port of that TCPStore.
   TORCH_ARG(int, master_port) = 29500;
   /// Whether the launcher already serves the TCPStore at master_addr:master_port (torchrun does,
   /// and says so with TORCHELASTIC_USE_AGENT_STORE=True): then rank 0 connects to it like the
@@ -137,10 +139,14 @@ ProcessGroup new_gloo_group(const GroupOptions& options);
 ///   auto groups = gpipe::distributed::new_pipeline_groups(options_from_env(), 2);  // 4 processes
 ///   // rank 3: stage 1 of replica 1; pipeline {2, 3}, replica group {1, 3}
 struct PipelineGroups {
-  ProcessGroup pipeline;       // this replica's stages, in stage order
-  ProcessGroup replica_group;  // this stage in every replica, in replica order
-  int stages = 1, replicas = 1;
-  int stage = 0, replica = 0;
+  /// This replica's stages, in stage order.
+  ProcessGroup pipeline;
+  /// This stage in every replica, in replica order.
+  ProcessGroup replica_group;
+  /// The stages of a pipeline.
+  int stages = 1, replicas = 1;  ///< The replicas of the pipeline.
+  /// This process's stage.
+  int stage = 0, replica = 0;  ///< This process's replica.
 };
 
 /// Joins the run of `options` (one TCPStore, as new_gloo_group) and makes this process's

@@ -35,6 +35,8 @@ int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
 /// in "random_rank<r>.pt".
 void save_training(const std::string& dir, const DataParallelImpl& model,
                    const torch::optim::Optimizer* optimizer, int64_t step);
+/// Loads what save_training saved for the replicas (as many of them) and this rank's random
+/// generators; returns the step.
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
                       torch::optim::Optimizer* optimizer);
 

@@ -30,8 +30,9 @@ class Cancellation;  // fault.h
 // Over Gloo a micro-batch's hop between processes costs more than its bytes: the sender's courier
 // thread wakes to post it, the kernel copies it through a loopback socket, and Gloo's thread in
 // the receiver reads it and wakes the stage. On a host whose cores all compute, each of those
-// threads takes a core from a computing one (docs/benchmarks.md: 0.2-0.5 ms between two tasks, of
-// which 80-180 us were the posting of a send), and the interleaved schedule hops v times as often.
+// threads takes a core from a computing one (0.2-0.5 ms between two tasks, of which 80-180 us
+// were the posting of a send: docs/journal/2026-11-26-benchmarks.md, "measured in rounds, and
+// micro-batch groups"), and the interleaved schedule hops v times as often.
 // Stages on one host skip all of it: each direction of each link (activations one way, their
 // gradients the other) is a ring of messages in a file of /dev/shm that both processes map. The
 // computing thread that sends writes its message into the ring (the one copy that packing made

@@ -124,7 +124,8 @@ struct BatchHeader {
 // posted only after its header (the sizes) has arrived. Done on the computing thread, each
 // micro-batch would cost that round trip in its turn, and on a machine whose cores are all busy
 // computing, every hop waits for a Gloo thread to be scheduled: about 4 ms a micro-batch on the
-// 2-core machine (docs/benchmarks.md). So a stage receives its activations on a thread of its
+// 2-core machine (docs/journal/2026-11-23-benchmarks.md, "Pipeline stages across processes").
+// So a stage receives its activations on a thread of its
 // own, which asks for micro-batch i+1's header as soon as micro-batch i has arrived, while the
 // stage computes: the round trips overlap the compute and the stage finds its inputs waiting.
 // Gradients need no such thread: their sizes are known when the activations are sent, and
@@ -140,7 +141,8 @@ struct BatchHeader {
 // header's: the receive for the tensors is posted only once the header has told their sizes, so
 // the sender's tensors wait for the receiver's "ready" before they move. Under the interleaved
 // schedule, which crosses processes v times as often, these round trips were most of a task's
-// overhead (docs/benchmarks.md). Over Gloo a message may land in any posted receive at least as
+// overhead (docs/journal/2026-11-26-benchmarks.md, "one message per micro-batch"). Over Gloo a
+// message may land in any posted receive at least as
 // large. So there a micro-batch travels as one message, its header and then each tensor's bytes
 // (at 64-byte offsets), into a receive posted with the header's, as large as the header plus the
 // largest data of the link's micro-batches in the earlier steps (its capacity, which both sides
