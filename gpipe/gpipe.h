@@ -68,6 +68,7 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
   TORCH_ARG(bool, stage_local_backward) = false;
 
  public:
+  /// Deprecated: a schedule written as text; use schedule(PipelineSchedule::text(text)).
   [[deprecated("use schedule(gpipe::PipelineSchedule::text(text))")]]
   GPipeOptions& schedule_text(std::string text) {
     schedule_.set_text(std::move(text));
@@ -84,7 +85,7 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
 ///
 /// The layers are the user's own module objects, placed on the partitions' devices. Parameters,
 /// train()/eval(), named_parameters() (as "partitions.<j>.<layer name>.<param>") and
-/// torch::save/torch::load work as for any module. Moving a GPipe to another device is refused:
+/// `torch::save` and `torch::load` work as for any module. Moving a GPipe to another device is refused:
 /// it owns the placement. Changing the dtype is allowed.
 ///
 /// Threads: forward may be called from several threads at once; the forwards of one GPipe are
@@ -92,6 +93,8 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
 /// every device busy), while backward passes and forwards of other GPipes run concurrently.
 class GPipeImpl : public torch::nn::Module {
  public:
+  /// Splits `module` by options.balance() onto options.devices() (each layer moved to its
+  /// partition's device); throws c10::Error naming a wrong option.
   GPipeImpl(torch::nn::Sequential module, GPipeOptions options);
   ~GPipeImpl() override;
 
@@ -178,6 +181,7 @@ class GPipeImpl : public torch::nn::Module {
   /// other devices not at all (Note [Tied parameters]). Give these to an optimizer. (They hide
   /// torch::nn::Module's, which, through a Module&, list every place and copy.)
   std::vector<at::Tensor> parameters(bool recurse = true) const;
+  /// parameters() with their names ("partitions.<j>.<layer name>.<param>").
   torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
   /// The ties of the model (found and named), in the order of their first place.
   const std::vector<Tie>& ties() const { return ties_; }

@@ -29,9 +29,10 @@ enum class Checkpoint {
 /// chunks, chunks - 1 or 0.
 int64_t checkpoint_stop(Checkpoint mode, int64_t chunks);
 
-/// A checkpoint mode's name ("always", "except_last", "never") and back; the latter throws
-/// c10::Error naming the unknown name.
+/// A checkpoint mode's name: "always", "except_last" or "never".
 std::string checkpoint_name(Checkpoint mode);
+/// The checkpoint mode of a name that checkpoint_name gives; throws c10::Error naming an unknown
+/// name.
 Checkpoint checkpoint_from_name(const std::string& name);
 
 // Note [One options core]
@@ -50,6 +51,7 @@ class PipelineOptionsCore {
   /// Layers per partition of a GPipe, or per stage of a pipeline across processes (per virtual
   /// stage when interleaved); they must add up to the number of layers.
   const std::vector<int64_t>& balance() const noexcept { return balance_; }
+  /// The balance, to change in place.
   std::vector<int64_t>& balance() noexcept { return balance_; }
   /// Micro-batches per mini-batch (fewer when the mini-batch has fewer samples).
   int64_t chunks() const noexcept { return chunks_; }
@@ -70,15 +72,16 @@ class PipelineOptionsCore {
   bool initially_records_timeline() const noexcept { return record_timeline_; }
 
  protected:
+  /// The options with `balance` and every other field at its default.
   explicit PipelineOptionsCore(std::vector<int64_t> balance) : balance_(std::move(balance)) {}
 
-  std::vector<int64_t> balance_;
-  int64_t chunks_ = 1;
-  Checkpoint checkpoint_ = Checkpoint::kExceptLast;
-  bool deferred_batch_norm_ = false;
-  TiedNames tied_parameters_;
-  PipelineSchedule schedule_;
-  bool record_timeline_ = false;
+  std::vector<int64_t> balance_;  ///< balance()
+  int64_t chunks_ = 1;  ///< chunks()
+  Checkpoint checkpoint_ = Checkpoint::kExceptLast;  ///< checkpoint()
+  bool deferred_batch_norm_ = false;  ///< deferred_batch_norm()
+  TiedNames tied_parameters_;  ///< tied_parameters()
+  PipelineSchedule schedule_;  ///< schedule()
+  bool record_timeline_ = false;  ///< initially_records_timeline()
 };
 
 /// The setters of the shared fields, each returning the derived options (Note [One options
@@ -93,10 +96,16 @@ class PipelineOptions : public PipelineOptionsCore {
   using PipelineOptionsCore::schedule;
   using PipelineOptionsCore::tied_parameters;
 
+  /// Sets balance(): layers per partition (GPipe) or per stage (PipelineStage).
   Derived& balance(std::vector<int64_t> balance) { return set(balance_, std::move(balance)); }
+  /// Sets chunks(): micro-batches per mini-batch, at least 1.
   Derived& chunks(int64_t chunks) { return set(chunks_, chunks); }
+  /// Sets checkpoint(): which micro-batches are checkpointed.
   Derived& checkpoint(Checkpoint mode) { return set(checkpoint_, mode); }
+  /// Sets deferred_batch_norm(): running statistics once per mini-batch.
   Derived& deferred_batch_norm(bool deferred) { return set(deferred_batch_norm_, deferred); }
+  /// Sets tied_parameters(): pairs of parameter names that are one parameter.
+  ///
   ///   // The output projection (layer 5) shares the token embedding's (layer 0) weight.
   ///   gpipe::GPipeOptions({3, 3}).tied_parameters({{"0.weight", "5.weight"}})
   Derived& tied_parameters(TiedNames names) { return set(tied_parameters_, std::move(names)); }
@@ -116,22 +125,29 @@ class PipelineOptions : public PipelineOptionsCore {
   }
 
   // Deprecated spellings (Note [One schedule option]); each sets one field of schedule().
+  /// Deprecated: the virtual stages of schedule(); use
+  /// schedule(PipelineSchedule::interleaved(virtual_stages)).
   [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages))")]]
   Derived& virtual_stages(int64_t v) {
     schedule_.set_virtual_stages(v);
     return self();
   }
+  /// Deprecated: the micro-batch group of schedule(); use
+  /// schedule(PipelineSchedule::interleaved(virtual_stages, group)).
   [[deprecated("use schedule(gpipe::PipelineSchedule::interleaved(virtual_stages, group))")]]
   Derived& microbatch_group(int64_t group) {
     schedule_.set_microbatch_group(group);
     return self();
   }
+  /// Deprecated: whether the model starts recording its timeline; use the model's
+  /// record_timeline(true), a switch at run time.
   [[deprecated("use the model's record_timeline(true) (a switch at run time)")]]
   Derived& record_timeline(bool on) {
     return set(record_timeline_, on);
   }
 
  protected:
+  /// The options with `balance` and every other field at its default.
   using PipelineOptionsCore::PipelineOptionsCore;
 
  private:

@@ -60,11 +60,15 @@ class PipelineSchedule {
   /// partitions, micro-batches = chunks), parsed and checked here.
   static PipelineSchedule text(std::string text);
 
+  /// The kind (kGPipe for a written schedule).
   ScheduleKind kind() const { return kind_; }
+  /// Virtual stages per rank of interleaved 1F1B; 1 otherwise.
   int64_t virtual_stages() const { return virtual_stages_; }
+  /// Interleaved 1F1B's micro-batch group (Note [Micro-batch groups]); 0: the default.
   int64_t microbatch_group() const { return microbatch_group_; }
   /// The text of a written schedule; empty for a kind.
   const std::string& text() const { return text_; }
+  /// Whether it is a written schedule.
   bool is_text() const { return parsed_ != nullptr; }
   /// The written schedule, parsed; null for a kind.
   const std::shared_ptr<const Schedule>& parsed() const { return parsed_; }
@@ -73,8 +77,11 @@ class PipelineSchedule {
 
   /// For the deprecated setters (Note [One schedule option]): one field each, checked later.
   void set_kind(ScheduleKind kind) { kind_ = kind; }
+  /// Sets virtual_stages() alone.
   void set_virtual_stages(int64_t v) { virtual_stages_ = v; }
+  /// Sets microbatch_group() alone.
   void set_microbatch_group(int64_t group) { microbatch_group_ = group; }
+  /// Makes it a written schedule of `text`, parsed and checked here.
   void set_text(std::string text);
 
   /// "gpipe", "1f1b", "interleaved (v = 2)", "interleaved (v = 2, group = 4)", "zb" or "text".

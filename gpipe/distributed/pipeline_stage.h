@@ -203,6 +203,9 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
 /// within the group's timeout.
 class PipelineStageImpl : public torch::nn::Module {
  public:
+  /// This process's stage (its rank in `group`) of `module`, split by options.balance(); a
+  /// collective: every rank of `group` constructs its stage with the same options. Throws
+  /// c10::Error naming a wrong option or a configuration that differs between ranks.
   PipelineStageImpl(const torch::nn::Sequential& module, PipelineStageOptions options,
                     ProcessGroup group);
   /// A stage replicated over `replica_group` (the same stage of the other replicas of the
@@ -235,8 +238,8 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// What evaluate() returns on every stage.
   struct Evaluation {
-    Batch output;     // the last stage's output of the whole mini-batch, on this stage's device
-    at::Tensor loss;  // the last stage's loss (a double scalar on the CPU), given a target there
+    Batch output;     ///< the last stage's output of the whole mini-batch, on this stage's device
+    at::Tensor loss;  ///< the last stage's loss (a double scalar on the CPU), given a target there
   };
   /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
   /// only; the last stage calls `loss` when given a target), then the last stage's output and
@@ -259,19 +262,24 @@ class PipelineStageImpl : public torch::nn::Module {
   /// The pipeline's group (one rank per stage) and the stage's replica group (null when the
   /// stage is not replicated).
   const ProcessGroup& group() const { return group_; }
+  /// The stage's replica group; null when the stage is not replicated.
   const ProcessGroup& replica_group() const { return replica_group_; }
   /// This process's stage and the number of stages.
   int64_t stage() const { return stage_; }
+  /// The number of stages (processes) of the pipeline.
   int64_t stages() const {
     return static_cast<int64_t>(options_.balance().size()) / options_.schedule().virtual_stages();
   }
+  /// Whether this is stage 0, which takes the mini-batch.
   bool is_first() const { return stage_ == 0; }
+  /// Whether this is the last stage, which computes the loss.
   bool is_last() const { return stage_ == stages() - 1; }
 
   /// The layers this stage owns.
   const torch::nn::Sequential& layers() const { return layers_; }
   /// The number of partitions of this stage (Note [Partitions within a stage]).
   int64_t partitions() const;
+  /// The options the stage was made with.
   const PipelineStageOptions& options() const { return options_; }
   /// How many of this stage's links to its neighbours pass through shared memory (Note [Shared
   /// memory between stages on one host]): those to stages on this host, with shared_memory set
@@ -281,6 +289,7 @@ class PipelineStageImpl : public torch::nn::Module {
   /// Switches recording on or off for the next steps (off by default): each step then records
   /// what it did on this stage (timeline(), gather_timeline()). The same on every stage.
   void record_timeline(bool on = true) { record_timeline_ = on; }
+  /// Whether the next steps record their timeline.
   bool is_recording_timeline() const { return record_timeline_; }
   /// What the last step did on this stage (when recording): kCompute for each
   /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
@@ -289,6 +298,7 @@ class PipelineStageImpl : public torch::nn::Module {
   /// This stage's parameters, each once, without copies of tied parameters (Note [Tied
   /// parameters]); give these to an optimizer. (They hide torch::nn::Module's.)
   std::vector<at::Tensor> parameters(bool recurse = true) const;
+  /// parameters() with their names, as torch::nn::Module names this stage's.
   torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
   /// The stages holding each tie that spans stages, in the ties' order (Note [Ties across
   /// stages]).
@@ -383,6 +393,7 @@ class PipelineStageImpl : public torch::nn::Module {
   std::shared_ptr<Cancellation> abandoned_;  // a failed step's transfers, kept (see step())
 };
 
+/// A PipelineStage: a module holder of PipelineStageImpl (see there).
 TORCH_MODULE(PipelineStage);
 
 }  // namespace distributed
