@@ -165,8 +165,10 @@ gpipe::distributed::DataParallelImpl.
 
 - **Files**: each public header and what it is for; **Namespaces**: gpipe and
   gpipe::distributed, every function by name; **Classes**: every class, struct and option set.
-- An option written `int64_t chunks = 1` is LibTorch's `TORCH_ARG`: set it with `.chunks(8)`
-  (which returns the options, for chaining), read it with `.chunks()`; `= 1` is its default.
+- An option written as a variable with a default (`std::vector<c10::Device> devices = {}`) is
+  LibTorch's `TORCH_ARG`: set it with `.devices({...})` (which returns the options, for
+  chaining), read it with `.devices()`. The options GPipe and PipelineStage share are setter and
+  getter functions of gpipe::PipelineOptions and gpipe::PipelineOptionsCore.
 - \\ref design "How gpipe works" (`docs/design.md`): the engine file by file, each concept with
   its Notes.
 - \\ref notes "The Notes": every design decision, as the `// Note [...]` comment beside the code

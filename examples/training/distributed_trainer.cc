@@ -154,7 +154,7 @@ int train_distributed(const TrainerModel& trainer) {
   };
   dist::PipelineStage stage(model,
                             dist::PipelineStageOptions(balance).chunks(chunks)
-                                .checkpoint(checkpoint).device(device)
+                                .checkpoint(checkpoint).devices({device})
                                 .local_balance(local_balance)
                                 .schedule(gpipe::PipelineSchedule::of(
                                     schedule_kind(absl::GetFlag(FLAGS_schedule)),

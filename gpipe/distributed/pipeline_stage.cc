@@ -80,10 +80,10 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
     TORCH_CHECK(matches_by_tag(group), who, ": the interleaved schedule across processes needs a "
                 "group that matches transfers by tag (Gloo: new_gloo_group); on a group that "
                 "matches them in posting order (NCCL), use ScheduleKind::k1F1B or kZeroBubble");
-    TORCH_CHECK(options.local_balance().empty() && options.local_devices().empty(), who,
+    TORCH_CHECK(options.local_balance().empty() && options.devices().size() <= 1, who,
                 ": with the interleaved schedule each of a stage's virtual stages is a partition "
-                "of its own; local_balance and local_devices cannot split them further (leave "
-                "them empty)");
+                "of its own; local_balance and several devices cannot split them further (leave "
+                "local_balance empty and give at most one device)");
   }
 }
 
@@ -91,10 +91,10 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
 std::vector<int64_t> local_balance_of(const PipelineStageOptions& options, int64_t stage,
                                       const char* who) {
   const std::vector<int64_t>& balance = options.balance();
-  const std::vector<c10::Device>& local_devices = options.local_devices();
+  const std::vector<c10::Device>& devices = options.devices();
   std::vector<int64_t> local_balance = options.local_balance();
-  TORCH_CHECK(!local_balance.empty() || local_devices.empty(), who, ": local_devices has ",
-              local_devices.size(), " devices but local_balance is empty; give this stage's "
+  TORCH_CHECK(!local_balance.empty() || devices.size() <= 1, who, ": devices has ",
+              devices.size(), " devices but local_balance is empty; give this stage's "
               "layers per partition, one entry per device");
   if (local_balance.empty()) local_balance = {balance[stage]};
   const std::string shown = absl::StrCat("{", absl::StrJoin(local_balance, ", "), "}");
@@ -107,10 +107,10 @@ std::vector<int64_t> local_balance_of(const PipelineStageOptions& options, int64
   TORCH_CHECK(local_sum == balance[stage], who, ": local_balance ", shown, " adds up to ",
               local_sum, " layers, but stage ", stage, " has ", balance[stage],
               " (its entry of balance {", absl::StrJoin(balance, ", "), "})");
-  TORCH_CHECK(local_devices.empty() || local_devices.size() == local_balance.size(), who,
-              ": local_devices has ", local_devices.size(), " devices but local_balance ",
-              shown, " has ", local_balance.size(), " partitions; give one device per "
-              "partition");
+  TORCH_CHECK(devices.size() <= 1 || devices.size() == local_balance.size(), who,
+              ": devices has ", devices.size(), " devices but local_balance ", shown, " has ",
+              local_balance.size(), " partitions; give one device per partition, or one for "
+              "the stage");
   return local_balance;
 }
 
@@ -139,14 +139,14 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   const int ranks = group_->getSize();
   const int rank = group_->getRank();
   // Only this stage's layers move to its device; the others stay on the CPU.
-  const std::vector<c10::Device>& local_devices = options_.local_devices();
-  if (local_devices.empty()) {
-    check_device_available(options_.device(), absl::StrCat(who, ": the stage's device"));
+  const std::vector<c10::Device>& given = options_.devices();
+  if (given.size() == 1) {
+    check_device_available(given[0], absl::StrCat(who, ": the stage's device"));
   }
-  for (size_t j = 0; j < local_devices.size(); ++j) {
-    check_device_available(local_devices[j], absl::StrCat(who, ": local partition ", j));
+  for (size_t j = 0; given.size() > 1 && j < given.size(); ++j) {
+    check_device_available(given[j], absl::StrCat(who, ": local partition ", j));
   }
-  const c10::Device first_device = local_devices.empty() ? options_.device() : local_devices[0];
+  const c10::Device first_device = given.empty() ? c10::Device(c10::kCPU) : given[0];
   std::vector<c10::Device> placed(balance.size(), c10::Device(c10::kCPU));
   for (int64_t c = 0; c < v; ++c) {
     const size_t k = static_cast<size_t>(c * ranks + rank);
@@ -182,9 +182,9 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   } else {
     // This stage's partitions (Note [Partitions within a stage]).
     const std::vector<int64_t> local_balance = local_balance_of(options_, stage_, who);
-    devices = local_devices.empty()
-                  ? std::vector<c10::Device>(local_balance.size(), options_.device())
-                  : local_devices;
+    devices = given.size() == local_balance.size()
+                  ? given
+                  : std::vector<c10::Device>(local_balance.size(), first_device);
     layers_ = clone_across_devices(parts[stage_], layer_devices(local_balance, devices), who);
     local = split_module(layers_, local_balance, devices);
   }

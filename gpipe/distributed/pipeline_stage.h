@@ -78,7 +78,7 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // Note [Partitions within a stage]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A stage may split its layers into several partitions on this process's devices
-// (PipelineStageOptions::local_balance and local_devices). Each partition then works as a stage
+// (PipelineStageOptions::local_balance and devices). Each partition then works as a stage
 // of its own would, on a thread of its own: it runs every micro-batch's forward in order, then
 // each micro-batch's backward in reverse as soon as the gradients of its outputs arrive
 // (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/link.h)
@@ -141,20 +141,21 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   // Batch norm: Note [Pipeline stages and batch norm]; ties across stages: Note [Ties across
   // stages] in tied_stages.h.
 
-  /// Where this stage's layers run (tensors cross processes through the CPU with Gloo, from GPU to
-  /// GPU with NCCL: Note [Point-to-point order] in process_group.h).
-  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// Where this stage's layers run: one device for the whole stage, or one per partition (entry
+  /// of local_balance); empty (the default): the CPU. Tensors cross processes through the CPU
+  /// with Gloo, from GPU to GPU with NCCL (Note [Point-to-point order] in process_group.h). May
+  /// differ between stages.
+  ///
+  ///   PipelineStageOptions({3, 4}).devices({"cuda:0"})  // this stage on cuda:0
+  TORCH_ARG(std::vector<c10::Device>, devices) = {};
   /// This stage's own split of its layers into partitions, one entry per partition, adding up to
   /// its entry of balance; empty: one partition. Each partition runs on a thread of its own and
-  /// on its entry of local_devices (Note [Partitions within a stage]). Unlike the
+  /// on its entry of devices (Note [Partitions within a stage]). Unlike the
   /// other options, it may differ between stages.
   ///
   ///   // Stage 1 of {3, 4}: layers 3-4 on cuda:0, layers 5-6 on cuda:1.
-  ///   PipelineStageOptions({3, 4}).local_balance({2, 2}).local_devices({"cuda:0", "cuda:1"})
+  ///   PipelineStageOptions({3, 4}).local_balance({2, 2}).devices({"cuda:0", "cuda:1"})
   TORCH_ARG(std::vector<int64_t>, local_balance);
-  /// The device of each of this stage's partitions (one per entry of local_balance); empty: all on
-  /// device(). May differ between stages.
-  TORCH_ARG(std::vector<c10::Device>, local_devices);
   /// The last stage's loss function for step(input, target) and evaluate(input, target): the
   /// older spelling of step()'s and evaluate()'s argument `loss`, which takes precedence.
   TORCH_ARG(LossFunction, loss) = nullptr;
@@ -165,6 +166,20 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   /// over the process group. Used with Gloo only. A micro-batch larger than half a ring, or one
   /// that finds the ring full, goes over the process group. The same on every stage.
   TORCH_ARG(int64_t, shared_memory) = int64_t{8} << 20;
+
+ public:
+  /// Deprecated: the older spelling of devices({device}).
+  [[deprecated("use devices({device})")]]
+  PipelineStageOptions& device(c10::Device device) {
+    devices_ = {device};
+    return *this;
+  }
+  /// Deprecated: the older spelling of devices(one per partition).
+  [[deprecated("use devices(...), one device per partition")]]
+  PipelineStageOptions& local_devices(std::vector<c10::Device> devices) {
+    devices_ = std::move(devices);
+    return *this;
+  }
 };
 
 // Note [Pipeline stages and batch norm]

@@ -25,12 +25,12 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
                           gpipe_test::contains("chunks must be at least 1, got 0"));
   // A device this machine does not have (cuda:<number of GPUs>) is refused before it is used.
   const c10::Device gpu(c10::kCUDA, static_cast<c10::DeviceIndex>(cuda_device_count()));
-  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({6}).device(gpu), group),
+  CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), PipelineStageOptions({6}).devices({gpu}), group),
                           gpipe_test::contains("PipelineStage: the stage's device is on " +
                                                gpu.str() + ", but "));
   CATCH_CHECK_THROWS_WITH(
       PipelineStage(make_model(),
-                    PipelineStageOptions({6}).local_balance({3, 3}).local_devices({at::kCPU, gpu}),
+                    PipelineStageOptions({6}).local_balance({3, 3}).devices({at::kCPU, gpu}),
                     group),
       gpipe_test::contains("PipelineStage: local partition 1 is on " + gpu.str() + ", but "));
   // A warning only where a checkpointed CPU partition beside another draws random numbers (Note
@@ -146,12 +146,21 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({6, 0})),
                           gpipe_test::contains("local_balance {6, 0} has a non-positive entry 0"));
   CATCH_CHECK_THROWS_WITH(
-      refused(PipelineStageOptions({6}).local_balance({3, 3}).local_devices({at::kCPU})),
-      gpipe_test::contains("local_devices has 1 devices but local_balance {3, 3} has 2 "
+      refused(PipelineStageOptions({6}).local_balance({3, 3}).devices({at::kCPU, at::kCPU,
+                                                                        at::kCPU})),
+      gpipe_test::contains("devices has 3 devices but local_balance {3, 3} has 2 "
                            "partitions"));
-  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_devices({at::kCPU})),
-                          gpipe_test::contains("local_devices has 1 devices but local_balance is "
+  CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).devices({at::kCPU, at::kCPU})),
+                          gpipe_test::contains("devices has 2 devices but local_balance is "
                                                "empty"));
+  // One device for a stage of several partitions: every partition on it.
+  {
+    PipelineStage one_device(make_model(),
+                             PipelineStageOptions({6}).local_balance({3, 3}).devices({at::kCPU})
+                                 .loss(mse),
+                             group);
+    CATCH_CHECK(one_device->partitions() == 2);
+  }
 
   // {1, 2, 3}: Linear | Stash, PopPair | PairLinear, First, Linear, the skip within the second
   // partition; {2, 1, 3}: the skip from the first partition to the second. The pair crosses into
@@ -305,7 +314,7 @@ CATCH_TEST_CASE("a stage with a partition on the GPU and one on the CPU trains w
   const c10::Device gpu("cuda:0");
   PipelineStage stage(make_model(),
                       PipelineStageOptions({6}).local_balance({2, 4})
-                          .local_devices({gpu, c10::Device(c10::kCPU)}).chunks(kChunks)
+                          .devices({gpu, c10::Device(c10::kCPU)}).chunks(kChunks)
                           .checkpoint(mode).loss(mse),
                       group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));

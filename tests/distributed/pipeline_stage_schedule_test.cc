@@ -259,7 +259,7 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
                             gpipe_test::contains("chunks to be a multiple of the number of "
                                                  "stages (2), got 3"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().local_balance({1, 1}), gloo),
-                            gpipe_test::contains("local_balance and local_devices cannot split"));
+                            gpipe_test::contains("local_balance and several devices cannot split"));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().balance({3, 3}), gloo),
         gpipe_test::contains("the balance has 2 entries ({3, 3}) but the process group has 2 "

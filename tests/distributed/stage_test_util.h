@@ -199,8 +199,8 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   ProcessGroup group = join();
   const std::vector<int64_t> local = local_balance_from_env(group->getRank());
   // Two partitions on a GPU stage: the second on the CPU (one GPU each).
-  std::vector<c10::Device> local_devices;
-  if (local.size() == 2 && device.is_cuda()) local_devices = {device, c10::Device(c10::kCPU)};
+  std::vector<c10::Device> devices{device};
+  if (local.size() == 2 && device.is_cuda()) devices = {device, c10::Device(c10::kCPU)};
   const char* schedule_name = std::getenv("GPIPE_TEST_SCHEDULE");
   const std::string schedule = schedule_name != nullptr ? schedule_name : "gpipe";
   // The caller's virtual stages, with the kind and group the test runner gives.
@@ -222,8 +222,7 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   const bool fails = std::getenv("GPIPE_TEST_SHARED_FAILS") != nullptr;
   std::optional<gpipe::testing::CaptureWarnings> warnings;
   if (fails) warnings.emplace();
-  PipelineStage stage(model, options.loss(mse).device(device).local_balance(local)
-                                 .local_devices(local_devices)
+  PipelineStage stage(model, options.loss(mse).devices(devices).local_balance(local)
                                  .schedule(chosen), group);
   stage->record_timeline(record_timeline);
   if (fails) {
