@@ -74,7 +74,7 @@ double covered(double from, double to, std::vector<Interval> busy) {
 }
 
 struct Overlap {
-  double copy_us = 0;       // device time of the activation and gradient copies
+  double copy_us = 0;        // device time of the activation copies (gradients' are not timed)
   double overlapped_us = 0;  // of which the copying GPU computed another micro-batch
 };
 

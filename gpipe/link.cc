@@ -4,6 +4,7 @@
 #include <atomic>
 #include <utility>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
@@ -75,8 +76,12 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
       // streams: copied blocking.
       const bool ordered = !t.is_cuda() || t.device() == from;
       at::Tensor source = t.detach();
-      if (pinned_staging() && source.is_cpu() && to.is_cuda() && !source.is_pinned()) {
-        source = source.pin_memory();
+      if (pinned_staging() && source.is_cpu() && to.is_cuda() && source.layout() == at::kStrided &&
+          !source.is_quantized() && !source.is_pinned()) {
+        // Contiguous, so that the copy reads the pinned block itself (a strided one would be
+        // made contiguous in pageable memory by the copy).
+        at::Tensor pinned = at::empty(source.sizes(), source.options().pinned_memory(true));
+        source = pinned.copy_(source);
       }
       out.values.push_back(source.to(to, /*non_blocking=*/ordered));
     }

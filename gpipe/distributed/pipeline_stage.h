@@ -238,9 +238,9 @@ class PipelineStageImpl : public torch::nn::Module {
 
   /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
   /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does).
-  /// Other stages take neither: no_input(), an undefined tensor and any loss (or none); every
-  /// stage may pass the same three, as a program that does not ask which stage it is does.
-  /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
+  /// Other stages take no input (no_input()) and ignore the target and loss, so every stage may
+  /// pass the same target and loss; an empty loss means PipelineStageOptions::loss. Returns the
+  /// loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
   /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs, and the
   /// last stage calls the loss only when given a target. After a
   /// step that threw (a peer died, a layer failed), the stage refuses further steps. Steps called

@@ -174,6 +174,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target)
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
                                    LossFunction loss) {
   const char* who = "gpipe::distributed::PipelineStage::step";
+  if (!loss) loss = options_.loss();
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
@@ -205,7 +206,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
     TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
                 "stage 0 does; its activations come from stage ", stage_ - 1, ")");
     TORCH_CHECK(!is_last() || loss, who, ": the last stage (", stage_, ") needs a loss "
-                "function: pass it to step(input, target, loss)");
+                "function: pass it to step(input, target, loss) (or PipelineStageOptions::loss)");
     checked = true;
     return run_step(input, target, loss, index, cancellation);
   } catch (const std::exception& e) {

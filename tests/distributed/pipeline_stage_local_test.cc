@@ -120,8 +120,9 @@ CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, befor
   for (size_t k = 0; k < got.size(); ++k) {
     CATCH_CHECK(at::allclose(got[k].grad(), want[k].grad(), 0, 1e-12));
   }
-  // Without an argument, the option's.
+  // Without an argument, or with an empty one, the option's.
   CATCH_CHECK(at::allclose(stage->step(Batch(x), y), 2 * expected, 0, 1e-12));
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y, nullptr), 2 * expected, 0, 1e-12));
   stage->eval();
   CATCH_CHECK(at::allclose(stage->evaluate(Batch(x), y, mse).loss, expected.detach(), 0, 1e-12));
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(kChunks), group);

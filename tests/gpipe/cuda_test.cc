@@ -290,7 +290,8 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
   CATCH_CHECK_THROWS_WITH(lanes->step(x, y, mse),
                           gpipe_test::contains("GPipe::step: partition 0") &&
                               gpipe_test::contains("its own GPU"));
-  // Nothing random, or nothing checkpointed: the partitions share the GPU and train.
+  // Nothing random, or nothing checkpointed: the partitions share the GPU (and the unchecked one
+  // trains).
   GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 2)),
                      GPipeOptions(two_on_one).worker_per_partition(true));
   CATCH_CHECK(plain_layers->devices()[1] == gpu);
