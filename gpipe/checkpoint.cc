@@ -205,7 +205,7 @@ struct CheckpointBackward : Node {
 
 // Passes the gradient of a checkpointed task's lane through, after recomputing the task (see Note
 // [Checkpoint and recompute] in checkpoint.h). A PassBackward, so that the dependency on the next
-// micro-batch (Note [Backward order] in pipeline.cc) takes its phony from this node.
+// micro-batch (Note [Backward order] in executor.h) takes its phony from this node.
 struct RecomputeBackward : PassBackward {
   explicit RecomputeBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::RecomputeBackward"; }

@@ -141,11 +141,11 @@ class Checkpointing {
                 uint64_t params_key);
 
   /// Makes this task's backward a dependency of `phony`'s node (a fork's phony, Note [Backward
-  /// order] in pipeline.cc): CheckpointBackward gets the phony's edge, and no join is needed.
-  /// After checkpoint(), on the main thread, once every task of the tick has finished and before
-  /// the outputs get nodes of their own: the edge's target is another task's node, which a worker
-  /// may be reading while its task runs (Node::topological_nr writes), and LibTorch 2.x refuses
-  /// new edges on a node that already has a parent.
+  /// order] in executor.h): CheckpointBackward gets the phony's edge, and no join is needed.
+  /// After checkpoint() and before the outputs get nodes of their own (LibTorch 2.x refuses new
+  /// edges on a node that already has a parent), on the thread that made the phony's node: an
+  /// edge writes to its target (Node::topological_nr; Note [Links that keep the graph] in
+  /// link.h).
   void attach_dependency(const at::Tensor& phony);
 
   /// Records the recomputation and the backward of this task, (microbatch, partition), in

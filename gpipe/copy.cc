@@ -84,6 +84,11 @@ struct WaitBackward : Node {
   c10::Stream next;
 };
 
+struct HandOverBackward : Node {
+  std::string name() const override { return "gpipe::HandOverBackward"; }
+  variable_list apply(variable_list&& grads) override { return std::move(grads); }
+};
+
 }  // namespace
 
 std::vector<at::Tensor> copy(std::vector<at::Tensor> tensors, const c10::Stream& prev,
@@ -126,6 +131,17 @@ std::vector<at::Tensor> wait(std::vector<at::Tensor> tensors, const c10::Stream&
   }
   auto node =
       std::shared_ptr<WaitBackward>(new WaitBackward(prev, next), torch::autograd::deleteNode);
+  attach(node, tensors, out);
+  return out;
+}
+
+std::vector<at::Tensor> pass(std::vector<at::Tensor> tensors) {
+  if (!at::GradMode::is_enabled() || !any_requires_grad(tensors)) return tensors;
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : at::Tensor());
+  auto node =
+      std::shared_ptr<HandOverBackward>(new HandOverBackward(), torch::autograd::deleteNode);
   attach(node, tensors, out);
   return out;
 }

@@ -33,4 +33,9 @@ std::vector<at::Tensor> copy(std::vector<at::Tensor> tensors, const c10::Stream&
 std::vector<at::Tensor> wait(std::vector<at::Tensor> tensors, const c10::Stream& prev,
                              const c10::Stream& next);
 
+/// `tensors` (detached, same data) behind one autograd node of their own that passes their
+/// gradients through; tensors that need no gradient, and all without grad mode, are returned as
+/// they are. For a hand-over between threads (Note [Links that keep the graph] in link.h).
+std::vector<at::Tensor> pass(std::vector<at::Tensor> tensors);
+
 }  // namespace gpipe

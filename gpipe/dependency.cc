@@ -1,4 +1,4 @@
-// Fork and join; see dependency.h and Note [Backward order] in pipeline.cc.
+// Fork and join; see dependency.h and Note [Backward order] in executor.h.
 #include "gpipe/dependency.h"
 
 #include <ATen/core/grad_mode.h>

@@ -22,7 +22,7 @@ at::Tensor make_phony(const at::TensorOptions& options);
 /// and gives its other inputs (phonies) nothing. fork() of a tensor that such a node produced, as
 /// its only output so far, adds the phony to that node instead of making a node of its own: one
 /// node less per task when a checkpointed task's RecomputeBackward is followed by a dependency
-/// (Note [Backward order] in pipeline.cc).
+/// (Note [Backward order] in executor.h).
 struct PassBackward : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
 

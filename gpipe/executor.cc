@@ -123,6 +123,31 @@ void init_partition(Step& st, int64_t p) {
   }
 }
 
+// The LocalLinks between neighbouring partitions, or GraphLinks for a forward() (Note [forward()
+// on the executor]).
+void make_links(Step& st, const std::vector<std::vector<Action>>& lanes) {
+  const ExecutorSpec& spec = st.spec;
+  const std::vector<ExecutorPartition>& partitions = *spec.partitions;
+  std::vector<size_t> lane_of(partitions.size(), 0);
+  for (size_t lane = 0; lane < lanes.size(); ++lane) {
+    for (const Action& a : lanes[lane]) lane_of[a.stage] = lane;
+  }
+  for (size_t p = 0; p + 1 < partitions.size(); ++p) {
+    const int64_t from = static_cast<int64_t>(p);
+    const c10::Device here = partitions[p].device;
+    const c10::Device there = partitions[p + 1].device;
+    if (spec.keep_graph) {
+      st.links.push_back(std::make_unique<GraphLink>(
+          spec.who, from, here, there, st.copy_streams, lane_of[p] != lane_of[p + 1],
+          spec.timeline.get(), spec.timeline_partition_offset));
+    } else {
+      st.links.push_back(std::make_unique<LocalLink>(spec.who, from, here, there,
+                                                     st.copy_streams, spec.timeline.get(),
+                                                     spec.timeline_partition_offset));
+    }
+  }
+}
+
 // Runs every lane, each on its worker (or the calling thread), until all have stopped.
 void run_lanes(Step& st, const std::vector<std::vector<Action>>& lanes) {
   const ExecutorSpec& spec = st.spec;
@@ -173,6 +198,15 @@ void run_lanes(Step& st, const std::vector<std::vector<Action>>& lanes) {
 
 }  // namespace
 
+std::vector<Worker*> lane_workers(std::vector<std::unique_ptr<Worker>>& pool, size_t lanes) {
+  while (pool.size() + 1 < lanes) {
+    pool.push_back(std::make_unique<Worker>(absl::StrCat("rank ", pool.size() + 1)));
+  }
+  std::vector<Worker*> workers{nullptr};
+  for (size_t lane = 1; lane < lanes; ++lane) workers.push_back(pool[lane - 1].get());
+  return workers;
+}
+
 void run_schedule(const ExecutorSpec& spec) {
   std::vector<ExecutorPartition>& partitions = *spec.partitions;
   const int64_t n = static_cast<int64_t>(partitions.size());
@@ -186,13 +220,9 @@ void run_schedule(const ExecutorSpec& spec) {
     st.m = st.first->microbatches;
   }
   st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
-  for (int64_t p = 0; p + 1 < n && !own_links; ++p) {
-    st.links.push_back(std::make_unique<LocalLink>(
-        spec.who, p, partitions[p].device, partitions[p + 1].device, st.copy_streams,
-        spec.timeline.get(), spec.timeline_partition_offset));
-  }
-  st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
   const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
+  if (!own_links) make_links(st, lanes);
+  st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
   // Weight gradients split by layer: for split schedules, where no skip ties layers together.
   for (const std::vector<Action>& lane : lanes) {
     for (const Action& a : lane) st.by_layer |= a.type == ActionType::kBackwardWeight;

@@ -18,6 +18,7 @@
 #include "gpipe/link.h"
 #include "gpipe/schedule.h"
 #include "gpipe/skip_layout.h"
+#include "gpipe/stage_backward.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"
@@ -53,6 +54,35 @@ namespace detail {
 // downstream applies the loss (Note [Losses over micro-batches] in loss.h). The first error of any
 // lane fails every link, so that no lane waits for a micro-batch that will not come; the step
 // rethrows it once every lane has stopped.
+
+// Note [forward() on the executor]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// GPipe::forward runs the forward actions of the GPipe schedule on the executor, each lane's in
+// the clock-cycle order (clock_cycles in schedule.h), with links that keep the autograd graph
+// (Note [Links that keep the graph] in link.h) and the mini-batch's micro-batches as they are:
+// the caller's backward, torch::autograd::grad, create_graph and an input with history then work
+// as on the plain model. What a step does by hand, this forward leaves to the autograd engine:
+// the order of backward (Note [Backward order]), the recomputation of checkpointed micro-batches
+// (their Checkpointing records it on the timeline), the skips' gradients (Note [Skips and
+// checkpointing] in skip_tracker.h). With stage-local backward (Note [Stage-local backward in one
+// process] in stage_backward.h) the graph is cut in front of each partition instead. Which lane
+// runs a partition is GPipe's choice (gpipe.cc): one per device, as the reference runs one worker
+// per device, unless worker_per_partition.
+//
+// Note [Backward order]
+// ~~~~~~~~~~~~~~~~~~~~~
+// GPipe's backward visits, on each partition, the micro-batches in reverse order. A forward()
+// runs no backward loop of its own; it adds edges to the autograd graph and lets the autograd
+// engine find the order. After partition j's forward of micro-batch i-1, the lane forks that
+// output's lane tensor (Batch::lane: the first floating-point tensor) and keeps the phony;
+// partition j's forward of micro-batch i joins the phony into its input's lane (dependency.h).
+// The fork's backward node then waits for the gradient of micro-batch i at partition j's input:
+// partition j's backward for micro-batch i-1 starts only after the one for micro-batch i has
+// finished. Across partitions the data edges (and the copies) already order everything. When
+// micro-batch i-1 was checkpointed, its lane comes out of a RecomputeBackward node and the fork
+// adds the phony to that node instead of making its own: the recomputation then also waits for
+// micro-batch i. When micro-batch i is checkpointed, the phony becomes an extra next edge of its
+// CheckpointBackward instead of being joined into its lane: two autograd nodes fewer per task.
 
 /// One partition that this process runs.
 struct ExecutorPartition {
@@ -99,7 +129,16 @@ struct ExecutorSpec {
   /// Copy streams for `partitions` (Note [Links on copy streams] in link.h), at least as many
   /// per partition as micro-batches; null: the step takes them from the devices' pools.
   const CopyStreams* copy_streams = nullptr;
+  /// A forward() (Note [forward() on the executor]): the plan has forwards only, the links keep
+  /// the graph, and the upstream and downstream take the micro-batches as they are.
+  bool keep_graph = false;
+  /// With keep_graph: stage-local backward, null for one graph.
+  std::shared_ptr<StageBackward> stage_backward;
 };
+
+/// Threads for `lanes` lanes (ExecutorSpec::workers): the calling thread (null) for the first,
+/// then `pool`'s workers, started as needed.
+std::vector<Worker*> lane_workers(std::vector<std::unique_ptr<Worker>>& pool, size_t lanes);
 
 /// Runs one step: every lane's actions. Throws the first error of any lane after every lane has
 /// stopped.

@@ -14,12 +14,87 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "gpipe/dependency.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 
 namespace gpipe {
 namespace detail {
+
+namespace {
+
+// Micro-batch i's skips routed into partition p: moved onto its device by the fence, and cut from
+// their stashing partitions' graphs where those run their backward apart — a step's partitions,
+// a stage-local forward() (Note [Stage-local backward in one process] in stage_backward.h).
+// Returns the cuts of a step, whose backward gives their gradients back by hand.
+std::vector<MicroBatchSkips::Cut> receive_skips(Step& st, int64_t p, int64_t i, TaskContext& task) {
+  const ExecutorSpec& spec = st.spec;
+  std::vector<MicroBatchSkips::Cut> cut;
+  if (spec.skip_layout == nullptr || spec.skip_layout->empty()) return cut;
+  std::shared_ptr<MicroBatchSkips> shared = st.skips_of(i);
+  if (!spec.skip_layout->routes_into(p).empty()) {
+    // The skips from earlier partitions move to this one's device on the copy streams (their
+    // stashing partitions' copy streams waited for them after their forwards).
+    std::vector<c10::Stream> streams;
+    for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
+    const Timeline::Started started{spec.timeline ? spec.timeline->now_us() : 0, nullptr};
+    for (int64_t from : shared->fence(i, p, streams, *st.copy_streams)) {
+      if (!spec.timeline) continue;
+      const int64_t offset = spec.timeline_partition_offset;
+      spec.timeline->finish({Kind::kSkipCopy, i, offset + p, offset + from, 1}, started,
+                            (*st.copy_streams)[p][i]);
+    }
+  }
+  if (spec.keep_graph && spec.stage_backward) {
+    shared->cut(p, [&spec, i, p](int64_t from, const at::Tensor& tensor) {
+      return spec.stage_backward->hand_off_skip(tensor, static_cast<size_t>(from), i,
+                                                static_cast<size_t>(p));
+    });
+  } else if (!spec.keep_graph && spec.grad_enabled) {
+    cut = shared->cut(p);
+  }
+  task.skips = std::move(shared);
+  return cut;
+}
+
+// Partition p's layers (`run_layers`) on micro-batch i's input: checkpointed when i is before the
+// stop; in a forward() with one graph, behind the previous micro-batch in backward (Note
+// [Backward order] in executor.h).
+Batch compute(Step& st, int64_t p, int64_t i, const Batch& input,
+              const Checkpointing::Function& run_layers) {
+  const ExecutorSpec& spec = st.spec;
+  PartitionState& s = st.states[p];
+  const bool order = spec.keep_graph && spec.grad_enabled && !spec.stage_backward;
+  const at::Tensor phony = std::move(s.phony);
+  s.phony = at::Tensor();
+  Batch out{std::vector<at::Tensor>{}};
+  if (i < st.stop) {
+    Checkpointing checkpointing(run_layers, input, s.part->device, spec.recompute_state,
+                                s.part->grad_record, s.params_key);
+    if (spec.keep_graph && spec.timeline) {
+      checkpointing.record_to(spec.timeline, i, spec.timeline_partition_offset + p);
+    }
+    out = checkpointing.checkpoint();
+    if (phony.defined()) checkpointing.attach_dependency(phony);
+    checkpointing.recompute(out);
+  } else if (phony.defined() && input.lane() >= 0) {
+    Batch joined = input;
+    joined[joined.lane()] = join(joined[joined.lane()], phony);
+    out = run_layers(joined);
+  } else {
+    out = run_layers(input);
+  }
+  const int64_t lane = out.lane();
+  if (order && i + 1 < st.m && lane >= 0) {
+    std::pair<at::Tensor, at::Tensor> forked = fork(out[lane]);
+    out[lane] = std::move(forked.first);
+    s.phony = std::move(forked.second);
+  }
+  return out;
+}
+
+}  // namespace
 
 void run_forward(Step& st, int64_t p, int64_t i) {
   const ExecutorSpec& spec = st.spec;
@@ -44,18 +119,10 @@ void run_forward(Step& st, int64_t p, int64_t i) {
   const Timeline::Started started = st.start(stream);
   TaskContext task;
   task.microbatch = MicroBatch{spec.run, i};
-  std::vector<MicroBatchSkips::Cut> cut;
-  if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
-    std::shared_ptr<MicroBatchSkips> shared = st.skips_of(i);
-    if (!spec.skip_layout->routes_into(p).empty()) {
-      // The skips from earlier partitions move to this one's device on the copy streams (their
-      // stashing partitions' copy streams waited for them after their forwards, below).
-      std::vector<c10::Stream> streams;
-      for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
-      shared->fence(i, p, streams, *st.copy_streams);
-    }
-    if (spec.grad_enabled) cut = shared->cut(p);
-    task.skips = std::move(shared);
+  std::vector<MicroBatchSkips::Cut> cut = receive_skips(st, p, i, task);
+  if (spec.stage_backward && p > 0) {
+    // Partition p-1's backward of this micro-batch runs on its own thread.
+    spec.stage_backward->hand_off(a.batch, static_cast<size_t>(p - 1), i);
   }
   std::vector<std::vector<at::Tensor>>* layer_outputs =
       s.by_layer && spec.grad_enabled && i >= st.stop ? &s.layer_outputs[i] : nullptr;
@@ -69,15 +136,7 @@ void run_forward(Step& st, int64_t p, int64_t i) {
     }
     return run_partition(layers, b, layer_outputs);
   };
-  Batch out{std::vector<at::Tensor>{}};
-  if (i < st.stop) {
-    Checkpointing checkpointing(run_layers, a.batch, part.device, spec.recompute_state,
-                                part.grad_record, s.params_key);
-    out = checkpointing.checkpoint();
-    checkpointing.recompute(out);
-  } else {
-    out = run_layers(a.batch);
-  }
+  Batch out = compute(st, p, i, a.batch, run_layers);
   st.record(Kind::kCompute, i, p, started, stream);
   if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
     // What this forward stashed for later partitions is ready for their fences' copies (Note
@@ -85,7 +144,7 @@ void run_forward(Step& st, int64_t p, int64_t i) {
     wait_stream((*st.copy_streams)[p][i], stream);
   }
   s.down->send(st.m, i, out, spec.grad_enabled);
-  if (spec.grad_enabled) {
+  if (spec.grad_enabled && !spec.keep_graph) {
     s.inputs[i] = std::move(a.batch);
     s.outputs[i] = std::move(out);
     s.cuts[i] = std::move(cut);

@@ -44,6 +44,7 @@ struct PartitionState {
   std::vector<std::vector<std::vector<at::Tensor>>> layer_outputs;
   std::vector<std::vector<at::Tensor>> layer_params;  // each layer's, requiring grad
   bool by_layer = false;  // W split by layer (Note [One executor])
+  at::Tensor phony;  // keep_graph: the last forward's, for the next (Note [Backward order])
 };
 
 // One step's state, shared by the lanes.
@@ -54,7 +55,7 @@ struct Step {
   bool by_layer = false;  // W split by layer (Note [One executor])
   std::optional<Activation> first;  // the first partition's first input, when it told m
   std::vector<PartitionState> states;
-  std::vector<std::unique_ptr<LocalLink>> links;  // links[p]: partitions p and p + 1
+  std::vector<std::unique_ptr<Link>> links;  // links[p]: partitions p and p + 1
   // copy_streams[p][i]: partition p's for micro-batch i (the spec's, or own_copy_streams).
   const CopyStreams* copy_streams = nullptr;
   CopyStreams own_copy_streams;

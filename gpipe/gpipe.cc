@@ -1,6 +1,7 @@
 // GPipe; see gpipe.h.
 #include "gpipe/gpipe.h"
 
+#include <algorithm>
 #include <numeric>
 #include <ostream>
 
@@ -15,7 +16,9 @@
 #include "gpipe/executor.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/partition.h"
-#include "gpipe/pipeline.h"
+#include "gpipe/link.h"
+#include "gpipe/schedule.h"
+#include "gpipe/stage_backward.h"
 #include "gpipe/skip_tracker.h"
 #include "gpipe/stream.h"
 #include "gpipe/thread_state.h"
@@ -59,6 +62,28 @@ std::vector<c10::Device> choose_devices(const std::vector<c10::Device>& given, s
   return devices;
 }
 
+// forward()'s lanes (Note [forward() on the executor]): each partition's forwards in clock-cycle
+// order, on its thread in `pool` (Note [Workers and the calling thread]); `workers` gets each
+// lane's thread (null: the caller's).
+std::vector<std::vector<Action>> forward_lanes(int64_t m, WorkerPool& pool, size_t partitions,
+                                               std::vector<Worker*>& workers) {
+  std::vector<size_t> lane_of(partitions);
+  workers.clear();
+  for (size_t j = 0; j < partitions; ++j) {
+    Worker* worker = pool.runs_inline(j) ? nullptr : &pool.for_partition(j);
+    lane_of[j] = std::find(workers.begin(), workers.end(), worker) - workers.begin();
+    if (lane_of[j] == workers.size()) workers.push_back(worker);
+  }
+  std::vector<std::vector<Action>> lanes(workers.size());
+  for (const std::vector<Task2D>& tick : clock_cycles(m, static_cast<int64_t>(partitions))) {
+    for (const Task2D& task : tick) {
+      lanes[lane_of[task.partition]].push_back(
+          Action{ActionType::kForward, task.partition, task.microbatch});
+    }
+  }
+  return lanes;
+}
+
 }  // namespace
 
 GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
@@ -92,6 +117,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     TORCH_CHECK(options_.worker_per_partition(), "GPipe stage_local_backward needs "
                 "worker_per_partition(true): each partition's backward runs on its own worker");
   }
+  // forward()'s threads, and stage-local backward's.
   workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
   if (options_.worker_per_partition()) {
     // Each partition on a thread of its own (Note [Random numbers in concurrent partitions]).
@@ -187,42 +213,36 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
                 "; move the input there first, e.g. x.to(model->devices().front())");
   }
   std::vector<Batch> batches = scatter(input, options_.chunks());
+  const int64_t m = static_cast<int64_t>(batches.size());
   absl::MutexLock lock(&forward_mu_);
   tied_->refresh();
-
-  PipelineSpec spec;
-  spec.devices = devices_;
-  const bool checkpointing = is_training() && at::GradMode::is_enabled();
-  spec.checkpoint_stop =
+  const bool grad_enabled = at::GradMode::is_enabled();
+  const bool checkpointing = is_training() && grad_enabled;
+  const int64_t stop =
       checkpointing ? checkpoint_stop(options_.checkpoint(), options_.chunks()) : 0;
-  for (const auto j : c10::irange(devices_.size())) {
-    spec.stages.emplace_back([partition = partitions_[j],
-                              batch_norms = batch_norms_[j]](const Batch& b) {
-      if (batch_norms->size() > 0 && is_recomputing()) {
-        // Note [Recomputation leaves running statistics alone] in batchnorm.h.
-        BatchNormLayers::Redirect redirect = batch_norms->redirect();
-        return run_partition(partition, b);
-      }
-      return run_partition(partition, b);
-    });
-    spec.compute_streams.push_back(current_stream(devices_[j]));
-  }
-  if (spec.checkpoint_stop > 0) {
-    spec.grad_records = grad_records_;
-    for (const auto& partition : partitions_) {
-      spec.params_keys.push_back(requires_grad_key(partition));
-    }
+  detail::ExecutorSpec spec;
+  const std::vector<std::vector<Action>> lanes =
+      forward_lanes(m, *workers_, partitions_.size(), spec.workers);
+  detail::InputSource source(std::move(batches), grad_enabled, /*keep_graph=*/true);
+  detail::OutputSink sink;
+  spec.who = "gpipe::GPipe::forward";
+  spec.partitions = &step_partitions_;
+  spec.plan = [&lanes](int64_t) { return lanes; };
+  spec.upstream = &source;
+  spec.downstream = &sink;
+  spec.microbatches = m;
+  spec.grad_enabled = grad_enabled;
+  spec.checkpoint_stop = [stop](int64_t) { return stop; };
+  spec.run = next_run_id();
+  if (stop > 0) {
     // Captured before the deferred-batch-norm callback is added: the recomputation observes no
     // operator (Note [Deferred batch norm without replacing modules]).
     spec.recompute_state = std::make_shared<const ThreadState>();
   }
-  spec.copy_streams = &copy_streams_;
-  spec.workers = workers_.get();
+  if (record_timeline_) spec.timeline = std::make_shared<Timeline>(devices_);
   spec.skip_layout = &skip_layout_;
-  spec.run = next_run_id();
-  if (record_timeline_) {
-    spec.timeline = std::make_shared<Timeline>(devices_);
-  }
+  spec.copy_streams = &copy_streams_;
+  spec.keep_graph = true;
   // Not for an input with a history (a layer before the GPipe): each partition's backward of
   // each micro-batch would run into that graph once per micro-batch, and it can be run only once.
   // Such a forward keeps the one graph (Note [Stage-local backward in one process]).
@@ -230,15 +250,22 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   for (const at::Tensor& t : input.values()) {
     input_has_history |= t.defined() && t.grad_fn() != nullptr;
   }
-  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 &&
-      !input_has_history) {
+  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 && !input_has_history) {
     spec.stage_backward = std::make_shared<StageBackward>(workers_);
   }
 
   const bool deferred = options_.deferred_batch_norm() && is_training();
   {
     const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
-    run_pipeline(spec, batches);
+    detail::run_schedule(spec);
+  }
+  batches = sink.take();
+  if (spec.stage_backward) {
+    // The last partition's backward too runs on its worker, not on the thread that calls
+    // backward(), which runs the first partition's (Note [Stage-local backward in one process]).
+    for (int64_t i = 0; i < m; ++i) {
+      spec.stage_backward->hand_off(batches[i], devices_.size() - 1, i, /*last=*/true);
+    }
   }
   if (deferred) commit_deferred(batch_norms_, statistics_combiner_);
   last_timeline_ = spec.timeline;

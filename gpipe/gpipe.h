@@ -55,10 +55,10 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
   /// One device per partition (repeats allowed). Empty (the default) means every CUDA device
   /// when CUDA is available, else the CPU for every partition. Extra devices are ignored.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
-  /// Whether every partition gets a worker thread of its own, even partitions on the same device
-  /// (see Note [Workers and the calling thread]). For testing concurrency on the CPU: layers that
-  /// draw random numbers from the CPU generator then draw them in an order that depends on thread
-  /// timing.
+  /// Whether forward() gives every partition a thread of its own, even partitions on the same
+  /// device (see Note [Workers and the calling thread]); by default the partitions of one device
+  /// share one. On the CPU, partitions then compute at the same time; layers that draw random
+  /// numbers from the CPU generator then draw them in an order that depends on thread timing.
   TORCH_ARG(bool, worker_per_partition) = false;
   /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
   /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every

@@ -3,7 +3,6 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/irange.h>
 
-#include "absl/strings/str_cat.h"
 #include "gpipe/batchnorm.h"
 #include "gpipe/executor.h"
 #include "gpipe/gpipe.h"
@@ -62,11 +61,6 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
     generators_checked_ = true;
   }
   tied_->refresh();
-  const size_t lanes = plan.ranks.size();
-  while (lane_workers_.size() + 1 < lanes) {
-    lane_workers_.push_back(
-        std::make_unique<Worker>(absl::StrCat("rank ", lane_workers_.size() + 1)));
-  }
   const bool grad_enabled = at::GradMode::is_enabled();
   detail::InputSource source(std::move(microbatches), grad_enabled);
   const int64_t last = static_cast<int64_t>(partitions_.size()) - 1;
@@ -76,8 +70,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   spec.who = who;
   spec.partitions = &step_partitions_;
   spec.plan = [&plan](int64_t) { return plan.ranks; };
-  spec.workers.push_back(nullptr);
-  for (size_t r = 1; r < lanes; ++r) spec.workers.push_back(lane_workers_[r - 1].get());
+  spec.workers = detail::lane_workers(lane_workers_, plan.ranks.size());
   spec.upstream = &source;
   spec.downstream = &sink;
   spec.microbatches = m;

@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "gpipe/copy.h"
+
 namespace gpipe {
 namespace {
 
@@ -209,10 +211,92 @@ void LocalLink::check_not_failed() const {
               " stopped passing micro-batches: ", why_);
 }
 
-InputSource::InputSource(std::vector<Batch> microbatches, bool grad_enabled)
+void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
+                     bool grad_enabled) {
+  const c10::Stream& copy_from = (*copy_streams_)[from_][microbatch];
+  const c10::Stream& copy_to = (*copy_streams_)[from_ + 1][microbatch];
+  std::vector<at::Tensor> values = wait(output.values(), current_stream(from_device_), copy_from);
+  // LibTorch runs a copy from a CUDA device on the source's current stream, else on the
+  // destination's.
+  const c10::Stream& issuing = has_streams(from_device_) ? copy_from : copy_to;
+  const Timeline::Started started = timeline_ ? timeline_->start(issuing) : Timeline::Started{};
+  values = copy(std::move(values), copy_from, copy_to);
+  if (timeline_) {
+    timeline_->finish({TimelineEvent::Kind::kCopy, microbatch, timeline_offset_ + from_ + 1,
+                       timeline_offset_ + from_, static_cast<int64_t>(values.size())},
+                      started, issuing);
+  }
+  if (crosses_threads_ && from_device_ == to_device_ && !has_streams(from_device_)) {
+    values = pass(std::move(values));  // Note [Links that keep the graph]
+  }
+  Sent sent;
+  sent.microbatch = microbatch;
+  sent.activation.microbatches = microbatches;
+  sent.activation.grad_enabled = grad_enabled;
+  sent.activation.batch =
+      output.atomic() ? Batch(std::move(values[0])) : Batch(std::move(values));
+  absl::MutexLock lock(&mu_);
+  activations_.push_back(std::move(sent));
+}
+
+Activation GraphLink::receive() {
+  Sent sent;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](GraphLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+          return self->failed_ || !self->activations_.empty();
+        },
+        this));
+    TORCH_CHECK(!failed_, who_, ": partitions ", from_, " and ", from_ + 1,
+                " stopped passing micro-batches: ", why_);
+    sent = std::move(activations_.front());
+    activations_.pop_front();
+  }
+  Batch& batch = sent.activation.batch;
+  batch.values() = wait(std::move(batch.values()), (*copy_streams_)[from_ + 1][sent.microbatch],
+                        current_stream(to_device_));
+  return std::move(sent.activation);
+}
+
+void GraphLink::send_gradients(int64_t /*microbatch*/, std::vector<at::Tensor> /*gradients*/) {
+  TORCH_INTERNAL_ASSERT(false, "gpipe: a forward()'s link carries no gradients");
+}
+
+std::vector<at::Tensor> GraphLink::receive_gradients(int64_t /*microbatch*/) {
+  TORCH_INTERNAL_ASSERT(false, "gpipe: a forward()'s link carries no gradients");
+  return {};
+}
+
+void GraphLink::fail(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_) {
+    failed_ = true;
+    why_ = why;
+  }
+}
+
+void OutputSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
+                      bool /*grad_enabled*/) {
+  absl::MutexLock lock(&mu_);
+  if (outputs_.empty()) outputs_.assign(microbatches, Batch(std::vector<at::Tensor>{}));
+  outputs_[microbatch] = output;
+}
+
+std::vector<at::Tensor> OutputSink::receive_gradients(int64_t /*microbatch*/) {
+  TORCH_INTERNAL_ASSERT(false, "gpipe: a forward()'s output takes no gradients by hand");
+  return {};
+}
+
+std::vector<Batch> OutputSink::take() {
+  absl::MutexLock lock(&mu_);
+  return std::move(outputs_);
+}
+
+InputSource::InputSource(std::vector<Batch> microbatches, bool grad_enabled, bool keep_graph)
     : microbatches_(std::move(microbatches)), grad_enabled_(grad_enabled) {
   roots_.resize(microbatches_.size());
-  if (!grad_enabled_) return;
+  if (!grad_enabled_ || keep_graph) return;
   // The micro-batches leave the input's graph (a layer before the pipeline, or the input's own
   // split): the first partition's backward of each stops at a leaf, and the input's graph runs
   // once, in finish().

@@ -116,10 +116,17 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
 /// on the CPU) and returns the tensors, recorded on that stream.
 std::vector<at::Tensor> arrive(Moving moving, c10::Device device);
 
+/// Two neighbouring partitions in this process: the downstream of one and the upstream of the
+/// next.
+class Link : public Upstream, public Downstream {
+ public:
+  void fail(const std::string& why) override = 0;
+};
+
 /// Two neighbouring partitions in this process, each on a thread of its own: the downstream of
 /// partition `from` and the upstream of partition `from + 1`. Between devices, tensors move on
 /// copy streams (Note [Links on copy streams]), each activation copy recorded on `timeline`.
-class LocalLink final : public Upstream, public Downstream {
+class LocalLink final : public Link {
  public:
   /// `copy_streams` (of the step's partitions, indexed as the link's; null between CPU
   /// partitions), `timeline` (may be null) and `timeline_offset` (added to partition indices in
@@ -168,12 +175,88 @@ class LocalLink final : public Upstream, public Downstream {
   std::string why_ ABSL_GUARDED_BY(mu_);
 };
 
+// Note [Links that keep the graph]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// forward() runs on the executor too (Note [forward() on the executor] in executor.h), but its
+// caller runs one backward through the whole pipeline, so its links keep the autograd graph: a
+// GraphLink sends the tensors themselves, made to wait for the sender's compute stream on the
+// copy stream and copied on the copy streams by autograd functions (Note [Copy streams] in
+// copy.h), and the receiver's compute stream waits for the copy the same way; backward makes the
+// same trip in reverse. No gradient crosses the link by hand.
+//
+// Autograd nodes are not thread-safe to link to: making an edge to a node writes to it
+// (Node::topological_nr). The sender's forward makes more edges to its output's node after
+// sending it (the next micro-batch's dependency on it: Note [Backward order] in executor.h), so
+// when the receiver runs on another thread and no copy node stands between them (both ends on
+// the CPU), the link puts a node of its own in front of the tensors (pass() in copy.h), made on
+// the sender's thread: the receiver's edges then go to that node.
+
+/// Two neighbouring partitions of a forward() (Note [Links that keep the graph]), the sending
+/// one's thread `crosses_threads` from the receiving one's; `copy_streams` (indexed as the
+/// link's) outlive it.
+class GraphLink final : public Link {
+ public:
+  GraphLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
+            const CopyStreams* copy_streams, bool crosses_threads, Timeline* timeline = nullptr,
+            int64_t timeline_offset = 0)
+      : who_(std::move(who)),
+        from_(from),
+        from_device_(from_device),
+        to_device_(to_device),
+        copy_streams_(copy_streams),
+        crosses_threads_(crosses_threads),
+        timeline_(timeline),
+        timeline_offset_(timeline_offset) {}
+
+  void send(int64_t microbatches, int64_t microbatch, const Batch& output,
+            bool grad_enabled) override;
+  Activation receive() override;
+  /// Not used: the gradients take the graph's own way back.
+  void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
+  std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
+  void fail(const std::string& why) override;
+
+ private:
+  struct Sent {
+    int64_t microbatch = 0;
+    Activation activation;
+  };
+  const std::string who_;
+  const int64_t from_;
+  const c10::Device from_device_, to_device_;
+  const CopyStreams* const copy_streams_;
+  const bool crosses_threads_;
+  Timeline* const timeline_;
+  const int64_t timeline_offset_;
+  absl::Mutex mu_;
+  std::deque<Sent> activations_ ABSL_GUARDED_BY(mu_);
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string why_ ABSL_GUARDED_BY(mu_);
+};
+
+/// The last partition's downstream in a forward(): keeps each micro-batch's output, with its
+/// graph (Note [Links that keep the graph]).
+class OutputSink final : public Downstream {
+ public:
+  void send(int64_t microbatches, int64_t microbatch, const Batch& output,
+            bool grad_enabled) override;
+  /// Not used: the caller's backward reaches the outputs.
+  std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
+  /// The outputs, by micro-batch, taken from the sink.
+  std::vector<Batch> take();
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Batch> outputs_ ABSL_GUARDED_BY(mu_);
+};
+
 /// The first partition's upstream: the mini-batch's micro-batches. Tensors that require grad (the
 /// input has a history: layers before the pipeline) become leaves; finish() runs the input's own
-/// graph once, with every micro-batch's gradients.
+/// graph once, with every micro-batch's gradients. With `keep_graph` (a forward(): Note [Links
+/// that keep the graph]) the micro-batches go in as they are.
 class InputSource final : public Upstream {
  public:
-  InputSource(std::vector<Batch> microbatches, bool grad_enabled);
+  InputSource(std::vector<Batch> microbatches, bool grad_enabled, bool keep_graph = false);
   Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
   /// The backward through the input's graph, when it has one and gradients came back.

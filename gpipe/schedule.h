@@ -36,8 +36,9 @@ struct Task2D {
 //   k = 4                                (2, 2)
 //
 // There are m + n - 1 ticks for m micro-batches and n partitions. Within a tick the tasks are
-// ordered by ascending partition (descending micro-batch); the pipeline relies on that order when
-// it inserts the dependencies and copies of a tick (see Note [Backward order] in pipeline.cc).
+// ordered by ascending partition (descending micro-batch). Every task comes after the tasks it
+// depends on, so forward()'s lanes, each running its partitions' tasks in this order, never wait
+// for each other in a circle (Note [forward() on the executor] in executor.h).
 // With equal stage costs the idle fraction (the "bubble") is (n - 1) / (m + n - 1).
 
 /// The clock-cycle schedule for `microbatches` micro-batches and `partitions` partitions: one
