@@ -38,12 +38,15 @@ std::vector<MicroBatchSkips::Cut> receive_skips(Step& st, int64_t p, int64_t i, 
     // stashing partitions' copy streams waited for them after their forwards).
     std::vector<c10::Stream> streams;
     for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
-    const Timeline::Started started{spec.timeline ? spec.timeline->now_us() : 0, nullptr};
+    // forward()'s timeline shows the skips' copies (a step's shows its activations' copies
+    // between devices only).
+    Timeline* timeline = spec.keep_graph ? spec.timeline.get() : nullptr;
+    const Timeline::Started started{timeline ? timeline->now_us() : 0, nullptr};
     for (int64_t from : shared->fence(i, p, streams, *st.copy_streams)) {
-      if (!spec.timeline) continue;
+      if (!timeline) continue;
       const int64_t offset = spec.timeline_partition_offset;
-      spec.timeline->finish({Kind::kSkipCopy, i, offset + p, offset + from, 1}, started,
-                            (*st.copy_streams)[p][i]);
+      timeline->finish({Kind::kSkipCopy, i, offset + p, offset + from, 1}, started,
+                       (*st.copy_streams)[p][i]);
     }
   }
   if (spec.keep_graph && spec.stage_backward) {
