@@ -64,8 +64,8 @@ std::vector<MicroBatchSkips::Cut> receive_skips(Step& st, int64_t p, int64_t i, 
 // Partition p's layers (`run_layers`) on micro-batch i's input: checkpointed when i is before the
 // stop; in a forward() with one graph, behind the previous micro-batch in backward (Note
 // [Backward order] in executor.h).
-Batch compute(Step& st, int64_t p, int64_t i, const Batch& input,
-              const Checkpointing::Function& run_layers) {
+template <typename RunLayers>
+Batch compute(Step& st, int64_t p, int64_t i, const Batch& input, const RunLayers& run_layers) {
   const ExecutorSpec& spec = st.spec;
   PartitionState& s = st.states[p];
   const bool order = spec.keep_graph && spec.grad_enabled && !spec.stage_backward;

@@ -3,6 +3,7 @@
 // (Note [One executor] in executor.h).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -70,10 +71,9 @@ struct Step {
 
   explicit Step(const ExecutorSpec& s) : spec(s) {}
 
-  bool failed() {
-    absl::MutexLock lock(&mu);
-    return error != nullptr;
-  }
+  // Read before every action: an atomic, not the mutex.
+  std::atomic<bool> has_failed{false};
+  bool failed() const { return has_failed.load(std::memory_order_acquire); }
 
   std::shared_ptr<MicroBatchSkips> skips_of(int64_t microbatch) {
     absl::MutexLock lock(&mu);
@@ -88,6 +88,7 @@ struct Step {
       absl::MutexLock lock(&mu);
       if (!error) error = std::move(e);
     }
+    has_failed.store(true, std::memory_order_release);
     for (auto& link : links) link->fail(why);
     if (spec.upstream) spec.upstream->fail(why);
     if (spec.downstream) spec.downstream->fail(why);
