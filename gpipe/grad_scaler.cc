@@ -1,7 +1,9 @@
 // Dynamic loss scaling; see grad_scaler.h.
 #include "gpipe/grad_scaler.h"
 
+#include <cmath>
 #include <map>
+#include <set>
 #include <tuple>
 #include <mutex>
 #include <utility>
@@ -57,6 +59,11 @@ GradScaler::GradScaler(GradScalerOptions options)
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
+  // A float16 or bfloat16 loss is scaled in float32, as PyTorch's float32 scale tensor promotes
+  // it: a float16 loss of 1 or more times the default scale would overflow float16.
+  if (loss.scalar_type() == at::kHalf || loss.scalar_type() == at::kBFloat16) {
+    return loss.to(at::kFloat) * scale_;
+  }
   return loss * scale_;
 }
 
@@ -71,9 +78,10 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& params) {
   // Per device and dtype: one flag each, read together.
   // (Keyed by device type, index and dtype: c10::Device has no order.)
   std::map<std::tuple<int, int, int>, std::vector<at::Tensor>> groups;
+  std::set<const void*> seen;  // a gradient listed twice is unscaled once
   for (const at::Tensor& p : params) {
     const at::Tensor& g = p.grad();
-    if (!g.defined()) continue;
+    if (!g.defined() || !seen.insert(g.unsafeGetTensorImpl()).second) continue;
     TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
     groups[{static_cast<int>(g.device().type()), g.device().index(),
             static_cast<int>(g.scalar_type())}]
@@ -123,7 +131,10 @@ void GradScaler::update() {
       scale_ *= options_.backoff_factor();
       growth_tracker_ = 0;
     } else if (++growth_tracker_ == options_.growth_interval()) {
-      scale_ *= options_.growth_factor();
+      // Grown only while it stays finite in float32, the scale's type in PyTorch (a float32 loss
+      // times an infinite scale would make every step skip).
+      const double grown = scale_ * options_.growth_factor();
+      if (std::isfinite(static_cast<float>(grown))) scale_ = grown;
       growth_tracker_ = 0;
     }
   }

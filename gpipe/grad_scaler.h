@@ -21,7 +21,8 @@ namespace gpipe {
 // gradient by 1 / S and records whether any is inf or NaN; step() runs the optimizer only when
 // none is; update() then sets S = S * backoff_factor after a step with one (and restarts the
 // count), else counts the clean step and sets S = S * growth_factor after growth_interval clean
-// steps in a row. In a pipeline the gradients live on several devices: each device's are unscaled
+// steps in a row — unless S * growth_factor is not finite in float32 (PyTorch's scale is a float32
+// tensor): S then stays. In a pipeline the gradients live on several devices: each device's are unscaled
 // there (ATen's _amp_foreach_non_finite_check_and_unscale_, one kernel per device and dtype, where
 // this LibTorch has it for the device — CUDA; elsewhere, as on the CPU in LibTorch 1.13, the same
 // with isfinite and mul_), each device's finding is one flag, and one read on the host joins them.
@@ -61,7 +62,8 @@ class GradScaler {
   /// A scaler at options.init_scale(). Throws c10::Error naming an option out of its range.
   explicit GradScaler(GradScalerOptions options = {});
 
-  /// `loss` * the scale (as is when disabled).
+  /// `loss` * the scale (as is when disabled). A float16 or bfloat16 loss is converted to float32
+  /// first, as PyTorch's float32 scale promotes it (float16 would overflow at the default scale).
   at::Tensor scale(const at::Tensor& loss) const;
   /// The scale (1 when disabled).
   double scale_value() const { return options_.enabled() ? scale_ : 1.0; }
@@ -69,7 +71,8 @@ class GradScaler {
   bool is_enabled() const { return options_.enabled(); }
 
   /// Divides the gradients of `params` by the scale, on their devices, and returns whether any
-  /// is inf or NaN here (once per step: step() calls it unless it was called).
+  /// is inf or NaN here (once per step: step() calls it unless it was called). A gradient listed
+  /// twice is divided once.
   bool unscale(const std::vector<at::Tensor>& params);
   /// Unscales (unless done) and runs `optimizer`'s step unless a gradient is inf or NaN here or,
   /// with `any_rank`, on any rank (it maps this process's finding to everyone's). Returns whether

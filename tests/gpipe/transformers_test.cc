@@ -221,6 +221,32 @@ CATCH_TEST_CASE("A weight tied across a CPU and a GPU partition trains as in the
   CATCH_CHECK(max_diff(copy.cpu(), model->parameters()[0]) == 0);
 }
 
+CATCH_TEST_CASE("After a step that fails in backward, a weight tied across a CPU and a GPU "
+                "partition takes the plain model's gradients in the next step",
+                "[tied][cuda][errors]") {
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  GPipe model(tied_model(/*shared=*/true),
+              GPipeOptions({2, 3}).devices({at::kCPU, c10::Device("cuda:0")}).chunks(3));
+  CATCH_REQUIRE(model->has_tied_copies());
+  auto mse = [](const Batch& out, const at::Tensor& y) {
+    return (out[0].to(y.device()) - y).pow(2).mean();
+  };
+  // The input's gradient hook throws: the step fails after every partition's backward, the
+  // GPU copy's gradient made.
+  const at::Tensor bad = at::randn({6, kVocab}, at::kDouble).requires_grad_(true);
+  bad.register_hook([](const at::Tensor&) -> at::Tensor {
+    throw std::runtime_error("the input's hook fails");
+  });
+  CATCH_CHECK_THROWS_WITH(model->step(bad, at::randn({6, kVocab}, at::kDouble), mse),
+                          gpipe_test::contains("the input's hook fails"));
+  for (const at::Tensor& p : model->parameters()) p.mutable_grad() = at::Tensor();  // zero_grad
+  const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+  const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
+  mse(Batch(plain->forward(x)), y).backward();
+  model->step(x, y, mse);
+  check_same_grads(each_once(plain->parameters()), model->parameters(), 1e-10);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe
@@ -340,6 +366,37 @@ CATCH_TEST_CASE("The scale backs off after an inf and grows after growth_interva
     CATCH_CHECK(scaler.scale_value() == steps[k].second);
   }
   CATCH_CHECK(scaler.skipped() == skipped);
+}
+
+CATCH_TEST_CASE("A float16 loss is scaled in float32, a gradient listed twice is unscaled once, "
+                "and the scale grows only while float32 holds it",
+                "[grad_scaler]") {
+  GradScaler scaler;  // the default scale, 65536
+  // float16's largest value is 65504: 2 x 65536 would be inf in float16.
+  const at::Tensor loss = at::full({}, 2.0, at::kHalf);
+  const at::Tensor scaled = scaler.scale(loss);
+  CATCH_CHECK(scaled.scalar_type() == at::kFloat);
+  CATCH_CHECK(scaled.item<double>() == 2.0 * 65536);
+  CATCH_CHECK(scaler.scale(at::full({}, 2.0, at::kBFloat16)).scalar_type() == at::kFloat);
+  CATCH_CHECK(scaler.scale(at::full({}, 2.0, at::kDouble)).scalar_type() == at::kDouble);
+
+  // One parameter given twice (as a tied weight listed by two layers): its gradient unscaled once.
+  at::Tensor p = at::ones({2}, at::kDouble).requires_grad_(true);
+  p.mutable_grad() = at::full({2}, 3.0 * 65536, at::kDouble);
+  CATCH_CHECK_FALSE(scaler.unscale({p, p}));
+  CATCH_CHECK(max_diff(p.grad(), at::full({2}, 3.0, at::kDouble)) == 0);
+  scaler.update();
+
+  // Growing past float32's largest value (3.4e38) is refused: the scale stays.
+  GradScaler near(GradScalerOptions().init_scale(2e38).growth_factor(2).growth_interval(1));
+  p.mutable_grad() = at::zeros({2}, at::kDouble);
+  near.unscale({p});
+  near.update();
+  CATCH_CHECK(near.scale_value() == 2e38);
+  GradScaler below(GradScalerOptions().init_scale(1e38).growth_factor(2).growth_interval(1));
+  below.unscale({p});
+  below.update();
+  CATCH_CHECK(below.scale_value() == 2e38);
 }
 
 nn::Sequential mlp() {
