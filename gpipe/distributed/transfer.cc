@@ -132,7 +132,9 @@ BatchHeader BatchHeader::of(const Batch& batch, int64_t microbatches, bool grad_
   TORCH_CHECK(static_cast<int64_t>(batch.size()) <= kMaxTensors, "gpipe::distributed: a stage's "
               "output has ", batch.size(), " tensors; at most ", kMaxTensors, " can go to the "
               "next stage");
-  int64_t used = 4;
+  // encode() writes five values before the entries: micro-batches, atomic, grad_enabled,
+  // training and the number of entries; each entry 3 + its dimensions.
+  int64_t used = 5;
   for (const at::Tensor& t : batch.values()) {
     TORCH_CHECK(t.defined(), "gpipe::distributed: a stage's output holds an undefined tensor; "
                 "only defined tensors can go to the next stage");
@@ -182,13 +184,21 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
   for (int64_t k = 0; k < count; ++k) {
     TORCH_CHECK(end - p >= 3, "gpipe::distributed: a malformed activation header arrived");
     Entry e;
-    e.dtype = static_cast<at::ScalarType>(*p++);
+    const int64_t dtype = *p++;
+    TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(at::ScalarType::NumOptions),
+                "gpipe::distributed: a malformed activation header arrived (tensor ", k,
+                " has dtype number ", dtype, ")");
+    e.dtype = static_cast<at::ScalarType>(dtype);
     e.requires_grad = *p++ != 0;
     const int64_t dim = *p++;
     TORCH_CHECK(dim >= 0 && end - p >= dim,
                 "gpipe::distributed: a malformed activation header arrived");
     e.sizes.assign(p, p + dim);
     p += dim;
+    for (int64_t size : e.sizes) {
+      TORCH_CHECK(size >= 0, "gpipe::distributed: a malformed activation header arrived (tensor ",
+                  k, " has a size of ", size, ")");
+    }
     header.entries.push_back(std::move(e));
   }
   return header;

@@ -38,6 +38,47 @@ namespace {
 
 namespace nn = torch::nn;
 
+// A batch of 64 tensors whose header entries (3 values each, plus one per dimension) take
+// `words` values in all.
+Batch batch_of_header_words(int64_t words) {
+  std::vector<at::Tensor> tensors;
+  int64_t dims = words - 64 * 3;  // spread over the 64 tensors
+  for (int64_t k = 0; k < 64; ++k) {
+    const int64_t d = dims / (64 - k);
+    tensors.push_back(at::zeros(std::vector<int64_t>(d, 1), at::kFloat));
+    dims -= d;
+  }
+  return Batch(tensors);
+}
+
+CATCH_TEST_CASE("an activation header holds exactly what fits in its 512 values, refuses one "
+                "more, and a malformed one from a peer is refused naming what is wrong",
+                "[distributed][transfer][errors]") {
+  // Five values come before the entries: 507 values of entries fill the header.
+  const BatchHeader full = BatchHeader::of(batch_of_header_words(507), 2, /*grad_enabled=*/true);
+  const at::Tensor encoded = full.encode();
+  CATCH_CHECK(encoded.numel() == BatchHeader::size());
+  CATCH_CHECK(encoded.numel() == 512);
+  const BatchHeader decoded = BatchHeader::decode(encoded);
+  CATCH_REQUIRE(decoded.entries.size() == 64);
+  for (size_t k = 0; k < 64; ++k) {
+    CATCH_CHECK(decoded.entries[k].sizes == full.entries[k].sizes);
+    CATCH_CHECK(decoded.entries[k].dtype == at::kFloat);
+  }
+  CATCH_CHECK_THROWS_WITH(BatchHeader::of(batch_of_header_words(508), 2, /*grad_enabled=*/true),
+                          gpipe_test::contains("(513 values, at most 512)"));
+  // From a peer: a dtype that is no dtype, a negative size.
+  at::Tensor bad_dtype = encoded.clone();
+  bad_dtype[5] = 1000;
+  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(bad_dtype, 1, 0),
+                          gpipe_test::contains("on rank 1, from rank 0") &&
+                              gpipe_test::contains("tensor 0 has dtype number 1000"));
+  at::Tensor bad_size = encoded.clone();
+  bad_size[8] = -3;  // tensor 0's first size (dtype, requires_grad, dims, then sizes)
+  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(bad_size, 1, 0),
+                          gpipe_test::contains("tensor 0 has a size of -3"));
+}
+
 CATCH_TEST_CASE("packed activations keep every tensor's dtype shape and values",
                 "[distributed][transfer]") {
   const std::vector<at::Tensor> tensors{
