@@ -86,13 +86,21 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
   spec.skip_layout = &skip_layout_;
   spec.copy_streams = &copy_streams_;
   const bool deferred = options_.deferred_batch_norm() && is_training();
-  {
-    const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
-    detail::run_schedule(spec);
-    sink.finish();
+  try {
+    {
+      const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
+      detail::run_schedule(spec);
+      sink.finish();
+    }
+    if (deferred) commit_deferred(batch_norms_, statistics_combiner_);
+    source.finish();
+  } catch (...) {
+    // A failed backward leaves partial gradients in the plain model's one parameter, where
+    // zero_grad() clears them; a tied copy is not among parameters(), so its partial gradient
+    // joins its owner's now rather than the next step's (Note [Tied parameters]).
+    if (grad_enabled) tied_->sum_gradients();
+    throw;
   }
-  if (deferred) commit_deferred(batch_norms_, statistics_combiner_);
-  source.finish();
   if (grad_enabled) tied_->sum_gradients();  // every backward of the step is done
   last_timeline_ = spec.timeline;
   return sink.loss();

@@ -33,6 +33,10 @@ namespace gpipe {
 // - Copies' gradients are added to the owner's at the end of the backward (GPipe::step: when the
 //   step's backwards are done; forward(): an end-of-backward callback queued behind the
 //   pipeline's own, Note [A callback the failed backward drops]), and the copies' own are reset.
+//   A step that fails adds them too, before it rethrows: the plain model's one parameter keeps a
+//   failed backward's partial gradient until zero_grad(), which cannot reach a copy. (After a
+//   forward()'s failed backward the copies keep theirs: the engine may still be running nodes
+//   of that graph on a device's thread when the failure reaches the callback.)
 //   The owner's gradient is then exactly the plain model's.
 // - parameters() and named_parameters() of a GPipe (and of a PipelineStage and a DataParallel)
 //   list every parameter once, a tie under its owner's name, and no copy; an optimizer over them

@@ -104,6 +104,7 @@ std::unique_ptr<detail::LossSink> loss_sink(const PipelineStageOptions& options,
 bool PipelineStageImpl::begin_step(bool grad_enabled) {
   timeline_ = record_timeline_ ? std::make_shared<Timeline>() : nullptr;
   tied_->refresh();
+  if (grad_enabled) tied_stages_->begin_step();  // Note [Ties across stages]
   // Note [Pipeline stages and batch norm].
   bool any_batch_norm = false;
   for (const detail::ExecutorPartition& p : partitions_) {
@@ -165,10 +166,6 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
     average_gradients(replica_group_, layers_->parameters(), local_,
                       [this, index] { throw_if_heard(replica_faults_.get(), index); });
   }
-}
-
-at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target) {
-  return step(input, target, options_.loss());
 }
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,

@@ -52,8 +52,16 @@ void TiedStages::broadcast(const ProcessGroup& group, c10::Device local) const {
   }
 }
 
+void TiedStages::begin_step() {
+  for (Entry& e : entries_) {
+    if (!e.requires_grad || !e.owner.defined()) continue;
+    e.before = e.owner.grad();
+    e.owner.mutable_grad() = at::Tensor();
+  }
+}
+
 void TiedStages::sum_gradients(const ProcessGroup& group, c10::Device local,
-                               const std::function<void()>& check) const {
+                               const std::function<void()>& check) {
   at::NoGradGuard no_grad;
   // Per dtype, in the ties' order (the same on every stage).
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
@@ -70,6 +78,13 @@ void TiedStages::sum_gradients(const ProcessGroup& group, c10::Device local,
     all_reduce_sum(group, flat, "the all-reduce of tied parameters' gradients over the stages",
                    check);
     unpack_averages(tensors, flat[0]);  // sums: not divided
+  }
+  // Note [Ties across stages]: the earlier steps' gradients back.
+  for (Entry& e : entries_) {
+    if (!e.before.defined()) continue;
+    if (e.owner.grad().defined()) e.before.add_(e.owner.grad());
+    e.owner.mutable_grad() = std::move(e.before);
+    e.before = at::Tensor();
   }
 }
 

@@ -38,6 +38,12 @@ namespace distributed {
 // only). The cost: stages between them move the tie's size of zeros once per step. The sum runs
 // inside step(): an optimizer stepping one stage's parameters() after step() returns sees the
 // summed gradient.
+//
+// Only the step's own gradients are summed. Gradients accumulated over several steps before the
+// optimizer's (gradient accumulation) already hold the earlier steps' sums on every stage:
+// summing the whole gradient again would count them once per stage. So begin_step() sets each
+// owner's gradient aside, the step's backward starts it afresh, and sum_gradients() adds the
+// summed fresh one to what was set aside.
 
 /// The ties of a pipeline whose places lie in two or more stages, as this stage sees them.
 class TiedStages {
@@ -54,9 +60,12 @@ class TiedStages {
   std::vector<std::vector<int64_t>> holders() const;
   /// Every holder takes the value of the lowest stage holding the tie (a collective over `group`).
   void broadcast(const ProcessGroup& group, c10::Device local) const;
-  /// Sums the ties' gradients over `group` (a collective), calling `check` while it waits.
+  /// Before a step's backward: sets the owners' gradients aside (Note [Ties across stages]).
+  void begin_step();
+  /// Sums the step's gradients of the ties over `group` (a collective), calling `check` while it
+  /// waits, and adds what begin_step() set aside.
   void sum_gradients(const ProcessGroup& group, c10::Device local,
-                     const std::function<void()>& check) const;
+                     const std::function<void()>& check);
 
  private:
   struct Entry {
@@ -64,6 +73,7 @@ class TiedStages {
     at::Tensor owner;             // undefined where this stage holds none
     at::Tensor like;              // shape and dtype
     bool requires_grad = true;
+    at::Tensor before;            // the owner's gradient from earlier steps (begin_step)
   };
   std::vector<Entry> entries_;
 };

@@ -1,8 +1,8 @@
 // Transformers' needs across processes: ties across stages (Note [Ties across stages]: a weight
 // shared by the first and the last layer, found or named, over 2 and 3 stages, every checkpoint
-// mode, 1F1B, interleaving and replicas, trained with SGD with momentum and Adam with weight decay
-// against the plain Sequential with the weight truly shared), and loss scaling (Note [Loss
-// scaling]: an inf in one stage's gradients skips the step on every stage).
+// mode, 1F1B, interleaving, replicas and gradient accumulation, trained with SGD with momentum
+// and Adam with weight decay against the plain Sequential with the weight truly shared), and loss
+// scaling (Note [Loss scaling]: an inf in one stage's gradients skips the step on every stage).
 #include "tests/distributed/stage_test_util.h"
 
 #include <limits>
@@ -79,15 +79,19 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     CATCH_CHECK(stage->tied_stages() ==
                 std::vector<std::vector<int64_t>>{{0, static_cast<int64_t>(stages) - 1}});
     auto optimizer = make_optimizer(env_or("GPIPE_TEST_OPT", "sgd"), stage->parameters());
+    // Gradient accumulation: `accumulate` steps, on parts of the mini-batch, per optimizer step.
+    const int accumulate = std::stoi(env_or("GPIPE_TEST_ACCUMULATE", "1"));
     std::vector<at::Tensor> losses;
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = tied_batch(step);
-      const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
-      const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
       optimizer->zero_grad();
-      const at::Tensor loss =
-          stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
-      if (loss.defined()) losses.push_back(loss.detach());
+      for (int a = 0; a < accumulate; ++a) {
+        const at::Tensor xs = x.chunk(accumulate)[a].chunk(groups.replicas)[groups.replica];
+        const at::Tensor ys = y.chunk(accumulate)[a].chunk(groups.replicas)[groups.replica];
+        const at::Tensor loss =
+            stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+        if (loss.defined()) losses.push_back(loss.detach());
+      }
       optimizer->step();
     }
     const std::string folder = gpipe_test::test_folder();
@@ -103,6 +107,7 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     std::string balance, mode, schedule, opt;
     int stages, replicas;
     bool named;
+    int accumulate = 1;
   };
   const Case c = GENERATE(Case{"2,3", "always", "gpipe", "sgd", 2, 1, false},
                           Case{"2,3", "except_last", "gpipe", "adam", 2, 1, false},
@@ -111,10 +116,13 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
                           Case{"2,2,1", "except_last", "gpipe", "adam", 3, 1, false},
                           Case{"2,2,1", "always", "1f1b", "sgd", 3, 1, true},
                           Case{"1,1,1,2", "except_last", "interleaved", "adam", 2, 1, false},
-                          Case{"2,3", "except_last", "gpipe", "adam", 2, 2, true});
+                          Case{"2,3", "except_last", "gpipe", "adam", 2, 2, true},
+                          Case{"2,3", "never", "1f1b", "sgd", 2, 1, false, 2},
+                          Case{"2,2,1", "except_last", "gpipe", "sgd", 3, 1, true, 2});
   CATCH_INFO("balance " << c.balance << ", checkpoint " << c.mode << ", " << c.schedule << ", "
                         << c.opt << ", " << c.stages << " stages x " << c.replicas
-                        << " replicas, " << (c.named ? "named" : "found"));
+                        << " replicas, " << (c.named ? "named" : "found") << ", "
+                        << c.accumulate << " steps per optimizer step");
   const int world = c.stages * c.replicas;
   const std::string folder = folder_for("tied_" + std::to_string(world) + "_" + c.schedule);
   const auto results = run_ranks(kTiedStages, world, folder,
@@ -123,7 +131,8 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
                                   {"GPIPE_TEST_CHECKPOINT", c.mode},
                                   {"GPIPE_TEST_SCHEDULE", c.schedule},
                                   {"GPIPE_TEST_OPT", c.opt},
-                                  {"GPIPE_TEST_NAMED", c.named ? "1" : "0"}});
+                                  {"GPIPE_TEST_NAMED", c.named ? "1" : "0"},
+                                  {"GPIPE_TEST_ACCUMULATE", std::to_string(c.accumulate)}});
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < world; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
 
@@ -135,10 +144,13 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = tied_batch(step);
     optimizer->zero_grad();
-    const at::Tensor loss = nn::functional::mse_loss(plain->forward(x), y);
-    loss.backward();
+    for (int a = 0; a < c.accumulate; ++a) {
+      const at::Tensor loss = nn::functional::mse_loss(plain->forward(x.chunk(c.accumulate)[a]),
+                                                       y.chunk(c.accumulate)[a]);
+      loss.backward();
+      losses.push_back(loss.detach());
+    }
     optimizer->step();
-    losses.push_back(loss.detach());
   }
   std::vector<int64_t> balance;
   for (char ch : c.balance) {
