@@ -43,7 +43,6 @@ namespace {
 
 namespace nn = torch::nn;
 using gpipe::TimelineEvent;
-using Interval = std::pair<double, double>;
 
 // Eight Linear layers on the GPU and one elementwise layer on the CPU: the copies are long enough
 // to be seen beside computation, and the GPU computes longer than the CPU takes to produce (or
@@ -61,50 +60,10 @@ std::pair<nn::Sequential, std::vector<int64_t>> make_model(bool gpu_first, int64
   return {seq, gpu_first ? std::vector<int64_t>{16, 1} : std::vector<int64_t>{1, 16}};
 }
 
-// The length of [from, to] covered by the union of `busy`.
-double covered(double from, double to, std::vector<Interval> busy) {
-  std::sort(busy.begin(), busy.end());
-  double total = 0, reach = from;
-  for (const auto& [start, end] : busy) {
-    const double lo = std::max(start, reach), hi = std::min(end, to);
-    if (hi > lo) total += hi - lo;
-    reach = std::max(reach, std::min(end, to));
-  }
-  return total;
-}
-
-struct Overlap {
-  double copy_us = 0;        // device time of the activation copies (gradients' are not timed)
-  double overlapped_us = 0;  // of which the copying GPU computed another micro-batch
-};
-
-// Each copy is timed on the GPU that issues it: the sender's, or the receiver's when the sender
-// is the CPU (as tests/gpipe/cuda_test.cc's copies_overlap_compute reads it).
-Overlap overlap_of(const std::vector<TimelineEvent>& events,
-                   const std::vector<c10::Device>& devices) {
-  Overlap o;
-  for (const TimelineEvent& copy : events) {
-    if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
-    const c10::Device gpu =
-        devices[copy.from].is_cuda() ? devices[copy.from] : devices[copy.partition];
-    std::vector<Interval> busy;
-    for (const TimelineEvent& work : events) {
-      if (work.kind == TimelineEvent::Kind::kCopy || !work.has_device_times() ||
-          work.microbatch == copy.microbatch || devices[work.partition] != gpu) {
-        continue;
-      }
-      busy.emplace_back(work.device_start_us, work.device_end_us);
-    }
-    o.copy_us += copy.device_end_us - copy.device_start_us;
-    o.overlapped_us += covered(copy.device_start_us, copy.device_end_us, std::move(busy));
-  }
-  return o;
-}
-
 struct Result {
   std::string name;
   double step_ms = 0;
-  Overlap overlap;
+  gpipe::CopyOverlap overlap;
 };
 
 // `pinned`: whether activations and gradients from the CPU are staged in pinned memory (the
@@ -137,7 +96,7 @@ Result run(const std::string& schedule, bool gpu_first, bool pinned) {
         gpipe::synchronize(gpu);
       },
       absl::GetFlag(FLAGS_steps), /*warmup=*/true);
-  r.overlap = overlap_of(pipe->last_timeline(), devices);
+  r.overlap = gpipe::copy_overlap(pipe->last_timeline(), devices);
   const std::string dir = absl::GetFlag(FLAGS_trace_dir);
   if (!dir.empty()) {
     const std::string stem = absl::StrFormat("%s/%s_%s_%s", dir, schedule,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -116,6 +117,44 @@ std::string render_timeline(const std::vector<TimelineEvent>& events) {
     absl::StrAppendFormat(&out, " | %8.0f us\n", busy[j]);
   }
   return out;
+}
+
+namespace {
+
+// The length of [from, to] covered by the union of `busy`.
+double covered(double from, double to, std::vector<std::pair<double, double>> busy) {
+  std::sort(busy.begin(), busy.end());
+  double total = 0, reach = from;
+  for (const auto& [start, end] : busy) {
+    const double lo = std::max(start, reach), hi = std::min(end, to);
+    if (hi > lo) total += hi - lo;
+    reach = std::max(reach, std::min(end, to));
+  }
+  return total;
+}
+
+}  // namespace
+
+CopyOverlap copy_overlap(const std::vector<TimelineEvent>& events,
+                         const std::vector<c10::Device>& devices) {
+  CopyOverlap o;
+  for (const TimelineEvent& copy : events) {
+    if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
+    const c10::Device gpu =
+        devices[copy.from].is_cuda() ? devices[copy.from] : devices[copy.partition];
+    std::vector<std::pair<double, double>> busy;
+    for (const TimelineEvent& work : events) {
+      if (work.kind == TimelineEvent::Kind::kCopy || work.kind == TimelineEvent::Kind::kSkipCopy ||
+          !work.has_device_times() || work.microbatch == copy.microbatch ||
+          devices[work.partition] != gpu) {
+        continue;
+      }
+      busy.emplace_back(work.device_start_us, work.device_end_us);
+    }
+    o.copy_us += copy.device_end_us - copy.device_start_us;
+    o.overlapped_us += covered(copy.device_start_us, copy.device_end_us, std::move(busy));
+  }
+  return o;
 }
 
 }  // namespace gpipe

@@ -131,4 +131,22 @@ class Timeline {
 ///   // partition 1 | .  0* 1* 2  |  118 us
 std::string render_timeline(const std::vector<TimelineEvent>& events);
 
+/// How much of a recorded pipeline's activation copies ran while the GPU that issued each copy
+/// computed another micro-batch: what copy streams are for (Note [Links on copy streams]).
+struct CopyOverlap {
+  /// The copies' device time, in microseconds (copies with device times only: on a GPU).
+  double copy_us = 0;
+  /// Of which the copying GPU computed another micro-batch at the same time.
+  double overlapped_us = 0;
+};
+
+/// The copy overlap of `events`, recorded by a pipeline on `devices`. A copy is issued by the
+/// sender's GPU, or by the receiver's when the sender is the CPU; its time counts as overlapped
+/// where any compute, backward or recomputation of another micro-batch on that GPU ran.
+///
+///   gpipe::CopyOverlap o = gpipe::copy_overlap(model->last_timeline(), model->devices());
+///   std::printf("%.0f%% of the copies overlapped\n", 100 * o.overlapped_us / o.copy_us);
+CopyOverlap copy_overlap(const std::vector<TimelineEvent>& events,
+                         const std::vector<c10::Device>& devices);
+
 }  // namespace gpipe

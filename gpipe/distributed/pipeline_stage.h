@@ -239,17 +239,16 @@ class PipelineStageImpl : public torch::nn::Module {
   /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
   /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does).
   /// Other stages take no input (no_input()) and ignore the target and loss, so every stage may
-  /// pass the same target and loss; an empty loss means PipelineStageOptions::loss. Returns the
-  /// loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's forward and backward of every micro-batch are done and
-  /// its gradients sent. Under torch::NoGradGuard (on every stage) only the forward runs, and the
-  /// last stage calls the loss only when given a target. After a
-  /// step that threw (a peer died, a layer failed), the stage refuses further steps. Steps called
-  /// from several threads run one at a time.
+  /// pass the same target and loss; an empty loss (or none) means PipelineStageOptions::loss.
+  /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's
+  /// forward and backward of every micro-batch are done and its gradients sent. Under
+  /// torch::NoGradGuard (on every stage) only the forward runs, and the last stage calls the loss
+  /// only when given a target. After a step that threw (a peer died, a layer failed), the stage
+  /// refuses further steps. Steps called from several threads run one at a time.
   ///
   ///   at::Tensor loss = stage->step(stage->is_first() ? gpipe::Batch(x) : no_input(), y, mse);
-  at::Tensor step(const Batch& input, const at::Tensor& target, LossFunction loss);
-  /// step() with PipelineStageOptions::loss as the loss function (the older spelling).
-  at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {});
+  at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {},
+                  LossFunction loss = nullptr);
 
   /// What evaluate() returns on every stage.
   struct Evaluation {
@@ -257,17 +256,16 @@ class PipelineStageImpl : public torch::nn::Module {
     at::Tensor loss;  ///< the last stage's loss (a double scalar on the CPU), given a target there
   };
   /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
-  /// only; the last stage calls `loss` when given a target), then the last stage's output and
-  /// loss broadcast to every stage of the pipeline. A collective: every stage calls it, e.g. to
-  /// log the loss or count accuracy on any rank.
+  /// only; the last stage calls `loss`, or PipelineStageOptions::loss when it is empty, when given
+  /// a target), then the last stage's output and loss broadcast to every stage of the pipeline. A
+  /// collective: every stage calls it, e.g. to log the loss or count accuracy on any rank.
   ///
   ///   stage->eval();
   ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y, loss);
   ///   double accuracy =
   ///       result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
-  Evaluation evaluate(const Batch& input, const at::Tensor& target, LossFunction loss);
-  /// evaluate() with PipelineStageOptions::loss as the loss function (the older spelling).
-  Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {});
+  Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {},
+                      LossFunction loss = nullptr);
 
   /// On the last stage, the last step's output of the whole mini-batch (gathered from the
   /// micro-batches, without history): for accuracy, or for inference under torch::NoGradGuard,

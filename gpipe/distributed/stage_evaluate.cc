@@ -27,11 +27,6 @@ at::Tensor broadcast(const ProcessGroup& group, at::Tensor tensor, int root, c10
 }  // namespace
 
 PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
-                                                          const at::Tensor& target) {
-  return evaluate(input, target, options_.loss());
-}
-
-PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
                                                           const at::Tensor& target,
                                                           LossFunction loss) {
   at::Tensor last_loss;

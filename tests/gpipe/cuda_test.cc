@@ -335,31 +335,11 @@ void check_step_across(const std::vector<c10::Device>& devices, ScheduleKind kin
   }
 }
 
-// Whether some activation copy ran on a GPU while that GPU computed another micro-batch, by the
-// device times of the last step's timeline (a copy is timed on the GPU that issues it: the
-// sender's, or the receiver's when the sender is the CPU). On the compute stream, a copy and a
-// computation of one GPU would never overlap.
-bool copies_overlap_compute(const std::vector<TimelineEvent>& events,
-                            const std::vector<c10::Device>& devices) {
-  for (const TimelineEvent& copy : events) {
-    if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
-    const c10::Device copying =
-        devices[copy.from].is_cuda() ? devices[copy.from] : devices[copy.partition];
-    for (const TimelineEvent& work : events) {
-      if (work.kind == TimelineEvent::Kind::kCopy || !work.has_device_times() ||
-          work.microbatch == copy.microbatch || devices[work.partition] != copying) {
-        continue;
-      }
-      if (work.device_start_us < copy.device_end_us && copy.device_start_us < work.device_end_us) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// Large activations and a heavy first partition on a GPU: each micro-batch's copy out of it takes
-// long enough on the device to be seen beside the GPU's next computation.
+// Whether some activation copy of a step ran on a GPU while that GPU computed another micro-batch
+// (gpipe::copy_overlap, by the device times of the step's timeline). On the compute stream, a
+// copy and a computation of one GPU would never overlap. Large activations and a heavy first
+// partition on a GPU: each micro-batch's copy out of it takes long enough on the device to be
+// seen beside the GPU's next computation.
 bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
   nn::Sequential model;
   for (int k = 0; k < 8; ++k) {
@@ -378,7 +358,7 @@ bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
   const at::Tensor y = at::randn({8 * 512, 2048});
   for (int k = 0; k < 2; ++k) pipe->step(x, y, loss);  // the first warms up
   synchronize(c10::Device(c10::kCUDA, 0));
-  return copies_overlap_compute(pipe->last_timeline(), devices);
+  return copy_overlap(pipe->last_timeline(), devices).overlapped_us > 0;
 }
 
 }  // namespace

@@ -152,6 +152,38 @@ CATCH_TEST_CASE("a training step's Chrome trace holds every task in clock-cycle 
   }
 }
 
+CATCH_TEST_CASE("copy_overlap counts the part of each copy during which its GPU computed another "
+                "micro-batch",
+                "[trace][copy]") {
+  using Kind = TimelineEvent::Kind;
+  auto event = [](Kind kind, int64_t i, int64_t j, int64_t from, double start, double end) {
+    TimelineEvent e{kind, i, j};
+    e.from = from;
+    e.device_start_us = start;
+    e.device_end_us = end;
+    return e;
+  };
+  const std::vector<c10::Device> devices{c10::Device("cuda:0"), at::kCPU};
+  // Micro-batch 0 leaves the GPU during [10, 20]; the GPU computes micro-batch 1 during [5, 12],
+  // micro-batch 2 during [15, 30] and [16, 18] (inside the last: counted once), and micro-batch 0
+  // itself before (not another micro-batch). The CPU's work and the host-only event do not count.
+  std::vector<TimelineEvent> events{
+      event(Kind::kCopy, 0, 1, 0, 10, 20),      event(Kind::kCompute, 1, 0, -1, 5, 12),
+      event(Kind::kCompute, 2, 0, -1, 15, 30),  event(Kind::kRecompute, 2, 0, -1, 16, 18),
+      event(Kind::kCompute, 0, 0, -1, 0, 20),   event(Kind::kCompute, 1, 1, -1, 10, 20),
+      TimelineEvent{Kind::kCompute, 3, 0}};
+  CopyOverlap o = copy_overlap(events, devices);
+  CATCH_CHECK(o.copy_us == 10);
+  CATCH_CHECK(o.overlapped_us == 2 + 5);
+  // A copy into the GPU is the receiver's: micro-batch 3 arrives on [40, 50] beside micro-batch 4.
+  const std::vector<c10::Device> reversed{at::kCPU, c10::Device("cuda:0")};
+  events = {event(Kind::kCopy, 3, 1, 0, 40, 50), event(Kind::kCompute, 4, 1, -1, 45, 60),
+            event(Kind::kCompute, 4, 0, -1, 40, 50)};
+  o = copy_overlap(events, reversed);
+  CATCH_CHECK(o.copy_us == 10);
+  CATCH_CHECK(o.overlapped_us == 5);
+}
+
 CATCH_TEST_CASE("the schedule's pictures draw every event and every cell", "[trace]") {
   GPipe model(linear_stack(2), GPipeOptions({2, 2})
                                    .devices({at::kCPU, at::kCPU})
