@@ -143,8 +143,11 @@ detail::Activation RemoteUpstream::receive() {
       uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
       r.header = BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank,
                                      peer_);
+      TORCH_CHECK(kHeaderBytes + packed_data_bytes(r.header) <= record.bytes, "gpipe::distributed: "
+                  "on rank ", rank, ", from rank ", peer_, ": a record of ", record.bytes,
+                  " bytes in shared memory is shorter than its header says (",
+                  kHeaderBytes + packed_data_bytes(r.header), "); do all ranks run the same gpipe?");
       r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
-      TORCH_INTERNAL_ASSERT(kHeaderBytes + packed_data_bytes(r.header) <= record.bytes);
       unpack_into(record.data + kHeaderBytes, r.tensors);
       shared_->release();
     } else {

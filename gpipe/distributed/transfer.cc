@@ -13,6 +13,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 #include <c10/util/accumulate.h>
 
 #include "absl/strings/str_cat.h"
@@ -177,10 +178,11 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
   header.grad_enabled = *p++ != 0;
   header.training = *p++ != 0;
   const int64_t count = *p++;
-  TORCH_CHECK(count >= 0 && count <= kMaxTensors && header.microbatches > 0,
+  TORCH_CHECK(count >= 0 && count <= kMaxTensors && header.microbatches > 0 &&
+                  (!header.atomic || count == 1),
               "gpipe::distributed: a malformed activation header arrived (", count,
-              " tensors, ", header.microbatches, " micro-batches); do all ranks run the same "
-              "gpipe?");
+              " tensors, ", header.microbatches, " micro-batches", header.atomic ? ", atomic" : "",
+              "); do all ranks run the same gpipe?");
   for (int64_t k = 0; k < count; ++k) {
     TORCH_CHECK(end - p >= 3, "gpipe::distributed: a malformed activation header arrived");
     Entry e;
@@ -199,6 +201,12 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
       TORCH_CHECK(size >= 0, "gpipe::distributed: a malformed activation header arrived (tensor ",
                   k, " has a size of ", size, ")");
     }
+    // Its bytes, and the packed message's (packed_data_bytes), must fit in an int64.
+    uint64_t bytes = 0;
+    const bool overflows = c10::safe_multiplies_u64(e.sizes, &bytes) ||
+                           bytes > (uint64_t{1} << 50) / c10::elementSize(e.dtype);
+    TORCH_CHECK(!overflows, "gpipe::distributed: a malformed activation header arrived (tensor ",
+                k, " has sizes ", c10::IntArrayRef(e.sizes), ", over a petabyte)");
     header.entries.push_back(std::move(e));
   }
   return header;

@@ -77,6 +77,18 @@ CATCH_TEST_CASE("an activation header holds exactly what fits in its 512 values,
   bad_size[8] = -3;  // tensor 0's first size (dtype, requires_grad, dims, then sizes)
   CATCH_CHECK_THROWS_WITH(BatchHeader::decode(bad_size, 1, 0),
                           gpipe_test::contains("tensor 0 has a size of -3"));
+  // Sizes whose bytes overflow an int64 (2^40 x 2^40 x 4 bytes).
+  at::Tensor huge = encoded.clone();
+  huge[8] = int64_t{1} << 40;
+  huge[9] = int64_t{1} << 40;
+  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(huge, 1, 0),
+                          gpipe_test::contains("over a petabyte"));
+  // An atomic batch (one tensor, not a tuple) that says it has none.
+  at::Tensor atomic = BatchHeader::of(Batch(at::ones({2, 3})), 2, /*grad_enabled=*/true).encode();
+  CATCH_CHECK(BatchHeader::decode(atomic).entries.size() == 1);
+  atomic[4] = 0;
+  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(atomic, 1, 0),
+                          gpipe_test::contains("(0 tensors, 2 micro-batches, atomic)"));
 }
 
 CATCH_TEST_CASE("packed activations keep every tensor's dtype shape and values",
@@ -247,6 +259,21 @@ CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrap
   }
   write.join();
   CATCH_CHECK(wrong == 0);
+}
+
+CATCH_TEST_CASE("a shared-memory record whose size is not one the writer makes is refused",
+                "[distributed][transfer][shared_memory][errors]") {
+  TestRing ring = test_ring("malformed");
+  uint8_t* out = ring.writer->reserve(100, /*block=*/true, kMinute);
+  CATCH_REQUIRE(out != nullptr);
+  // The record's size, in the 64 bytes before the message: one no writer makes (negative as an
+  // int64, but not the wrap marker).
+  const uint64_t bad = (uint64_t{1} << 63) | 100;
+  std::memcpy(out - 64, &bad, sizeof(bad));
+  ring.writer->commit();
+  int64_t n = 0;
+  CATCH_CHECK_THROWS_WITH(ring.reader->next(&n, kMinute),
+                          gpipe_test::contains("a malformed record in shared memory"));
 }
 
 CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and keeps room for "
