@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -27,6 +28,8 @@ namespace {
 void run_lane(Step& st, const std::vector<Action>& actions) {
   for (const Action& a : actions) {
     if (st.failed()) return;
+    // The partition's device and the caller's stream on it (Step::compute_streams).
+    const c10::StreamGuard guard(st.compute_streams[a.stage]);
     switch (a.type) {
       case ActionType::kForward:
         run_forward(st, a.stage, a.microbatch);
@@ -220,6 +223,9 @@ void run_schedule(const ExecutorSpec& spec) {
     st.m = st.first->microbatches;
   }
   st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
+  for (const ExecutorPartition& p : partitions) {
+    st.compute_streams.push_back(current_stream(p.device));
+  }
   const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
   if (!own_links) make_links(st, lanes);
   st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "gpipe/copy.h"
 #include "gpipe/dependency.h"
 #include "gpipe/partition.h"
 #include "gpipe/skip_tracker.h"
@@ -36,13 +37,11 @@ std::vector<MicroBatchSkips::Cut> receive_skips(Step& st, int64_t p, int64_t i, 
   if (!spec.skip_layout->routes_into(p).empty()) {
     // The skips from earlier partitions move to this one's device on the copy streams (their
     // stashing partitions' copy streams waited for them after their forwards).
-    std::vector<c10::Stream> streams;
-    for (const PartitionState& q : st.states) streams.push_back(current_stream(q.part->device));
     // forward()'s timeline shows the skips' copies (a step's shows its activations' copies
     // between devices only).
     Timeline* timeline = spec.keep_graph ? spec.timeline.get() : nullptr;
     const Timeline::Started started{timeline ? timeline->now_us() : 0, nullptr};
-    for (int64_t from : shared->fence(i, p, streams, *st.copy_streams)) {
+    for (int64_t from : shared->fence(i, p, st.compute_streams, *st.copy_streams)) {
       if (!timeline) continue;
       const int64_t offset = spec.timeline_partition_offset;
       timeline->finish({Kind::kSkipCopy, i, offset + p, offset + from, 1}, started,
@@ -71,6 +70,14 @@ Batch compute(Step& st, int64_t p, int64_t i, const Batch& input, const RunLayer
   const bool order = spec.keep_graph && spec.grad_enabled && !spec.stage_backward;
   const at::Tensor phony = std::move(s.phony);
   s.phony = at::Tensor();
+  // A forward()'s output for the next partition: its copy stream waits for this computation
+  // (Note [Links that keep the graph]), before a checkpoint's recomputation is wired beside it, so
+  // that in backward the recomputation is queued before the compute stream waits for the
+  // gradient's copy (Note [Checkpoint and recompute] in checkpoint.h).
+  const auto ready_for_copy = [&](Batch& b) {
+    if (!spec.keep_graph || p + 1 >= static_cast<int64_t>(st.states.size())) return;
+    b.values() = wait(std::move(b.values()), st.compute_streams[p], (*st.copy_streams)[p][i]);
+  };
   Batch out{std::vector<at::Tensor>{}};
   if (i < st.stop) {
     Checkpointing checkpointing(run_layers, input, s.part->device, spec.recompute_state,
@@ -80,13 +87,16 @@ Batch compute(Step& st, int64_t p, int64_t i, const Batch& input, const RunLayer
     }
     out = checkpointing.checkpoint();
     if (phony.defined()) checkpointing.attach_dependency(phony);
+    ready_for_copy(out);
     checkpointing.recompute(out);
   } else if (phony.defined() && input.lane() >= 0) {
     Batch joined = input;
     joined[joined.lane()] = join(joined[joined.lane()], phony);
     out = run_layers(joined);
+    ready_for_copy(out);
   } else {
     out = run_layers(input);
+    ready_for_copy(out);
   }
   const int64_t lane = out.lane();
   if (order && i + 1 < st.m && lane >= 0) {
@@ -119,10 +129,10 @@ void run_forward(Step& st, int64_t p, int64_t i) {
               " grad, but this step runs ", spec.grad_enabled ? "with" : "without", " it; call "
               "step() under the same grad mode (torch::NoGradGuard for inference) on every stage");
   const c10::Stream stream = current_stream(part.device);
-  const Timeline::Started started = st.start(stream);
   TaskContext task;
   task.microbatch = MicroBatch{spec.run, i};
   std::vector<MicroBatchSkips::Cut> cut = receive_skips(st, p, i, task);
+  const Timeline::Started started = st.start(stream);  // after the skips' copies are queued
   if (spec.stage_backward && p > 0) {
     // Partition p-1's backward of this micro-batch runs on its own thread.
     spec.stage_backward->hand_off(a.batch, static_cast<size_t>(p - 1), i);

@@ -59,6 +59,9 @@ struct Step {
   std::vector<std::unique_ptr<Link>> links;  // links[p]: partitions p and p + 1
   // copy_streams[p][i]: partition p's for micro-batch i (the spec's, or own_copy_streams).
   const CopyStreams* copy_streams = nullptr;
+  // Each partition's compute stream: the calling thread's current stream on its device, made
+  // current (with the device) for every action of the partition, on whatever lane it runs.
+  std::vector<c10::Stream> compute_streams;
   CopyStreams own_copy_streams;
   absl::Mutex mu;
   std::exception_ptr error ABSL_GUARDED_BY(mu);

@@ -98,7 +98,11 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
     // A failed backward leaves partial gradients in the plain model's one parameter, where
     // zero_grad() clears them; a tied copy is not among parameters(), so its partial gradient
     // joins its owner's now rather than the next step's (Note [Tied parameters]).
-    if (grad_enabled) tied_->sum_gradients();
+    try {
+      if (grad_enabled) tied_->sum_gradients();
+    } catch (...) {
+      // The step's own error is the one to report.
+    }
     throw;
   }
   if (grad_enabled) tied_->sum_gradients();  // every backward of the step is done

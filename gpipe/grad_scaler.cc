@@ -1,7 +1,7 @@
 // Dynamic loss scaling; see grad_scaler.h.
 #include "gpipe/grad_scaler.h"
 
-#include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <tuple>
@@ -60,7 +60,9 @@ GradScaler::GradScaler(GradScalerOptions options)
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {
   if (!options_.enabled()) return loss;
   // A float16 or bfloat16 loss is scaled in float32, as PyTorch's float32 scale tensor promotes
-  // it: a float16 loss of 1 or more times the default scale would overflow float16.
+  // it: the scaled loss itself then stays finite (a float16 loss of 1 or more times the default
+  // scale would not). Gradients flowing back into float16 still overflow above 65504, as in
+  // PyTorch: the scaler backs off from such a scale.
   if (loss.scalar_type() == at::kHalf || loss.scalar_type() == at::kBFloat16) {
     return loss.to(at::kFloat) * scale_;
   }
@@ -134,7 +136,7 @@ void GradScaler::update() {
       // Grown only while it stays finite in float32, the scale's type in PyTorch (a float32 loss
       // times an infinite scale would make every step skip).
       const double grown = scale_ * options_.growth_factor();
-      if (std::isfinite(static_cast<float>(grown))) scale_ = grown;
+      if (grown <= std::numeric_limits<float>::max()) scale_ = grown;
       growth_tracker_ = 0;
     }
   }

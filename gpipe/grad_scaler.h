@@ -63,7 +63,8 @@ class GradScaler {
   explicit GradScaler(GradScalerOptions options = {});
 
   /// `loss` * the scale (as is when disabled). A float16 or bfloat16 loss is converted to float32
-  /// first, as PyTorch's float32 scale promotes it (float16 would overflow at the default scale).
+  /// first, as PyTorch's float32 scale promotes it: the scaled loss is finite at the default
+  /// scale (gradients flowing back into float16 may still overflow; update() backs off then).
   at::Tensor scale(const at::Tensor& loss) const;
   /// The scale (1 when disabled).
   double scale_value() const { return options_.enabled() ? scale_ : 1.0; }

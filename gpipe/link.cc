@@ -150,16 +150,33 @@ void LocalLink::send(int64_t microbatches, int64_t microbatch, const Batch& outp
   activations_.push_back(std::move(sent));
 }
 
+void Link::await(const std::function<bool()>& ready) {
+  struct Waiting {
+    Link* self;
+    const std::function<bool()>* ready;
+  } waiting{this, &ready};
+  mu_.Await(absl::Condition(
+      +[](Waiting* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->self->mu_) {
+        return w->self->failed_ || (*w->ready)();
+      },
+      &waiting));
+  TORCH_CHECK(!failed_, who_, ": partitions ", from_, " and ", from_ + 1,
+              " stopped passing micro-batches: ", why_);
+}
+
+void Link::fail(const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_) {
+    failed_ = true;
+    why_ = why;
+  }
+}
+
 Activation LocalLink::receive() {
   Sent sent;
   {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](LocalLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-          return self->failed_ || !self->activations_.empty();
-        },
-        this));
-    check_not_failed();
+    await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !activations_.empty(); });
     sent = std::move(activations_.front());
     activations_.pop_front();
   }
@@ -181,16 +198,9 @@ std::vector<at::Tensor> LocalLink::receive_gradients(int64_t microbatch) {
   Moving moving;
   {
     absl::MutexLock lock(&mu_);
-    struct Waiting {
-      LocalLink* self;
-      int64_t microbatch;
-    } waiting{this, microbatch};
-    mu_.Await(absl::Condition(
-        +[](Waiting* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->self->mu_) {
-          return w->self->failed_ || w->self->gradients_.count(w->microbatch) > 0;
-        },
-        &waiting));
-    check_not_failed();
+    await([this, microbatch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return gradients_.count(microbatch) > 0;
+    });
     auto it = gradients_.find(microbatch);
     moving = std::move(it->second);
     gradients_.erase(it);
@@ -198,24 +208,13 @@ std::vector<at::Tensor> LocalLink::receive_gradients(int64_t microbatch) {
   return arrive(std::move(moving), from_device_);
 }
 
-void LocalLink::fail(const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  if (!failed_) {
-    failed_ = true;
-    why_ = why;
-  }
-}
-
-void LocalLink::check_not_failed() const {
-  TORCH_CHECK(!failed_, who_, ": partitions ", from_, " and ", from_ + 1,
-              " stopped passing micro-batches: ", why_);
-}
-
 void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                      bool grad_enabled) {
   const c10::Stream& copy_from = (*copy_streams_)[from_][microbatch];
   const c10::Stream& copy_to = (*copy_streams_)[from_ + 1][microbatch];
-  std::vector<at::Tensor> values = wait(output.values(), current_stream(from_device_), copy_from);
+  // The copy stream already waits for the sender's computation (Note [Links that keep the
+  // graph]).
+  std::vector<at::Tensor> values = output.values();
   // LibTorch runs a copy from a CUDA device on the source's current stream, else on the
   // destination's.
   const c10::Stream& issuing = has_streams(from_device_) ? copy_from : copy_to;
@@ -243,13 +242,7 @@ Activation GraphLink::receive() {
   Sent sent;
   {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](GraphLink* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-          return self->failed_ || !self->activations_.empty();
-        },
-        this));
-    TORCH_CHECK(!failed_, who_, ": partitions ", from_, " and ", from_ + 1,
-                " stopped passing micro-batches: ", why_);
+    await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !activations_.empty(); });
     sent = std::move(activations_.front());
     activations_.pop_front();
   }
@@ -266,14 +259,6 @@ void GraphLink::send_gradients(int64_t /*microbatch*/, std::vector<at::Tensor> /
 std::vector<at::Tensor> GraphLink::receive_gradients(int64_t /*microbatch*/) {
   TORCH_INTERNAL_ASSERT(false, "gpipe: a forward()'s link carries no gradients");
   return {};
-}
-
-void GraphLink::fail(const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  if (!failed_) {
-    failed_ = true;
-    why_ = why;
-  }
 }
 
 void OutputSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -116,24 +117,18 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
 /// on the CPU) and returns the tensors, recorded on that stream.
 std::vector<at::Tensor> arrive(Moving moving, c10::Device device);
 
-/// Two neighbouring partitions in this process: the downstream of one and the upstream of the
-/// next.
+/// Two neighbouring partitions in this process, `from` and `from + 1`: the downstream of one and
+/// the upstream of the next, each on a thread of its own, and what both kinds of link share.
+/// `copy_streams` (of the step's partitions, indexed as the link's; null between CPU partitions),
+/// `timeline` (may be null) and `timeline_offset` (added to partition indices in its events)
+/// outlive the link.
 class Link : public Upstream, public Downstream {
  public:
-  void fail(const std::string& why) override = 0;
-};
+  void fail(const std::string& why) override;
 
-/// Two neighbouring partitions in this process, each on a thread of its own: the downstream of
-/// partition `from` and the upstream of partition `from + 1`. Between devices, tensors move on
-/// copy streams (Note [Links on copy streams]), each activation copy recorded on `timeline`.
-class LocalLink final : public Link {
- public:
-  /// `copy_streams` (of the step's partitions, indexed as the link's; null between CPU
-  /// partitions), `timeline` (may be null) and `timeline_offset` (added to partition indices in
-  /// its events) outlive the link.
-  LocalLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
-            const CopyStreams* copy_streams = nullptr, Timeline* timeline = nullptr,
-            int64_t timeline_offset = 0)
+ protected:
+  Link(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
+       const CopyStreams* copy_streams, Timeline* timeline, int64_t timeline_offset)
       : who_(std::move(who)),
         from_(from),
         from_device_(from_device),
@@ -141,13 +136,40 @@ class LocalLink final : public Link {
         copy_streams_(copy_streams),
         timeline_(timeline),
         timeline_offset_(timeline_offset) {}
+  /// Waits until `ready()` (called with mu_ held) or the link failed, which throws a c10::Error
+  /// naming both partitions.
+  void await(const std::function<bool()>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string who_;
+  const int64_t from_;
+  const c10::Device from_device_, to_device_;
+  const CopyStreams* const copy_streams_;
+  Timeline* const timeline_;
+  const int64_t timeline_offset_;
+  absl::Mutex mu_;
+
+ private:
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string why_ ABSL_GUARDED_BY(mu_);
+};
+
+/// Two neighbouring partitions in this process, each on a thread of its own: the downstream of
+/// partition `from` and the upstream of partition `from + 1`. Between devices, tensors move on
+/// copy streams (Note [Links on copy streams]), each activation copy recorded on `timeline`.
+class LocalLink final : public Link {
+ public:
+  /// See Link.
+  LocalLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
+            const CopyStreams* copy_streams = nullptr, Timeline* timeline = nullptr,
+            int64_t timeline_offset = 0)
+      : Link(std::move(who), from, from_device, to_device, copy_streams, timeline,
+             timeline_offset) {}
 
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
   Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
-  void fail(const std::string& why) override;
 
  private:
   struct Sent {
@@ -157,32 +179,23 @@ class LocalLink final : public Link {
     std::vector<bool> requires_grad;
     Moving moving;
   };
-  void check_not_failed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `values` for micro-batch `microbatch` from partition `source` (from_ or from_ + 1) to
   // the other end; records the copy on the timeline.
   Moving move(const std::vector<at::Tensor>& values, int64_t microbatch, int64_t source);
 
-  const std::string who_;
-  const int64_t from_;
-  const c10::Device from_device_, to_device_;
-  const CopyStreams* const copy_streams_;
-  Timeline* const timeline_;
-  const int64_t timeline_offset_;
-  absl::Mutex mu_;
   std::deque<Sent> activations_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, Moving> gradients_ ABSL_GUARDED_BY(mu_);
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;
-  std::string why_ ABSL_GUARDED_BY(mu_);
 };
 
 // Note [Links that keep the graph]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // forward() runs on the executor too (Note [forward() on the executor] in executor.h), but its
 // caller runs one backward through the whole pipeline, so its links keep the autograd graph: a
-// GraphLink sends the tensors themselves, made to wait for the sender's compute stream on the
-// copy stream and copied on the copy streams by autograd functions (Note [Copy streams] in
-// copy.h), and the receiver's compute stream waits for the copy the same way; backward makes the
-// same trip in reverse. No gradient crosses the link by hand.
+// GraphLink sends the tensors themselves — the sender's forward has made its copy stream wait for
+// its compute stream, by an autograd function, before a checkpoint's recomputation is wired
+// beside the output — copies them on the copy streams by autograd functions (Note [Copy streams]
+// in copy.h), and the receiver's compute stream waits for the copy the same way; backward makes
+// the same trip in reverse. No gradient crosses the link by hand.
 //
 // Autograd nodes are not thread-safe to link to: making an edge to a node writes to it
 // (Node::topological_nr). The sender's forward makes more edges to its output's node after
@@ -192,21 +205,15 @@ class LocalLink final : public Link {
 // the sender's thread: the receiver's edges then go to that node.
 
 /// Two neighbouring partitions of a forward() (Note [Links that keep the graph]), the sending
-/// one's thread `crosses_threads` from the receiving one's; `copy_streams` (indexed as the
-/// link's) outlive it.
+/// one's thread `crosses_threads` from the receiving one's; see Link (`copy_streams` not null).
 class GraphLink final : public Link {
  public:
   GraphLink(std::string who, int64_t from, c10::Device from_device, c10::Device to_device,
             const CopyStreams* copy_streams, bool crosses_threads, Timeline* timeline = nullptr,
             int64_t timeline_offset = 0)
-      : who_(std::move(who)),
-        from_(from),
-        from_device_(from_device),
-        to_device_(to_device),
-        copy_streams_(copy_streams),
-        crosses_threads_(crosses_threads),
-        timeline_(timeline),
-        timeline_offset_(timeline_offset) {}
+      : Link(std::move(who), from, from_device, to_device, copy_streams, timeline,
+             timeline_offset),
+        crosses_threads_(crosses_threads) {}
 
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
@@ -214,24 +221,14 @@ class GraphLink final : public Link {
   /// Not used: the gradients take the graph's own way back.
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
-  void fail(const std::string& why) override;
 
  private:
   struct Sent {
     int64_t microbatch = 0;
     Activation activation;
   };
-  const std::string who_;
-  const int64_t from_;
-  const c10::Device from_device_, to_device_;
-  const CopyStreams* const copy_streams_;
   const bool crosses_threads_;
-  Timeline* const timeline_;
-  const int64_t timeline_offset_;
-  absl::Mutex mu_;
   std::deque<Sent> activations_ ABSL_GUARDED_BY(mu_);
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;
-  std::string why_ ABSL_GUARDED_BY(mu_);
 };
 
 /// The last partition's downstream in a forward(): keeps each micro-batch's output, with its

@@ -5,6 +5,8 @@
 #include <map>
 #include <utility>
 
+#include <c10/util/Exception.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -138,6 +140,13 @@ double covered(double from, double to, std::vector<std::pair<double, double>> bu
 CopyOverlap copy_overlap(const std::vector<TimelineEvent>& events,
                          const std::vector<c10::Device>& devices) {
   CopyOverlap o;
+  const int64_t n = static_cast<int64_t>(devices.size());
+  for (const TimelineEvent& e : events) {
+    TORCH_CHECK(e.partition >= 0 && e.partition < n && (e.kind != TimelineEvent::Kind::kCopy ||
+                                                        (e.from >= 0 && e.from < n)),
+                "gpipe::copy_overlap: an event names partition ", e.partition, " (from ", e.from,
+                ") but ", n, " devices were given; give the pipeline's devices()");
+  }
   for (const TimelineEvent& copy : events) {
     if (copy.kind != TimelineEvent::Kind::kCopy || !copy.has_device_times()) continue;
     const c10::Device gpu =

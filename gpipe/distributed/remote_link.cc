@@ -140,13 +140,17 @@ detail::Activation RemoteUpstream::receive() {
     TORCH_INTERNAL_ASSERT(record.microbatch == received_, "micro-batch ", record.microbatch,
                           " arrived for ", received_);
     if (!record.over_group) {
+      TORCH_CHECK(record.bytes >= kHeaderBytes, "gpipe::distributed: on rank ", rank,
+                  ", from rank ", peer_, ": a record of ", record.bytes, " bytes in shared "
+                  "memory, shorter than an activation header (", kHeaderBytes, "); do all ranks "
+                  "run the same gpipe?");
       uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
       r.header = BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank,
                                      peer_);
-      TORCH_CHECK(kHeaderBytes + packed_data_bytes(r.header) <= record.bytes, "gpipe::distributed: "
-                  "on rank ", rank, ", from rank ", peer_, ": a record of ", record.bytes,
-                  " bytes in shared memory is shorter than its header says (",
-                  kHeaderBytes + packed_data_bytes(r.header), "); do all ranks run the same gpipe?");
+      const int64_t expected = kHeaderBytes + packed_data_bytes(r.header);
+      TORCH_CHECK(expected <= record.bytes, "gpipe::distributed: on rank ", rank, ", from rank ",
+                  peer_, ": a record of ", record.bytes, " bytes in shared memory is shorter "
+                  "than its header says (", expected, "); do all ranks run the same gpipe?");
       r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
       unpack_into(record.data + kHeaderBytes, r.tensors);
       shared_->release();
@@ -366,7 +370,10 @@ std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) 
       TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", record.microbatch,
                             " arrived unasked");
       if (!record.over_group) {
-        TORCH_INTERNAL_ASSERT(packed_bytes(it->second) <= record.bytes);
+        TORCH_CHECK(packed_bytes(it->second) <= record.bytes, "gpipe::distributed: on rank ",
+                    wire_.group->getRank(), ", from rank ", peer_, ": gradients of ",
+                    record.bytes, " bytes in shared memory where ", packed_bytes(it->second),
+                    " were expected; do all ranks run the same gpipe?");
         unpack_into(record.data, it->second);
         shared_->release();
       } else {

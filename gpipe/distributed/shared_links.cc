@@ -57,7 +57,9 @@ bool SharedLink::write(int64_t microbatch, const at::Tensor& header,
 SharedLink::Record SharedLink::read(const RingWait& wait) {
   int64_t bytes = 0;
   const uint8_t* record = in->next(&bytes, wait);
-  TORCH_INTERNAL_ASSERT(bytes >= kPrefixBytes, "a record without its prefix");
+  TORCH_CHECK(bytes >= kPrefixBytes, "gpipe::distributed: a record of ", bytes, " bytes in "
+              "shared memory, without its ", kPrefixBytes, "-byte prefix; do both processes run "
+              "the same gpipe?");
   RecordPrefix prefix;
   std::memcpy(&prefix, record, sizeof(prefix));
   return {prefix.microbatch, prefix.over_group != 0, record + kPrefixBytes, bytes - kPrefixBytes};

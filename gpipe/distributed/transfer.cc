@@ -187,7 +187,8 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
     TORCH_CHECK(end - p >= 3, "gpipe::distributed: a malformed activation header arrived");
     Entry e;
     const int64_t dtype = *p++;
-    TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(at::ScalarType::NumOptions),
+    TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+                    dtype != static_cast<int64_t>(at::ScalarType::Undefined),
                 "gpipe::distributed: a malformed activation header arrived (tensor ", k,
                 " has dtype number ", dtype, ")");
     e.dtype = static_cast<at::ScalarType>(dtype);
