@@ -31,8 +31,10 @@
 #include "examples/models/registry.h"
 #include "examples/training/choices.h"
 #include "examples/training/text.h"
+#include "gpipe/clip_grad.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/grad_scaler.h"
+#include "gpipe/loss.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/worker.h"
 #if GPIPE_WITH_DISTRIBUTED
@@ -76,6 +78,12 @@ ABSL_FLAG(double, temperature, 0.8, "sampling temperature");
 ABSL_FLAG(int64_t, threads, 0,
           "intra-op threads on the CPU (default: the cores divided among the partitions)");
 ABSL_FLAG(int64_t, seed, 0, "random seed");
+ABSL_FLAG(double, clip_grad_norm, 0,
+          "clip the gradients to this norm, taken over the whole model (every partition and "
+          "stage, the tie once); 0: no clipping");
+ABSL_FLAG(bool, ragged, false,
+          "training sequences of random lengths from a quarter of --sequence to --sequence, "
+          "padded: the loss averages over the real tokens only, under every schedule");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
 ABSL_FLAG(bool, distributed, false,
           "one pipeline stage per process on the CPU under torchrun (--partitions stages, "
@@ -130,6 +138,37 @@ void print_corpus(const training::TextCorpus& corpus, double unigram, double big
               "bigram %.3f bits per byte\n",
               corpus.name.c_str(), static_cast<long long>(corpus.train.numel()),
               static_cast<long long>(corpus.validation.numel()), unigram, bigram);
+}
+
+// Targets that are padding: next_token_loss (cross_entropy) leaves them out of its mean.
+constexpr int64_t kPadding = -100;
+
+// The next-byte loss as a mean over the targets that are not padding, under every schedule
+// (Note [Losses over micro-batches]).
+gpipe::Loss token_loss(gpipe::LossFunction next_token) {
+  return gpipe::Loss(std::move(next_token), gpipe::count_targets_except(kPadding));
+}
+
+// --ragged: each window cut to a random length from a quarter of it to all of it, the rest
+// padding (input byte 0, target kPadding), as batches of documents of different lengths are.
+void make_ragged(at::Tensor& ids, at::Tensor& targets, at::Generator generator) {
+  if (!absl::GetFlag(FLAGS_ragged)) return;
+  const int64_t length = ids.size(1);
+  const at::Tensor lengths =
+      at::randint(std::max<int64_t>(1, length / 4), length + 1, {ids.size(0)}, generator);
+  const at::Tensor padding = at::arange(length).unsqueeze(0).ge(lengths.unsqueeze(1));
+  ids = ids.masked_fill(padding, 0);
+  targets = targets.masked_fill(padding, kPadding);
+}
+
+// What --clip_grad_norm and --ragged change, if anything, for the run's header.
+void print_training_options() {
+  const double clip = absl::GetFlag(FLAGS_clip_grad_norm);
+  if (clip > 0) std::printf("gradients clipped to norm %g over the whole model\n", clip);
+  if (absl::GetFlag(FLAGS_ragged)) {
+    std::printf("ragged: sequences padded after a random length; the loss averages over the "
+                "real tokens only\n");
+  }
 }
 
 // The mean next-byte loss (nats) over the validation windows of `text`.
@@ -233,6 +272,7 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                                              : absl::StrJoin(stage->tied_stages()[0], ", ").c_str(),
                 static_cast<long long>(absl::GetFlag(FLAGS_chunks)),
                 static_cast<long long>(batch), static_cast<long long>(length));
+    print_training_options();
   }
   const double lr = absl::GetFlag(FLAGS_lr);
   torch::optim::AdamW optimizer(
@@ -249,10 +289,14 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   double validation = 0;
   for (int64_t step = 1; step <= steps; ++step) {
     set_learning_rate(optimizer, lr, step, steps);
-    const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    make_ragged(ids, targets, generator);
     optimizer.zero_grad();
     stage->step(stage->is_first() ? Batch(ids) : dist::no_input(),
-                stage->is_last() ? targets : at::Tensor(), next_token);
+                stage->is_last() ? targets : at::Tensor(), token_loss(next_token));
+    if (absl::GetFlag(FLAGS_clip_grad_norm) > 0) {
+      stage->clip_grad_norm(absl::GetFlag(FLAGS_clip_grad_norm));
+    }
     optimizer.step();
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       const auto [vids, vnext] = training::consecutive_windows(
@@ -366,6 +410,7 @@ int run() {
               amp ? (on_cpu ? ", autocast bfloat16" : ", autocast float16 with loss scaling")
                   : "");
 
+  print_training_options();
   const double lr = absl::GetFlag(FLAGS_lr);
   // Decoupled weight decay (AdamW): Adam's own adds it to the gradient, and for LayerNorm gains,
   // whose gradients are small, it then dominates and drives them to zero at the learning rate.
@@ -386,7 +431,8 @@ int run() {
   double validation = 0;
   for (int64_t step = 1; step <= steps; ++step) {
     set_learning_rate(optimizer, lr, step, steps);
-    const auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    make_ragged(ids, targets, generator);
     optimizer.zero_grad();
     at::Tensor loss;
     {
@@ -396,13 +442,17 @@ int run() {
         loss = loss_fn(Batch(model->forward(ids.to(devices.front()))), targets);
       } else {
         loss = model->step(ids.to(devices.front()), targets.to(devices.back()),
-                           [&scaler, &loss_fn](const Batch& logits, const at::Tensor& y) {
+                           token_loss([&scaler, &loss_fn](const Batch& logits, const at::Tensor& y) {
                              return scaler.scale(loss_fn(logits, y));
-                           });
+                           }));
         loss = loss / scaler.scale_value();
       }
     }
     if (schedule == "gpipe") scaler.scale(loss).backward();
+    if (absl::GetFlag(FLAGS_clip_grad_norm) > 0) {
+      scaler.unscale(model->parameters());  // the norm of the true gradients
+      clip_grad_norm(model->parameters(), absl::GetFlag(FLAGS_clip_grad_norm));
+    }
     scaler.step(optimizer, model->parameters());
     scaler.update();
     loss_sum += loss.item<double>();

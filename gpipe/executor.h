@@ -112,6 +112,9 @@ struct ExecutorSpec {
   std::vector<Downstream*> downstreams;
   /// The number of micro-batches; 0: as the upstream's first activation says.
   int64_t microbatches = 0;
+  /// With microbatches 0: the most micro-batches the upstream may announce (a stage's chunks),
+  /// checked before anything is sized by the count; 0: no bound.
+  int64_t max_microbatches = 0;
   /// Whether backward runs (grad mode on when the step began).
   bool grad_enabled = true;
   /// Micro-batches before checkpoint_stop(m) are checkpointed.

@@ -128,7 +128,7 @@ void run_forward(Step& st, int64_t p, int64_t i) {
               "partition ", p, " from a sender that runs ", a.grad_enabled ? "with" : "without",
               " grad, but this step runs ", spec.grad_enabled ? "with" : "without", " it; call "
               "step() under the same grad mode (torch::NoGradGuard for inference) on every stage");
-  const c10::Stream stream = current_stream(part.device);
+  const c10::Stream stream = st.compute_streams[p];  // current: the action's guard made it so
   TaskContext task;
   task.microbatch = MicroBatch{spec.run, i};
   std::vector<MicroBatchSkips::Cut> cut = receive_skips(st, p, i, task);
@@ -233,7 +233,7 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
   TORCH_CHECK(i < s.next_forward, spec.who, ": partition ", p, " would run the backward of "
               "micro-batch ", i, " before its forward");
   std::vector<at::Tensor> grads = s.down->receive_gradients(i);
-  const c10::Stream stream = current_stream(s.part->device);
+  const c10::Stream stream = st.compute_streams[p];
   const Timeline::Started started = st.start(stream);
   std::vector<at::Tensor> roots = requiring_grad(s.outputs[i]);
   TORCH_CHECK(roots.size() == grads.size(), spec.who, ": partition ", p, " got ", grads.size(),
@@ -303,7 +303,7 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
 // W i: the parameters' gradients, from the graph I i kept.
 void run_backward_weight(Step& st, int64_t p, int64_t i) {
   PartitionState& s = st.states[p];
-  const c10::Stream stream = current_stream(s.part->device);
+  const c10::Stream stream = st.compute_streams[p];
   const Timeline::Started started = st.start(stream);
   std::vector<std::vector<at::Tensor>> roots = std::move(s.w_roots[i]);
   std::vector<std::vector<at::Tensor>> grads = std::move(s.w_grads[i]);

@@ -112,7 +112,9 @@ class GPipeImpl : public torch::nn::Module {
   /// on its own thread. Returns the mini-batch's loss (without history); the parameters'
   /// gradients are the plain model's for the same loss (Note [Losses over micro-batches]: with
   /// the GPipe schedule `loss` sees the whole mini-batch, with the others each micro-batch,
-  /// weighted by its size). `input` on devices().front(), `target` (one row per sample) on
+  /// weighted by its share of what the loss averages over: its samples, or what the Loss's count
+  /// counts, such as tokens that are not padding). `input` on devices().front(), `target` (one
+  /// row per sample) on
   /// devices().back(). Under torch::NoGradGuard it runs the forwards only and returns the loss.
   ///
   ///   gpipe::GPipe model(seq, gpipe::GPipeOptions({2, 2}).chunks(8)
@@ -121,9 +123,9 @@ class GPipeImpl : public torch::nn::Module {
   ///     return torch::nn::functional::cross_entropy(out.tensor(), y);
   ///   });
   ///   optimizer.step();
-  at::Tensor step(const at::Tensor& input, const at::Tensor& target, const LossFunction& loss);
+  at::Tensor step(const at::Tensor& input, const at::Tensor& target, const Loss& loss);
   /// The same for a tuple mini-batch.
-  at::Tensor step(const Batch& input, const at::Tensor& target, const LossFunction& loss);
+  at::Tensor step(const Batch& input, const at::Tensor& target, const Loss& loss);
   /// The schedule step() runs for `microbatches` micro-batches.
   Schedule schedule(int64_t microbatches) const;
 

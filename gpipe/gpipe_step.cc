@@ -28,12 +28,11 @@ Schedule GPipeImpl::schedule(int64_t microbatches) const {
 }
 
 at::Tensor GPipeImpl::step(const at::Tensor& input, const at::Tensor& target,
-                           const LossFunction& loss) {
+                           const Loss& loss) {
   return step(Batch(input), target, loss);
 }
 
-at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target,
-                           const LossFunction& loss) {
+at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const Loss& loss) {
   const char* who = "gpipe::GPipe::step";
   check_input(input);
   TORCH_CHECK(!partitions_.empty(), who, ": the GPipe has no partitions");

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
@@ -173,13 +174,7 @@ void Link::fail(const std::string& why) {
 }
 
 Activation LocalLink::receive() {
-  Sent sent;
-  {
-    absl::MutexLock lock(&mu_);
-    await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !activations_.empty(); });
-    sent = std::move(activations_.front());
-    activations_.pop_front();
-  }
+  Sent sent = take_front(activations_);
   std::vector<at::Tensor> values = arrive(std::move(sent.moving), to_device_);
   for (size_t k = 0; k < values.size(); ++k) {
     if (sent.requires_grad[k]) values[k].requires_grad_(true);
@@ -239,13 +234,7 @@ void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& outp
 }
 
 Activation GraphLink::receive() {
-  Sent sent;
-  {
-    absl::MutexLock lock(&mu_);
-    await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !activations_.empty(); });
-    sent = std::move(activations_.front());
-    activations_.pop_front();
-  }
+  Sent sent = take_front(activations_);
   Batch& batch = sent.activation.batch;
   batch.values() = wait(std::move(batch.values()), (*copy_streams_)[from_ + 1][sent.microbatch],
                         current_stream(to_device_));
@@ -325,7 +314,7 @@ void InputSource::finish() {
   if (!roots.empty()) torch::autograd::backward(roots, grads);
 }
 
-LossSink::LossSink(LossFunction loss, at::Tensor target, bool whole_batch, std::string who)
+LossSink::LossSink(Loss loss, at::Tensor target, bool whole_batch, std::string who)
     : loss_fn_(std::move(loss)),
       target_(std::move(target)),
       whole_batch_(whole_batch),
@@ -361,10 +350,29 @@ std::vector<at::Tensor> leaf_gradients(const Batch& leaves) {
 }  // namespace
 
 at::Tensor LossSink::apply_loss(const Batch& output, const at::Tensor& target) const {
-  at::Tensor loss = loss_fn_(output, target);
+  at::Tensor loss = loss_fn_.function()(output, target);
   TORCH_CHECK(loss.defined() && loss.numel() == 1, who_, ": the loss function must return a "
               "scalar, but it returned ", loss.defined() ? loss.sizes() : c10::IntArrayRef{});
   return loss;
+}
+
+at::Tensor LossSink::counted(const at::Tensor& rows) const {
+  at::Tensor count = loss_fn_.count()(rows);
+  TORCH_CHECK(count.defined() && count.numel() == 1, who_, ": the loss's count must return a "
+              "scalar (how many terms the loss averages over in the given target rows), but it "
+              "returned ", count.defined() ? count.sizes() : c10::IntArrayRef{});
+  return count.reshape({}).to(at::kDouble);
+}
+
+at::Tensor LossSink::weighted(const at::Tensor& loss, const at::Tensor& rows) {
+  // Note [Losses over micro-batches].
+  if (!loss_fn_.count()) {
+    return loss * (static_cast<double>(rows.size(0)) / static_cast<double>(target_.size(0)));
+  }
+  if (!total_count_.defined()) total_count_ = counted(target_);
+  const at::Tensor mine = counted(rows);
+  const at::Tensor share = (mine / total_count_).to(loss.device(), loss.scalar_type());
+  return at::where(mine.gt(0).to(loss.device()), loss * share, at::zeros_like(loss));
 }
 
 void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
@@ -378,8 +386,8 @@ void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& outpu
   if (!loss_fn_ || !target_.defined() || whole_batch_) return;
   // Note [Losses over micro-batches].
   const int64_t rows = leaf[0].dim() > 0 ? leaf[0].size(0) : 1;
-  at::Tensor loss = apply_loss(leaf, target_rows(microbatch, rows));
-  loss = loss * (static_cast<double>(rows) / static_cast<double>(target_.size(0)));
+  const at::Tensor rows_of = target_rows(microbatch, rows);
+  const at::Tensor loss = weighted(apply_loss(leaf, rows_of), rows_of);
   if (grad_enabled && loss.requires_grad()) {
     loss.backward();
     gradients_[microbatch] = leaf_gradients(leaf);

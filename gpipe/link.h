@@ -139,6 +139,15 @@ class Link : public Upstream, public Downstream {
   /// Waits until `ready()` (called with mu_ held) or the link failed, which throws a c10::Error
   /// naming both partitions.
   void await(const std::function<bool()>& ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Waits for the first of `queue` (a member guarded by mu_) and takes it; throws as await().
+  template <typename T>
+  T take_front(std::deque<T>& queue) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    await([&queue] { return !queue.empty(); });
+    T front = std::move(queue.front());
+    queue.pop_front();
+    return front;
+  }
 
   const std::string who_;
   const int64_t from_;
@@ -275,7 +284,7 @@ class LossSink final : public Downstream {
  public:
   /// `whole_batch`: apply the loss once to the gathered outputs, at the first backward (every
   /// forward has run by then); else to each micro-batch as its output arrives.
-  LossSink(LossFunction loss, at::Tensor target, bool whole_batch, std::string who);
+  LossSink(Loss loss, at::Tensor target, bool whole_batch, std::string who);
   void send(int64_t microbatches, int64_t microbatch, const Batch& output,
             bool grad_enabled) override;
   std::vector<at::Tensor> receive_gradients(int64_t microbatch) override;
@@ -293,8 +302,12 @@ class LossSink final : public Downstream {
   // The loss function's value, checked to be a scalar.
   at::Tensor apply_loss(const Batch& output, const at::Tensor& target) const;
   at::Tensor target_rows(int64_t microbatch, int64_t rows);
+  // Micro-batch `loss` on `rows` of the target, weighted by its share of the mini-batch's terms.
+  at::Tensor weighted(const at::Tensor& loss, const at::Tensor& rows);
+  // What the loss averages over in `rows` of the target, checked to be a scalar.
+  at::Tensor counted(const at::Tensor& rows) const;
 
-  LossFunction loss_fn_;
+  Loss loss_fn_;
   at::Tensor target_;
   bool whole_batch_;
   std::string who_;
@@ -304,6 +317,7 @@ class LossSink final : public Downstream {
   std::vector<Batch> leaves_;  // per micro-batch, the output cut from its graph
   std::map<int64_t, std::vector<at::Tensor>> gradients_;
   at::Tensor loss_;
+  at::Tensor total_count_;  // the loss's count over the whole target (a Loss with a count)
 };
 
 }  // namespace detail

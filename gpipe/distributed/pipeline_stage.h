@@ -71,6 +71,8 @@ class SharedLinks;  // shared_memory.h
 /// whole mini-batch's output, with the others each micro-batch's (Note [Losses over
 /// micro-batches] in gpipe/loss.h).
 using LossFunction = gpipe::LossFunction;
+/// A loss function with what it averages over (gpipe::Loss, gpipe/loss.h).
+using Loss = gpipe::Loss;
 
 /// The input of every stage but the first: none (their activations come from the stage before).
 inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
@@ -237,7 +239,8 @@ class PipelineStageImpl : public torch::nn::Module {
   ~PipelineStageImpl() override;
 
   /// One training step: on the first stage `input` is the mini-batch (a tensor or a tuple Batch);
-  /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does).
+  /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does; a
+  /// gpipe::Loss with a count for a mean over tokens that are not padding).
   /// Other stages take no input (no_input()) and ignore the target and loss, so every stage may
   /// pass the same target and loss; an empty loss (or none) means PipelineStageOptions::loss.
   /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's
@@ -248,7 +251,7 @@ class PipelineStageImpl : public torch::nn::Module {
   ///
   ///   at::Tensor loss = stage->step(stage->is_first() ? gpipe::Batch(x) : no_input(), y, mse);
   at::Tensor step(const Batch& input = no_input(), const at::Tensor& target = {},
-                  LossFunction loss = nullptr);
+                  Loss loss = {});
 
   /// What evaluate() returns on every stage.
   struct Evaluation {
@@ -265,7 +268,7 @@ class PipelineStageImpl : public torch::nn::Module {
   ///   double accuracy =
   ///       result.output.tensor().argmax(1).eq(y).to(at::kDouble).mean().item<double>();
   Evaluation evaluate(const Batch& input = no_input(), const at::Tensor& target = {},
-                      LossFunction loss = nullptr);
+                      Loss loss = {});
 
   /// On the last stage, the last step's output of the whole mini-batch (gathered from the
   /// micro-batches, without history): for accuracy, or for inference under torch::NoGradGuard,
@@ -308,6 +311,19 @@ class PipelineStageImpl : public torch::nn::Module {
   /// micro-batch's forward, kBackward for its backward, partition = the partition of this stage
   /// (0 when it has one).
   std::shared_ptr<const Timeline> timeline() const { return timeline_; }
+  /// Scales the gradients of every stage's parameters() so that the whole model's gradient norm
+  /// of order `norm_type` (positive, or infinity) is at most `max_norm`, as
+  /// torch::nn::utils::clip_grad_norm_ does on the plain model: each parameter counted once, a
+  /// tie across stages once (Note [Clipping by the global norm] in gpipe/clip_grad.h). A
+  /// collective over the pipeline's group: every stage calls it, after step() and before its
+  /// optimizer's step. Returns the norm before clipping (a double scalar on the CPU), the same on
+  /// every stage and replica.
+  ///
+  ///   stage->step(stage->is_first() ? gpipe::Batch(x) : no_input(), y, loss);
+  ///   stage->clip_grad_norm(1.0);
+  ///   adamw.step();
+  at::Tensor clip_grad_norm(double max_norm, double norm_type = 2.0);
+
   /// This stage's parameters, each once, without copies of tied parameters (Note [Tied
   /// parameters]); give these to an optimizer. (They hide torch::nn::Module's.)
   std::vector<at::Tensor> parameters(bool recurse = true) const;
@@ -363,7 +379,7 @@ class PipelineStageImpl : public torch::nn::Module {
                                                     const char* who) const;
   void end_step(int64_t index, bool grad_enabled, bool deferred,
                 const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms);
-  at::Tensor run_step(const Batch& input, const at::Tensor& target, const LossFunction& loss,
+  at::Tensor run_step(const Batch& input, const at::Tensor& target, const Loss& loss,
                       int64_t index, std::shared_ptr<Cancellation> cancellation);
 
   PipelineStageOptions options_;

@@ -28,7 +28,7 @@ at::Tensor broadcast(const ProcessGroup& group, at::Tensor tensor, int root, c10
 
 PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
                                                           const at::Tensor& target,
-                                                          LossFunction loss) {
+                                                          Loss loss) {
   at::Tensor last_loss;
   {
     at::NoGradGuard no_grad;

@@ -89,7 +89,7 @@ void attach_links(detail::ExecutorSpec& spec, detail::InputSource* source, detai
 // chunks (fewer, for a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one
 // micro-batch, where the two losses are the same).
 std::unique_ptr<detail::LossSink> loss_sink(const PipelineStageOptions& options, int64_t stages,
-                                            const at::Tensor& target, const LossFunction& loss,
+                                            const at::Tensor& target, const Loss& loss,
                                             const char* who) {
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
@@ -169,7 +169,7 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
 }
 
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
-                                   LossFunction loss) {
+                                   Loss loss) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   if (!loss) loss = options_.loss();
   absl::MutexLock step_lock(&step_mu_);
@@ -230,7 +230,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
 }
 
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
-                                       const LossFunction& loss, int64_t index,
+                                       const Loss& loss, int64_t index,
                                        std::shared_ptr<Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   const bool grad_enabled = at::GradMode::is_enabled();
@@ -293,7 +293,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
   attach_links(spec, source.get(), sink.get(), remote_upstreams, remote_downstreams,
                interleaved ? v : 0);
-  spec.microbatches = 0;  // as the upstream's first activation says
+  spec.microbatches = 0;  // as the upstream's first activation says, at most chunks
+  spec.max_microbatches = options_.chunks();
   spec.grad_enabled = grad_enabled;
   spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
     return training ? checkpoint_stop(mode, m) : int64_t{0};

@@ -35,6 +35,14 @@ std::vector<std::vector<int64_t>> TiedStages::holders() const {
   return out;
 }
 
+std::vector<at::Tensor> TiedStages::held_below(int64_t stage) const {
+  std::vector<at::Tensor> out;
+  for (const Entry& e : entries_) {
+    if (e.owner.defined() && e.stages.front() < stage) out.push_back(e.owner);
+  }
+  return out;
+}
+
 void TiedStages::broadcast(const ProcessGroup& group, c10::Device local) const {
   at::NoGradGuard no_grad;
   for (const Entry& e : entries_) {

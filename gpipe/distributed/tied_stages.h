@@ -58,6 +58,9 @@ class TiedStages {
   bool empty() const { return entries_.empty(); }
   /// The stages holding each tie that spans stages (for tests and messages).
   std::vector<std::vector<int64_t>> holders() const;
+  /// This stage's tensors of the ties that a lower stage holds too, which that stage counts
+  /// (Note [Clipping by the global norm] in gpipe/clip_grad.h).
+  std::vector<at::Tensor> held_below(int64_t stage) const;
   /// Every holder takes the value of the lowest stage holding the tie (a collective over `group`).
   void broadcast(const ProcessGroup& group, c10::Device local) const;
   /// Before a step's backward: sets the owners' gradients aside (Note [Ties across stages]).

@@ -5,8 +5,10 @@
 // scaling (Note [Loss scaling]: an inf in one stage's gradients skips the step on every stage).
 #include "tests/distributed/stage_test_util.h"
 
+#include <algorithm>
 #include <limits>
 
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 
 #include "gpipe/distributed/replication.h"
@@ -81,7 +83,9 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     auto optimizer = make_optimizer(env_or("GPIPE_TEST_OPT", "sgd"), stage->parameters());
     // Gradient accumulation: `accumulate` steps, on parts of the mini-batch, per optimizer step.
     const int accumulate = std::stoi(env_or("GPIPE_TEST_ACCUMULATE", "1"));
-    std::vector<at::Tensor> losses;
+    // Clipping by the whole model's gradient norm (0: none).
+    const double clip = std::stod(env_or("GPIPE_TEST_CLIP", "0"));
+    std::vector<at::Tensor> losses, norms;
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = tied_batch(step);
       optimizer->zero_grad();
@@ -92,9 +96,13 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
             stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
         if (loss.defined()) losses.push_back(loss.detach());
       }
+      if (clip > 0) norms.push_back(stage->clip_grad_norm(clip));
       optimizer->step();
     }
     const std::string folder = gpipe_test::test_folder();
+    if (clip > 0) {
+      gpipe_test::write_doubles(folder + "/norm" + std::to_string(test_rank()) + ".bin", norms);
+    }
     gpipe_test::write_doubles(folder + "/state" + std::to_string(test_rank()) + ".bin",
                               stage->parameters());
     if (stage->is_last()) {
@@ -108,6 +116,7 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     int stages, replicas;
     bool named;
     int accumulate = 1;
+    double clip = 0;
   };
   const Case c = GENERATE(Case{"2,3", "always", "gpipe", "sgd", 2, 1, false},
                           Case{"2,3", "except_last", "gpipe", "adam", 2, 1, false},
@@ -118,7 +127,10 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
                           Case{"1,1,1,2", "except_last", "interleaved", "adam", 2, 1, false},
                           Case{"2,3", "except_last", "gpipe", "adam", 2, 2, true},
                           Case{"2,3", "never", "1f1b", "sgd", 2, 1, false, 2},
-                          Case{"2,2,1", "except_last", "gpipe", "sgd", 3, 1, true, 2});
+                          Case{"2,2,1", "except_last", "gpipe", "sgd", 3, 1, true, 2},
+                          // Clipped by the whole model's norm, the tie counted once.
+                          Case{"2,2,1", "except_last", "1f1b", "adam", 3, 1, true, 1, 0.05},
+                          Case{"2,3", "never", "gpipe", "sgd", 2, 2, false, 2, 0.05});
   CATCH_INFO("balance " << c.balance << ", checkpoint " << c.mode << ", " << c.schedule << ", "
                         << c.opt << ", " << c.stages << " stages x " << c.replicas
                         << " replicas, " << (c.named ? "named" : "found") << ", "
@@ -132,7 +144,8 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
                                   {"GPIPE_TEST_SCHEDULE", c.schedule},
                                   {"GPIPE_TEST_OPT", c.opt},
                                   {"GPIPE_TEST_NAMED", c.named ? "1" : "0"},
-                                  {"GPIPE_TEST_ACCUMULATE", std::to_string(c.accumulate)}});
+                                  {"GPIPE_TEST_ACCUMULATE", std::to_string(c.accumulate)},
+                                  {"GPIPE_TEST_CLIP", std::to_string(c.clip)}});
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < world; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
 
@@ -141,6 +154,7 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
   const std::vector<at::Tensor> unique = tied_test::each_once(plain->parameters());
   auto optimizer = make_optimizer(c.opt, unique);
   std::vector<at::Tensor> losses;
+  std::vector<double> norms;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = tied_batch(step);
     optimizer->zero_grad();
@@ -150,7 +164,17 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
       loss.backward();
       losses.push_back(loss.detach());
     }
+    if (c.clip > 0) norms.push_back(torch::nn::utils::clip_grad_norm_(unique, c.clip));
     optimizer->step();
+  }
+  if (c.clip > 0) {
+    // Every rank got the whole model's norm, and it was over the bound: the steps were clipped.
+    for (int r = 0; r < world; ++r) {
+      const at::Tensor got =
+          gpipe_test::read_doubles(folder + "/norm" + std::to_string(r) + ".bin");
+      CATCH_CHECK(at::allclose(got, at::tensor(norms, at::kDouble), 1e-10, 1e-12));
+    }
+    CATCH_CHECK(*std::min_element(norms.begin(), norms.end()) > c.clip);
   }
   std::vector<int64_t> balance;
   for (char ch : c.balance) {

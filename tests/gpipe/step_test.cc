@@ -8,18 +8,24 @@
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <map>
 #include <thread>
 
 #include <ATen/Parallel.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
 #include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 
 #include "benchmarks/memory_meter.h"
+#include "gpipe/clip_grad.h"
+#include "gpipe/executor.h"
+#include "gpipe/link.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/worker.h"
 #include "gpipe/schedule_text.h"
@@ -796,6 +802,182 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
     reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))(blas);
   }
   internal::set_core_share(true);  // forgets the user's setting
+}
+
+// Tokens: [sequences, tokens, 5] to logits over 4 classes.
+nn::Sequential token_model() {
+  return nn::Sequential(nn::Linear(5, 6), nn::Tanh(), nn::Linear(6, 6), nn::Tanh(),
+                        nn::Linear(6, 6), nn::Tanh(), nn::Linear(6, 4));
+}
+
+// The mean cross-entropy over the targets that are not padding (-1).
+at::Tensor token_cross_entropy(const Batch& out, const at::Tensor& y) {
+  namespace F = torch::nn::functional;
+  return F::cross_entropy(out.tensor().flatten(0, 1), y.flatten(),
+                          F::CrossEntropyFuncOptions().ignore_index(-1));
+}
+
+// 12 sequences of 5 tokens, padded with -1 after each one's length: in 4 micro-batches of 3, the
+// second is only padding and the others hold 8, 14 and 9 tokens.
+at::Tensor padded_targets(int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step);
+  at::Tensor y = at::randint(0, 4, {12, 5}, gen, at::kLong);
+  const int64_t lengths[12] = {5, 1, 2, 0, 0, 0, 5, 5, 4, 1, 3, 5};
+  for (int64_t r = 0; r < 12; ++r) y[r].narrow(0, lengths[r], 5 - lengths[r]).fill_(-1);
+  return y;
+}
+
+CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequential under "
+                "every schedule, also with a micro-batch of padding only",
+                "[gpipe][step][loss]") {
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_CAPTURE(kind, static_cast<int>(mode));
+  nn::Sequential plain = build(token_model, 5);
+  GPipe model(build(token_model, 5),
+              GPipeOptions({2, 2, 2, 1}).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(4)
+                  .checkpoint(mode)
+                  .schedule(PipelineSchedule::of(schedule_kind(kind),
+                                                 kind == "interleaved" ? 2 : 1)));
+  const Loss loss(token_cross_entropy, count_targets_except(-1));
+  torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 3; ++step) {
+    at::manual_seed(400 + step);
+    const at::Tensor x = at::randn({12, 5, 5}, at::kDouble);
+    const at::Tensor y = padded_targets(step);
+    plain_sgd.zero_grad();
+    pipe_sgd.zero_grad();
+    const at::Tensor expected = token_cross_entropy(Batch(plain->forward(x)), y);
+    expected.backward();
+    const at::Tensor got = model->step(x, y, loss);
+    CATCH_CHECK(got.item<double>() == gpipe_test::Approx(expected.item<double>()).epsilon(1e-12));
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    if (kind != "gpipe") {
+      // The data tells the weights apart: weighted by rows, the micro-batches' means are not the
+      // mini-batch's mean.
+      at::NoGradGuard no_grad;
+      const double by_rows = model->step(x, y, token_cross_entropy).item<double>();
+      CATCH_CHECK_FALSE(by_rows == gpipe_test::Approx(expected.item<double>()).epsilon(1e-6));
+    }
+    plain_sgd.step();
+    pipe_sgd.step();
+  }
+  check_same(plain->parameters(), model->parameters(), 1e-10);
+}
+
+CATCH_TEST_CASE("A loss's count must be a scalar", "[gpipe][step][loss][errors]") {
+  GPipe model(token_model(), GPipeOptions({4, 3}).chunks(2).schedule(ScheduleKind::k1F1B));
+  const at::Tensor x = at::randn({4, 5, 5});
+  const at::Tensor y = at::zeros({4, 5}, at::kLong);
+  const Loss loss(token_cross_entropy, [](const at::Tensor& rows) { return rows.ne(-1); });
+  CATCH_CHECK_THROWS_WITH(model->step(x, y, loss),
+                          gpipe_test::contains("the loss's count must return a scalar") &&
+                              gpipe_test::contains("[4, 5]"));
+}
+
+CATCH_TEST_CASE("clip_grad_norm over a GPipe's partitions clips as LibTorch's over the plain "
+                "Sequential",
+                "[gpipe][step][clip]") {
+  const double norm_type = GENERATE(2.0, 1.0, std::numeric_limits<double>::infinity());
+  const double max_norm = GENERATE(0.01, 1e6);  // clips; leaves the gradients as they are
+  CATCH_CAPTURE(norm_type, max_norm);
+  nn::Sequential plain = build(skip_model, 3);
+  GPipe model(build(skip_model, 3), GPipeOptions({2, 2, 2, 2})
+                                        .devices(std::vector<c10::Device>(4, at::kCPU))
+                                        .chunks(4)
+                                        .schedule(ScheduleKind::k1F1B));
+  for (int step = 0; step < 2; ++step) {
+    at::manual_seed(500 + step);
+    const at::Tensor x = at::randn({11, 5}, at::kDouble);
+    const at::Tensor y = at::randn({11, 3}, at::kDouble);
+    for (const at::Tensor& p : plain->parameters()) p.mutable_grad() = at::Tensor();
+    for (const at::Tensor& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    plain_step(plain, Batch(x), y, 4);
+    model->step(x, y, mse);
+    const double expected =
+        torch::nn::utils::clip_grad_norm_(plain->parameters(), max_norm, norm_type);
+    const at::Tensor got = clip_grad_norm(model->parameters(), max_norm, norm_type);
+    CATCH_CHECK(got.item<double>() == gpipe_test::Approx(expected).epsilon(1e-10));
+    if (max_norm < 1) CATCH_CHECK(expected > 10 * max_norm);  // it clipped
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+  }
+}
+
+CATCH_TEST_CASE("clip_grad_norm refuses a norm type that is not positive and a negative bound",
+                "[gpipe][step][clip][errors]") {
+  nn::Linear layer(2, 2);
+  layer->weight.mutable_grad() = at::ones({2, 2});
+  CATCH_CHECK_THROWS_WITH(clip_grad_norm(layer->parameters(), 1.0, 0.0),
+                          gpipe_test::contains("norm_type must be positive") &&
+                              gpipe_test::contains("got 0"));
+  CATCH_CHECK_THROWS_WITH(clip_grad_norm(layer->parameters(), -1.0),
+                          gpipe_test::contains("max_norm must be at least 0, got -1"));
+  CATCH_CHECK(clip_grad_norm({}, 1.0).item<double>() == 0);
+}
+
+CATCH_TEST_CASE("clip_grad_norm over partitions on a GPU and the CPU clips as LibTorch's over "
+                "the plain Sequential",
+                "[gpipe][step][clip][cuda]") {
+  const std::vector<c10::Device> devices{c10::Device("cuda:0"), at::kCPU, c10::Device("cuda:0"),
+                                         at::kCPU};
+  nn::Sequential plain = build(skip_model, 3);
+  GPipe model(build(skip_model, 3),
+              GPipeOptions({2, 2, 2, 2}).devices(devices).chunks(4).schedule(ScheduleKind::k1F1B));
+  at::manual_seed(600);
+  const at::Tensor x = at::randn({11, 5}, at::kDouble);
+  const at::Tensor y = at::randn({11, 3}, at::kDouble);
+  plain_step(plain, Batch(x), y, 4);
+  model->step(x.to(devices.front()), y.to(devices.back()), mse);
+  const double expected = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.01);
+  const at::Tensor got = clip_grad_norm(model->parameters(), 0.01);
+  CATCH_CHECK(got.device() == devices.front());
+  CATCH_CHECK(got.item<double>() == gpipe_test::Approx(expected).epsilon(1e-10));
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : model->parameters()) grads.push_back(p.grad().cpu());
+  const auto want = plain->parameters();
+  for (size_t k = 0; k < grads.size(); ++k) CATCH_CHECK(max_diff(want[k].grad(), grads[k]) < 1e-10);
+}
+
+// An upstream that announces `count` micro-batches (as a peer's header may).
+struct Announcing final : detail::Upstream {
+  explicit Announcing(int64_t count) : count(count) {}
+  detail::Activation receive() override { return {count, Batch(at::ones({1, 2})), true}; }
+  void send_gradients(int64_t, std::vector<at::Tensor>) override {}
+  void fail(const std::string&) override {}
+  int64_t count;
+};
+
+CATCH_TEST_CASE("The executor refuses an upstream that announces more micro-batches than the "
+                "stage's chunks, before anything is sized by the count",
+                "[gpipe][executor][errors]") {
+  std::vector<detail::ExecutorPartition> partitions(1);
+  partitions[0].layers = nn::Sequential(nn::Linear(2, 2));
+  partitions[0].batch_norms =
+      std::make_shared<BatchNormLayers>(partitions[0].layers->modules(/*include_self=*/false));
+  partitions[0].grad_record = std::make_shared<GradRecord>();
+  const int64_t count = GENERATE(int64_t{5}, int64_t{1} << 50);
+  Announcing up(count);
+  detail::OutputSink sink;
+  detail::ExecutorSpec spec;
+  spec.who = "a stage";
+  spec.partitions = &partitions;
+  spec.plan = [](int64_t m) {
+    std::vector<Action> lane;
+    for (int64_t i = 0; i < m; ++i) lane.push_back(Action{ActionType::kForward, 0, i});
+    return std::vector<std::vector<Action>>{lane};
+  };
+  spec.workers = {nullptr};
+  spec.upstream = &up;
+  spec.downstream = &sink;
+  spec.max_microbatches = 4;
+  spec.grad_enabled = false;
+  spec.checkpoint_stop = [](int64_t) { return int64_t{0}; };
+  at::NoGradGuard no_grad;
+  CATCH_CHECK_THROWS_WITH(detail::run_schedule(spec),
+                          gpipe_test::contains("a stage: the stage before announced " +
+                                               std::to_string(count) + " micro-batches") &&
+                              gpipe_test::contains("takes 1 to 4 (its chunks)"));
 }
 
 }  // namespace
