@@ -3,6 +3,7 @@
 
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/Context.h>
@@ -15,18 +16,12 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "gpipe/atomic_file.h"
 
 namespace gpipe {
 namespace {
-
-// An exception's message, without the backtrace a c10::Error carries (a message quoted in
-// another error is read by people, not debuggers).
-const char* without_backtrace(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
-
 
 // Archive keys (letters and underscores only, as LibTorch's archives take them).
 constexpr const char* kNames = "gpipe_names";
@@ -75,8 +70,11 @@ void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Mod
   archive.write(kTensors, c10::IValue(tensors));
 }
 
-void read_module(torch::serialize::InputArchive& archive, torch::nn::Module& module,
-                 const std::string& what) {
+// The module's tensors, each with the saved one of its name, after checking every name, shape
+// and dtype: nothing is copied until all match (Note [Saving and resuming]).
+std::vector<std::pair<at::Tensor, at::Tensor>> module_copies(
+    torch::serialize::InputArchive& archive, const torch::nn::Module& module,
+    const std::string& what) {
   c10::IValue names, tensors;
   TORCH_CHECK(archive.try_read(kNames, names) && archive.try_read(kTensors, tensors),
               "gpipe::load_training: ", what, " holds no module state");
@@ -85,9 +83,8 @@ void read_module(torch::serialize::InputArchive& archive, torch::nn::Module& mod
   const auto keys = names.toListRef();
   TORCH_CHECK(keys.size() == values.size(), "gpipe::load_training: ", what, " is damaged");
   for (size_t k = 0; k < keys.size(); ++k) saved.emplace(keys[k].toStringRef(), values.get(k));
-  at::NoGradGuard no_grad;
-  const auto mine = state_of(module);
-  for (const auto& [name, t] : mine) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  for (const auto& [name, t] : state_of(module)) {
     auto it = saved.find(name);
     TORCH_CHECK(it != saved.end(), "gpipe::load_training: ", what, " has no '", name,
                 "', which the module has; load a save of the same model");
@@ -96,17 +93,99 @@ void read_module(torch::serialize::InputArchive& archive, torch::nn::Module& mod
                 "gpipe::load_training: '", name, "' in ", what, " is ", from.sizes(), " ",
                 from.scalar_type(), ", but the module's is ", t.sizes(), " ", t.scalar_type(),
                 "; load a save of the same model (converted as it was when saved)");
-    t.copy_(from);
+    copies.emplace_back(t, from);
+    saved.erase(it);
   }
-  if (saved.size() != mine.size()) {
-    std::vector<std::string> extra;
-    for (const auto& item : saved) {
-      bool found = false;
-      for (const auto& m : mine) found = found || m.first == item.first;
-      if (!found) extra.push_back("'" + item.first + "'");
+  std::vector<std::string> extra;
+  for (const auto& item : saved) extra.push_back("'" + item.first + "'");
+  TORCH_CHECK(extra.empty(), "gpipe::load_training: ", what, " holds ", absl::StrJoin(extra, ", "),
+              ", which the module does not have; load a save of the same model");
+  return copies;
+}
+
+// The names of `module`'s parameters (if any) by tensor, for errors about the optimizer's state.
+std::unordered_map<const void*, std::string> parameter_names(const torch::nn::Module* module) {
+  std::unordered_map<const void*, std::string> out;
+  if (module == nullptr) return out;
+  for (const auto& item : module->named_parameters()) {
+    out.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  return out;
+}
+
+// A parameter's moments, as LibTorch's optimizers keep them (Adam and AdamW, SGD, Adagrad,
+// RMSprop): each has its parameter's shape.
+constexpr const char* kMoments[] = {"exp_avg",         "exp_avg_sq", "max_exp_avg_sq",
+                                    "momentum_buffer", "sum",        "square_avg",
+                                    "grad_avg"};
+
+// `state`'s moments (a parameter's saved optimizer state) against `param`'s shape.
+void check_moments(torch::serialize::InputArchive& state, const at::Tensor& param,
+                   const std::string& param_name, const std::string& what) {
+  for (const char* moment : kMoments) {
+    c10::IValue value;
+    if (!state.try_read(moment, value) || !value.isTensor() || !value.toTensor().defined()) {
+      continue;
     }
-    TORCH_CHECK(false, "gpipe::load_training: ", what, " holds ", absl::StrJoin(extra, ", "),
-                ", which the module does not have; load a save of the same model");
+    const at::Tensor saved = value.toTensor();
+    TORCH_CHECK(saved.sizes() == param.sizes(), "gpipe::load_training: the optimizer's '", moment,
+                "' of ", param_name, " in ", what, " is ", saved.sizes(), ", but the parameter "
+                "is ", param.sizes(), "; make the optimizer over the same parameters as when "
+                "saved");
+  }
+}
+
+// Parameter group `i` of a saved optimizer's state (`group`, and the parameters' states in
+// `states`) against `params`, the optimizer's group `i`: as many parameters, each parameter's
+// moments of its shape.
+void check_group(torch::serialize::InputArchive& group, torch::serialize::InputArchive& states,
+                 size_t i, const std::vector<at::Tensor>& params,
+                 const std::unordered_map<const void*, std::string>& names,
+                 const std::string& what) {
+  at::Tensor size;
+  group.read("params/size", size);
+  TORCH_CHECK(size.item<int64_t>() == static_cast<int64_t>(params.size()),
+              "gpipe::load_training: the optimizer's parameter group ", i, " in ", what, " has ",
+              size.item<int64_t>(), " parameter(s), but this optimizer's has ", params.size(),
+              "; make the optimizer over the same parameters as when saved");
+  for (size_t j = 0; j < params.size(); ++j) {
+    c10::IValue key;
+    group.read("params/" + std::to_string(j), key);
+    torch::serialize::InputArchive state;
+    if (!states.try_read(key.toStringRef(), state)) continue;
+    const auto name = names.find(params[j].unsafeGetTensorImpl());
+    check_moments(state, params[j],
+                  name != names.end() ? "'" + name->second + "'"
+                                      : absl::StrCat("parameter ", j, " of group ", i),
+                  what);
+  }
+}
+
+// The optimizer's state in `saved` against `optimizer`: as many parameter groups, of as many
+// parameters, and each parameter's moments of its shape (LibTorch's load() checks the groups,
+// but not the moments, and only while it loads). An optimizer whose state has another format is
+// left to its load().
+void check_optimizer(torch::serialize::InputArchive& saved,
+                     const torch::optim::Optimizer& optimizer, const torch::nn::Module* module,
+                     const std::string& what) {
+  c10::IValue version;
+  torch::serialize::InputArchive groups, states;
+  if (!saved.try_read("pytorch_version", version) || !saved.try_read("param_groups", groups) ||
+      !saved.try_read("state", states)) {
+    return;
+  }
+  const auto& mine = optimizer.param_groups();
+  at::Tensor count;
+  groups.read("param_groups/size", count);
+  TORCH_CHECK(count.item<int64_t>() == static_cast<int64_t>(mine.size()),
+              "gpipe::load_training: the optimizer's state in ", what, " has ",
+              count.item<int64_t>(), " parameter group(s), but this optimizer has ", mine.size(),
+              "; make the optimizer over the same parameters as when saved");
+  const auto names = parameter_names(module);
+  for (size_t i = 0; i < mine.size(); ++i) {
+    torch::serialize::InputArchive group;
+    groups.read("param_groups/" + std::to_string(i), group);
+    check_group(group, states, i, mine[i].params(), names, what);
   }
 }
 
@@ -119,7 +198,9 @@ void write_random(torch::serialize::OutputArchive& archive) {
   archive.write(kRandom, c10::IValue(states));
 }
 
-void read_random(torch::serialize::InputArchive& archive, const std::string& what) {
+// The saved generators' states, checked against this process's generators.
+std::vector<at::Tensor> random_states(torch::serialize::InputArchive& archive,
+                                      const std::string& what) {
   c10::IValue value;
   TORCH_CHECK(archive.try_read(kRandom, value), "gpipe::load_training: ", what,
               " holds no random generators");
@@ -128,9 +209,28 @@ void read_random(torch::serialize::InputArchive& archive, const std::string& wha
   TORCH_CHECK(states.size() == mine.size(), "gpipe::load_training: ", what, " was saved with ",
               states.size() - 1, " CUDA device(s), but this process has ", mine.size() - 1,
               "; resume on the same devices");
+  std::vector<at::Tensor> out;
   for (size_t k = 0; k < mine.size(); ++k) {
+    at::Tensor current;
+    {
+      std::lock_guard<std::mutex> lock(mine[k].mutex());
+      current = mine[k].get_state();
+    }
+    const at::Tensor saved = states.get(k);
+    TORCH_CHECK(saved.numel() == current.numel() && saved.scalar_type() == current.scalar_type(),
+                "gpipe::load_training: the state of random generator ", k, " in ", what, " is ",
+                saved.numel(), " ", saved.scalar_type(), ", but this process's is ",
+                current.numel(), " ", current.scalar_type(), "; resume with the same LibTorch");
+    out.push_back(saved);
+  }
+  return out;
+}
+
+void restore_random(const std::vector<at::Tensor>& states) {
+  std::vector<at::Generator> mine = generators();
+  for (size_t k = 0; k < states.size(); ++k) {
     std::lock_guard<std::mutex> lock(mine[k].mutex());
-    mine[k].set_state(states.get(k));
+    mine[k].set_state(states[k]);
   }
 }
 
@@ -150,9 +250,14 @@ void check_layout(torch::serialize::InputArchive& archive, const std::string& la
 
 }  // namespace
 
-void save_file(const std::string& path, const std::string& layout,
-               const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
-               int64_t step, bool random, const GradScaler* scaler) {
+const char* without_backtrace(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
+FileDigest save_file(const std::string& path, const std::string& layout,
+                     const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
+                     int64_t step, bool random, const GradScaler* scaler) {
   torch::serialize::OutputArchive archive;
   write_layout(archive, layout);
   if (module != nullptr) write_module(archive, *module);
@@ -168,48 +273,66 @@ void save_file(const std::string& path, const std::string& layout,
     scaler->save(state);
     archive.write(kScaler, state);
   }
+  AtomicFile file(path, "gpipe::save_training");
   try {
-    archive.save_to(path);
+    archive.save_to([&file](const void* data, size_t size) {
+      file.append(data, size);
+      return size;
+    });
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "gpipe::save_training: cannot write '", path, "': ",
-                without_backtrace(e));
+    const std::string reason = file.error().empty() ? without_backtrace(e) : file.error();
+    TORCH_CHECK(false, "gpipe::save_training: cannot write '", path, "': ", reason);
   }
+  return file.commit();
 }
 
-int64_t load_file(const std::string& path, const std::string& layout, torch::nn::Module* module,
-                  torch::optim::Optimizer* optimizer, bool random, GradScaler* scaler) {
-  torch::serialize::InputArchive archive;
+LoadedFile::LoadedFile(const std::string& path, const std::string& bytes,
+                       const std::string& layout, torch::nn::Module* module,
+                       torch::optim::Optimizer* optimizer, bool random, GradScaler* scaler)
+    : what_("'" + path + "'"), optimizer_(optimizer), scaler_(scaler) {
   try {
-    archive.load_from(path);
+    archive_.load_from(bytes.data(), bytes.size());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::load_training: cannot read '", path, "': ",
                 without_backtrace(e));
   }
-  const std::string what = "'" + path + "'";
-  check_layout(archive, layout, what);
-  if (module != nullptr) read_module(archive, *module, what);
+  check_layout(archive_, layout, what_);
+  if (module != nullptr) copies_ = module_copies(archive_, *module, what_);
   if (optimizer != nullptr) {
-    torch::serialize::InputArchive state;
-    TORCH_CHECK(archive.try_read(kOptimizer, state), "gpipe::load_training: ", what,
+    TORCH_CHECK(archive_.try_read(kOptimizer, optimizer_state_), "gpipe::load_training: ", what_,
                 " was saved without an optimizer");
-    try {
-      optimizer->load(state);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "gpipe::load_training: the optimizer's state in ", what, " does not fit "
-                  "this optimizer (", e.what_without_backtrace(), "); make the optimizer over "
-                  "the same parameters as when saved");
-    }
+    check_optimizer(optimizer_state_, *optimizer, module, what_);
   }
   c10::IValue step;
-  archive.read(kStep, step);
-  if (random) read_random(archive, what);
+  TORCH_CHECK(archive_.try_read(kStep, step) && step.isInt(), "gpipe::load_training: ", what_,
+              " holds no step");
+  step_ = step.toInt();
+  if (random) random_ = random_states(archive_, what_);
   if (scaler != nullptr) {
     torch::serialize::InputArchive state;
-    TORCH_CHECK(archive.try_read(kScaler, state), "gpipe::load_training: ", what,
+    TORCH_CHECK(archive_.try_read(kScaler, state), "gpipe::load_training: ", what_,
                 " was saved without a GradScaler");
-    scaler->load(state);
+    scaler_state_.emplace(*scaler);
+    scaler_state_->load(state);
   }
-  return step.toInt();
+}
+
+void LoadedFile::apply() {
+  if (optimizer_ != nullptr) {
+    try {
+      optimizer_->load(optimizer_state_);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "gpipe::load_training: the optimizer's state in ", what_, " does not "
+                  "fit this optimizer (", e.what_without_backtrace(), "); make the optimizer "
+                  "over the same parameters as when saved");
+    }
+  }
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [mine, saved] : copies_) mine.copy_(saved);
+  }
+  restore_random(random_);
+  if (scaler_ != nullptr) *scaler_ = *scaler_state_;
 }
 
 }  // namespace detail
@@ -222,7 +345,10 @@ void save_training(const std::string& path, const torch::nn::Module& module,
 
 int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler) {
-  return detail::load_file(path, "one process", &module, optimizer, /*random=*/true, scaler);
+  detail::LoadedFile file(path, detail::read_whole_file(path, "gpipe::load_training"),
+                          "one process", &module, optimizer, /*random=*/true, scaler);
+  file.apply();
+  return file.step();
 }
 
 }  // namespace gpipe

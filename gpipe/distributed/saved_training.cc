@@ -1,20 +1,34 @@
-// Saving and resuming training across processes; see saved_training.h and Note [Saving and
-// resuming] in gpipe/saved_training.h.
+// Saving and resuming training across processes; see saved_training.h and Notes [Saving and
+// resuming] and [Atomic saves] in gpipe/saved_training.h.
 #include "gpipe/distributed/saved_training.h"
 
 #include <sys/stat.h>
 
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <system_error>
+#include <vector>
 
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "gpipe/atomic_file.h"
 
 namespace gpipe {
 namespace distributed {
 namespace {
+
+constexpr const char* kManifest = "manifest.txt";
+constexpr const char* kFormat = "gpipe save 1";
 
 // Makes folder `dir` and the folders above it that are missing.
 void make_folders(const std::string& dir) {
@@ -28,84 +42,436 @@ void make_folders(const std::string& dir) {
   }
 }
 
-// Waits until every rank of `group` (if any) got here.
-void barrier(const ProcessGroup& group, const std::string& what) {
-  if (!group || group->getSize() == 1) return;
-  check_collective(group, what, [&] { group->barrier()->wait(); });
-}
+// Who writes what in a save across processes. The ranks form a grid: `outer` (the stages of a
+// pipeline; one for a DataParallel) × `inner` (the replicas). Each outer index's module file is
+// written by its inner index 0, each rank's random generators by itself, the manifest by (0, 0).
+struct Grid {
+  ProcessGroup inner, outer;  // null: one rank
+  int inner_size = 1, outer_size = 1;
+  int inner_index = 0, outer_index = 0;
+  std::function<std::string(int outer)> layout;       // what wrote outer index's files
+  std::function<std::string(int outer)> module_base;  // its module file's name, up to ".step"
+  std::function<std::string(int outer, int inner)> random_base;
+  std::function<std::string(int outer, int inner)> who;  // a rank, for errors
+  c10::Device local{c10::kCPU};                           // for collectives on NCCL
 
-// Where a save across processes goes in its folder: the module's file (written by one rank) and
-// this rank's generators, both marked with the layout.
-struct SaveFiles {
-  std::string layout;
-  std::string module;  // relative to the folder
-  std::string random;
-  bool writer;             // this rank writes the module's file
-  ProcessGroup readers;    // the ranks that read it, met at a barrier after saving (may be null)
+  bool writes_module() const { return inner_index == 0; }
+  bool writes_manifest() const { return inner_index == 0 && outer_index == 0; }
 };
 
-SaveFiles stage_files(const PipelineStageImpl& stage) {
-  const auto& options = stage.options();
-  const ProcessGroup& replicas = stage.replica_group();
-  const int replica = replicas ? replicas->getRank() : 0;
-  return {absl::StrCat("stage ", stage.stage(), " of ", stage.stages(), " (balance {",
-                       absl::StrJoin(options.balance(), ", "), "}, ", options.schedule().virtual_stages(),
-                       " virtual stage(s) each, ", replicas ? replicas->getSize() : 1,
-                       " replica(s))"),
-          absl::StrCat("stage", stage.stage(), ".pt"),
-          absl::StrCat("random_stage", stage.stage(), "_replica", replica, ".pt"), replica == 0,
-          replicas};
-}
-
-SaveFiles replica_files(const DataParallelImpl& model) {
-  const int rank = model.group()->getRank();
-  return {absl::StrCat("a DataParallel of ", model.group()->getSize(), " replicas"),
-          "replicas.pt", absl::StrCat("random_rank", rank, ".pt"), rank == 0, model.group()};
-}
-
-void save(const std::string& dir, const SaveFiles& files, const torch::nn::Module& module,
-          const torch::optim::Optimizer* optimizer, int64_t step) {
-  make_folders(dir);
-  if (files.writer) {
-    detail::save_file(dir + "/" + files.module, files.layout, &module, optimizer, step,
-                      /*random=*/false);
+// Where a group that carries GPU tensors (NCCL) takes this process's: its first GPU tensor's
+// device, else the CPU.
+c10::Device local_device(const torch::nn::Module& module) {
+  for (const at::Tensor& t : module.parameters()) {
+    if (t.is_cuda()) return t.device();
   }
-  detail::save_file(dir + "/" + files.random, files.layout, nullptr, nullptr, step,
-                    /*random=*/true);
-  barrier(files.readers, "the barrier after saving");
+  for (const at::Tensor& t : module.buffers()) {
+    if (t.is_cuda()) return t.device();
+  }
+  return c10::Device(c10::kCPU);
 }
 
-int64_t load(const std::string& dir, const SaveFiles& files, torch::nn::Module& module,
-             torch::optim::Optimizer* optimizer) {
-  const int64_t step = detail::load_file(dir + "/" + files.module, files.layout, &module,
-                                         optimizer, /*random=*/false);
-  const int64_t random_step = detail::load_file(dir + "/" + files.random, files.layout, nullptr,
-                                                nullptr, /*random=*/true);
-  TORCH_CHECK(step == random_step, "gpipe::load_training: '", dir, "' mixes saves of steps ",
-              step, " and ", random_step, "; load a folder one save_training wrote");
-  return step;
+Grid stage_grid(const PipelineStageImpl& stage) {
+  Grid grid;
+  grid.inner = stage.replica_group();
+  grid.outer = stage.group();
+  grid.inner_size = grid.inner ? grid.inner->getSize() : 1;
+  grid.inner_index = grid.inner ? grid.inner->getRank() : 0;
+  grid.outer_size = grid.outer ? grid.outer->getSize() : 1;
+  grid.outer_index = static_cast<int>(stage.stage());
+  const auto& options = stage.options();
+  grid.layout = [stages = stage.stages(), balance = absl::StrJoin(options.balance(), ", "),
+                 virtual_stages = options.schedule().virtual_stages(),
+                 replicas = grid.inner_size](int s) {
+    return absl::StrCat("stage ", s, " of ", stages, " (balance {", balance, "}, ",
+                        virtual_stages, " virtual stage(s) each, ", replicas, " replica(s))");
+  };
+  grid.module_base = [](int s) { return absl::StrCat("stage", s); };
+  grid.random_base = [](int s, int k) { return absl::StrCat("random_stage", s, "_replica", k); };
+  grid.who = [](int s, int k) { return absl::StrCat("stage ", s, "'s replica ", k); };
+  grid.local = local_device(stage);
+  return grid;
+}
+
+Grid replica_grid(const DataParallelImpl& model) {
+  Grid grid;
+  grid.inner = model.group();
+  grid.inner_size = model.group()->getSize();
+  grid.inner_index = model.group()->getRank();
+  grid.layout = [replicas = grid.inner_size](int) {
+    return absl::StrCat("a DataParallel of ", replicas, " replicas");
+  };
+  grid.module_base = [](int) { return std::string("replicas"); };
+  grid.random_base = [](int, int r) { return absl::StrCat("random_rank", r); };
+  grid.who = [](int, int r) { return absl::StrCat("rank ", r); };
+  grid.local = local_device(model);
+  return grid;
+}
+
+// Every rank's `mine` (int64, the same size everywhere) as [outer][inner][...]: gathered over
+// the inner group, then those over the outer, so that every rank has every rank's.
+at::Tensor everyone(const Grid& grid, const at::Tensor& mine, const std::string& what) {
+  const at::Tensor row = grid.inner && grid.inner_size > 1
+                             ? at::stack(all_gather(grid.inner, mine, grid.local, what))
+                             : mine.unsqueeze(0);
+  return grid.outer && grid.outer_size > 1
+             ? at::stack(all_gather(grid.outer, row, grid.local, what))
+             : row.unsqueeze(0);
+}
+
+// A checksum as manifests write it: 16 hexadecimal digits.
+std::string hex(uint64_t value) { return absl::StrCat(absl::Hex(value, absl::kZeroPad16)); }
+
+// A file of a save: "<base>.step<step>.save<save>.pt" (Note [Atomic saves]).
+std::string file_name(const std::string& base, int64_t step, int64_t save) {
+  return absl::StrFormat("%s.step%06d.save%d.pt", base, step, save);
+}
+
+// ----- The manifest
+
+struct ManifestFile {
+  std::string name;
+  int64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+
+// What a save committed: its step, the folder's count of saves, what wrote it, its files.
+struct Manifest {
+  int64_t step = 0;
+  int64_t save = 0;
+  std::vector<std::string> layouts;
+  std::vector<ManifestFile> files;
+};
+
+// The line that ends a manifest whose text before it is `text`.
+std::string checksum_line(const std::string& text) {
+  return absl::StrCat("checksum ", hex(detail::checksum(text.data(), text.size())), "\n");
+}
+
+// The manifest as text, one field a line, its own checksum last:
+//   gpipe save 1
+//   step 300
+//   save 4
+//   layout stage 0 of 2 (balance {3, 3}, 1 virtual stage(s) each, 2 replica(s))
+//   file stage0.step000300.save4.pt 10496 9c3b0d1e5f2a7788
+//   checksum 0123456789abcdef
+std::string manifest_text(const Manifest& manifest) {
+  std::string text = absl::StrCat(kFormat, "\nstep ", manifest.step, "\nsave ", manifest.save,
+                                  "\n");
+  for (const std::string& layout : manifest.layouts) {
+    absl::StrAppend(&text, "layout ", layout, "\n");
+  }
+  for (const ManifestFile& f : manifest.files) {
+    absl::StrAppend(&text, "file ", f.name, " ", f.bytes, " ", hex(f.checksum), "\n");
+  }
+  return text + checksum_line(text);
+}
+
+// One line of a manifest into `manifest`; false when it is not a manifest's line.
+bool parse_line(const std::string& line, Manifest& manifest) {
+  std::istringstream in(line);
+  std::string key;
+  in >> key;
+  if (key == "layout" && line.size() > key.size() + 1) {
+    manifest.layouts.push_back(line.substr(key.size() + 1));
+    return true;
+  }
+  if (key == "file") {
+    ManifestFile f;
+    in >> f.name >> f.bytes >> std::hex >> f.checksum;
+    manifest.files.push_back(f);
+  } else if (key == "step") {
+    in >> manifest.step;
+  } else if (key == "save") {
+    in >> manifest.save;
+  } else {
+    return false;
+  }
+  return !in.fail() && in.peek() == EOF;
+}
+
+// Parses a manifest's text; throws, naming `path`, on a manifest that is damaged.
+Manifest parse_manifest(const std::string& text, const std::string& path) {
+  const size_t last = text.rfind("checksum ");
+  const bool whole = last != std::string::npos && absl::StartsWith(text, kFormat) &&
+                     text.compare(last, std::string::npos,
+                                  checksum_line(text.substr(0, last))) == 0;
+  TORCH_CHECK(whole, "gpipe::load_training: '", path, "' is damaged (not a manifest of ",
+              kFormat, ", or its checksum does not match); load another save");
+  Manifest manifest;
+  std::istringstream lines(text.substr(0, last));
+  std::string line;
+  std::getline(lines, line);  // the format
+  while (std::getline(lines, line)) {
+    TORCH_CHECK(parse_line(line, manifest), "gpipe::load_training: '", path,
+                "' is damaged: cannot read its line '", line, "'; load another save");
+  }
+  return manifest;
+}
+
+// The save count of the manifest in `dir`, or 0 where there is none that can be read.
+int64_t last_save(const std::string& dir) {
+  try {
+    const std::string path = dir + "/" + kManifest;
+    return parse_manifest(detail::read_whole_file(path, "gpipe::save_training"), path).save;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// ----- Saving
+
+// What each rank tells the others after writing its files.
+enum Field : int64_t {
+  kOk,  // 1: its files are on the disk
+  kStep,
+  kModuleBytes,  // of its module file (the inner index 0 only)
+  kModuleChecksum,
+  kRandomBytes,
+  kRandomChecksum,
+  kFields
+};
+
+// The save's count in its folder: one more than the manifest's there (Note [Atomic saves]), as
+// the manifest's writer reads it.
+int64_t agree_on_save(const std::string& dir, const Grid& grid) {
+  const int64_t mine = grid.writes_manifest() ? last_save(dir) + 1 : 0;
+  return everyone(grid, at::tensor(std::vector<int64_t>{mine}, at::kLong),
+                  "the agreement on the save's files")
+      .max()
+      .item<int64_t>();
+}
+
+// Writes this rank's files of save `save`; returns its kFields, and in `error` what failed.
+at::Tensor write_files(const std::string& dir, const Grid& grid, const torch::nn::Module& module,
+                       const torch::optim::Optimizer* optimizer, int64_t step, int64_t save,
+                       const GradScaler* scaler, std::exception_ptr& error) {
+  std::vector<int64_t> fields(kFields, 0);
+  fields[kStep] = step;
+  const std::string layout = grid.layout(grid.outer_index);
+  try {
+    make_folders(dir);
+    if (grid.writes_module()) {
+      const detail::FileDigest d = detail::save_file(
+          dir + "/" + file_name(grid.module_base(grid.outer_index), step, save), layout, &module,
+          optimizer, step, /*random=*/false, scaler);
+      fields[kModuleBytes] = d.bytes;
+      fields[kModuleChecksum] = static_cast<int64_t>(d.checksum);
+    }
+    const detail::FileDigest d = detail::save_file(
+        dir + "/" + file_name(grid.random_base(grid.outer_index, grid.inner_index), step, save),
+        layout, nullptr, nullptr, step, /*random=*/true);
+    fields[kRandomBytes] = d.bytes;
+    fields[kRandomChecksum] = static_cast<int64_t>(d.checksum);
+    fields[kOk] = 1;
+  } catch (const std::exception&) {
+    error = std::current_exception();
+  }
+  return at::tensor(fields, at::kLong);
+}
+
+// Throws, on every rank alike, when a rank could not write its files or saves another step.
+void check_written(const Grid& grid, const at::Tensor& all, const std::string& dir,
+                   const std::exception_ptr& error) {
+  if (error) std::rethrow_exception(error);
+  const int64_t step = all[0][0][kStep].item<int64_t>();
+  for (int s = 0; s < grid.outer_size; ++s) {
+    for (int k = 0; k < grid.inner_size; ++k) {
+      TORCH_CHECK(all[s][k][kOk].item<int64_t>() == 1, "gpipe::save_training: ", grid.who(s, k),
+                  " could not write its files into '", dir, "' (its error says why); the save "
+                  "is not committed, and the folder keeps its last committed save");
+      const int64_t theirs = all[s][k][kStep].item<int64_t>();
+      TORCH_CHECK(theirs == step, "gpipe::save_training: ", grid.who(s, k), " saves step ",
+                  theirs, ", but ", grid.who(0, 0), " saves step ", step, "; every rank saves "
+                  "the same step (the save into '", dir, "' is not committed)");
+    }
+  }
+}
+
+// The manifest of the save whose ranks wrote `all`.
+Manifest manifest_of(const Grid& grid, const at::Tensor& all, int64_t step, int64_t save) {
+  Manifest manifest{step, save, {}, {}};
+  const auto value = [&](int s, int k, Field f) { return all[s][k][f].item<int64_t>(); };
+  for (int s = 0; s < grid.outer_size; ++s) {
+    manifest.layouts.push_back(grid.layout(s));
+    manifest.files.push_back({file_name(grid.module_base(s), step, save),
+                              value(s, 0, kModuleBytes),
+                              static_cast<uint64_t>(value(s, 0, kModuleChecksum))});
+    for (int k = 0; k < grid.inner_size; ++k) {
+      manifest.files.push_back({file_name(grid.random_base(s, k), step, save),
+                                value(s, k, kRandomBytes),
+                                static_cast<uint64_t>(value(s, k, kRandomChecksum))});
+    }
+  }
+  return manifest;
+}
+
+// Writes the manifest (on its writer), which commits the save, and tells every rank whether it
+// did; throws on every rank when it did not.
+void commit(const std::string& dir, const Grid& grid, const Manifest& manifest) {
+  const std::string path = dir + "/" + kManifest;
+  std::string error;
+  if (grid.writes_manifest()) {
+    try {
+      detail::write_atomically(path, manifest_text(manifest), "gpipe::save_training");
+    } catch (const std::exception& e) {
+      error = detail::without_backtrace(e);
+    }
+  }
+  const at::Tensor done = everyone(
+      grid, at::tensor(std::vector<int64_t>{error.empty() ? 1 : 0}, at::kLong),
+      "the commit of the save");
+  TORCH_CHECK(error.empty(), "gpipe::save_training: the save of step ", manifest.step, " into '",
+              dir, "' is not committed: ", error, "; the folder keeps its last committed save");
+  TORCH_CHECK(done.min().item<int64_t>() == 1, "gpipe::save_training: the save of step ",
+              manifest.step, " into '", dir, "' is not committed: ", grid.who(0, 0),
+              " could not write '", path, "' (its error says why); the folder keeps its last "
+              "committed save");
+}
+
+// Removes this rank's files of other saves from `dir` (and temporary files a crash left), now
+// that the manifest no longer lists them. Best effort: the save is committed already.
+void remove_older(const std::string& dir, const Grid& grid, int64_t step, int64_t save) {
+  std::vector<std::pair<std::string, std::string>> mine;  // (prefix, the file to keep)
+  if (grid.writes_module()) {
+    const std::string base = grid.module_base(grid.outer_index);
+    mine.emplace_back(base + ".step", file_name(base, step, save));
+  }
+  const std::string base = grid.random_base(grid.outer_index, grid.inner_index);
+  mine.emplace_back(base + ".step", file_name(base, step, save));
+  if (grid.writes_manifest()) mine.emplace_back(std::string(kManifest) + ".tmp.", "");
+  try {
+    std::vector<std::filesystem::path> old;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      for (const auto& [prefix, keep] : mine) {
+        if (absl::StartsWith(name, prefix) && name != keep) old.push_back(entry.path());
+      }
+    }
+    std::error_code ignored;
+    for (const auto& path : old) std::filesystem::remove(path, ignored);
+  } catch (const std::exception&) {
+    // Left for the next save to remove.
+  }
+}
+
+void save(const std::string& dir, const Grid& grid, const torch::nn::Module& module,
+          const torch::optim::Optimizer* optimizer, int64_t step, const GradScaler* scaler) {
+  const int64_t number = agree_on_save(dir, grid);
+  std::exception_ptr error;
+  const at::Tensor mine = write_files(dir, grid, module, optimizer, step, number, scaler, error);
+  const at::Tensor all = everyone(grid, mine, "the gathering of the save's checksums");
+  check_written(grid, all, dir, error);
+  commit(dir, grid, manifest_of(grid, all, step, number));
+  remove_older(dir, grid, step, number);
+}
+
+// ----- Loading
+
+// The manifest of `dir`; throws when there is none (no save into `dir` finished) or it is
+// damaged.
+Manifest read_manifest(const std::string& dir) {
+  const std::string path = dir + "/" + kManifest;
+  struct stat info {};
+  TORCH_CHECK(::stat(path.c_str(), &info) == 0 || errno != ENOENT, "gpipe::load_training: '", dir,
+              "' holds no ", kManifest, ": no save_training into it finished (a save commits by "
+              "writing it last); load a folder that save_training wrote");
+  return parse_manifest(detail::read_whole_file(path, "gpipe::load_training"), path);
+}
+
+void check_layout_listed(const Manifest& manifest, const std::string& layout,
+                         const std::string& dir) {
+  for (const std::string& saved : manifest.layouts) {
+    if (saved == layout) return;
+  }
+  TORCH_CHECK(false, "gpipe::load_training: '", dir, "' was saved by ",
+              absl::StrJoin(manifest.layouts, "; "), ", but is loaded into ", layout,
+              "; resume with the layout it was saved from");
+}
+
+// The path and bytes of the file of `base` that the manifest commits, checked against the
+// manifest's name, length and checksum for it.
+std::pair<std::string, std::string> committed_file(const std::string& dir,
+                                                   const Manifest& manifest,
+                                                   const std::string& base) {
+  const std::string manifest_path = dir + "/" + kManifest;
+  const std::string expected = file_name(base, manifest.step, manifest.save);
+  const ManifestFile* listed = nullptr;
+  for (const ManifestFile& f : manifest.files) {
+    if (absl::StartsWith(f.name, base + ".step")) listed = &f;
+  }
+  TORCH_CHECK(listed != nullptr, "gpipe::load_training: '", manifest_path, "' lists no '",
+              expected, "'; load a folder that save_training wrote");
+  TORCH_CHECK(listed->name == expected, "gpipe::load_training: '", manifest_path,
+              "' commits step ", manifest.step, " (save ", manifest.save, ") but lists '",
+              listed->name, "': it mixes saves (its file would be '", expected, "'); load a "
+              "folder that one save_training wrote");
+  const std::string path = dir + "/" + expected;
+  std::string bytes = detail::read_whole_file(path, "gpipe::load_training");
+  const uint64_t sum = detail::checksum(bytes.data(), bytes.size());
+  TORCH_CHECK(static_cast<int64_t>(bytes.size()) == listed->bytes && sum == listed->checksum,
+              "gpipe::load_training: '", path, "' is torn or was replaced: it has ", bytes.size(),
+              " bytes of checksum ", hex(sum), ", but '", manifest_path, "' commits ",
+              listed->bytes, " bytes of checksum ", hex(listed->checksum), " for step ",
+              manifest.step,
+              "; load a folder whose save finished, or an earlier save");
+  return {path, std::move(bytes)};
+}
+
+// A committed file of the save, read and checked, its step the manifest's.
+std::unique_ptr<detail::LoadedFile> load_file(const std::string& dir, const Manifest& manifest,
+                                              const std::string& base, const std::string& layout,
+                                              torch::nn::Module* module,
+                                              torch::optim::Optimizer* optimizer, bool random,
+                                              GradScaler* scaler) {
+  const auto [path, bytes] = committed_file(dir, manifest, base);
+  auto file = std::make_unique<detail::LoadedFile>(path, bytes, layout, module, optimizer, random,
+                                                   scaler);
+  TORCH_CHECK(file->step() == manifest.step, "gpipe::load_training: '", path, "' holds step ",
+              file->step(), ", but '", dir, "/", kManifest, "' commits step ", manifest.step,
+              ": the folder mixes saves of different steps; load a folder that one "
+              "save_training wrote");
+  return file;
+}
+
+int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,
+             torch::optim::Optimizer* optimizer, GradScaler* scaler) {
+  const Manifest manifest = read_manifest(dir);
+  const std::string layout = grid.layout(grid.outer_index);
+  check_layout_listed(manifest, layout, dir);
+  // Both files read and checked before either changes anything (Note [Saving and resuming]).
+  const auto module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout,
+                                     &module, optimizer, /*random=*/false, scaler);
+  const auto random_file =
+      load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index), layout,
+                nullptr, nullptr, /*random=*/true, nullptr);
+  module_file->apply();
+  random_file->apply();
+  return manifest.step;
 }
 
 }  // namespace
 
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
-                   const torch::optim::Optimizer* optimizer, int64_t step) {
-  save(dir, stage_files(stage), stage, optimizer, step);
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler) {
+  save(dir, stage_grid(stage), stage, optimizer, step, scaler);
 }
 
 int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
-                      torch::optim::Optimizer* optimizer) {
-  return load(dir, stage_files(stage), stage, optimizer);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler) {
+  return load(dir, stage_grid(stage), stage, optimizer, scaler);
 }
 
 void save_training(const std::string& dir, const DataParallelImpl& model,
-                   const torch::optim::Optimizer* optimizer, int64_t step) {
-  save(dir, replica_files(model), model, optimizer, step);
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler) {
+  save(dir, replica_grid(model), model, optimizer, step, scaler);
 }
 
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
-                      torch::optim::Optimizer* optimizer) {
-  return load(dir, replica_files(model), model, optimizer);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler) {
+  return load(dir, replica_grid(model), model, optimizer, scaler);
 }
 
 }  // namespace distributed

@@ -1,5 +1,6 @@
 // Saving and resuming training across processes: each pipeline stage (or the replicas of a
-// DataParallel) in a file of its own in one folder, each rank's random generators in another.
+// DataParallel) in a file of its own in one folder, each rank's random generators in another, a
+// manifest with every file's checksum written last to commit the save.
 #pragma once
 
 #include <cstdint>
@@ -9,36 +10,53 @@
 
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/distributed/pipeline_stage.h"
+#include "gpipe/grad_scaler.h"
 #include "gpipe/saved_training.h"
 
 namespace gpipe {
 namespace distributed {
 
 /// Saves a pipeline stage's training to the folder `dir` (made if missing; Note [Saving and
-/// resuming] in gpipe/saved_training.h): the stage's layers, `optimizer` (over its parameters;
-/// may be null) and `step` in "stage<s>.pt", written by the stage's replica 0, and this rank's
-/// random generators in "random_stage<s>_replica<k>.pt". Every rank calls it; it returns once its
-/// stage's file is written (a barrier over the stage's replicas).
+/// resuming] and Note [Atomic saves] in gpipe/saved_training.h): the stage's layers, `optimizer`
+/// (over its parameters; may be null), `step` and `scaler`'s state (if not null) in
+/// "stage<s>.step<step>.save<n>.pt", written by the stage's replica 0, and this rank's random
+/// generators in "random_stage<s>_replica<k>.step<step>.save<n>.pt". Every rank calls it, with
+/// the same step. The files' lengths and checksums reach stage 0's replica 0 through the process
+/// groups; it then writes "manifest.txt", which commits the save, and only then are the files
+/// of the folder's earlier save removed. It returns once the save is committed; when any
+/// rank could not write its files, or the ranks save different steps, it throws c10::Error on
+/// every rank and the folder keeps its last committed save. Saving into the same folder again
+/// (every N steps) replaces the save atomically: a process killed during a save leaves the
+/// previous one loadable.
 ///
-///   gpipe::distributed::save_training("run/step_1000", *stage, &sgd, step);
+///   gpipe::distributed::save_training("run/latest", *stage, &sgd, step, &scaler);
 ///   ...  // later, the same processes, stages and options
-///   step = gpipe::distributed::load_training("run/step_1000", *stage, &sgd);
+///   step = gpipe::distributed::load_training("run/latest", *stage, &sgd, &scaler);
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
-                   const torch::optim::Optimizer* optimizer, int64_t step);
-/// Loads what save_training saved for this stage (the same stages, balance and replicas) and this
-/// rank's random generators; returns the step.
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler = nullptr);
+/// Loads what save_training committed in `dir` for this stage (the same stages, balance and
+/// replicas) and this rank's random generators, and `scaler`'s state (if not null); returns the
+/// step. Throws c10::Error, changing nothing, when `dir` has no manifest (no save finished),
+/// when a file is torn or replaced (its checksum is not the manifest's), when the folder mixes
+/// saves of different steps, or when the save does not fit the stage, the optimizer or the
+/// scaler; each error names the file and what the manifest says.
 int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
-                      torch::optim::Optimizer* optimizer);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
-/// The same for the replicas of a DataParallel: the module, `optimizer` and `step` in
-/// "replicas.pt" (written by rank 0: the replicas are equal) and each rank's random generators
-/// in "random_rank<r>.pt".
+/// The same for the replicas of a DataParallel: the module, `optimizer`, `step` and `scaler` in
+/// "replicas.step<step>.save<n>.pt" (written by rank 0: the replicas are equal), each rank's
+/// random generators in "random_rank<r>.step<step>.save<n>.pt", and "manifest.txt" by rank 0.
+///
+///   gpipe::distributed::save_training("run/latest", *model, &sgd, step);
+///   step = gpipe::distributed::load_training("run/latest", *model, &sgd);
 void save_training(const std::string& dir, const DataParallelImpl& model,
-                   const torch::optim::Optimizer* optimizer, int64_t step);
-/// Loads what save_training saved for the replicas (as many of them) and this rank's random
-/// generators; returns the step.
+                   const torch::optim::Optimizer* optimizer, int64_t step,
+                   const GradScaler* scaler = nullptr);
+/// Loads what save_training committed for the replicas (as many of them), this rank's random
+/// generators and `scaler`'s state (if not null); returns the step. Refuses as the stages' load.
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
-                      torch::optim::Optimizer* optimizer);
+                      torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
 }  // namespace distributed
 }  // namespace gpipe

@@ -1,12 +1,20 @@
 // Saving and resuming across processes: 2 stages x 2 replicas, and the replicas of a
 // DataParallel, resumed by new groups and stages over other parameters, take the saved run's next
-// steps bit for bit (Note [Saving and resuming] in gpipe/saved_training.h).
+// steps bit for bit (Note [Saving and resuming] in gpipe/saved_training.h); a save killed before
+// its manifest leaves the previous one loadable, and a load refuses a missing manifest, a torn
+// file and a folder that mixes saves, changing nothing (Note [Atomic saves]).
 #include "gpipe/distributed/saved_training.h"
 
+#include <cmath>
 #include <filesystem>
+#include <sstream>
+#include <stdexcept>
 
 #include <torch/optim/adam.h>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gpipe/atomic_file.h"
 #include "tests/distributed/stage_test_util.h"
 
 namespace gpipe {
@@ -14,12 +22,63 @@ namespace distributed {
 namespace {
 
 using namespace stage_test;  // NOLINT: the shared helpers
+namespace fs = std::filesystem;
 
 // Every tensor of `a` equals `b`'s, bit for bit.
 void check_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   CATCH_REQUIRE(a.size() == b.size());
   for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(at::equal(a[k], b[k]));
 }
+
+std::vector<at::Tensor> copies(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.detach().clone());
+  return out;
+}
+
+// Trains `count` steps from `first` on, each replica on its shard of the batch; the losses of the
+// last stage.
+std::vector<at::Tensor> train_steps(PipelineStage& stage, const PipelineGroups& groups,
+                                    torch::optim::Optimizer& opt, int first, int count) {
+  std::vector<at::Tensor> losses;
+  for (int step = first; step < first + count; ++step) {
+    auto [x, y] = batch(step);
+    const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
+    const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
+    opt.zero_grad();
+    at::Tensor loss = stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+    if (loss.defined()) losses.push_back(loss.detach());
+    opt.step();
+  }
+  return losses;
+}
+
+// A GradScaler that took clean steps and skipped one: scale 32, growth tracker 2, 1 skipped.
+GradScaler used_scaler() {
+  GradScaler scaler(GradScalerOptions().init_scale(64).growth_interval(5));
+  at::Tensor w = at::zeros({2}, at::kDouble).requires_grad_();
+  torch::optim::SGD sgd({w}, torch::optim::SGDOptions(0.1));
+  for (double g : {1.0, static_cast<double>(INFINITY), 1.0, 1.0}) {
+    w.mutable_grad() = at::full({2}, g, at::kDouble);
+    scaler.step(sgd, {w});
+    scaler.update();
+  }
+  return scaler;
+}
+
+void check_used_scaler(const GradScaler& scaler) {
+  CATCH_CHECK(scaler.scale_value() == 32);
+  CATCH_CHECK(scaler.growth_tracker() == 2);
+  CATCH_CHECK(scaler.skipped() == 1);
+}
+
+// Runs a commit hook for as long as it lives (internal::set_commit_hook).
+struct CommitHook {
+  explicit CommitHook(std::function<void(const std::string&)> hook) {
+    gpipe::internal::set_commit_hook(std::move(hook));
+  }
+  ~CommitHook() { gpipe::internal::set_commit_hook(nullptr); }
+};
 
 constexpr const char* kStages =
     "replicated pipeline stages resumed from save_training by new groups and stages take the "
@@ -28,38 +87,22 @@ constexpr const char* kStages =
 CATCH_TEST_CASE(kStages, "[distributed][stage][save]") {
   if (test_rank() >= 0) {
     const std::string dir = gpipe_test::test_folder() + "/save";
-    // Train 3 steps from `first` on; the losses of the last stage.
-    const auto train = [](PipelineStage& stage, const PipelineGroups& groups,
-                          torch::optim::Optimizer& opt, int first) {
-      std::vector<at::Tensor> losses;
-      for (int step = first; step < first + 3; ++step) {
-        auto [x, y] = batch(step);
-        const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
-        const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
-        opt.zero_grad();
-        at::Tensor loss =
-            stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
-        if (loss.defined()) losses.push_back(loss.detach());
-        opt.step();
-      }
-      return losses;
-    };
     const auto options =
         PipelineStageOptions(kBalance).chunks(2).loss(mse).checkpoint(Checkpoint::kExceptLast);
     const auto group_options = options_from_env().timeout(std::chrono::seconds(60));
     const PipelineGroups groups = new_pipeline_groups(group_options, 2);
     PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);
     torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
-    train(stage, groups, adam, 0);
+    train_steps(stage, groups, adam, 0, 3);
     save_training(dir, *stage, &adam, 3);
-    const std::vector<at::Tensor> losses = train(stage, groups, adam, 3);
+    const std::vector<at::Tensor> losses = train_steps(stage, groups, adam, 3, 3);
 
     // New groups and a stage over other parameters, as a restarted run makes them.
     const PipelineGroups again = new_pipeline_groups(group_options, 2);
     PipelineStage resumed(make_model(8), options, again.pipeline, again.replica_group);
     torch::optim::Adam adam2(resumed->parameters(), torch::optim::AdamOptions(0.01));
     CATCH_CHECK(load_training(dir, *resumed, &adam2) == 3);
-    check_equal(train(resumed, again, adam2, 3), losses);
+    check_equal(train_steps(resumed, again, adam2, 3, 3), losses);
     check_equal(resumed->parameters(), stage->parameters());
     return;
   }
@@ -72,7 +115,7 @@ CATCH_TEST_CASE(kStages, "[distributed][stage][save]") {
 
 constexpr const char* kReplicas =
     "the replicas of a DataParallel resumed from save_training take the saved run's next steps "
-    "bit for bit";
+    "bit for bit and get the GradScaler's state back";
 
 CATCH_TEST_CASE(kReplicas, "[distributed][save]") {
   if (test_rank() >= 0) {
@@ -92,17 +135,173 @@ CATCH_TEST_CASE(kReplicas, "[distributed][save]") {
     DataParallel model(pipe(7), join());
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     train(model, sgd, 0);
-    save_training(dir, *model, &sgd, 3);
+    const GradScaler scaler = used_scaler();
+    save_training(dir, *model, &sgd, 3, &scaler);
     train(model, sgd, 3);
     DataParallel resumed(pipe(8), join());
     torch::optim::SGD sgd2(resumed->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    CATCH_CHECK(load_training(dir, *resumed, &sgd2) == 3);
+    GradScaler loaded;
+    CATCH_CHECK(load_training(dir, *resumed, &sgd2, &loaded) == 3);
+    check_used_scaler(loaded);
     train(resumed, sgd2, 3);
     check_equal(resumed->parameters(), model->parameters());
     return;
   }
   const std::string folder = folder_for("saved_replicas");
   const auto results = run_ranks(kReplicas, 2, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+// This rank's file of generators of a save, by name (Note [Atomic saves]).
+std::string random_file(const std::string& dir, const PipelineGroups& groups, int64_t step,
+                        int64_t save) {
+  return absl::StrCat(dir, "/random_stage", groups.stage, "_replica", groups.replica, ".step",
+                      std::string(6 - std::to_string(step).size(), '0'), step, ".save", save,
+                      ".pt");
+}
+
+constexpr const char* kInterrupted =
+    "a save across processes killed before its manifest leaves the previous save loadable with "
+    "its state exactly and the next save replaces it";
+
+CATCH_TEST_CASE(kInterrupted, "[distributed][stage][save]") {
+  if (test_rank() >= 0) {
+    const std::string dir = gpipe_test::test_folder() + "/save";
+    const auto options = PipelineStageOptions(kBalance).chunks(2).loss(mse);
+    const auto group_options = options_from_env().timeout(std::chrono::seconds(60));
+    const PipelineGroups groups = new_pipeline_groups(group_options, 2);
+    PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
+    const GradScaler scaler = used_scaler();
+    train_steps(stage, groups, adam, 0, 2);
+    save_training(dir, *stage, &adam, 2, &scaler);
+    const std::vector<at::Tensor> at_step_2 = copies(stage->parameters());
+    const std::vector<at::Tensor> losses = train_steps(stage, groups, adam, 2, 2);
+
+    // Killed while one rank writes its files: every rank hears that nothing was committed.
+    {
+      CommitHook crash([](const std::string& path) {
+        if (absl::StrContains(path, "/random_stage1_replica1.")) {
+          throw std::runtime_error("killed while writing");
+        }
+      });
+      const bool killed = groups.stage == 1 && groups.replica == 1;
+      CATCH_CHECK_THROWS_WITH(
+          save_training(dir, *stage, &adam, 4, &scaler),
+          gpipe_test::contains(killed ? "killed while writing"
+                                      : "stage 1's replica 1 could not write its files"));
+    }
+    // Killed after every data file, before the manifest.
+    {
+      CommitHook crash([](const std::string& path) {
+        if (absl::EndsWith(path, "/manifest.txt")) {
+          throw std::runtime_error("killed before the manifest");
+        }
+      });
+      CATCH_CHECK_THROWS_WITH(save_training(dir, *stage, &adam, 4, &scaler),
+                              gpipe_test::contains("the save of step 4 into '" + dir +
+                                                   "' is not committed"));
+    }
+    CATCH_CHECK(fs::exists(random_file(dir, groups, 4, 2)));  // written, never committed
+    CATCH_CHECK(fs::exists(random_file(dir, groups, 2, 1)));
+
+    // A restarted run: new groups and a stage over other parameters load step 2 exactly.
+    const PipelineGroups again = new_pipeline_groups(group_options, 2);
+    PipelineStage resumed(make_model(8), options, again.pipeline, again.replica_group);
+    torch::optim::Adam adam2(resumed->parameters(), torch::optim::AdamOptions(0.01));
+    GradScaler loaded;
+    CATCH_CHECK(load_training(dir, *resumed, &adam2, &loaded) == 2);
+    check_equal(resumed->parameters(), at_step_2);
+    check_used_scaler(loaded);
+    check_equal(train_steps(resumed, again, adam2, 2, 2), losses);
+
+    // Saved again into the folder: committed, and the older files removed.
+    save_training(dir, *resumed, &adam2, 4, &loaded);
+    CATCH_CHECK(load_training(dir, *resumed, &adam2, &loaded) == 4);
+    CATCH_CHECK(fs::exists(random_file(dir, again, 4, 2)));
+    CATCH_CHECK_FALSE(fs::exists(random_file(dir, again, 2, 1)));
+    return;
+  }
+  const std::string folder = folder_for("save_interrupted");
+  const auto results = run_ranks(kInterrupted, 4, folder);
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < 4; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+// Lists `name`'s entry of `dir`'s manifest with the length and checksum of `bytes`, and the
+// manifest's own checksum made anew: a manifest that mixes two saves.
+void relist(const std::string& dir, const std::string& name, const std::string& bytes) {
+  std::istringstream in(detail::read_whole_file(dir + "/manifest.txt", "relist"));
+  std::string text;
+  const auto hex = [](uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); };
+  for (std::string line; std::getline(in, line);) {
+    if (absl::StartsWith(line, "checksum ")) continue;
+    if (absl::StartsWith(line, "file " + name + " ")) {
+      line = absl::StrCat("file ", name, " ", bytes.size(), " ",
+                          hex(detail::checksum(bytes.data(), bytes.size())));
+    }
+    absl::StrAppend(&text, line, "\n");
+  }
+  absl::StrAppend(&text, "checksum ", hex(detail::checksum(text.data(), text.size())), "\n");
+  detail::write_atomically(dir + "/manifest.txt", text, "relist");
+}
+
+// Stage 1's loads of save `a` (step 3) after its file is torn, then replaced by its file of save
+// `b` (step 5), then listed so in the manifest: each refused, naming the file, the stage as it was.
+void check_refused(const std::string& a, const std::string& b, PipelineStageImpl& stage,
+                   torch::optim::Optimizer& optimizer) {
+  const std::vector<at::Tensor> before = copies(stage.parameters());
+  const std::string name = "stage1.step000003.save1.pt";
+  const std::string mine = a + "/" + name, later = b + "/stage1.step000005.save1.pt";
+  // Torn: half of it on the disk.
+  fs::resize_file(mine, fs::file_size(mine) / 2);
+  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
+                          gpipe_test::contains("'" + mine + "' is torn or was replaced"));
+  check_equal(stage.parameters(), before);
+  // Replaced by stage 1's file of the save of step 5.
+  fs::copy_file(later, mine, fs::copy_options::overwrite_existing);
+  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
+                          gpipe_test::contains("'" + mine + "' is torn or was replaced"));
+  check_equal(stage.parameters(), before);
+  // ... and listed by the manifest of step 3: the stages' steps differ.
+  relist(a, name, detail::read_whole_file(later, "relist"));
+  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
+                          gpipe_test::contains("'" + mine + "' holds step 5, but '" + a +
+                                               "/manifest.txt' commits step 3"));
+  check_equal(stage.parameters(), before);
+}
+
+constexpr const char* kRefused =
+    "a load across processes refuses a missing manifest and a torn or mixed stage file naming "
+    "the file and leaves the stage as it was";
+
+CATCH_TEST_CASE(kRefused, "[distributed][stage][save]") {
+  if (test_rank() >= 0) {
+    const std::string a = gpipe_test::test_folder() + "/a", b = gpipe_test::test_folder() + "/b";
+    const auto options = PipelineStageOptions(kBalance).chunks(2).loss(mse);
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
+    CATCH_CHECK_THROWS_WITH(load_training(a, *stage, &adam),
+                            gpipe_test::contains("'" + a + "' holds no manifest.txt"));
+    train_steps(stage, groups, adam, 0, 1);
+    save_training(a, *stage, &adam, 3);
+    train_steps(stage, groups, adam, 1, 1);
+    save_training(b, *stage, &adam, 5);
+    if (groups.stage == 0) {
+      CATCH_CHECK(load_training(a, *stage, &adam) == 3);  // stage 0's files are whole
+    } else {
+      check_refused(a, b, *stage, adam);
+    }
+    groups.pipeline->barrier()->wait();  // neither process leaves while the other loads
+    return;
+  }
+  const std::string folder = folder_for("save_refused");
+  const auto results = run_ranks(kRefused, 2, folder);
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
   std::filesystem::remove_all(folder);
