@@ -16,8 +16,9 @@ namespace gpipe {
 // lie in several stages). In one process a GPipe's parameters() lists every parameter once, ties
 // once, on the partitions' devices; LibTorch's function stacks their norms on one device, which
 // fails for partitions on several. clip_grad_norm computes each device's norm there, combines
-// them on the first device and scales every gradient on its own device, without waiting for any
-// device. Across processes (PipelineStage::clip_grad_norm) each stage computes the norm of its
+// them on the first device and scales every gradient on its own device: between GPUs without
+// the host waiting; a copy between a GPU and the CPU (partitions on both) makes it wait for the
+// GPU's norm. Across processes (PipelineStage::clip_grad_norm) each stage computes the norm of its
 // parameters (a tie only on the lowest stage holding it), the stages exchange them (one
 // all-gather over the pipeline's group, on the CPU), and every stage scales its gradients alike;
 // replicas need no exchange, since their gradients are averaged before step() returns.
@@ -25,8 +26,8 @@ namespace gpipe {
 /// Scales the gradients of `parameters` (on any devices; those without a gradient are skipped)
 /// so that their norm of order `norm_type` (positive, or infinity) is at most `max_norm`, as
 /// torch::nn::utils::clip_grad_norm_ does for parameters on one device. Returns the norm before
-/// clipping, on the first gradient's device (zero on the CPU without any), without waiting for
-/// the devices (Note [Clipping by the global norm]). A parameter listed twice counts twice: give
+/// clipping, on the first gradient's device (zero on the CPU without any); with GPUs only, the
+/// host does not wait for them (Note [Clipping by the global norm]). A parameter listed twice counts twice: give
 /// a GPipe's parameters(), which lists each tie once.
 ///
 ///   model->step(x, y, loss);

@@ -221,10 +221,12 @@ void run_schedule(const ExecutorSpec& spec) {
   if (st.m == 0) {
     st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
     st.m = st.first->microbatches;
-    TORCH_CHECK(st.m >= 1 && (spec.max_microbatches == 0 || st.m <= spec.max_microbatches),
-                spec.who, ": the stage before announced ", st.m, " micro-batches, but this stage "
-                "takes 1 to ", spec.max_microbatches, " (its chunks); make every stage with the "
-                "same chunks");
+    TORCH_CHECK(st.m >= 1, spec.who, ": the stage before announced ", st.m, " micro-batches; a "
+                "step has at least 1");
+    TORCH_CHECK(spec.max_microbatches == 0 || st.m <= spec.max_microbatches, spec.who,
+                ": the stage before announced ", st.m, " micro-batches, but this stage takes 1 "
+                "to ", spec.max_microbatches, " (its chunks); make every stage with the same "
+                "chunks");
   }
   st.copy_streams = copy_streams_for(spec, st.m, st.own_copy_streams);
   for (const ExecutorPartition& p : partitions) {

@@ -2,9 +2,11 @@
 #include "gpipe/link.h"
 
 #include <atomic>
+#include <limits>
 #include <utility>
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/StreamGuard.h>
@@ -364,15 +366,24 @@ at::Tensor LossSink::counted(const at::Tensor& rows) const {
   return count.reshape({}).to(at::kDouble);
 }
 
-at::Tensor LossSink::weighted(const at::Tensor& loss, const at::Tensor& rows) {
-  // Note [Losses over micro-batches].
+LossSink::Share LossSink::share_of(const at::Tensor& rows) {
+  Share share;
   if (!loss_fn_.count()) {
-    return loss * (static_cast<double>(rows.size(0)) / static_cast<double>(target_.size(0)));
+    share.host = static_cast<double>(rows.size(0)) / static_cast<double>(target_.size(0));
+    return share;
   }
   if (!total_count_.defined()) total_count_ = counted(target_);
   const at::Tensor mine = counted(rows);
-  const at::Tensor share = (mine / total_count_).to(loss.device(), loss.scalar_type());
-  return at::where(mine.gt(0).to(loss.device()), loss * share, at::zeros_like(loss));
+  if (mine.is_cpu() && total_count_.is_cpu()) {
+    // Read on the host: no device to wait for.
+    const double total = total_count_.item<double>();
+    share.host = total > 0 ? mine.item<double>() / total : 0;
+    return share;
+  }
+  // On the target's device, without waiting for it.
+  share.device = at::where(total_count_.gt(0), mine / total_count_, at::zeros_like(mine));
+  share.any = mine.gt(0);
+  return share;
 }
 
 void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& output,
@@ -387,10 +398,36 @@ void LossSink::send(int64_t microbatches, int64_t microbatch, const Batch& outpu
   // Note [Losses over micro-batches].
   const int64_t rows = leaf[0].dim() > 0 ? leaf[0].size(0) : 1;
   const at::Tensor rows_of = target_rows(microbatch, rows);
-  const at::Tensor loss = weighted(apply_loss(leaf, rows_of), rows_of);
+  const Share share = share_of(rows_of);
+  if (!share.device.defined() && share.host == 0) {
+    // No terms (only padding): it adds nothing and no gradient reaches the output, as in the
+    // plain model; a mini-batch with no terms at all has the plain model's NaN loss.
+    if (!loss_.defined() && microbatch + 1 == microbatches_) {
+      loss_ = at::full({}, std::numeric_limits<double>::quiet_NaN(), at::kFloat);
+    }
+    return;
+  }
+  const at::Tensor unweighted = apply_loss(leaf, rows_of);
+  at::Tensor loss;
+  if (share.device.defined()) {
+    // Weighted in float64 and rounded once; a micro-batch without terms adds 0 (its own mean is
+    // NaN), and its gradients are zeroed below for a loss whose backward makes NaN of them.
+    const at::Tensor any = share.any.to(unweighted.device());
+    loss = (unweighted.to(at::kDouble) * share.device.to(unweighted.device()))
+               .to(unweighted.scalar_type());
+    loss = at::where(any, loss, at::zeros_like(loss));
+  } else {
+    loss = unweighted * share.host;
+  }
   if (grad_enabled && loss.requires_grad()) {
     loss.backward();
-    gradients_[microbatch] = leaf_gradients(leaf);
+    std::vector<at::Tensor> grads = leaf_gradients(leaf);
+    if (share.device.defined()) {
+      for (at::Tensor& g : grads) {
+        if (g.defined()) g = at::where(share.any.to(g.device()), g, at::zeros_like(g));
+      }
+    }
+    gradients_[microbatch] = std::move(grads);
   }
   loss_ = loss_.defined() ? loss_ + loss.detach() : loss.detach();
 }

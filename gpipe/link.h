@@ -302,8 +302,13 @@ class LossSink final : public Downstream {
   // The loss function's value, checked to be a scalar.
   at::Tensor apply_loss(const Batch& output, const at::Tensor& target) const;
   at::Tensor target_rows(int64_t microbatch, int64_t rows);
-  // Micro-batch `loss` on `rows` of the target, weighted by its share of the mini-batch's terms.
-  at::Tensor weighted(const at::Tensor& loss, const at::Tensor& rows);
+  // A micro-batch's share of the mini-batch's terms (Note [Losses over micro-batches]).
+  struct Share {
+    double host = 1;    // the share, where the counts are on the CPU (or the rows are the terms)
+    at::Tensor device;  // else: the share, a float64 scalar on the target's device
+    at::Tensor any;     // else: whether the micro-batch has terms (a bool scalar there)
+  };
+  Share share_of(const at::Tensor& rows);
   // What the loss averages over in `rows` of the target, checked to be a scalar.
   at::Tensor counted(const at::Tensor& rows) const;
 

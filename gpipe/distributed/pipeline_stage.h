@@ -160,7 +160,7 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   TORCH_ARG(std::vector<int64_t>, local_balance);
   /// The last stage's loss function for step(input, target) and evaluate(input, target): the
   /// older spelling of step()'s and evaluate()'s argument `loss`, which takes precedence.
-  TORCH_ARG(LossFunction, loss) = nullptr;
+  TORCH_ARG(Loss, loss) = Loss();
   /// The bytes of each ring of shared memory between this stage and a neighbour in another
   /// process on the same host (one ring per direction of each link, in /dev/shm), through which
   /// the computing threads pass activations and gradients themselves instead of over the process

@@ -2,12 +2,15 @@
 // parameters lie in several processes (Note [Clipping by the global norm] in gpipe/clip_grad.h).
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include "gpipe/clip_grad.h"
+#include "gpipe/distributed/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/tied_stages.h"
 
@@ -18,6 +21,11 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
   const char* who = "gpipe::distributed::PipelineStage::clip_grad_norm";
   TORCH_CHECK(max_norm >= 0 && !std::isnan(max_norm), who, ": max_norm must be at least 0, got ",
               max_norm);
+  {
+    absl::MutexLock lock(&step_mu_);
+    TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves the "
+                "pipeline's collectives unmatched; make new process groups and stages to go on");
+  }
   const std::vector<at::Tensor> mine = parameters();
   // A tie across stages counts on the lowest stage holding it.
   const std::vector<at::Tensor> below = tied_stages_->held_below(stage());
@@ -31,7 +39,14 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
   const at::Tensor sent =
       local.defined() ? local.to(c10::kCPU, c10::kDouble).reshape({1}) : at::zeros({1}, c10::kDouble);
   const std::vector<at::Tensor> norms =
-      stages() > 1 ? all_gather(group_, sent, local_, "the all-gather of the stages' gradient norms")
+      stages() > 1 ? all_gather(group_, sent, local_, "the all-gather of the stages' gradient norms",
+                                [this] {
+                                  // A failure heard from another stage ends the wait at once.
+                                  if (!faults_) return;
+                                  if (std::optional<std::string> heard = faults_->heard()) {
+                                    TORCH_CHECK(false, *heard);
+                                  }
+                                })
                    : std::vector<at::Tensor>{sent};
   const at::Tensor all = at::stack(norms).reshape(-1);
   const at::Tensor norm =

@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -817,13 +818,28 @@ at::Tensor token_cross_entropy(const Batch& out, const at::Tensor& y) {
                           F::CrossEntropyFuncOptions().ignore_index(-1));
 }
 
+// The same mean written by hand: per-token losses times a mask, over the mask's sum. Its
+// backward makes NaN of a micro-batch with no tokens (0 / 0) unless the pipeline keeps it out.
+at::Tensor masked_mean_cross_entropy(const Batch& out, const at::Tensor& y) {
+  namespace F = torch::nn::functional;
+  const at::Tensor mask = y.flatten().ne(-1).to(out.tensor().scalar_type());
+  const at::Tensor each =
+      F::cross_entropy(out.tensor().flatten(0, 1), y.flatten().clamp_min(0),
+                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return (each * mask).sum() / mask.sum();
+}
+
 // 12 sequences of 5 tokens, padded with -1 after each one's length: in 4 micro-batches of 3, the
-// second is only padding and the others hold 8, 14 and 9 tokens.
-at::Tensor padded_targets(int step) {
+// second is only padding (unless `filled`: then it holds 6 tokens) and the others hold 8, 14 and
+// 9 tokens.
+at::Tensor padded_targets(int step, bool filled = false) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + step);
   at::Tensor y = at::randint(0, 4, {12, 5}, gen, at::kLong);
   const int64_t lengths[12] = {5, 1, 2, 0, 0, 0, 5, 5, 4, 1, 3, 5};
-  for (int64_t r = 0; r < 12; ++r) y[r].narrow(0, lengths[r], 5 - lengths[r]).fill_(-1);
+  for (int64_t r = 0; r < 12; ++r) {
+    const int64_t length = filled && r >= 3 && r < 6 ? 2 : lengths[r];
+    y[r].narrow(0, length, 5 - length).fill_(-1);
+  }
   return y;
 }
 
@@ -832,14 +848,17 @@ CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequ
                 "[gpipe][step][loss]") {
   const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
-  CATCH_CAPTURE(kind, static_cast<int>(mode));
+  const bool by_hand = GENERATE(false, true);  // cross_entropy's ignore_index, or a masked mean
+  CATCH_CAPTURE(kind, static_cast<int>(mode), by_hand);
+  const LossFunction mean = by_hand ? LossFunction(masked_mean_cross_entropy)
+                                    : LossFunction(token_cross_entropy);
   nn::Sequential plain = build(token_model, 5);
   GPipe model(build(token_model, 5),
               GPipeOptions({2, 2, 2, 1}).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(4)
                   .checkpoint(mode)
                   .schedule(PipelineSchedule::of(schedule_kind(kind),
                                                  kind == "interleaved" ? 2 : 1)));
-  const Loss loss(token_cross_entropy, count_targets_except(-1));
+  const Loss loss(mean, count_targets_except(-1));
   torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   for (int step = 0; step < 3; ++step) {
@@ -848,22 +867,70 @@ CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequ
     const at::Tensor y = padded_targets(step);
     plain_sgd.zero_grad();
     pipe_sgd.zero_grad();
-    const at::Tensor expected = token_cross_entropy(Batch(plain->forward(x)), y);
+    const at::Tensor expected = mean(Batch(plain->forward(x)), y);
     expected.backward();
     const at::Tensor got = model->step(x, y, loss);
     CATCH_CHECK(got.item<double>() == gpipe_test::Approx(expected.item<double>()).epsilon(1e-12));
     check_same_grads(plain->parameters(), model->parameters(), 1e-10);
     if (kind != "gpipe") {
-      // The data tells the weights apart: weighted by rows, the micro-batches' means are not the
-      // mini-batch's mean.
+      // The data tells the weights apart: weighted by rows, the micro-batches' means (all
+      // finite here) are not the mini-batch's mean.
       at::NoGradGuard no_grad;
-      const double by_rows = model->step(x, y, token_cross_entropy).item<double>();
-      CATCH_CHECK_FALSE(by_rows == gpipe_test::Approx(expected.item<double>()).epsilon(1e-6));
+      const at::Tensor filled = padded_targets(step, /*filled=*/true);
+      const double want = mean(Batch(plain->forward(x)), filled).item<double>();
+      CATCH_CHECK(model->step(x, filled, loss).item<double>() ==
+                  gpipe_test::Approx(want).epsilon(1e-12));
+      const double by_rows = model->step(x, filled, mean).item<double>();
+      CATCH_CHECK(std::isfinite(by_rows));
+      CATCH_CHECK_FALSE(by_rows == gpipe_test::Approx(want).epsilon(1e-6));
     }
     plain_sgd.step();
     pipe_sgd.step();
   }
   check_same(plain->parameters(), model->parameters(), 1e-10);
+}
+
+CATCH_TEST_CASE("A token-level loss with its target on a GPU trains as the plain Sequential, also "
+                "with a micro-batch of padding only",
+                "[gpipe][step][loss][cuda]") {
+  // The counts stay on the GPU (Note [Losses over micro-batches]): weights, the empty
+  // micro-batch's 0 and its zeroed gradients are chosen there.
+  const std::string kind = GENERATE("1f1b", "zb");
+  const bool by_hand = GENERATE(false, true);
+  CATCH_CAPTURE(kind, by_hand);
+  const LossFunction mean = by_hand ? LossFunction(masked_mean_cross_entropy)
+                                    : LossFunction(token_cross_entropy);
+  const std::vector<c10::Device> devices{at::kCPU, c10::Device("cuda:0")};
+  nn::Sequential plain = build(token_model, 5);
+  GPipe model(build(token_model, 5),
+              GPipeOptions({4, 3}).devices(devices).chunks(4).schedule(schedule_kind(kind)));
+  at::manual_seed(450);
+  const at::Tensor x = at::randn({12, 5, 5}, at::kDouble);
+  const at::Tensor y = padded_targets(0);
+  const at::Tensor expected = mean(Batch(plain->forward(x)), y);
+  expected.backward();
+  const at::Tensor got =
+      model->step(x, y.to(devices.back()), Loss(mean, count_targets_except(-1)));
+  CATCH_CHECK(got.item<double>() == gpipe_test::Approx(expected.item<double>()).epsilon(1e-12));
+  const auto want = plain->parameters();
+  const auto have = model->parameters();
+  for (size_t k = 0; k < want.size(); ++k) {
+    CATCH_CHECK(max_diff(want[k].grad(), have[k].grad().cpu()) < 1e-10);
+  }
+}
+
+CATCH_TEST_CASE("A mini-batch of padding only has the plain model's NaN loss and no gradients",
+                "[gpipe][step][loss]") {
+  const std::string kind = GENERATE("1f1b", "zb");
+  CATCH_CAPTURE(kind);
+  GPipe model(token_model(), GPipeOptions({4, 3}).chunks(2).schedule(schedule_kind(kind)));
+  const at::Tensor x = at::randn({4, 5, 5});
+  const at::Tensor y = at::full({4, 5}, -1, at::kLong);
+  const at::Tensor l = model->step(x, y, Loss(token_cross_entropy, count_targets_except(-1)));
+  CATCH_CHECK(std::isnan(l.item<double>()));
+  for (const at::Tensor& p : model->parameters()) {
+    CATCH_CHECK((!p.grad().defined() || p.grad().eq(0).all().item<bool>()));
+  }
 }
 
 CATCH_TEST_CASE("A loss's count must be a scalar", "[gpipe][step][loss][errors]") {
@@ -956,7 +1023,7 @@ CATCH_TEST_CASE("The executor refuses an upstream that announces more micro-batc
   partitions[0].batch_norms =
       std::make_shared<BatchNormLayers>(partitions[0].layers->modules(/*include_self=*/false));
   partitions[0].grad_record = std::make_shared<GradRecord>();
-  const int64_t count = GENERATE(int64_t{5}, int64_t{1} << 50);
+  const int64_t count = GENERATE(int64_t{0}, int64_t{5}, int64_t{1} << 50);
   Announcing up(count);
   detail::OutputSink sink;
   detail::ExecutorSpec spec;
@@ -977,7 +1044,8 @@ CATCH_TEST_CASE("The executor refuses an upstream that announces more micro-batc
   CATCH_CHECK_THROWS_WITH(detail::run_schedule(spec),
                           gpipe_test::contains("a stage: the stage before announced " +
                                                std::to_string(count) + " micro-batches") &&
-                              gpipe_test::contains("takes 1 to 4 (its chunks)"));
+                              gpipe_test::contains(count == 0 ? "a step has at least 1"
+                                                              : "takes 1 to 4 (its chunks)"));
 }
 
 }  // namespace
