@@ -58,8 +58,8 @@ SharedLink::Record SharedLink::read(const RingWait& wait) {
   int64_t bytes = 0;
   const uint8_t* record = in->next(&bytes, wait);
   TORCH_CHECK(bytes >= kPrefixBytes, "gpipe::distributed: a record of ", bytes, " bytes in "
-              "shared memory, without its ", kPrefixBytes, "-byte prefix; do both processes run "
-              "the same gpipe?");
+              "shared memory (", wait.what, "), without its ", kPrefixBytes, "-byte prefix; do "
+              "both processes run the same gpipe?");
   RecordPrefix prefix;
   std::memcpy(&prefix, record, sizeof(prefix));
   return {prefix.microbatch, prefix.over_group != 0, record + kPrefixBytes, bytes - kPrefixBytes};

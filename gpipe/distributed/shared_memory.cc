@@ -235,9 +235,9 @@ const uint8_t* SharedRing::next(int64_t* bytes, const RingWait& wait) {
   }
   TORCH_CHECK(size <= static_cast<uint64_t>(max_message()) &&
                   offset + kRecordHeader + aligned(static_cast<int64_t>(size)) <= room_,
-              "gpipe::distributed: a malformed record in shared memory (", size, " bytes at ",
-              offset, " in a ring of ", room_, " bytes, messages of at most ", max_message(),
-              "); do both processes run the same gpipe?");
+              "gpipe::distributed: a malformed record in shared memory (", wait.what, ": ", size,
+              " bytes at ", offset, " in a ring of ", room_, " bytes, messages of at most ",
+              max_message(), "); do both processes run the same gpipe?");
   *bytes = static_cast<int64_t>(size);
   pending_ = static_cast<int64_t>(read) + kRecordHeader + aligned(*bytes);
   return data_ + offset + kRecordHeader;

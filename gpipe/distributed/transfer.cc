@@ -125,6 +125,23 @@ void Transfer::wait() {
   works_.clear();
 }
 
+namespace {
+
+// The dtypes a stage sends to the next: those every LibTorch allocates and copies as plain bytes
+// (not quantized or bit-packed ones, whose tensors carry more than their bytes).
+bool carried(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kByte: case at::kChar: case at::kShort: case at::kInt: case at::kLong:
+    case at::kHalf: case at::kFloat: case at::kDouble: case at::kBFloat16: case at::kBool:
+    case at::kComplexHalf: case at::kComplexFloat: case at::kComplexDouble:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 BatchHeader BatchHeader::of(const Batch& batch, int64_t microbatches, bool grad_enabled) {
   BatchHeader header;
   header.microbatches = microbatches;
@@ -139,6 +156,9 @@ BatchHeader BatchHeader::of(const Batch& batch, int64_t microbatches, bool grad_
   for (const at::Tensor& t : batch.values()) {
     TORCH_CHECK(t.defined(), "gpipe::distributed: a stage's output holds an undefined tensor; "
                 "only defined tensors can go to the next stage");
+    TORCH_CHECK(carried(t.scalar_type()), "gpipe::distributed: a stage's output holds a tensor of "
+                "dtype ", t.scalar_type(), ", which does not go to the next stage; convert it to "
+                "a floating-point, integer, complex or bool dtype");
     Entry e;
     e.dtype = t.scalar_type();
     e.requires_grad = t.requires_grad();
@@ -188,7 +208,7 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
     Entry e;
     const int64_t dtype = *p++;
     TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(at::ScalarType::NumOptions) &&
-                    dtype != static_cast<int64_t>(at::ScalarType::Undefined),
+                    carried(static_cast<at::ScalarType>(dtype)),
                 "gpipe::distributed: a malformed activation header arrived (tensor ", k,
                 " has dtype number ", dtype, ")");
     e.dtype = static_cast<at::ScalarType>(dtype);

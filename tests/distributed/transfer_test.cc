@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -18,6 +20,8 @@
 #include <vector>
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/randn.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -274,6 +278,139 @@ CATCH_TEST_CASE("a shared-memory record whose size is not one the writer makes i
   int64_t n = 0;
   CATCH_CHECK_THROWS_WITH(ring.reader->next(&n, kMinute),
                           gpipe_test::contains("a malformed record in shared memory"));
+}
+
+// Note [Fuzzing what a peer sends]: valid activation headers of random batches, mutated at
+// random places to values at the edges (negative, zero, the limits, huge, dtype numbers that are
+// none or not carried), and headers of random words; records of random sizes and bytes in a
+// shared-memory ring. Each must be read (and then unpack into tensors of what it says) or refused
+// with a c10::Error naming where it came from; nothing else (no other exception, and no crash or
+// undefined behaviour: CI runs this under ASan and UBSan with LibTorch 2.6).
+
+// A header's value at the edges, or a random one.
+int64_t edge_value(std::mt19937_64& random) {
+  static const int64_t kEdges[] = {0, 1, 2, 3, 4, -1, -2, 63, 64, 65, 511, 512,
+                                   std::numeric_limits<int32_t>::max(), int64_t{1} << 40,
+                                   int64_t{1} << 62, std::numeric_limits<int64_t>::max(),
+                                   std::numeric_limits<int64_t>::min(),
+                                   static_cast<int64_t>(at::ScalarType::Undefined),
+                                   static_cast<int64_t>(at::ScalarType::NumOptions),
+                                   static_cast<int64_t>(at::ScalarType::QInt8)};
+  const uint64_t pick = random() % (std::size(kEdges) + 4);
+  return pick < std::size(kEdges) ? kEdges[pick] : static_cast<int64_t>(random());
+}
+
+// The encoded header of a random batch of 1 to 6 small tensors.
+at::Tensor random_header(std::mt19937_64& random) {
+  static const at::ScalarType kTypes[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
+                                          at::kLong, at::kInt, at::kBool, at::kByte};
+  const int64_t count = 1 + static_cast<int64_t>(random() % 6);
+  std::vector<at::Tensor> values;
+  for (int64_t k = 0; k < count; ++k) {
+    std::vector<int64_t> sizes(random() % 4);
+    for (int64_t& size : sizes) size = static_cast<int64_t>(random() % 4);
+    values.push_back(at::empty(sizes, kTypes[random() % std::size(kTypes)]));
+  }
+  const bool atomic = count == 1 && random() % 2 == 0;
+  const Batch batch = atomic ? Batch(values[0]) : Batch(values);
+  return BatchHeader::of(batch, 1 + static_cast<int64_t>(random() % 8), random() % 2 == 0)
+      .encode();
+}
+
+CATCH_TEST_CASE("activation headers from a peer, random or mutated, are read or refused with an "
+                "error naming the ranks, never anything else",
+                "[distributed][transfer][errors][fuzz]") {
+  std::mt19937_64 random(20261128);
+  int64_t read = 0, refused = 0;
+  std::vector<std::string> wrong;
+  for (int64_t n = 0; n < 100000; ++n) {
+    at::Tensor encoded;
+    if (n % 10 == 0) {
+      encoded = at::empty({BatchHeader::size()}, at::kLong);
+      int64_t* words = encoded.data_ptr<int64_t>();
+      for (int64_t k = 0; k < encoded.numel(); ++k) words[k] = edge_value(random);
+    } else {
+      encoded = random_header(random);
+      int64_t* words = encoded.data_ptr<int64_t>();
+      for (uint64_t m = 1 + random() % 4; m > 0; --m) {
+        // Mostly where the batch's entries are.
+        words[random() % (random() % 4 == 0 ? BatchHeader::size() : 40)] = edge_value(random);
+      }
+    }
+    try {
+      const BatchHeader header = BatchHeader::decode(encoded, 1, 0);
+      const int64_t bytes = packed_data_bytes(header);
+      if (bytes < 0) wrong.push_back("negative packed bytes " + std::to_string(bytes));
+      if (bytes <= (int64_t{1} << 16)) {
+        const std::vector<at::Tensor> tensors =
+            unpack_activations(header, at::zeros({bytes}, at::kByte));
+        for (size_t k = 0; k < tensors.size(); ++k) {
+          if (tensors[k].sizes() != c10::IntArrayRef(header.entries[k].sizes) ||
+              tensors[k].scalar_type() != header.entries[k].dtype) {
+            wrong.push_back("an unpacked tensor differs from its header's entry");
+          }
+        }
+      }
+      ++read;
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      if (message.find("on rank 1, from rank 0: gpipe::distributed: a malformed activation "
+                       "header arrived") == std::string::npos) {
+        wrong.push_back(message);
+      }
+      ++refused;
+    } catch (const std::exception& e) {
+      wrong.push_back(std::string("not a c10::Error: ") + e.what());
+    }
+  }
+  CATCH_INFO((wrong.empty() ? std::string() : wrong.front()));
+  CATCH_CHECK(wrong.empty());
+  // Both outcomes were exercised, many times.
+  CATCH_CHECK(read > 10000);
+  CATCH_CHECK(refused > 10000);
+}
+
+CATCH_TEST_CASE("shared-memory records of random sizes and bytes are read within the ring or "
+                "refused with an error naming the link, never anything else",
+                "[distributed][transfer][shared_memory][errors][fuzz]") {
+  std::mt19937_64 random(20261129);
+  int64_t read = 0, refused = 0;
+  std::vector<std::string> wrong;
+  const RingWait wait{"activations from rank 0 on rank 1", 0, std::chrono::minutes(1), nullptr};
+  for (int64_t n = 0; n < 2000; ++n) {
+    TestRing ring = test_ring("fuzz");
+    const int64_t length = static_cast<int64_t>(random() % 5000);
+    uint8_t* out = ring.writer->reserve(length, /*block=*/true, kMinute);
+    CATCH_REQUIRE(out != nullptr);
+    for (int64_t k = 0; k < length; ++k) out[k] = static_cast<uint8_t>(random());
+    if (random() % 2 == 0) {
+      // The record's size (the 64 bytes before the message) from no writer.
+      const uint64_t size = static_cast<uint64_t>(edge_value(random));
+      std::memcpy(out - 64, &size, sizeof(size));
+    }
+    ring.writer->commit();
+    SharedLink link;
+    link.in = ring.reader.get();
+    try {
+      const SharedLink::Record record = link.read(wait);
+      if (record.bytes < 0 || record.bytes > kMinSharedRing) {
+        wrong.push_back("a record of " + std::to_string(record.bytes) + " bytes");
+      }
+      volatile uint8_t sum = 0;  // every byte it says it has can be read (ASan watches)
+      for (int64_t k = 0; k < record.bytes; ++k) sum = static_cast<uint8_t>(sum + record.data[k]);
+      ++read;
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      if (message.find("activations from rank 0 on rank 1") == std::string::npos) {
+        wrong.push_back(message);
+      }
+      ++refused;
+    }
+  }
+  CATCH_INFO((wrong.empty() ? std::string() : wrong.front()));
+  CATCH_CHECK(wrong.empty());
+  CATCH_CHECK(read > 100);
+  CATCH_CHECK(refused > 100);
 }
 
 CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and keeps room for "
