@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -88,6 +89,87 @@ PipelineStage two_stages(const std::string& schedule, LossFunction loss) {
                            .schedule(PipelineSchedule::of(schedule_kind(schedule),
                                                           interleaved ? 2 : 1)),
                        join());
+}
+
+// A mean over the target's entries that are not NaN (padding), as a token-level loss is over
+// the tokens that are not padding.
+at::Tensor masked_mse(const Batch& output, const at::Tensor& target) {
+  const at::Tensor y = target.to(output.tensor().device());
+  const at::Tensor kept = y.isnan().logical_not();
+  const at::Tensor diff = (output.tensor() - y.nan_to_num(0)) * kept;
+  return diff.pow(2).sum() / kept.sum();
+}
+
+at::Tensor count_entries(const at::Tensor& target) { return target.isnan().logical_not().sum(); }
+
+// batch(step) with padding: the second micro-batch (rows 3 to 5) all of it, and parts of others.
+std::pair<at::Tensor, at::Tensor> padded_batch(int step) {
+  auto [x, y] = batch(step);
+  y.narrow(0, 3, 3).fill_(std::numeric_limits<double>::quiet_NaN());
+  y[0].narrow(0, 1, 2).fill_(std::numeric_limits<double>::quiet_NaN());
+  y[7][0] = std::numeric_limits<double>::quiet_NaN();
+  return {x, y};
+}
+
+constexpr const char* kMaskedMean =
+    "two processes train with a loss that is a mean over unpadded entries under 1F1B and zero "
+    "bubble to the plain model's parameters and losses with a micro-batch of padding only";
+
+CATCH_TEST_CASE(kMaskedMean, "[distributed][stage][schedule][loss]") {
+  if (test_rank() >= 0) {
+    const char* schedule = std::getenv("GPIPE_TEST_SCHEDULE");
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks)
+                                          .schedule(schedule_kind(schedule)), join());
+    torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    std::vector<at::Tensor> losses;
+    const Loss loss(masked_mse, count_entries);
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = padded_batch(step);
+      sgd.zero_grad();
+      const at::Tensor l = stage->is_first() ? stage->step(Batch(x), {}, loss)
+                                             : stage->step(no_input(), y, loss);
+      if (l.defined()) losses.push_back(l.detach());
+      sgd.step();
+    }
+    const std::string folder = gpipe_test::test_folder();
+    gpipe_test::write_doubles(folder + "/state" + std::to_string(test_rank()) + ".bin",
+                              stage->parameters());
+    if (stage->is_last()) gpipe_test::write_doubles(folder + "/loss.bin", losses);
+    return;
+  }
+  const std::string schedule = GENERATE(as<std::string>(), "1f1b", "zb");
+  CATCH_INFO("schedule " << schedule);
+  const std::string folder = folder_for("masked_mean_" + schedule);
+  const auto results = run_ranks(kMaskedMean, 2, folder, {{"GPIPE_TEST_SCHEDULE", schedule}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < 2; ++r) CATCH_REQUIRE(results[r].exit_code == 0);
+  // The plain model on the whole mini-batch.
+  nn::Sequential plain = make_model();
+  torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<at::Tensor> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto [x, y] = padded_batch(step);
+    sgd.zero_grad();
+    const at::Tensor l = masked_mse(Batch(plain->forward(x)), y);
+    l.backward();
+    losses.push_back(l.detach());
+    sgd.step();
+  }
+  int64_t first = 0;
+  for (int r = 0; r < 2; ++r) {
+    std::vector<at::Tensor> params;
+    for (int64_t k = first; k < first + kBalance[r]; ++k) {
+      for (const at::Tensor& p : plain[k]->parameters()) params.push_back(p);
+    }
+    first += kBalance[r];
+    const at::Tensor state =
+        gpipe_test::read_doubles(folder + "/state" + std::to_string(r) + ".bin");
+    CATCH_REQUIRE(state.sizes() == flat(params).sizes());
+    CATCH_CHECK(at::allclose(state, flat(params), 0, 1e-10));
+  }
+  CATCH_CHECK(at::allclose(gpipe_test::read_doubles(folder + "/loss.bin"), flat(losses), 0,
+                           1e-12));
+  std::filesystem::remove_all(folder);
 }
 
 constexpr const char* kInference =
