@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <random>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -30,10 +32,17 @@ std::string folder_of(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// A name beside `path` that no other writer uses: this process's id and a count.
+// A name beside `path` that no other writer uses: this process's id, a count and a random
+// number (a restarted process in a container often has the same id and count as the one that
+// died, and a temporary file of the dead one may still be there).
 std::string temporary_name(const std::string& path) {
   static std::atomic<int64_t> count{0};
-  return absl::StrCat(path, ".tmp.", ::getpid(), ".", count++);
+  static const uint64_t run = [] {
+    std::random_device device;
+    return (static_cast<uint64_t>(device()) << 32) ^ device() ^
+           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  }();
+  return absl::StrCat(path, ".tmp.", ::getpid(), ".", count++, ".", absl::Hex(run));
 }
 
 // Flushes the folder `dir`'s entries (a rename into it) to the disk. A file system that cannot
@@ -112,6 +121,10 @@ FileDigest write_atomically(const std::string& path, const std::string& text,
 std::string read_whole_file(const std::string& path, const std::string& who) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, who, ": cannot read '", path, "': ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};  // also when the string cannot grow (bad_alloc)
   std::string bytes;
   struct stat info {};
   if (::fstat(fd, &info) == 0 && info.st_size > 0) bytes.reserve(static_cast<size_t>(info.st_size));
@@ -120,9 +133,7 @@ std::string read_whole_file(const std::string& path, const std::string& who) {
     const ssize_t n = ::read(fd, buffer, sizeof(buffer));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      const int failed = n < 0 ? errno : 0;
-      ::close(fd);
-      TORCH_CHECK(failed == 0, who, ": cannot read '", path, "': ", std::strerror(failed));
+      TORCH_CHECK(n == 0, who, ": cannot read '", path, "': ", std::strerror(errno));
       return bytes;
     }
     bytes.append(buffer, static_cast<size_t>(n));

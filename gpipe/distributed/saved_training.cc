@@ -209,14 +209,13 @@ Manifest parse_manifest(const std::string& text, const std::string& path) {
   return manifest;
 }
 
-// The save count of the manifest in `dir`, or 0 where there is none that can be read.
+// The save count of the manifest in `dir`, or 0 where there is none. A manifest that is there
+// but cannot be read or parsed throws: numbering from 0 again could overwrite committed files.
 int64_t last_save(const std::string& dir) {
-  try {
-    const std::string path = dir + "/" + kManifest;
-    return parse_manifest(detail::read_whole_file(path, "gpipe::save_training"), path).save;
-  } catch (const std::exception&) {
-    return 0;
-  }
+  const std::string path = dir + "/" + kManifest;
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0 && errno == ENOENT) return 0;
+  return parse_manifest(detail::read_whole_file(path, "gpipe::save_training"), path).save;
 }
 
 // ----- Saving
@@ -235,11 +234,24 @@ enum Field : int64_t {
 // The save's count in its folder: one more than the manifest's there (Note [Atomic saves]), as
 // the manifest's writer reads it.
 int64_t agree_on_save(const std::string& dir, const Grid& grid) {
-  const int64_t mine = grid.writes_manifest() ? last_save(dir) + 1 : 0;
-  return everyone(grid, at::tensor(std::vector<int64_t>{mine}, at::kLong),
-                  "the agreement on the save's files")
-      .max()
-      .item<int64_t>();
+  int64_t mine = 0;
+  std::string why;  // the manifest writer's, when it cannot read the manifest: -1 for everyone
+  if (grid.writes_manifest()) {
+    try {
+      mine = last_save(dir) + 1;
+    } catch (const c10::Error& e) {
+      mine = -1;
+      why = e.what_without_backtrace();
+    }
+  }
+  const at::Tensor all = everyone(grid, at::tensor(std::vector<int64_t>{mine}, at::kLong),
+                                  "the agreement on the save's files");
+  TORCH_CHECK(all.min().item<int64_t>() >= 0, "gpipe::save_training: the manifest in '", dir,
+              "' is there but cannot be read",
+              why.empty() ? std::string(" (said the rank that writes it)") : ": " + why,
+              "; numbering this save from 0 could overwrite the committed files, so nothing was "
+              "written: mend or move the folder");
+  return all.max().item<int64_t>();
 }
 
 // Writes this rank's files of save `save`; returns its kFields, and in `error` what failed.

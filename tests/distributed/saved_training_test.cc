@@ -298,6 +298,14 @@ CATCH_TEST_CASE(kRefused, "[distributed][stage][save]") {
       check_refused(a, b, *stage, adam);
     }
     groups.pipeline->barrier()->wait();  // neither process leaves while the other loads
+    // A manifest that is there but cannot be read: the next save refuses on every rank, before
+    // writing anything (numbering it from 0 again could overwrite committed files).
+    if (groups.stage == 0) std::ofstream(a + "/manifest.txt", std::ios::trunc) << "not a save\n";
+    groups.pipeline->barrier()->wait();
+    CATCH_CHECK_THROWS_WITH(save_training(a, *stage, &adam, 7),
+                            gpipe_test::contains("the manifest in '" + a +
+                                                 "' is there but cannot be read"));
+    groups.pipeline->barrier()->wait();
     return;
   }
   const std::string folder = folder_for("save_refused");
