@@ -448,18 +448,44 @@ std::unique_ptr<detail::LoadedFile> load_file(const std::string& dir, const Mani
 
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,
              torch::optim::Optimizer* optimizer, GradScaler* scaler) {
-  const Manifest manifest = read_manifest(dir);
-  const std::string layout = grid.layout(grid.outer_index);
-  check_layout_listed(manifest, layout, dir);
   // Both files read and checked before either changes anything (Note [Saving and resuming]).
-  const auto module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout,
-                                     &module, optimizer, /*random=*/false, scaler);
-  const auto random_file =
-      load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index), layout,
-                nullptr, nullptr, /*random=*/true, nullptr);
+  std::unique_ptr<detail::LoadedFile> module_file, random_file;
+  int64_t step = 0, save = 0;
+  std::string refused;
+  try {
+    const Manifest manifest = read_manifest(dir);
+    const std::string layout = grid.layout(grid.outer_index);
+    check_layout_listed(manifest, layout, dir);
+    module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout, &module,
+                            optimizer, /*random=*/false, scaler);
+    random_file = load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index),
+                            layout, nullptr, nullptr, /*random=*/true, nullptr);
+    step = manifest.step;
+    save = manifest.save;
+  } catch (const c10::Error& e) {
+    refused = e.what_without_backtrace();
+  }
+  // Every rank applies the save, or none does (Note [Atomic saves]): a rank that refused, or
+  // read another save, would otherwise leave the others to wait for it in their next step.
+  const at::Tensor all = everyone(
+      grid, at::tensor(std::vector<int64_t>{refused.empty() ? 1 : 0, step, save}, at::kLong),
+      "the agreement on the load");
+  TORCH_CHECK(refused.empty(), refused);
+  for (int o = 0; o < all.size(0); ++o) {
+    for (int i = 0; i < all.size(1); ++i) {
+      TORCH_CHECK(all[o][i][0].item<int64_t>() == 1, "gpipe::load_training: ", grid.who(o, i),
+                  " refused to load '", dir, "' (its error says why); no rank loads it, and "
+                  "this one stays as it was");
+      TORCH_CHECK(all[o][i][1].item<int64_t>() == step && all[o][i][2].item<int64_t>() == save,
+                  "gpipe::load_training: ", grid.who(o, i), " read save ",
+                  all[o][i][2].item<int64_t>(), " (step ", all[o][i][1].item<int64_t>(),
+                  ") of '", dir, "', but this rank save ", save, " (step ", step, "): a save "
+                  "was committed while the ranks loaded; load again");
+    }
+  }
   module_file->apply();
   random_file->apply();
-  return manifest.step;
+  return step;
 }
 
 }  // namespace

@@ -40,7 +40,9 @@ void save_training(const std::string& dir, const PipelineStageImpl& stage,
 /// step. Throws c10::Error, changing nothing, when `dir` has no manifest (no save finished),
 /// when a file is torn or replaced (its checksum is not the manifest's), when the folder mixes
 /// saves of different steps, or when the save does not fit the stage, the optimizer or the
-/// scaler; each error names the file and what the manifest says.
+/// scaler; each error names the file and what the manifest says. A collective: every rank calls
+/// it, and every rank applies the save or none does (a rank whose files are whole throws too,
+/// naming the one that refused).
 int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
@@ -54,7 +56,8 @@ void save_training(const std::string& dir, const DataParallelImpl& model,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler = nullptr);
 /// Loads what save_training committed for the replicas (as many of them), this rank's random
-/// generators and `scaler`'s state (if not null); returns the step. Refuses as the stages' load.
+/// generators and `scaler`'s state (if not null); returns the step. Refuses as the stages' load,
+/// and is a collective as it is: every replica loads, or none.
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 

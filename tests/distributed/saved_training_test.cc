@@ -249,29 +249,34 @@ void relist(const std::string& dir, const std::string& name, const std::string& 
   detail::write_atomically(dir + "/manifest.txt", text, "relist");
 }
 
-// Stage 1's loads of save `a` (step 3) after its file is torn, then replaced by its file of save
-// `b` (step 5), then listed so in the manifest: each refused, naming the file, the stage as it was.
+// Both stages' loads of save `a` (step 3) after stage 1's file is torn, then replaced by its
+// file of save `b` (step 5), then listed so in the manifest: stage 1 refuses each, naming the
+// file; stage 0, whose files are whole, refuses with it (every rank loads, or none); both stages
+// stay as they were.
 void check_refused(const std::string& a, const std::string& b, PipelineStageImpl& stage,
-                   torch::optim::Optimizer& optimizer) {
+                   torch::optim::Optimizer& optimizer, const ProcessGroup& pipeline) {
   const std::vector<at::Tensor> before = copies(stage.parameters());
   const std::string name = "stage1.step000003.save1.pt";
   const std::string mine = a + "/" + name, later = b + "/stage1.step000005.save1.pt";
+  const bool damaged = stage.stage() == 1;
+  const auto round = [&](const std::function<void()>& damage, const std::string& why) {
+    if (damaged) damage();
+    pipeline->barrier()->wait();  // stage 0 reads after the damage
+    CATCH_CHECK_THROWS_WITH(
+        load_training(a, stage, &optimizer),
+        gpipe_test::contains(damaged ? why
+                                     : "stage 1's replica 0 refused to load '" + a + "'"));
+    check_equal(stage.parameters(), before);
+  };
   // Torn: half of it on the disk.
-  fs::resize_file(mine, fs::file_size(mine) / 2);
-  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
-                          gpipe_test::contains("'" + mine + "' is torn or was replaced"));
-  check_equal(stage.parameters(), before);
+  round([&] { fs::resize_file(mine, fs::file_size(mine) / 2); },
+        "'" + mine + "' is torn or was replaced");
   // Replaced by stage 1's file of the save of step 5.
-  fs::copy_file(later, mine, fs::copy_options::overwrite_existing);
-  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
-                          gpipe_test::contains("'" + mine + "' is torn or was replaced"));
-  check_equal(stage.parameters(), before);
+  round([&] { fs::copy_file(later, mine, fs::copy_options::overwrite_existing); },
+        "'" + mine + "' is torn or was replaced");
   // ... and listed by the manifest of step 3: the stages' steps differ.
-  relist(a, name, detail::read_whole_file(later, "relist"));
-  CATCH_CHECK_THROWS_WITH(load_training(a, stage, &optimizer),
-                          gpipe_test::contains("'" + mine + "' holds step 5, but '" + a +
-                                               "/manifest.txt' commits step 3"));
-  check_equal(stage.parameters(), before);
+  round([&] { relist(a, name, detail::read_whole_file(later, "relist")); },
+        "'" + mine + "' holds step 5, but '" + a + "/manifest.txt' commits step 3");
 }
 
 constexpr const char* kRefused =
@@ -292,12 +297,9 @@ CATCH_TEST_CASE(kRefused, "[distributed][stage][save]") {
     save_training(a, *stage, &adam, 3);
     train_steps(stage, groups, adam, 1, 1);
     save_training(b, *stage, &adam, 5);
-    if (groups.stage == 0) {
-      CATCH_CHECK(load_training(a, *stage, &adam) == 3);  // stage 0's files are whole
-    } else {
-      check_refused(a, b, *stage, adam);
-    }
-    groups.pipeline->barrier()->wait();  // neither process leaves while the other loads
+    CATCH_CHECK(load_training(a, *stage, &adam) == 3);  // every file whole: both load
+    check_refused(a, b, *stage, adam, groups.pipeline);
+    groups.pipeline->barrier()->wait();
     // A manifest that is there but cannot be read: the next save refuses on every rank, before
     // writing anything (numbering it from 0 again could overwrite committed files).
     if (groups.stage == 0) std::ofstream(a + "/manifest.txt", std::ios::trunc) << "not a save\n";
