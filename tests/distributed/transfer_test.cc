@@ -87,6 +87,14 @@ CATCH_TEST_CASE("an activation header holds exactly what fits in its 512 values,
   huge[9] = int64_t{1} << 40;
   CATCH_CHECK_THROWS_WITH(BatchHeader::decode(huge, 1, 0),
                           gpipe_test::contains("over a petabyte"));
+  // A shape that holds nothing yet overflows an int64 when multiplied in order (2^62 x 3 x 0):
+  // its numel, bytes and strides must not be computed (UBSan caught this from the fuzz test).
+  at::Tensor empty_but_huge = encoded.clone();
+  empty_but_huge[8] = int64_t{1} << 62;
+  empty_but_huge[9] = 3;
+  empty_but_huge[10] = 0;
+  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(empty_but_huge, 1, 0),
+                          gpipe_test::contains("non-zero sizes multiply to over a petabyte"));
   // An atomic batch (one tensor, not a tuple) that says it has none.
   at::Tensor atomic = BatchHeader::of(Batch(at::ones({2, 3})), 2, /*grad_enabled=*/true).encode();
   CATCH_CHECK(BatchHeader::decode(atomic).entries.size() == 1);
