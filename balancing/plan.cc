@@ -13,10 +13,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "balancing/detail.h"
+#include "balancing/internal/detail.h"
 #include "balancing/partition.h"
 #include "gpipe/schedule.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {

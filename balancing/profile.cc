@@ -22,12 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "balancing/detail.h"
+#include "balancing/internal/detail.h"
 #include "gpipe/device.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/partition.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/partition.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace {

@@ -13,7 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "gpipe/schedule_check.h"
-#include "gpipe/schedule_plan.h"
+#include "gpipe/internal/schedule_plan.h"
 
 namespace gpipe {
 namespace {

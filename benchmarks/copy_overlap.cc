@@ -1,5 +1,5 @@
 // How much of GPipe::step's copies between a GPU and the CPU run while that GPU computes another
-// micro-batch (Note [Links on copy streams] in gpipe/link.h): a {cuda:0, cpu} and a {cpu, cuda:0}
+// micro-batch (Note [Links on copy streams] in gpipe/internal/link.h): a {cuda:0, cpu} and a {cpu, cuda:0}
 // pipeline of 2048-wide layers (eight Linear layers on the GPU, a Tanh on the CPU) under GPipe's
 // schedule and 1F1B, from the device times of the last step's timeline, with copies from the CPU
 // staged in pinned memory (the default) and from pageable memory. On the compute stream no copy
@@ -26,8 +26,8 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
-#include "gpipe/link.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/link.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/trace.h"
 
 ABSL_FLAG(std::string, schedules, "gpipe,1f1b", "schedules to run");

@@ -22,7 +22,7 @@
 // ranks] in gpipe/distributed/core_binding.h); rank 0's runs alone use every core.
 // --shared_memory=0 sends every micro-batch over Gloo instead of through the stages' rings of
 // shared memory (Note [Shared memory between stages on one host] in
-// gpipe/distributed/shared_memory.h).
+// gpipe/distributed/internal/shared_memory.h).
 
 #include <algorithm>
 #include <chrono>

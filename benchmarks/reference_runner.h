@@ -38,9 +38,9 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
-#include "gpipe/partition.h"
-#include "gpipe/skip_layout.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/partition.h"
+#include "gpipe/internal/skip_layout.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 
 extern char** environ;

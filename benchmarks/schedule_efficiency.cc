@@ -25,7 +25,7 @@
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/schedule_check.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 
 ABSL_FLAG(std::string, schedules, "gpipe,1f1b,interleaved,zb", "schedules to run");

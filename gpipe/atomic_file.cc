@@ -1,6 +1,6 @@
 // Files written whole or not at all; see atomic_file.h and Note [Atomic saves] in
 // saved_training.h.
-#include "gpipe/atomic_file.h"
+#include "gpipe/internal/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -45,16 +45,16 @@ std::string temporary_name(const std::string& path) {
   return absl::StrCat(path, ".tmp.", ::getpid(), ".", count++, ".", absl::Hex(run));
 }
 
-// Flushes the folder `dir`'s entries (a rename into it) to the disk. A file system that cannot
-// flush a folder (EINVAL) keeps its renames as it can.
-void sync_folder(const std::string& dir, const std::string& who) {
+// Flushes the folder `dir`'s entries (the rename of `path` into it) to the disk. A file system
+// that cannot flush a folder (EINVAL) keeps its renames as it can. On failure `path` is already in
+// place under its name: the error says so, and that it may not survive a crash of the machine.
+void sync_folder(const std::string& dir, const std::string& path, const std::string& who) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, who, ": cannot open the folder '", dir, "' to flush it: ",
-              std::strerror(errno));
-  const int failed = ::fsync(fd) != 0 && errno != EINVAL ? errno : 0;
-  ::close(fd);
-  TORCH_CHECK(failed == 0, who, ": cannot flush the folder '", dir, "': ",
-              std::strerror(failed));
+  const int failed = fd < 0 ? errno : ::fsync(fd) != 0 && errno != EINVAL ? errno : 0;
+  if (fd >= 0) ::close(fd);
+  TORCH_CHECK(failed == 0, who, ": '", path, "' is written, but flushing its folder '", dir,
+              "' failed (", std::strerror(failed), "), so the file may not survive a crash of "
+              "the machine; save again once the folder can be flushed");
 }
 
 }  // namespace
@@ -107,7 +107,7 @@ FileDigest AtomicFile::commit() {
   TORCH_CHECK(::rename(temp_.c_str(), path_.c_str()) == 0, who_, ": cannot write '", path_,
               "': renaming '", temp_, "' to it failed: ", std::strerror(errno));
   temp_.clear();  // in place: nothing to remove
-  sync_folder(folder_of(path_), who_);
+  sync_folder(folder_of(path_), path_, who_);
   return digest_;
 }
 

@@ -1,6 +1,6 @@
 // Checkpointing; see Note [Checkpoint and recompute] in checkpoint.h.
 #include "gpipe/checkpoint.h"
-#include "gpipe/checkpoint_state.h"
+#include "gpipe/internal/checkpoint_state.h"
 
 #include <tuple>
 
@@ -10,9 +10,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
-#include "gpipe/dependency.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/dependency.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/thread_state.h"
 
 namespace gpipe {

@@ -6,7 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "gpipe/checkpoint.h"
-#include "gpipe/checkpoint_state.h"
+#include "gpipe/internal/checkpoint_state.h"
 
 namespace gpipe {
 

@@ -1,5 +1,5 @@
 // Copy and wait; see Note [Copy streams] in copy.h.
-#include "gpipe/copy.h"
+#include "gpipe/internal/copy.h"
 
 #include <c10/core/StreamGuard.h>
 #include <c10/util/irange.h>
@@ -7,7 +7,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace {

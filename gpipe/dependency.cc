@@ -1,5 +1,5 @@
 // Fork and join; see dependency.h and Note [Backward order] in executor.h.
-#include "gpipe/dependency.h"
+#include "gpipe/internal/dependency.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>

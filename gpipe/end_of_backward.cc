@@ -1,5 +1,5 @@
 // The end of a backward; see end_of_backward.h and Note [A callback the failed backward drops].
-#include "gpipe/end_of_backward.h"
+#include "gpipe/internal/end_of_backward.h"
 
 #include <memory>
 #include <utility>

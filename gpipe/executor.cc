@@ -1,6 +1,6 @@
 // The executor; see executor.h and Note [One executor].
-#include "gpipe/executor.h"
-#include "gpipe/executor_step.h"
+#include "gpipe/internal/executor.h"
+#include "gpipe/internal/executor_step.h"
 
 #include <algorithm>
 #include <exception>
@@ -17,9 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "gpipe/partition.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/partition.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace detail {

@@ -1,5 +1,5 @@
 // The executor's compute actions F, B (I) and W; see executor_step.h and Note [One executor].
-#include "gpipe/executor_step.h"
+#include "gpipe/internal/executor_step.h"
 
 #include <exception>
 #include <map>
@@ -14,11 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "gpipe/copy.h"
-#include "gpipe/dependency.h"
-#include "gpipe/partition.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/copy.h"
+#include "gpipe/internal/dependency.h"
+#include "gpipe/internal/partition.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace detail {

@@ -4,14 +4,14 @@
 #include <c10/util/irange.h>
 
 #include "gpipe/batchnorm.h"
-#include "gpipe/executor.h"
+#include "gpipe/internal/executor.h"
 #include "gpipe/gpipe.h"
-#include "gpipe/link.h"
+#include "gpipe/internal/link.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/partition.h"
+#include "gpipe/internal/partition.h"
 #include "gpipe/schedule.h"
 #include "gpipe/schedule_option.h"
-#include "gpipe/skip_tracker.h"
+#include "gpipe/internal/skip_tracker.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"

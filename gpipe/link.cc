@@ -1,5 +1,5 @@
 // Links between a partition and its neighbours in this process; see link.h.
-#include "gpipe/link.h"
+#include "gpipe/internal/link.h"
 
 #include <atomic>
 #include <limits>
@@ -13,7 +13,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "gpipe/copy.h"
+#include "gpipe/internal/copy.h"
 
 namespace gpipe {
 namespace {

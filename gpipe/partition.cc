@@ -1,5 +1,5 @@
 // Partitions; see partition.h.
-#include "gpipe/partition.h"
+#include "gpipe/internal/partition.h"
 
 #include <algorithm>
 #include <numeric>

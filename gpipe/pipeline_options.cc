@@ -3,7 +3,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "gpipe/partition.h"
+#include "gpipe/internal/partition.h"
 #include "gpipe/skippable.h"
 
 namespace gpipe {

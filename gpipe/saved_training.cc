@@ -18,7 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/atomic_file.h"
+#include "gpipe/internal/atomic_file.h"
 
 namespace gpipe {
 namespace {
@@ -206,6 +206,8 @@ std::vector<at::Tensor> random_states(torch::serialize::InputArchive& archive,
               " holds no random generators");
   const c10::List<at::Tensor> states = value.toTensorList();
   std::vector<at::Generator> mine = generators();
+  TORCH_CHECK(!states.empty(), "gpipe::load_training: ", what, " holds an empty list of random "
+              "generators (a save holds the CPU's, then each CUDA device's)");
   TORCH_CHECK(states.size() == mine.size(), "gpipe::load_training: ", what, " was saved with ",
               states.size() - 1, " CUDA device(s), but this process has ", mine.size() - 1,
               "; resume on the same devices");

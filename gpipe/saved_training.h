@@ -79,7 +79,7 @@ int64_t load_training(const std::string& path, torch::nn::Module& module,
 
 namespace detail {
 
-struct FileDigest;  // gpipe/atomic_file.h
+struct FileDigest;  // gpipe/internal/atomic_file.h
 
 // An exception's message, without the backtrace a c10::Error carries (a message quoted in
 // another error is read by people, not debuggers).

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/schedule_plan.h"
+#include "gpipe/internal/schedule_plan.h"
 
 namespace gpipe {
 namespace {

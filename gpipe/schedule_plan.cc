@@ -1,5 +1,5 @@
 // Where each action of a schedule is; see schedule_plan.h.
-#include "gpipe/schedule_plan.h"
+#include "gpipe/internal/schedule_plan.h"
 
 #include <c10/util/Exception.h>
 

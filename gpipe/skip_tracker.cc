@@ -1,13 +1,13 @@
 // Skip trackers; see skip_tracker.h, Note [Skips and checkpointing] in particular.
-#include "gpipe/skip_tracker.h"
+#include "gpipe/internal/skip_tracker.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include "gpipe/checkpoint.h"
-#include "gpipe/copy.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/copy.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace {

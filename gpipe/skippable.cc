@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/skip_tracker.h"
+#include "gpipe/internal/skip_tracker.h"
 
 namespace gpipe {
 namespace {

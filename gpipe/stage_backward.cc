@@ -1,6 +1,6 @@
 // Stage-local backward for CPU partitions; see stage_backward.h and Note [Stage-local backward in
 // one process].
-#include "gpipe/stage_backward.h"
+#include "gpipe/internal/stage_backward.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros_like.h>
@@ -9,7 +9,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
-#include "gpipe/end_of_backward.h"
+#include "gpipe/internal/end_of_backward.h"
 
 namespace gpipe {
 namespace {

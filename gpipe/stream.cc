@@ -1,6 +1,6 @@
 // Streams; see stream.h. CUDA specifics are compiled only against a CUDA-enabled LibTorch
 // (GPIPE_WITH_CUDA); elsewhere CUDA devices are refused with a clear error.
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 
 #include <c10/core/Event.h>
 #include <c10/util/Exception.h>

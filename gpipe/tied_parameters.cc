@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/end_of_backward.h"
+#include "gpipe/internal/end_of_backward.h"
 
 namespace gpipe {
 namespace {

@@ -44,7 +44,7 @@ namespace gpipe {
 //   place, copies too: an optimizer must not be given those.
 // - Across processes (PipelineStage), each stage holding a tie keeps its own tensor; after each
 //   step's backward the stages sum its gradient (Note [Ties across stages] in
-//   gpipe/distributed/tied_stages.h).
+//   gpipe/distributed/internal/tied_stages.h).
 
 /// Pairs of parameter names, as the Sequential's named_parameters() gives them
 /// ("<layer name>.<parameter>", e.g. "0.weight"), each naming two tensors that are one parameter

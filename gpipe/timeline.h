@@ -11,7 +11,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 

@@ -244,6 +244,14 @@ def main(out_dir):
     absent = [h for h in headers if not os.path.isfile(h)]
     for h in absent:
         print("%s: warning: %s lists it, but it does not exist" % (h, LIST), file=sys.stderr)
+    # A header outside the internal/ folders is public: Bazel's public targets export every one
+    # (hdrs = glob(["*.h"])), so each must be listed, documented and installed.
+    for folder in ("gpipe", "gpipe/distributed", "balancing"):
+        for name in sorted(os.listdir(folder)):
+            h = folder + "/" + name
+            if h.endswith(".h") and h not in headers:
+                print("%s: warning: a public header (outside internal/) that %s does not list; "
+                      "list it, or move it to %s/internal/" % (h, LIST, folder), file=sys.stderr)
     for h in headers:
         if h in absent:
             continue

@@ -10,9 +10,9 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
-#include "gpipe/distributed/fault.h"
-#include "gpipe/distributed/transfer.h"
-#include "gpipe/stream.h"
+#include "gpipe/distributed/internal/fault.h"
+#include "gpipe/distributed/internal/transfer.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace distributed {

@@ -1,5 +1,5 @@
 // Configurations compared across ranks; see configuration.h.
-#include "gpipe/distributed/configuration.h"
+#include "gpipe/distributed/internal/configuration.h"
 
 #include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>

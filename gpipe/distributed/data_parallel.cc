@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/distributed/configuration.h"
+#include "gpipe/distributed/internal/configuration.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/gpipe.h"
 

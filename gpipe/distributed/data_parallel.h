@@ -12,7 +12,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include "gpipe/distributed/gradient_reducer.h"
+#include "gpipe/distributed/internal/gradient_reducer.h"
 #include "gpipe/distributed/process_group.h"
 #include "gpipe/tied_parameters.h"
 

@@ -1,5 +1,5 @@
 // Failing fast across processes; see fault.h and Note [Failing fast across processes].
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 
 #include <pthread.h>
 
@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/distributed/replication.h"
-#include "gpipe/distributed/transfer.h"
+#include "gpipe/distributed/internal/transfer.h"
 
 namespace gpipe {
 namespace distributed {
@@ -161,6 +161,11 @@ std::optional<std::string> FaultChannel::heard(int64_t index) const {
   absl::MutexLock lock(&mu_);
   if (heard_ && heard_index_ <= index) return heard_;
   return std::nullopt;
+}
+
+void FaultChannel::throw_if_heard(const FaultChannel* channel, int64_t index) {
+  if (channel == nullptr) return;
+  if (std::optional<std::string> heard = channel->heard(index)) TORCH_CHECK(false, *heard);
 }
 
 namespace {

@@ -1,5 +1,5 @@
 // The gradient reducer; see Note [Buckets that start during backward] in gradient_reducer.h.
-#include "gpipe/distributed/gradient_reducer.h"
+#include "gpipe/distributed/internal/gradient_reducer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_join.h"
 #include "gpipe/distributed/replication.h"
-#include "gpipe/end_of_backward.h"
+#include "gpipe/internal/end_of_backward.h"
 
 namespace gpipe {
 namespace distributed {
@@ -335,7 +335,7 @@ void GradientReducer::begin_backward() {
   // which waits for its partitions' backwards on their workers, has run: their gradients are
   // final (and have started their buckets). When the backward fails before finish() ran, the
   // engine drops the callback and abandon() disarms the reducer (Note [A callback the failed
-  // backward drops] in gpipe/end_of_backward.h).
+  // backward drops] in gpipe/internal/end_of_backward.h).
   const auto abandon = [s] {
     std::lock_guard<std::mutex> lock(s->mu);
     s->abandon(State::kBackward);

@@ -27,7 +27,7 @@
 #include "gpipe/schedule_option.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/skip_layout.h"
+#include "gpipe/internal/skip_layout.h"
 #include "gpipe/tied_parameters.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"
@@ -64,7 +64,7 @@ class SharedLinks;  // shared_memory.h
 // gives every micro-batch's output gradient; the micro-batches' own backwards follow.
 // With another schedule (PipelineStageOptions::schedule: 1F1B, zero bubble), each stage runs its
 // forwards and backwards in that schedule's order on the same executor (Note [One executor] in
-// gpipe/executor.h), and the last stage applies the loss to each micro-batch as its output
+// gpipe/internal/executor.h), and the last stage applies the loss to each micro-batch as its output
 // arrives (Note [Losses over micro-batches] in gpipe/loss.h).
 
 /// A loss function of the last stage (gpipe::LossFunction): with the GPipe schedule it sees the
@@ -83,7 +83,7 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // (PipelineStageOptions::local_balance and devices). Each partition then works as a stage
 // of its own would, on a thread of its own: it runs every micro-batch's forward in order, then
 // each micro-batch's backward in reverse as soon as the gradients of its outputs arrive
-// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/link.h)
+// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/internal/link.h)
 // instead of c10d. With a schedule other than GPipe's, every partition of the stage runs the
 // stage's actions in the schedule's order.
 // What crosses a link is cut from the sender's graph: the receiver gets each tensor detached
@@ -280,6 +280,9 @@ class PipelineStageImpl : public torch::nn::Module {
   const ProcessGroup& group() const { return group_; }
   /// The stage's replica group; null when the stage is not replicated.
   const ProcessGroup& replica_group() const { return replica_group_; }
+  /// This stage's device for collectives: its first GPU, else its first partition's device
+  /// (also for a stage without parameters, which has no tensor to tell it).
+  c10::Device device() const { return local_; }
   /// This process's stage and the number of stages.
   int64_t stage() const { return stage_; }
   /// The number of stages (processes) of the pipeline.

@@ -1,5 +1,5 @@
 // Remote links; see remote_link.h.
-#include "gpipe/distributed/remote_link.h"
+#include "gpipe/distributed/internal/remote_link.h"
 
 #include <algorithm>
 #include <utility>

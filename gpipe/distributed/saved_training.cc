@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/atomic_file.h"
+#include "gpipe/internal/atomic_file.h"
 
 namespace gpipe {
 namespace distributed {
@@ -89,7 +89,7 @@ Grid stage_grid(const PipelineStageImpl& stage) {
   grid.module_base = [](int s) { return absl::StrCat("stage", s); };
   grid.random_base = [](int s, int k) { return absl::StrCat("random_stage", s, "_replica", k); };
   grid.who = [](int s, int k) { return absl::StrCat("stage ", s, "'s replica ", k); };
-  grid.local = local_device(stage);
+  grid.local = stage.device();
   return grid;
 }
 

@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "gpipe/distributed/shared_memory.h"
-#include "gpipe/distributed/transfer.h"
+#include "gpipe/distributed/internal/shared_memory.h"
+#include "gpipe/distributed/internal/transfer.h"
 
 namespace gpipe {
 namespace distributed {

@@ -1,5 +1,5 @@
 // Shared memory between stages on one host; see shared_memory.h.
-#include "gpipe/distributed/shared_memory.h"
+#include "gpipe/distributed/internal/shared_memory.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -19,7 +19,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 
 namespace gpipe {
 namespace distributed {

@@ -10,9 +10,9 @@
 #include <c10/util/Exception.h>
 
 #include "gpipe/clip_grad.h"
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
-#include "gpipe/distributed/tied_stages.h"
+#include "gpipe/distributed/internal/tied_stages.h"
 
 namespace gpipe {
 namespace distributed {
@@ -40,13 +40,8 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
       local.defined() ? local.to(c10::kCPU, c10::kDouble).reshape({1}) : at::zeros({1}, c10::kDouble);
   const std::vector<at::Tensor> norms =
       stages() > 1 ? all_gather(group_, sent, local_, "the all-gather of the stages' gradient norms",
-                                [this] {
-                                  // A failure heard from another stage ends the wait at once.
-                                  if (!faults_) return;
-                                  if (std::optional<std::string> heard = faults_->heard()) {
-                                    TORCH_CHECK(false, *heard);
-                                  }
-                                })
+                                // A failure heard from another stage ends the wait at once.
+                                [this] { FaultChannel::throw_if_heard(faults_.get()); })
                    : std::vector<at::Tensor>{sent};
   const at::Tensor all = at::stack(norms).reshape(-1);
   const at::Tensor norm =

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/distributed/pipeline_stage.h"
-#include "gpipe/distributed/transfer.h"
+#include "gpipe/distributed/internal/transfer.h"
 
 namespace gpipe {
 namespace distributed {

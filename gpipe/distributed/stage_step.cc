@@ -13,17 +13,17 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
-#include "gpipe/distributed/remote_link.h"
+#include "gpipe/distributed/internal/remote_link.h"
 #include "gpipe/distributed/replication.h"
-#include "gpipe/distributed/shared_memory.h"
-#include "gpipe/distributed/tied_stages.h"
-#include "gpipe/distributed/transfer.h"
-#include "gpipe/executor.h"
+#include "gpipe/distributed/internal/shared_memory.h"
+#include "gpipe/distributed/internal/tied_stages.h"
+#include "gpipe/distributed/internal/transfer.h"
+#include "gpipe/internal/executor.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/thread_state.h"
 
 namespace gpipe {
@@ -33,13 +33,6 @@ namespace {
 // The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
 c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
   return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
-}
-
-// Throws the failure `channel` heard of a step up to `index`, if any (a collective's check while
-// it waits in step `index`).
-void throw_if_heard(const FaultChannel* channel, int64_t index) {
-  if (channel == nullptr) return;
-  if (std::optional<std::string> heard = channel->heard(index)) TORCH_CHECK(false, *heard);
 }
 
 // This stage's actions for m micro-batches: each of its partitions runs them in order (Note
@@ -149,7 +142,9 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
       // fast across processes]): the all-gather waits no longer.
       combine = [this, index](std::vector<BatchNormStatistics>& statistics) {
         combine_statistics(replica_group_, statistics, local_,
-                           [this, index] { throw_if_heard(replica_faults_.get(), index); });
+                           [this, index] {
+                             FaultChannel::throw_if_heard(replica_faults_.get(), index);
+                           });
       };
     }
     commit_deferred(batch_norms, combine);
@@ -159,12 +154,16 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
     tied_->sum_gradients();
     if (!tied_stages_->empty()) {
       tied_stages_->sum_gradients(group_, local_,
-                                  [this, index] { throw_if_heard(faults_.get(), index); });
+                                  [this, index] {
+                                    FaultChannel::throw_if_heard(faults_.get(), index);
+                                  });
     }
   }
   if (grad_enabled && replica_group_) {
     average_gradients(replica_group_, layers_->parameters(), local_,
-                      [this, index] { throw_if_heard(replica_faults_.get(), index); });
+                      [this, index] {
+                        FaultChannel::throw_if_heard(replica_faults_.get(), index);
+                      });
   }
 }
 

@@ -1,5 +1,5 @@
 // Ties across stages; see tied_stages.h.
-#include "gpipe/distributed/tied_stages.h"
+#include "gpipe/distributed/internal/tied_stages.h"
 
 #include <algorithm>
 #include <map>

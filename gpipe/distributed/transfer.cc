@@ -1,5 +1,5 @@
 // Transfers between stages; see transfer.h.
-#include "gpipe/distributed/transfer.h"
+#include "gpipe/distributed/internal/transfer.h"
 
 #include <pthread.h>
 
@@ -17,8 +17,8 @@
 #include <c10/util/accumulate.h>
 
 #include "absl/strings/str_cat.h"
-#include "gpipe/distributed/fault.h"
-#include "gpipe/stream.h"
+#include "gpipe/distributed/internal/fault.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace distributed {

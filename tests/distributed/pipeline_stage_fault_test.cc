@@ -1,6 +1,6 @@
 // Failing fast across processes: a stage that fails while its process stays alive makes every
 // other stage's step throw its error at once (Note [Failing fast across processes] in
-// gpipe/distributed/fault.h), under each schedule, wherever the failure is.
+// gpipe/distributed/internal/fault.h), under each schedule, wherever the failure is.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -9,7 +9,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 #include "tests/distributed/stage_test_util.h"
 
 namespace gpipe {

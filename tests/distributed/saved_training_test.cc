@@ -14,7 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "gpipe/atomic_file.h"
+#include "gpipe/internal/atomic_file.h"
 #include "tests/distributed/stage_test_util.h"
 
 namespace gpipe {

@@ -28,7 +28,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/device.h"
 #include "gpipe/distributed/pipeline_stage.h"
-#include "gpipe/distributed/shared_memory.h"
+#include "gpipe/distributed/internal/shared_memory.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/skippable.h"
 #include "gpipe/thread_state.h"

@@ -1,8 +1,8 @@
 // Activations between stages over Gloo: one message per micro-batch (Note [One message per
-// micro-batch] in gpipe/distributed/transfer.h): packing keeps every dtype and shape, and
+// micro-batch] in gpipe/distributed/internal/transfer.h): packing keeps every dtype and shape, and
 // micro-batches larger than any before (which travel as two messages) still train to the plain
 // model. Between stages on one host, rings of shared memory (Note [Shared memory between stages
-// on one host] in gpipe/distributed/shared_memory.h): order, wrapping, room, and giving up.
+// on one host] in gpipe/distributed/internal/shared_memory.h): order, wrapping, room, and giving up.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,10 +29,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
-#include "gpipe/distributed/fault.h"
+#include "gpipe/distributed/internal/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
-#include "gpipe/distributed/shared_memory.h"
-#include "gpipe/distributed/transfer.h"
+#include "gpipe/distributed/internal/shared_memory.h"
+#include "gpipe/distributed/internal/transfer.h"
 #include "tests/catch.h"
 #include "tests/distributed/multiprocess.h"
 

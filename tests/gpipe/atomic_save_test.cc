@@ -16,7 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "gpipe/atomic_file.h"
+#include "gpipe/internal/atomic_file.h"
 #include "tests/gpipe/test_util.h"
 
 namespace gpipe {

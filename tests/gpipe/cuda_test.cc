@@ -12,7 +12,7 @@
 #include <map>
 
 #include "gpipe/skippable.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 
 #ifdef GPIPE_WITH_CUDA
 #include <ATen/cuda/Sleep.h>

@@ -25,8 +25,8 @@
 
 #include "benchmarks/memory_meter.h"
 #include "gpipe/clip_grad.h"
-#include "gpipe/executor.h"
-#include "gpipe/link.h"
+#include "gpipe/internal/executor.h"
+#include "gpipe/internal/link.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/worker.h"
 #include "gpipe/schedule_text.h"

@@ -19,7 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gpipe/loss.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/timeline.h"
 
 namespace gpipe {

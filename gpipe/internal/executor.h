@@ -15,10 +15,10 @@
 
 #include "gpipe/batchnorm.h"
 #include "gpipe/checkpoint.h"
-#include "gpipe/link.h"
+#include "gpipe/internal/link.h"
 #include "gpipe/schedule.h"
-#include "gpipe/skip_layout.h"
-#include "gpipe/stage_backward.h"
+#include "gpipe/internal/skip_layout.h"
+#include "gpipe/internal/stage_backward.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"

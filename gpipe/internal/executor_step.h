@@ -18,9 +18,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "gpipe/executor.h"
-#include "gpipe/link.h"
-#include "gpipe/skip_tracker.h"
+#include "gpipe/internal/executor.h"
+#include "gpipe/internal/link.h"
+#include "gpipe/internal/skip_tracker.h"
 #include "gpipe/timeline.h"
 
 namespace gpipe {

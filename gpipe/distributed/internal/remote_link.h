@@ -16,9 +16,9 @@
 
 #include "absl/synchronization/mutex.h"
 #include "gpipe/distributed/process_group.h"
-#include "gpipe/distributed/shared_memory.h"
-#include "gpipe/distributed/transfer.h"
-#include "gpipe/link.h"
+#include "gpipe/distributed/internal/shared_memory.h"
+#include "gpipe/distributed/internal/transfer.h"
+#include "gpipe/internal/link.h"
 #include "gpipe/schedule.h"
 #include "gpipe/worker.h"
 

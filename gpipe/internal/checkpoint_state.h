@@ -16,8 +16,8 @@
 
 #include "gpipe/checkpoint.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/skip_tracker.h"
-#include "gpipe/stream.h"
+#include "gpipe/internal/skip_tracker.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"
 

@@ -114,6 +114,10 @@ class FaultChannel {
   /// message, what to do).
   std::optional<std::string> heard(
       int64_t index = std::numeric_limits<int64_t>::max()) const;
+  /// Throws the failure `channel` heard of a step up to `index`, if any: a collective's check
+  /// while it waits. Does nothing without a channel (a group that cannot hear any rank).
+  static void throw_if_heard(const FaultChannel* channel,
+                             int64_t index = std::numeric_limits<int64_t>::max());
 
  private:
   void listen();
