@@ -81,6 +81,39 @@ def public_headers():
         return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
 
 
+def include_circles():
+    """Circles of `#include "..."` among gpipe's own headers (public and internal), each as the
+    list of headers around it, the first repeated at the end."""
+    folders = ("gpipe", "gpipe/internal", "gpipe/distributed", "gpipe/distributed/internal",
+               "balancing", "balancing/internal")
+    headers = set()
+    for folder in folders:
+        if os.path.isdir(folder):
+            headers.update(folder + "/" + n for n in os.listdir(folder) if n.endswith(".h"))
+    includes = {}
+    for h in headers:
+        with open(h) as f:
+            found = re.findall(r'^#include "([^"]+)"', f.read(), re.M)
+        includes[h] = sorted(i for i in found if i in headers)
+    state, circles = {}, []
+
+    def visit(h, path):
+        state[h] = "open"
+        path.append(h)
+        for i in includes[h]:
+            if state.get(i) == "open":
+                circles.append(path[path.index(i):] + [i])
+            elif i not in state:
+                visit(i, path)
+        path.pop()
+        state[h] = "done"
+
+    for h in sorted(headers):
+        if h not in state:
+            visit(h, [])
+    return circles
+
+
 def filter_header(path):
     with open(path) as f:
         lines = f.read().split("\n")
@@ -252,6 +285,10 @@ def main(out_dir):
             if h.endswith(".h") and h not in headers:
                 print("%s: warning: a public header (outside internal/) that %s does not list; "
                       "list it, or move it to %s/internal/" % (h, LIST, folder), file=sys.stderr)
+    for circle in include_circles():
+        print("%s: warning: an include circle among gpipe's headers: %s; break it (the headers "
+              "are layered: a header never includes, through others, one that includes it)"
+              % (circle[0], " -> ".join(circle)), file=sys.stderr)
     for h in headers:
         if h in absent:
             continue

@@ -3,8 +3,9 @@
 # headers listed in gpipe/public_headers.txt, with docs/Doxyfile, into OUT (default build/api; its
 # HTML in OUT/html). Also pages for the Notes and docs/design.md (tools/api_docs.py).
 # Prints Doxygen's warnings and exits 1 if there are any: an undocumented public class, function,
-# member or option is one, as are a broken reference and a Note that docs/design.md names but no
-# source holds.
+# member or option is one, as are a broken reference, a Note that docs/design.md names but no
+# source holds, a header outside the internal/ folders that the list leaves out, and an include
+# circle among gpipe's headers.
 #
 #   tools/api_docs.sh [OUT]
 set -euo pipefail
