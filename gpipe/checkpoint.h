@@ -84,7 +84,7 @@ class GradRecord {
 };
 
 /// A checkpointed task's view of the skips that cross it (see Note [Skips and checkpointing] in
-/// skip_tracker.h): present on the thread running a checkpoint's first forward or its
+/// internal/skip_tracker.h): present on the thread running a checkpoint's first forward or its
 /// recomputation, null elsewhere.
 class CheckpointFrame {
  public:
@@ -101,7 +101,7 @@ class CheckpointFrame {
   /// First forward: `tensor` is stashed under `key`; returns it without history. When the plain
   /// model's tensor would require grad, the tensor becomes an extra output of the checkpoint once
   /// the forward is done, and `rehome` is called with that version (see Note [Skips and
-  /// checkpointing] in skip_tracker.h).
+  /// checkpointing] in internal/skip_tracker.h).
   at::Tensor stash_first_forward(const SkipKey& key, at::Tensor tensor,
                                  std::function<void(at::Tensor)> rehome);
 
@@ -141,11 +141,11 @@ class Checkpointing {
                 uint64_t params_key);
 
   /// Makes this task's backward a dependency of `phony`'s node (a fork's phony, Note [Backward
-  /// order] in executor.h): CheckpointBackward gets the phony's edge, and no join is needed.
-  /// After checkpoint() and before the outputs get nodes of their own (LibTorch 2.x refuses new
-  /// edges on a node that already has a parent), on the thread that made the phony's node: an
+  /// order] in internal/executor.h): CheckpointBackward gets the phony's edge, and no join is
+  /// needed. After checkpoint() and before the outputs get nodes of their own (LibTorch 2.x refuses
+  /// new edges on a node that already has a parent), on the thread that made the phony's node: an
   /// edge writes to its target (Node::topological_nr; Note [Links that keep the graph] in
-  /// link.h).
+  /// internal/link.h).
   void attach_dependency(const at::Tensor& phony);
 
   /// Records the recomputation and the backward of this task, (microbatch, partition), in

@@ -85,8 +85,8 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
 ///
 /// The layers are the user's own module objects, placed on the partitions' devices. Parameters,
 /// train()/eval(), named_parameters() (as "partitions.<j>.<layer name>.<param>") and
-/// `torch::save` and `torch::load` work as for any module. Moving a GPipe to another device is refused:
-/// it owns the placement. Changing the dtype is allowed.
+/// `torch::save` and `torch::load` work as for any module. Moving a GPipe to another device is
+/// refused: it owns the placement. Changing the dtype is allowed.
 ///
 /// Threads: forward may be called from several threads at once; the forwards of one GPipe are
 /// serialised by a lock (one mini-batch at a time goes through the pipeline, which already keeps
@@ -223,7 +223,7 @@ class GPipeImpl : public torch::nn::Module {
   // copy_streams_[j][i]: partition j's copy stream for micro-batch i, made at construction.
   std::vector<std::vector<c10::Stream>> copy_streams_;
   // Whether step() checked its lanes' random generators (Note [Random numbers in concurrent
-  // partitions] in partition.h); once, at the first step that can checkpoint.
+  // partitions] in internal/partition.h); once, at the first step that can checkpoint.
   bool generators_checked_ ABSL_GUARDED_BY(forward_mu_) = false;
   SkipLayout skip_layout_;
   // The model's ties and this GPipe's copies of them (Note [Tied parameters]).

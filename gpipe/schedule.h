@@ -38,7 +38,7 @@ struct Task2D {
 // There are m + n - 1 ticks for m micro-batches and n partitions. Within a tick the tasks are
 // ordered by ascending partition (descending micro-batch). Every task comes after the tasks it
 // depends on, so forward()'s lanes, each running its partitions' tasks in this order, never wait
-// for each other in a circle (Note [forward() on the executor] in executor.h).
+// for each other in a circle (Note [forward() on the executor] in internal/executor.h).
 // With equal stage costs the idle fraction (the "bubble") is (n - 1) / (m + n - 1).
 
 /// The clock-cycle schedule for `microbatches` micro-batches and `partitions` partitions: one

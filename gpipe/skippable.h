@@ -212,7 +212,7 @@ at::Tensor pop(const std::string& name);
 
 /// Identifies the micro-batch being computed, for layers that keep state per micro-batch in their
 /// own maps. Outside a GPipe it is the same key for every call (the whole batch is one
-/// micro-batch). See Note [current_microbatch and checkpointing] in skip_tracker.h.
+/// micro-batch). See Note [current_microbatch and checkpointing] in internal/skip_tracker.h.
 struct MicroBatch {
   /// Distinct for every GPipe forward (0 outside one).
   uint64_t run = 0;

@@ -30,7 +30,7 @@ struct TimelineEvent {
     /// During backward: the backward of checkpointed task (microbatch, partition) through its
     /// recomputed layers. (Other tasks' backward is LibTorch's, node by node, and not recorded.)
     kBackward,
-    /// A step's input-gradient half of a split backward (zero bubble's I; executor.h).
+    /// A step's input-gradient half of a split backward (zero bubble's I; internal/executor.h).
     kBackwardInput,
     /// A step's weight-gradient half of a split backward (zero bubble's W).
     kBackwardWeight,

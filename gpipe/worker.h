@@ -51,15 +51,16 @@ class Worker {
 // Note [Workers and the calling thread]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // As in the Python reference, forward() runs the tasks of all partitions on one device on one
-// thread — a lane of the executor (Note [forward() on the executor] in executor.h) — in schedule
-// order: a device's work is issued in order, and several devices' work is issued at the same
-// time. Unlike the reference, the calling thread is itself the first lane: it would otherwise
+// thread — a lane of the executor (Note [forward() on the executor] in internal/executor.h) — in
+// schedule order: a device's work is issued in order, and several devices' work is issued at the
+// same time. Unlike the reference, the calling thread is itself the first lane: it would otherwise
 // only wait. With a single device (everything on the CPU, or everything on cuda:0) no thread is
 // started and no task crosses threads, which is what keeps gpipe's cost per task low.
 // `worker_per_partition` gives every partition a lane of its own (the first runs on the caller),
 // so partitions on one device run concurrently. A WorkerPool holds those threads; stage-local
-// backward (Note [Stage-local backward in one process] in stage_backward.h) runs each partition's
-// backward on its partition's. step()'s lanes are its schedule's ranks, on threads of their own.
+// backward (Note [Stage-local backward in one process] in internal/stage_backward.h) runs each
+// partition's backward on its partition's. step()'s lanes are its schedule's ranks, on threads
+// of their own.
 
 /// Sets how many threads each CPU operator may use: LibTorch's intra-op threads and, where
 /// LibTorch's CPU kernels call OpenBLAS, OpenBLAS's own thread pool (which LibTorch 1.13 leaves at

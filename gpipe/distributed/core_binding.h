@@ -13,8 +13,8 @@ namespace distributed {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A stage computes on one thread and moves its micro-batches on others: the courier that posts
 // its sends, the thread that receives its activations ahead, Gloo's thread that reads and writes
-// the socket (Note [Receiving ahead] in transfer.h), and LibTorch's intra-op threads. When a host
-// runs several computing processes, each left free, their threads meet on any core: a helper
+// the socket (Note [Receiving ahead] in internal/transfer.h), and LibTorch's intra-op threads. When
+// a host runs several computing processes, each left free, their threads meet on any core: a helper
 // woken for a hop may take a core from another process's computing thread, and intra-op pools
 // sized for the whole host oversubscribe it. Bound to a share of the cores of its own (as
 // DeepSpeed's launcher does with --bind_cores_to_rank, and as Intel's guides for CPU training

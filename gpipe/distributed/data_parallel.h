@@ -48,9 +48,9 @@ namespace distributed {
 // its statistics counts too;
 // otherwise, when their forward will be followed by a reducing backward (grad mode on, outside
 // no_sync), the all-reduces of the backward's end, with its failure marked (Note [A backward that
-// fails on some replicas] in gradient_reducer.h: their backward throws naming it). Either way
-// every replica ran the same collectives, and the next step pairs: zero the gradients and go on.
-// This assumes, as PyTorch's DDP does, that a training forward (train mode, grad on, outside
+// fails on some replicas] in internal/gradient_reducer.h: their backward throws naming it). Either
+// way every replica ran the same collectives, and the next step pairs: zero the gradients and go
+// on. This assumes, as PyTorch's DDP does, that a training forward (train mode, grad on, outside
 // no_sync) is followed by a backward on every replica; a forward in eval mode (validation, grad
 // on or off) that fails joins nothing, as the others run no collective after theirs. A
 // collective that fails itself (a peer died) leaves the group broken.

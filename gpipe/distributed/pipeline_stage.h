@@ -39,10 +39,10 @@ struct ExecutorPartition;
 class InputSource;
 }  // namespace detail
 namespace distributed {
-class Cancellation;  // fault.h
+class Cancellation;  // internal/fault.h
 class FaultChannel;
-class TiedStages;  // tied_stages.h
-class SharedLinks;  // shared_memory.h
+class TiedStages;  // internal/tied_stages.h
+class SharedLinks;  // internal/shared_memory.h
 
 // Note [Stage-local backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -83,9 +83,9 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // (PipelineStageOptions::local_balance and devices). Each partition then works as a stage
 // of its own would, on a thread of its own: it runs every micro-batch's forward in order, then
 // each micro-batch's backward in reverse as soon as the gradients of its outputs arrive
-// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink (gpipe/internal/link.h)
-// instead of c10d. With a schedule other than GPipe's, every partition of the stage runs the
-// stage's actions in the schedule's order.
+// (Note [Stage-local backward]); only the hop to its neighbour is a LocalLink
+// (gpipe/internal/link.h) instead of c10d. With a schedule other than GPipe's, every partition of
+// the stage runs the stage's actions in the schedule's order.
 // What crosses a link is cut from the sender's graph: the receiver gets each tensor detached
 // (moved to its device), as a leaf that requires grad where the sender's tensor did, and sends
 // the leaves' gradients back. So every micro-batch's graph on a partition is its own, and each
@@ -95,12 +95,12 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 //
 // A skip stashed in partition a and popped in a later partition b of the same stage goes through
 // the skip tracker that the partitions share for each micro-batch (as a GPipe's do: Note [Skips
-// and checkpointing] in skip_tracker.h), which moves it to b's device; then it is cut the same
-// way (MicroBatchSkips::cut): b pops a detached leaf, and after b's backward of the micro-batch
-// the leaf's gradient waits for a, whose backward starts from its outputs and from the stashed
-// tensors together — one engine call, so that a checkpointed stash's recomputation gets both
-// gradients at once. a's backward of a micro-batch always follows b's (the gradients pass through
-// the partitions in between), so the skips' gradients are there when a needs them.
+// and checkpointing] in gpipe/internal/skip_tracker.h), which moves it to b's device; then it is
+// cut the same way (MicroBatchSkips::cut): b pops a detached leaf, and after b's backward of the
+// micro-batch the leaf's gradient waits for a, whose backward starts from its outputs and from the
+// stashed tensors together — one engine call, so that a checkpointed stash's recomputation gets
+// both gradients at once. a's backward of a micro-batch always follows b's (the gradients pass
+// through the partitions in between), so the skips' gradients are there when a needs them.
 //
 // A link fails when either side fails: the other side's next wait then throws, naming the
 // partition, instead of waiting for a micro-batch that never comes.
@@ -141,7 +141,7 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   //   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
   //   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
   // Batch norm: Note [Pipeline stages and batch norm]; ties across stages: Note [Ties across
-  // stages] in tied_stages.h.
+  // stages] in internal/tied_stages.h.
 
   /// Where this stage's layers run: one device for the whole stage, or one per partition (entry
   /// of local_balance); empty (the default): the CPU. Tensors cross processes through the CPU
@@ -164,9 +164,9 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   /// The bytes of each ring of shared memory between this stage and a neighbour in another
   /// process on the same host (one ring per direction of each link, in /dev/shm), through which
   /// the computing threads pass activations and gradients themselves instead of over the process
-  /// group (Note [Shared memory between stages on one host] in shared_memory.h); 0: every link
-  /// over the process group. Used with Gloo only. A micro-batch larger than half a ring, or one
-  /// that finds the ring full, goes over the process group. The same on every stage.
+  /// group (Note [Shared memory between stages on one host] in internal/shared_memory.h); 0: every
+  /// link over the process group. Used with Gloo only. A micro-batch larger than half a ring, or
+  /// one that finds the ring full, goes over the process group. The same on every stage.
   TORCH_ARG(int64_t, shared_memory) = int64_t{8} << 20;
 
  public:
@@ -410,14 +410,14 @@ class PipelineStageImpl : public torch::nn::Module {
   // step() calls so far, this one included: the index a failure is told and heard with (Note
   // [Failing fast across processes]).
   int64_t steps_ = 0;
-  std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (transfer.h)
+  std::unique_ptr<Worker> courier_;  // posts sends and gradients' receives (internal/transfer.h)
   // Per link (its channel), the largest activation data sent and received in the steps so far
-  // (Note [One message per micro-batch] in transfer.h).
+  // (Note [One message per micro-batch] in internal/transfer.h).
   std::map<int64_t, int64_t> sent_bytes_, received_bytes_;
-  // The links' rings to the stages on this host, if any (shared_memory.h).
+  // The links' rings to the stages on this host, if any (internal/shared_memory.h).
   std::unique_ptr<SharedLinks> shared_;
   // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
-  // fault.h). Null on groups that cannot have one (NCCL).
+  // internal/fault.h). Null on groups that cannot have one (NCCL).
   std::unique_ptr<FaultChannel> faults_;
   // The same over the replica group: a replica's failed step reaches the other replicas' stages,
   // which wait for its gradients' all-reduce (Note [Failing fast across processes]).

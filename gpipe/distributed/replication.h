@@ -24,7 +24,7 @@ void broadcast_from_rank0(const ProcessGroup& group, const std::vector<at::Tenso
 
 /// The gradients of `params` flattened into one tensor on `wire` for an all-reduce: each
 /// parameter's gradient (zeros where it has none), then one flag each (1: it has one; Note
-/// [Parameters that no replica used] in gradient_reducer.h), then `extra`, in the first
+/// [Parameters that no replica used] in internal/gradient_reducer.h), then `extra`, in the first
 /// parameter's dtype.
 at::Tensor pack_gradients(const std::vector<at::Tensor>& params, c10::Device wire,
                           const std::vector<double>& extra = {});
@@ -37,7 +37,7 @@ void unpack_averages(const std::vector<at::Tensor>& params, const at::Tensor& fl
 /// `group`: one all-reduce per dtype of the gradients flattened together (through the CPU, or on
 /// `local` for NCCL). A parameter without a gradient on some ranks counts as zeros there and gets
 /// the average; one without a gradient on any rank keeps it undefined (Note [Parameters that no
-/// replica used] in gradient_reducer.h).
+/// replica used] in internal/gradient_reducer.h).
 /// `check` (if given) is called while the all-reduce is waited for and may throw to stop waiting
 /// (another replica's failure heard: the all-reduce is then left to the broken group).
 void average_gradients(const ProcessGroup& group, const std::vector<at::Tensor>& params,
