@@ -49,9 +49,14 @@ std::string temporary_name(const std::string& path) {
 // that cannot flush a folder (EINVAL) keeps its renames as it can. On failure `path` is already in
 // place under its name: the error says so, and that it may not survive a crash of the machine.
 void sync_folder(const std::string& dir, const std::string& path, const std::string& who) {
+  int failed = 0;
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  const int failed = fd < 0 ? errno : ::fsync(fd) != 0 && errno != EINVAL ? errno : 0;
-  if (fd >= 0) ::close(fd);
+  if (fd < 0) {
+    failed = errno;
+  } else {
+    if (::fsync(fd) != 0 && errno != EINVAL) failed = errno;
+    ::close(fd);
+  }
   TORCH_CHECK(failed == 0, who, ": '", path, "' is written, but flushing its folder '", dir,
               "' failed (", std::strerror(failed), "), so the file may not survive a crash of "
               "the machine; save again once the folder can be flushed");

@@ -239,9 +239,9 @@ int64_t agree_on_save(const std::string& dir, const Grid& grid) {
   if (grid.writes_manifest()) {
     try {
       mine = last_save(dir) + 1;
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       mine = -1;
-      why = e.what_without_backtrace();
+      why = detail::without_backtrace(e);
     }
   }
   const at::Tensor all = everyone(grid, at::tensor(std::vector<int64_t>{mine}, at::kLong),
@@ -462,8 +462,8 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
                             layout, nullptr, nullptr, /*random=*/true, nullptr);
     step = manifest.step;
     save = manifest.save;
-  } catch (const c10::Error& e) {
-    refused = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    refused = detail::without_backtrace(e);
   }
   // Every rank applies the save, or none does (Note [Atomic saves]): a rank that refused, or
   // read another save, would otherwise leave the others to wait for it in their next step.
@@ -479,7 +479,7 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
       TORCH_CHECK(all[o][i][1].item<int64_t>() == step && all[o][i][2].item<int64_t>() == save,
                   "gpipe::load_training: ", grid.who(o, i), " read save ",
                   all[o][i][2].item<int64_t>(), " (step ", all[o][i][1].item<int64_t>(),
-                  ") of '", dir, "', but this rank save ", save, " (step ", step, "): a save "
+                  ") of '", dir, "', but this rank read save ", save, " (step ", step, "): a save "
                   "was committed while the ranks loaded; load again");
     }
   }

@@ -218,18 +218,18 @@ BatchHeader BatchHeader::decode(const at::Tensor& encoded) {
                 "gpipe::distributed: a malformed activation header arrived");
     e.sizes.assign(p, p + dim);
     p += dim;
-    for (int64_t size : e.sizes) {
-      TORCH_CHECK(size >= 0, "gpipe::distributed: a malformed activation header arrived (tensor ",
-                  k, " has a size of ", size, ")");
-    }
     // Its bytes, the packed message's (packed_data_bytes) and its contiguous strides must fit in
     // an int64, whatever order they are multiplied in: so the sizes, with a zero counted as one,
     // multiply to under a petabyte (a shape like {2^62, 3, 0} holds nothing, yet overflows).
-    std::vector<int64_t> at_least_one(e.sizes.size());
-    for (size_t d = 0; d < e.sizes.size(); ++d) at_least_one[d] = std::max<int64_t>(e.sizes[d], 1);
-    uint64_t bound = 0;
-    const bool overflows = c10::safe_multiplies_u64(at_least_one, &bound) ||
-                           bound > (uint64_t{1} << 50) / c10::elementSize(e.dtype);
+    uint64_t bound = 1;
+    bool overflows = false;
+    for (int64_t size : e.sizes) {
+      TORCH_CHECK(size >= 0, "gpipe::distributed: a malformed activation header arrived (tensor ",
+                  k, " has a size of ", size, ")");
+      overflows |= c10::mul_overflows(bound, static_cast<uint64_t>(std::max<int64_t>(size, 1)),
+                                      &bound);
+    }
+    overflows |= bound > (uint64_t{1} << 50) / c10::elementSize(e.dtype);
     TORCH_CHECK(!overflows, "gpipe::distributed: a malformed activation header arrived (tensor ",
                 k, " has sizes ", c10::IntArrayRef(e.sizes),
                 ", whose non-zero sizes multiply to over a petabyte)");
