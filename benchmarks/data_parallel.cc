@@ -58,8 +58,10 @@ Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) 
     seq->push_back(nn::Linear(512, 512));
     seq->push_back(nn::Tanh());
   }
-  gpipe::GPipe pipe(seq, gpipe::GPipeOptions({8, 8}).chunks(4).checkpoint(gpipe::Checkpoint::kNever)
-                             .devices({at::kCPU, at::kCPU}).worker_per_partition(true)
+  gpipe::GPipe pipe(seq, gpipe::GPipeOptions({8, 8})
+                             .chunks(4)
+                             .checkpoint(gpipe::Checkpoint::kNever)
+                             .devices({at::kCPU, at::kCPU})
                              .stage_local_backward(absl::GetFlag(FLAGS_stage_local_backward)));
   DataParallel model(pipe, group, DataParallelOptions().bucket_bytes(bucket_bytes));
   torch::optim::SGD sgd(model->parameters(), 0.01);

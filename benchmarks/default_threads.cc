@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/worker.h"
 
 ABSL_FLAG(int64_t, partitions, 2, "n: CPU partitions");
@@ -124,7 +125,8 @@ int main(int argc, char** argv) {
   auto options = [&] {
     return gpipe::GPipeOptions(std::vector<int64_t>(n, 2 * per)).devices(cpus).chunks(m);
   };
-  gpipe::GPipe one_thread(make_model(n * per, width), options());
+  gpipe::GPipe one_thread(make_model(n * per, width),
+                          gpipe::internal::with_partition_threads(options(), false));
   const double microbatches_one = train(*one_thread, [&] {
     at::Tensor loss = mse(gpipe::Batch(one_thread->forward(x)), y);
     loss.backward();
@@ -173,6 +175,32 @@ int main(int argc, char** argv) {
   gpipe::GPipe model(make_model(n * per, width), options());
   report("forward() + backward()", train(*model, [&] {
            at::Tensor loss = mse(gpipe::Batch(model->forward(x)), y);
+           loss.backward();
+           return loss;
+         }),
+         plain_default, plain_one, microbatches_one);
+  // The engine's decision against the other (Note [Threads of forward()]): the partitions on one
+  // thread, as before the decision.
+  gpipe::GPipe shared(make_model(n * per, width),
+                      gpipe::internal::with_partition_threads(options(), false));
+  report("forward() + backward(), one thread", train(*shared, [&] {
+           at::Tensor loss = mse(gpipe::Batch(shared->forward(x)), y);
+           loss.backward();
+           return loss;
+         }),
+         plain_default, plain_one, microbatches_one);
+  shared->eval();
+  report("inference, forward(), one thread", median_ms(
+             [&] {
+               at::NoGradGuard no_grad;
+               shared->forward(x);
+             },
+             repeats, true),
+         plain_default_inference, plain_one_inference, 0);
+  // The one option that is still the user's: each partition's backward on its own thread.
+  gpipe::GPipe local(make_model(n * per, width), options().stage_local_backward(true));
+  report("forward() + backward(), stage-local", train(*local, [&] {
+           at::Tensor loss = mse(gpipe::Batch(local->forward(x)), y);
            loss.backward();
            return loss;
          }),

@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/partition_threads.h"
 
 ABSL_FLAG(int, repeats, 30,
           "timed rounds per configuration; each round times the floor, then GPipe, and the median "
@@ -165,10 +166,14 @@ int main(int argc, char** argv) {
           continue;
         }
         std::vector<int64_t> balance(partitions, kLayers / partitions);
-        gpipe::GPipe model(make_model(), gpipe::GPipeOptions(balance)
-                                             .devices(std::vector<c10::Device>(partitions, at::kCPU))
-                                             .chunks(chunks)
-                                             .checkpoint(mode));
+        // One thread for the CPU's partitions, as the floor runs (Note [Threads of forward()]:
+        // by default they would get threads of their own): what is left is the library's cost.
+        gpipe::GPipe model(make_model(), gpipe::internal::with_partition_threads(
+                                             gpipe::GPipeOptions(balance)
+                                                 .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                                                 .chunks(chunks)
+                                                 .checkpoint(mode),
+                                             false));
         const auto params = model->parameters();
         auto gpipe_step = [&] {
           zero_grads(params);

@@ -34,6 +34,7 @@
 #include "balancing/balance.h"
 #include "benchmarks/timing.h"
 #include "examples/models/registry.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/worker.h"
 
@@ -115,13 +116,13 @@ int main(int argc, char** argv) {
       const at::Tensor x = input(m);
       double ms[2];
       for (const bool workers : {false, true}) {
-        gpipe::GPipe model(make(),
-                           gpipe::GPipeOptions(balance)
-                               .devices(std::vector<c10::Device>(n, at::kCPU))
-                               .chunks(m)
-                               .checkpoint(gpipe::Checkpoint::kNever)
-                               .worker_per_partition(workers)
-                               .stage_local_backward(workers && stage_local));
+        gpipe::GPipe model(make(), gpipe::internal::with_partition_threads(
+                                       gpipe::GPipeOptions(balance)
+                                           .devices(std::vector<c10::Device>(n, at::kCPU))
+                                           .chunks(m)
+                                           .checkpoint(gpipe::Checkpoint::kNever),
+                                       workers)
+                                       .stage_local_backward(workers && stage_local));
         std::function<void()> step;
         if (training) {
           model->train();

@@ -210,10 +210,10 @@ std::function<void()> serial_step(int64_t width, int layers, int64_t rows, int64
 
 // Rank 0 alone: a GPipe of the same two stages in one process, one worker per partition.
 double gpipe_ms(int64_t width, int layers, int64_t rows, int64_t m) {
-  gpipe::GPipe pipe(mlp(width, layers),
-                    gpipe::GPipeOptions({2 * layers, 2 * layers}).chunks(m)
-                        .checkpoint(gpipe::Checkpoint::kNever).devices({at::kCPU, at::kCPU})
-                        .worker_per_partition(true));
+  gpipe::GPipe pipe(mlp(width, layers), gpipe::GPipeOptions({2 * layers, 2 * layers})
+                                            .chunks(m)
+                                            .checkpoint(gpipe::Checkpoint::kNever)
+                                            .devices({at::kCPU, at::kCPU}));
   const at::Tensor x = at::randn({rows * m, width});
   const at::Tensor y = at::randn({rows * m, width});
   return time_ms([&] {

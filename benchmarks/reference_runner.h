@@ -37,6 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/internal/partition.h"
 #include "gpipe/internal/skip_layout.h"
@@ -106,12 +107,12 @@ struct Setup {
       plain->to(devices.front());
     } else {
       stage_local = cpu_pipeline && absl::GetFlag(FLAGS_stage_local_backward);
-      pipe = GPipe(model, GPipeOptions(e.balance)
-                              .devices(devices)
-                              .chunks(e.chunks)
-                              .checkpoint(e.checkpoint)
-                              .worker_per_partition(cpu_pipeline)
-                              .stage_local_backward(stage_local));
+      pipe = GPipe(
+          model,
+          gpipe::internal::with_partition_threads(
+              GPipeOptions(e.balance).devices(devices).chunks(e.chunks).checkpoint(e.checkpoint),
+              cpu_pipeline)
+              .stage_local_backward(stage_local));
     }
     std::vector<at::Tensor> params = plain ? plain->parameters() : pipe->parameters();
     for (const at::Tensor& p : params) parameters += p.numel();

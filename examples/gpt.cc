@@ -382,7 +382,6 @@ int run() {
                   .devices(devices)
                   .chunks(chunks)
                   .checkpoint(training::parse_checkpoint(checkpoint))
-                  .worker_per_partition(on_cpu && partitions > 1)
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
                                                         shape.virtual_stages,

@@ -16,6 +16,7 @@
 #include "gpipe/internal/executor.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/internal/partition.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/internal/link.h"
 #include "gpipe/schedule.h"
 #include "gpipe/internal/stage_backward.h"
@@ -108,18 +109,22 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
         std::make_shared<BatchNormLayers>(partition->modules(/*include_self=*/false)));
     grad_records_.push_back(std::make_shared<GradRecord>());
   }
+  const std::optional<bool> chosen = internal::PartitionThreads::chosen(options_);
   if (options_.stage_local_backward()) {
     for (size_t j = 0; j < devices_.size(); ++j) {
       TORCH_CHECK(devices_[j].is_cpu(), "GPipe stage_local_backward is for CPU partitions, but "
                   "partition ", j, " is on ", devices_[j], " (CUDA partitions already run their "
                   "backward on the autograd engine's device threads)");
     }
-    TORCH_CHECK(options_.worker_per_partition(), "GPipe stage_local_backward needs "
-                "worker_per_partition(true): each partition's backward runs on its own worker");
+    TORCH_CHECK(chosen.value_or(true), "GPipe stage_local_backward runs each partition's "
+                "backward on the partition's own thread, but worker_per_partition(false) gives "
+                "the partitions one thread; remove worker_per_partition(false)");
   }
-  // forward()'s threads, and stage-local backward's.
-  workers_ = WorkerPool::make_shared(devices_, options_.worker_per_partition());
-  if (options_.worker_per_partition()) {
+  // forward()'s threads, and stage-local backward's (Note [Threads of forward()] in worker.h).
+  own_threads_ = internal::own_threads_for_forward(partitions_, devices_, chosen,
+                                                   options_.stage_local_backward());
+  workers_ = WorkerPool::make_shared(devices_, own_threads_);
+  if (own_threads_) {
     // Each partition on a thread of its own (Note [Random numbers in concurrent partitions]).
     std::vector<int64_t> threads(partitions_.size());
     std::iota(threads.begin(), threads.end(), int64_t{0});

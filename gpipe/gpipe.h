@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -36,6 +37,9 @@ class WorkerPool;
 namespace detail {
 struct ExecutorPartition;
 }  // namespace detail
+namespace internal {
+struct PartitionThreads;
+}  // namespace internal
 
 /// Options of a GPipe.
 ///
@@ -55,16 +59,12 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
   /// One device per partition (repeats allowed). Empty (the default) means every CUDA device
   /// when CUDA is available, else the CPU for every partition. Extra devices are ignored.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
-  /// Whether forward() gives every partition a thread of its own, even partitions on the same
-  /// device (see Note [Workers and the calling thread]); by default the partitions of one device
-  /// share one. On the CPU, partitions then compute at the same time; layers that draw random
-  /// numbers from the CPU generator then draw them in an order that depends on thread timing.
-  TORCH_ARG(bool, worker_per_partition) = false;
   /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
   /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every
-  /// partition on the CPU and worker_per_partition(true); skips may cross partitions. Gradients
-  /// are the same; torch::autograd::grad through the pipeline (rather than backward()) and
-  /// create_graph are not supported in this mode.
+  /// partition on the CPU; the partitions then get threads of their own (Note [Threads of
+  /// forward()] in worker.h), even where one holds a layer that draws random numbers. Skips may
+  /// cross partitions. Gradients are the same; torch::autograd::grad through the pipeline (rather
+  /// than backward()) and create_graph are not supported in this mode.
   TORCH_ARG(bool, stage_local_backward) = false;
 
  public:
@@ -74,6 +74,20 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
     schedule_.set_text(std::move(text));
     return *this;
   }
+  /// Deprecated: forward()'s threads are the engine's decision (Note [Threads of forward()] in
+  /// worker.h: every CPU partition its own where that cannot change a result). This overrides
+  /// the decision: true gives every partition a thread, false gives a device's partitions one.
+  [[deprecated("forward()'s threads are the engine's decision (Note [Threads of forward()] in "
+               "gpipe/worker.h); remove the call, or keep random layers off concurrent CPU "
+               "partitions")]]
+  GPipeOptions& worker_per_partition(bool own) {
+    partition_threads_ = own;
+    return *this;
+  }
+
+ private:
+  friend struct internal::PartitionThreads;
+  std::optional<bool> partition_threads_;  // the override; none: the engine decides
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -172,6 +186,9 @@ class GPipeImpl : public torch::nn::Module {
 
   /// Writes last_timeline() as an SVG picture (see gpipe::timeline_svg). Same errors.
   void write_timeline_svg(const std::string& path) const;
+  /// Whether forward() runs each partition on a thread of its own, decided at construction (Note
+  /// [Threads of forward()] in worker.h); else a device's partitions share one.
+  bool partitions_on_own_threads() const { return own_threads_; }
   /// Where the model's skip connections run between partitions.
   const SkipLayout& skip_layout() const { return skip_layout_; }
 
@@ -215,6 +232,7 @@ class GPipeImpl : public torch::nn::Module {
   std::vector<torch::nn::Sequential> partitions_;
   torch::nn::ModuleList partition_list_;
   std::shared_ptr<WorkerPool> workers_;  // shared with stage-local backwards in flight
+  bool own_threads_ = false;             // partitions_on_own_threads()
   // Per partition: its BatchNorm layers (shared with the autograd graphs of checkpointed
   // micro-batches, which may outlive this GPipe) and its GradRecord.
   std::vector<std::shared_ptr<BatchNormLayers>> batch_norms_;

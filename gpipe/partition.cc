@@ -91,6 +91,22 @@ void check_concurrent_generators(const std::string& who,
   if (!warning.empty()) TORCH_WARN(warning);
 }
 
+namespace internal {
+
+bool own_threads_for_forward(const std::vector<torch::nn::Sequential>& partitions,
+                             const std::vector<c10::Device>& devices, std::optional<bool> chosen,
+                             bool stage_local) {
+  if (chosen) return *chosen;
+  if (stage_local) return true;
+  if (partitions.size() < 2) return false;
+  for (size_t j = 0; j < partitions.size(); ++j) {
+    if (!devices[j].is_cpu() || !random_layer(partitions[j]).empty()) return false;
+  }
+  return true;
+}
+
+}  // namespace internal
+
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {
   const auto children = module->named_children();
   return absl::StrFormat("layer %d ('%s', %s)", index, children[index].key(),

@@ -1,5 +1,6 @@
-// Workers: one thread per device runs that device's tasks, one after another, in the order the
-// pipeline submits them, so partitions on different devices compute at the same time.
+// Workers: one thread per device (or per partition: Note [Threads of forward()]) runs its tasks,
+// one after another, in the order the pipeline submits them, so partitions on different devices
+// compute at the same time.
 #pragma once
 
 #include <deque>
@@ -54,19 +55,36 @@ class Worker {
 // thread — a lane of the executor (Note [forward() on the executor] in internal/executor.h) — in
 // schedule order: a device's work is issued in order, and several devices' work is issued at the
 // same time. Unlike the reference, the calling thread is itself the first lane: it would otherwise
-// only wait. With a single device (everything on the CPU, or everything on cuda:0) no thread is
-// started and no task crosses threads, which is what keeps gpipe's cost per task low.
-// `worker_per_partition` gives every partition a lane of its own (the first runs on the caller),
-// so partitions on one device run concurrently. A WorkerPool holds those threads; stage-local
-// backward (Note [Stage-local backward in one process] in internal/stage_backward.h) runs each
-// partition's backward on its partition's. step()'s lanes are its schedule's ranks, on threads
-// of their own.
+// only wait. With one thread per device and a single device (everything on cuda:0, one CPU
+// partition, or CPU partitions that draw random numbers) no thread is started and no task crosses
+// threads, which is what keeps gpipe's cost per task low.
+// When the engine gives every partition a lane of its own (Note [Threads of forward()]), the first
+// runs on the caller and partitions on one device run concurrently. A WorkerPool holds those
+// threads; stage-local backward (Note [Stage-local backward in one process] in
+// internal/stage_backward.h) runs each partition's backward on its partition's. step()'s lanes
+// are its schedule's ranks, on threads of their own.
+//
+// Note [Threads of forward()]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Whether forward() runs each partition on a thread of its own is the engine's decision, made once
+// when the GPipe is built (GPipe::partitions_on_own_threads()). A thread per partition where two
+// or more partitions are all on the CPU and none holds a layer that draws random numbers (a
+// dropout, RReLU; Note [Random numbers in concurrent partitions] in internal/partition.h): there
+// one CPU's partitions compute at the same time, each with its share of the cores (Note [Dividing
+// the cores]), and no result depends on which thread ran first. Elsewhere a thread per device, as
+// in the reference: a GPU's work is issued in order by one thread, and CPU partitions that draw
+// random numbers draw them in one order, the same in every run with the same seed and the same
+// in a checkpoint's recomputation. Stage-local backward needs a thread per partition and so
+// takes one. A test-only override lives in internal/partition_threads.h (GPipeOptions'
+// deprecated worker_per_partition sets it for one more release).
 
 /// Sets how many threads each CPU operator may use: LibTorch's intra-op threads and, where
 /// LibTorch's CPU kernels call OpenBLAS, OpenBLAS's own thread pool (which LibTorch 1.13 leaves at
 /// one thread per core, so that two pipeline workers each running a matrix product start twice
 /// as many BLAS threads as there are cores, and spin against each other). With
-/// GPipeOptions::worker_per_partition on the CPU, cores / partitions is the usual choice.
+/// CPU partitions on threads of their own (Note [Threads of forward()]), cores / partitions is the
+/// usual choice; the engine divides the cores itself unless this was called (Note [Dividing the
+/// cores]).
 ///
 ///   gpipe::set_intra_op_threads(std::thread::hardware_concurrency() / partitions);
 void set_intra_op_threads(int threads);
@@ -75,8 +93,8 @@ void set_intra_op_threads(int threads);
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // LibTorch starts every CPU operator with one thread per physical core, and OpenBLAS, which
 // Debian's LibTorch calls for matrix products, with one per logical CPU, process-wide. A step whose
-// CPU partitions run on several threads at once (GPipe::step's lanes, a PipelineStage's
-// partitions) would then start lanes × cores threads, which spin against each other: measured on
+// CPU partitions run on several threads at once (GPipe::step's lanes, forward()'s CPU partitions
+// on threads of their own, a PipelineStage's partitions) would then start lanes × cores threads, which spin against each other: measured on
 // two vCPUs, two lanes of Linear layers trained at 0.29x the plain model's speed. So the executor
 // divides the cores for the step: each CPU lane's intra-op threads become cores / CPU lanes (at
 // least one; set on the lane's thread, which is where OpenMP keeps the count) and OpenBLAS's

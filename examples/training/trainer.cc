@@ -53,7 +53,7 @@ ABSL_FLAG(std::string, data_cache, "",
 ABSL_FLAG(int64_t, synthetic_samples, 2048, "training images of --data=synthetic");
 ABSL_FLAG(std::string, devices, "",
           "cpu, or a list such as cuda:0,cuda:1 (one per partition; default: every GPU, else the "
-          "CPU with one worker thread per partition); with --distributed, cpu or cuda (each "
+          "CPU, with a thread per partition where the engine decides so); with --distributed, cpu or cuda (each "
           "process on the GPU of its LOCAL_RANK)");
 ABSL_FLAG(int64_t, partitions, 0,
           "pipeline partitions (default: the number of --devices, or 2 on the CPU)");
@@ -248,14 +248,13 @@ int train(const TrainerModel& trainer) {
                              devices.front());
   }
   // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
-  // partitions, each with a worker.
+  // partitions, each with a thread of its own (Note [Threads of forward()]).
   const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
                         .checkpoint(parse_checkpoint(checkpoint))
                         .deferred_batch_norm(true)
-                        .worker_per_partition(on_cpu && partitions > 1)
                         .stage_local_backward(stage_local)
                         .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
                                                               shape.virtual_stages,
@@ -263,6 +262,12 @@ int train(const TrainerModel& trainer) {
   pipe->record_timeline(true);
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
   const bool use_step = schedule != "gpipe";
+  // step() runs each partition on a thread of its own; forward() where the engine decides so
+  // (Note [Threads of forward()]). Partitions that share one thread get every core.
+  const bool own_threads = use_step || pipe->partitions_on_own_threads();
+  if (on_cpu && !own_threads && shape.threads <= 0) {
+    set_intra_op_threads(static_cast<int>(std::max(std::thread::hardware_concurrency(), 1u)));
+  }
   int64_t parameters = 0;
   for (const auto& p : pipe->parameters()) parameters += p.numel();
   std::printf("%s on %s (%lld training, %lld test images of %lldx%lldx%lld): %lld layers, "
@@ -281,7 +286,10 @@ int train(const TrainerModel& trainer) {
               }).c_str(),
               static_cast<long long>(chunks), static_cast<long long>(batch_size),
               checkpoint.c_str(), schedule.c_str(),
-              on_cpu ? absl::StrFormat(", one worker and %d intra-op thread%s per partition",
+              on_cpu ? absl::StrFormat(own_threads ? ", one worker and %d intra-op thread%s per "
+                                                     "partition"
+                                                   : ", the partitions on one thread with %d "
+                                                     "intra-op thread%s",
                                        at::get_num_threads(),
                                        at::get_num_threads() == 1 ? "" : "s").c_str()
                      : "",

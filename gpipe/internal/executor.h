@@ -67,7 +67,7 @@ namespace detail {
 // checkpointing] in skip_tracker.h). With stage-local backward (Note [Stage-local backward in one
 // process] in stage_backward.h) the graph is cut in front of each partition instead. Which lane
 // runs a partition is GPipe's choice (gpipe.cc): one per device, as the reference runs one worker
-// per device, unless worker_per_partition.
+// per device, or one per partition (Note [Threads of forward()] in gpipe/worker.h).
 //
 // Note [Backward order]
 // ~~~~~~~~~~~~~~~~~~~~~

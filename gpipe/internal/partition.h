@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,16 +42,18 @@ std::string describe_layer(const torch::nn::Sequential& module, size_t index);
 // Note [Random numbers in concurrent partitions]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Partitions on one device draw from that device's one generator. When such partitions run at
-// the same time on threads of their own (GPipe::step's lanes, a GPipe's worker_per_partition, the
-// partitions of a PipelineStage), the order of their draws depends on thread timing, so a
-// checkpointed micro-batch's recomputation may not see the numbers its forward drew
-// (checkpoint.h restores the generator's state, but another thread may draw in between). That
-// matters only where checkpointing is on and a partition that shares its device with a partition
-// of another thread holds a layer that draws random numbers (dropout, RReLU). There, one check
-// (check_concurrent_generators), made for every path that runs partitions concurrently, refuses
-// on a GPU — a GPU's partitions gain little from running on two threads, and each partition can
-// have a GPU of its own — and warns on the CPU, where concurrent partitions are the point, naming
-// the layer. Partitions on different devices never share a generator.
+// the same time on threads of their own (GPipe::step's lanes, a PipelineStage's partitions, a
+// GPipe's forward() where the user forces a thread per partition), the order of their draws
+// depends on thread timing, so a checkpointed micro-batch's recomputation may not see the numbers
+// its forward drew (checkpoint.h restores the generator's state, but another thread may draw in
+// between). That matters only where checkpointing is on and a partition that shares its device
+// with a partition of another thread holds a layer that draws random numbers (dropout, RReLU).
+// There, one check (check_concurrent_generators), made for every path that runs partitions
+// concurrently, refuses on a GPU — a GPU's partitions gain little from running on two threads,
+// and each partition can have a GPU of its own — and warns on the CPU, where concurrent
+// partitions are the point, naming the layer. Partitions on different devices never share a
+// generator. forward()'s own decision (Note [Threads of forward()] in gpipe/worker.h) never runs
+// such partitions concurrently; stage-local backward, which needs a thread per partition, does.
 
 /// Applies Note [Random numbers in concurrent partitions] to `partitions` on `devices`, where
 /// partition j runs on thread `threads[j]` (partitions of one thread run one at a time) and
@@ -63,6 +66,17 @@ void check_concurrent_generators(const std::string& who,
                                  const std::vector<torch::nn::Sequential>& partitions,
                                  const std::vector<c10::Device>& devices,
                                  const std::vector<int64_t>& threads, bool checkpointing);
+
+namespace internal {
+/// The decision of Note [Threads of forward()]: `chosen` when set; else a thread per partition
+/// when `stage_local` (stage-local backward runs each partition's backward on its thread), or
+/// when at least two partitions are all on the CPU and none holds a layer that draws random
+/// numbers; else one per device.
+bool own_threads_for_forward(const std::vector<torch::nn::Sequential>& partitions,
+                             const std::vector<c10::Device>& devices, std::optional<bool> chosen,
+                             bool stage_local);
+
+}  // namespace internal
 
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors. With `layer_outputs`, also

@@ -76,10 +76,10 @@ CATCH_TEST_CASE(kStageLocal, "[distributed][stage_backward]") {
     // Each partition's backward on its worker (Note [Stage-local backward in one process]): the
     // gradients become final there, and the reduction ends after them (Note [The reduction's
     // end]).
-    train_replica(GPipe(make_model(false, test_rank()),
-                        pipe_options().devices({at::kCPU, at::kCPU, at::kCPU})
-                            .worker_per_partition(true).stage_local_backward(true)),
-                  test_rank());
+    train_replica(
+        GPipe(make_model(false, test_rank()),
+              pipe_options().devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(true)),
+        test_rank());
     return;
   }
   check_plain_training(replicas(kStageLocal, "stage_local"));

@@ -2,6 +2,8 @@
 // of the same BatchNorm run on the whole mini-batch, whatever the split into micro-batches.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <algorithm>
 #include <mutex>
 
@@ -80,12 +82,13 @@ CATCH_TEST_CASE("deferred batch norm's running statistics equal a full-batch Bat
   const bool threads = GENERATE(false, true);
   CATCH_CAPTURE(chunks, momentum.has_value(), static_cast<int>(mode), threads);
   nn::Sequential seq = build([momentum] { return bn_model(momentum); }, 11);
-  GPipe model(seq, GPipeOptions({2, 3, 5})
-                       .devices({at::kCPU, at::kCPU, at::kCPU})
-                       .chunks(chunks)
-                       .checkpoint(mode)
-                       .deferred_batch_norm(true)
-                       .worker_per_partition(threads));
+  GPipe model(seq,
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 3, 5})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(chunks)
+                                                          .checkpoint(mode)
+                                                          .deferred_batch_norm(true),
+                                                      threads));
   model->train();
   const std::vector<TapImpl*> bns = taps(*model);
   CATCH_REQUIRE(bns.size() == 4);  // top-level, member of a block, nested, BatchNorm1d on (N, C)

@@ -11,6 +11,7 @@
 #include <new>
 #include <thread>
 
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -49,11 +50,12 @@ CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the 
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   CATCH_CAPTURE(warm, threads, static_cast<int>(mode));
   nn::Sequential plain = build(conv_model, 41);
-  GPipe model(build(conv_model, 41), GPipeOptions({2, 2, 2})
-                                         .devices({at::kCPU, at::kCPU, at::kCPU})
-                                         .chunks(4)
-                                         .checkpoint(mode)
-                                         .worker_per_partition(threads));
+  GPipe model(build(conv_model, 41),
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 2, 2})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(4)
+                                                          .checkpoint(mode),
+                                                      threads));
   const at::Tensor x = at::randn({8, 3, 5, 5}, at::kDouble);
   const at::Tensor expected = plain->forward(x);
   expected.sum().backward();
@@ -74,10 +76,9 @@ CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the 
 CATCH_TEST_CASE("Threads serving inference from one GPipe get the plain model's outputs",
                 "[concurrency]") {
   nn::Sequential plain = build(conv_model, 42);
-  GPipe model(build(conv_model, 42), GPipeOptions({3, 3})
-                                         .devices({at::kCPU, at::kCPU})
-                                         .chunks(3)
-                                         .worker_per_partition(true));
+  GPipe model(build(conv_model, 42),
+              gpipe::internal::with_partition_threads(
+                  GPipeOptions({3, 3}).devices({at::kCPU, at::kCPU}).chunks(3), true));
   plain->eval();
   model->eval();
   std::atomic<int> wrong{0};
@@ -105,10 +106,9 @@ CATCH_TEST_CASE("A task that cannot be handed to a worker fails the forward with
   const int fail_at = GENERATE(0, 1);
   CATCH_CAPTURE(fail_at);
   nn::Sequential plain = build(conv_model, 43);
-  GPipe model(build(conv_model, 43), GPipeOptions({2, 2, 2})
-                                         .devices({at::kCPU, at::kCPU, at::kCPU})
-                                         .chunks(3)
-                                         .worker_per_partition(true));
+  GPipe model(build(conv_model, 43),
+              gpipe::internal::with_partition_threads(
+                  GPipeOptions({2, 2, 2}).devices({at::kCPU, at::kCPU, at::kCPU}).chunks(3), true));
   const at::Tensor x = at::randn({6, 3, 5, 5}, at::kDouble);
   std::atomic<int> calls{0};
   internal::set_submit_hook([&] {
@@ -177,11 +177,11 @@ CATCH_TEST_CASE("with a thread per partition, a partition runs ahead of the cloc
   const int64_t chunks = 4;
   auto progress = std::make_shared<Progress>();
   GPipe model(nn::Sequential(Count(progress), Await(progress, chunks)),
-              GPipeOptions({1, 1})
-                  .devices({at::kCPU, at::kCPU})
-                  .chunks(chunks)
-                  .checkpoint(Checkpoint::kNever)
-                  .worker_per_partition(true));
+              gpipe::internal::with_partition_threads(GPipeOptions({1, 1})
+                                                          .devices({at::kCPU, at::kCPU})
+                                                          .chunks(chunks)
+                                                          .checkpoint(Checkpoint::kNever),
+                                                      true));
   const at::Tensor x = at::randn({8, 3}, at::kDouble).requires_grad_(true);
   at::Tensor y;
   within(120, [&] { y = model->forward(x); });

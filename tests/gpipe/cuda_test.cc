@@ -11,6 +11,7 @@
 
 #include <map>
 
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/skippable.h"
 #include "gpipe/internal/stream.h"
 
@@ -277,10 +278,10 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
     return nn::Sequential(nn::Linear(4, 4), nn::Dropout(0.5), nn::Linear(4, 2));
   };
   const GPipeOptions two_on_one = GPipeOptions({2, 1}).devices({gpu, gpu}).chunks(2);
-  CATCH_CHECK_THROWS_WITH(GPipe(with_dropout(),
-                                GPipeOptions(two_on_one).worker_per_partition(true)),
-                          gpipe_test::contains("GPipe: partition 0 holds '1'") &&
-                              gpipe_test::contains("its own GPU"));
+  CATCH_CHECK_THROWS_WITH(
+      GPipe(with_dropout(),
+            gpipe::internal::with_partition_threads(GPipeOptions(two_on_one), true)),
+      gpipe_test::contains("GPipe: partition 0 holds '1'") && gpipe_test::contains("its own GPU"));
   const at::Tensor x = at::randn({4, 4}, gpu);
   const at::Tensor y = at::randn({4, 2}, gpu);
   auto mse = [](const Batch& out, const at::Tensor& target) {
@@ -293,7 +294,7 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
   // Nothing random, or nothing checkpointed: the partitions share the GPU (and the unchecked one
   // trains).
   GPipe plain_layers(nn::Sequential(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 2)),
-                     GPipeOptions(two_on_one).worker_per_partition(true));
+                     gpipe::internal::with_partition_threads(GPipeOptions(two_on_one), true));
   CATCH_CHECK(plain_layers->devices()[1] == gpu);
   GPipe unchecked(with_dropout(), GPipeOptions(two_on_one).checkpoint(Checkpoint::kNever));
   CATCH_CHECK(unchecked->step(x, y, mse).defined());
@@ -431,11 +432,11 @@ CATCH_TEST_CASE("CUDA autocast training over several optimizer steps equals the 
   nn::Sequential plain = autocast_mlp();
   plain->to(gpu);
   at::manual_seed(3);
-  GPipe model(autocast_mlp(), GPipeOptions(where.balance)
-                                  .devices(where.devices)
-                                  .chunks(chunks)
-                                  .checkpoint(mode)
-                                  .worker_per_partition(where.threads));
+  GPipe model(
+      autocast_mlp(),
+      gpipe::internal::with_partition_threads(
+          GPipeOptions(where.balance).devices(where.devices).chunks(chunks).checkpoint(mode),
+          where.threads));
   const at::Tensor x = at::randn({6, 16}, gpu);
   const at::Tensor w = at::randn({6, 4}, gpu);
   for (int step = 0; step < 4; ++step) {
@@ -471,11 +472,10 @@ CATCH_TEST_CASE("Two threads training through one GPipe on a GPU get the plain m
   auto make = [] { return autocast_mlp(); };
   nn::Sequential plain = build(make, 44);
   plain->to(gpu);
-  GPipe model(build(make, 44), GPipeOptions(where.balance)
-                                   .devices(where.devices)
-                                   .chunks(4)
-                                   .checkpoint(mode)
-                                   .worker_per_partition(where.threads));
+  GPipe model(build(make, 44),
+              gpipe::internal::with_partition_threads(
+                  GPipeOptions(where.balance).devices(where.devices).chunks(4).checkpoint(mode),
+                  where.threads));
   const at::Tensor x = at::randn({8, 16}, at::TensorOptions(at::kDouble).device(gpu));
   const at::Tensor expected = plain->forward(x);
   expected.sum().backward();

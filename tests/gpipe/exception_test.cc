@@ -2,6 +2,8 @@
 // the caller with their message; nothing hangs, and the model works for the next step.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <stdexcept>
 
 #include "absl/strings/str_format.h"
@@ -56,11 +58,12 @@ torch::nn::Sequential trapped_model(int64_t partitions, const std::shared_ptr<Tr
 
 // Three partitions of a TrapLayer and a Scale each, four micro-batches of two rows.
 GPipe trapped_gpipe(const std::shared_ptr<Trap>& trap, Checkpoint mode, bool threads) {
-  GPipe model(trapped_model(3, trap, 0), GPipeOptions({2, 2, 2})
-                                             .devices({at::kCPU, at::kCPU, at::kCPU})
-                                             .chunks(4)
-                                             .checkpoint(mode)
-                                             .worker_per_partition(threads));
+  GPipe model(trapped_model(3, trap, 0),
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 2, 2})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(4)
+                                                          .checkpoint(mode),
+                                                      threads));
   model->train();
   return model;
 }
@@ -119,10 +122,12 @@ CATCH_TEST_CASE("an exception stops the pipeline at the end of its clock tick",
     seq->push_back(Probe(j, log));
     seq->push_back(TrapLayer(j, trap));
   }
-  GPipe model(seq, GPipeOptions({2, 2, 2, 2})
-                       .devices(std::vector<c10::Device>(4, at::kCPU))
-                       .chunks(3)
-                       .checkpoint(Checkpoint::kNever));
+  // On one thread, so that the ticks run in order (Note [Threads of forward()]).
+  GPipe model(seq, internal::with_partition_threads(GPipeOptions({2, 2, 2, 2})
+                                                        .devices(std::vector<c10::Device>(4, at::kCPU))
+                                                        .chunks(3)
+                                                        .checkpoint(Checkpoint::kNever),
+                                                    false));
   CATCH_CHECK_THROWS_WITH(model->forward(rows_input(6, 3)), gpipe_test::contains("trap in forward"));
   std::vector<int64_t> per_partition(4, 0);
   for (const Event& e : log->take("forward")) per_partition[e.partition] += 1;

@@ -4,6 +4,8 @@
 // held skips and memory return to their earlier level, and the next step equals the plain model.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <malloc.h>
 
 #include <cstdio>
@@ -134,11 +136,12 @@ CATCH_TEST_CASE("A fault at any task in forward, recomputation or backward reach
   const Checkpoint mode = GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast);
   CATCH_CAPTURE(threads, static_cast<int>(mode));
   auto fault = std::make_shared<Fault>();
-  GPipe model(fault_model(fault), GPipeOptions({2, 3, 3})
-                                      .devices({at::kCPU, at::kCPU, at::kCPU})
-                                      .chunks(3)
-                                      .checkpoint(mode)
-                                      .worker_per_partition(threads));
+  GPipe model(fault_model(fault),
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 3, 3})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(3)
+                                                          .checkpoint(mode),
+                                                      threads));
   nn::Sequential plain = fault_model(fault);
   const at::Tensor x = rows_input(3 * kRows, kWidth);
   auto step = [&] {

@@ -1,18 +1,21 @@
 // Tests of the GPipe module's API: construction, clear errors on bad input, module behaviour
 // (parameters, modes, serialization, optimizers, dtype and device moves) and thread state.
-#include "tests/gpipe/test_util.h"
-
-
-#include <cstdio>
-#include <filesystem>
-#include <sstream>
-
 #include <ATen/autocast_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 #include <torch/version.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "gpipe/internal/partition_threads.h"
+#include "tests/gpipe/test_util.h"
 
 namespace gpipe {
 namespace testing {
@@ -98,7 +101,7 @@ CATCH_TEST_CASE("GPipe warns of random numbers in concurrent CPU partitions only
     GPipe pipe(std::move(model), std::move(options));
     return capture.messages;
   };
-  const GPipeOptions threads = cpu({2, 2}).chunks(2).worker_per_partition(true);
+  const GPipeOptions threads = gpipe::internal::with_partition_threads(cpu({2, 2}).chunks(2), true);
   const auto warned = warnings(with_dropout(), threads);
   CATCH_REQUIRE(warned.size() == 1);
   CATCH_CHECK_THAT(warned[0], gpipe_test::contains("GPipe: partition 1 holds '2' "
@@ -109,8 +112,12 @@ CATCH_TEST_CASE("GPipe warns of random numbers in concurrent CPU partitions only
   CATCH_CHECK(
       warnings(with_dropout(), GPipeOptions(threads).checkpoint(Checkpoint::kNever)).empty());
   CATCH_CHECK(warnings(with_dropout(), GPipeOptions(threads).chunks(1)).empty());
-  CATCH_CHECK(warnings(with_dropout(), GPipeOptions(threads).worker_per_partition(false)).empty());
-  CATCH_CHECK(warnings(with_dropout(), cpu({4}).chunks(2).worker_per_partition(true)).empty());
+  CATCH_CHECK(warnings(with_dropout(),
+                       gpipe::internal::with_partition_threads(GPipeOptions(threads), false))
+                  .empty());
+  CATCH_CHECK(
+      warnings(with_dropout(), gpipe::internal::with_partition_threads(cpu({4}).chunks(2), true))
+          .empty());
 }
 
 CATCH_TEST_CASE("GPipe names parameters by partition and layer", "[gpipe][api]") {
@@ -303,7 +310,7 @@ CATCH_TEST_CASE("autocast in the caller applies to the layers in the workers",
                 "[gpipe][thread_state]") {
   nn::Sequential seq(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
   nn::Sequential plain(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
-  GPipe model(seq, cpu({1, 2}).chunks(2).worker_per_partition(true));
+  GPipe model(seq, gpipe::internal::with_partition_threads(cpu({1, 2}).chunks(2), true));
   at::Tensor x = at::randn({4, 4});
   set_cpu_autocast(true);
   at::Tensor y = model->forward(x);
@@ -316,7 +323,8 @@ CATCH_TEST_CASE("autocast in the caller applies to the layers in the workers",
 CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the workers",
                 "[gpipe][thread_state]") {
   DtypeSpy spy;
-  GPipe model(nn::Sequential(nn::Linear(4, 4), spy), cpu({1, 1}).worker_per_partition(true));
+  GPipe model(nn::Sequential(nn::Linear(4, 4), spy),
+              gpipe::internal::with_partition_threads(cpu({1, 1}), true));
   {
     c10::InferenceMode guard;
     at::Tensor y = model->forward(at::randn({2, 4}));
@@ -333,15 +341,107 @@ CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the work
   CATCH_CHECK(model->forward(at::randn({2, 4})).requires_grad());
 }
 
+// Records the thread each forward of its layer ran on.
+struct ThreadLogImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    std::lock_guard<std::mutex> lock(mu);
+    threads.insert(std::this_thread::get_id());
+    return x;
+  }
+  std::mutex mu;
+  std::set<std::thread::id> threads;
+};
+TORCH_MODULE(ThreadLog);
+
+CATCH_TEST_CASE("forward() runs CPU partitions on threads of their own, but keeps partitions "
+                "that draw random numbers on one",
+                "[gpipe][worker]") {
+  // Note [Threads of forward()]: the decision, then the threads the layers' forwards ran on, and
+  // the result against the plain model (with dropout, in the second partition: the same draws in
+  // two seeded runs, and in the checkpoints' recomputation, whose gradients match a run that
+  // stores every activation).
+  const bool random = GENERATE(false, true);
+  CATCH_CAPTURE(random);
+  auto make = [random](ThreadLog a, ThreadLog b) {
+    torch::manual_seed(5);
+    nn::Sequential seq = random ? nn::Sequential(nn::Linear(4, 6), a, nn::Tanh(), nn::Linear(6, 6),
+                                                 nn::Dropout(0.5), b, nn::Linear(6, 2))
+                                : nn::Sequential(nn::Linear(4, 6), a, nn::Tanh(), nn::Linear(6, 6),
+                                                 b, nn::Linear(6, 2));
+    seq->to(at::kDouble);
+    return seq;
+  };
+  const std::vector<int64_t> balance =
+      random ? std::vector<int64_t>{2, 5} : std::vector<int64_t>{2, 4};
+  struct Run {
+    bool own = false;
+    std::set<std::thread::id> first, second;  // the threads of each partition's forwards
+    std::vector<at::Tensor> out;              // the output, then each parameter's gradient
+  };
+  auto run = [&](Checkpoint mode) {
+    ThreadLog a, b;
+    GPipe model(make(a, b), cpu(balance).chunks(4).checkpoint(mode));
+    Run r;
+    r.own = model->partitions_on_own_threads();
+    torch::manual_seed(11);
+    const at::Tensor x = at::randn({8, 4}, at::kDouble);
+    const at::Tensor y = model->forward(x);
+    r.first = a->threads;  // before backward, whose recomputations run on the caller
+    r.second = b->threads;
+    y.pow(2).sum().backward();
+    r.out.push_back(y.detach());
+    for (const at::Tensor& p : model->parameters()) r.out.push_back(p.grad().clone());
+    return r;
+  };
+  const Run got = run(Checkpoint::kAlways);
+  CATCH_CHECK(got.own == !random);
+  CATCH_REQUIRE(got.first.size() == 1);
+  CATCH_REQUIRE(got.second.size() == 1);
+  CATCH_CHECK((*got.first.begin() != *got.second.begin()) == !random);
+  if (!random) {
+    nn::Sequential plain = make(ThreadLog(), ThreadLog());
+    torch::manual_seed(11);
+    const at::Tensor x = at::randn({8, 4}, at::kDouble);
+    const at::Tensor y = plain->forward(x);
+    y.pow(2).sum().backward();
+    CATCH_CHECK(at::allclose(got.out[0], y, 1e-12, 1e-12));
+    const auto params = plain->parameters();
+    CATCH_REQUIRE(got.out.size() == params.size() + 1);
+    for (size_t k = 0; k < params.size(); ++k) {
+      CATCH_CHECK(at::allclose(got.out[k + 1], params[k].grad(), 1e-12, 1e-12));
+    }
+    return;
+  }
+  const Run again = run(Checkpoint::kAlways);
+  const Run stored = run(Checkpoint::kNever);
+  CATCH_CHECK_FALSE(again.own);
+  CATCH_CHECK_FALSE(stored.own);
+  CATCH_REQUIRE(got.out.size() == again.out.size());
+  CATCH_REQUIRE(got.out.size() == stored.out.size());
+  for (size_t k = 0; k < got.out.size(); ++k) {
+    CATCH_CHECK(at::equal(got.out[k], again.out[k]));
+    CATCH_CHECK(at::allclose(got.out[k], stored.out[k], 1e-12, 1e-12));
+  }
+  // And the rest of the decision: one partition, stage-local backward, the override.
+  CATCH_CHECK_FALSE(GPipe(make(ThreadLog(), ThreadLog()), cpu({7}))->partitions_on_own_threads());
+  CATCH_CHECK(GPipe(make(ThreadLog(), ThreadLog()), cpu(balance).stage_local_backward(true))
+                  ->partitions_on_own_threads());
+  CATCH_CHECK_FALSE(
+      GPipe(build(mlp, 1), gpipe::internal::with_partition_threads(cpu({2, 3}), false))
+          ->partitions_on_own_threads());
+}
+
 CATCH_TEST_CASE("a GPipe's worker threads end with it", "[gpipe][worker]") {
   const int before = worker_thread_count();
   for (int k = 0; k < 10; ++k) {
-    // One device: the calling thread does all the work.
-    GPipe model(build(mlp, 1), cpu({2, 3}).chunks(2));
+    // One thread for the device: the calling thread does all the work.
+    GPipe model(build(mlp, 1),
+                gpipe::internal::with_partition_threads(cpu({2, 3}).chunks(2), false));
     model->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
     CATCH_CHECK(worker_thread_count() == before);
     // A thread for every partition but the first.
-    GPipe threaded(build(mlp, 1), cpu({1, 1, 3}).chunks(2).worker_per_partition(true));
+    GPipe threaded(build(mlp, 1),
+                   gpipe::internal::with_partition_threads(cpu({1, 1, 3}).chunks(2), true));
     threaded->forward(at::randn({4, 4}, at::kDouble)).sum().backward();
     CATCH_CHECK(worker_thread_count() == before + 2);
   }

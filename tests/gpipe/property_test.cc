@@ -5,6 +5,8 @@
 // every partition at random on the CPU or a GPU (GPIPE_PROPERTY_CUDA_CASES, default 100).
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <torch/cuda.h>
 
 #include <cstdio>
@@ -275,11 +277,8 @@ void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
     std::vector<at::Tensor> pipe_inputs;
     for (const at::Tensor& t : inputs) pipe_inputs.push_back(t.to(devices.front()));
 
-    auto options = GPipeOptions(balance)
-                       .devices(devices)
-                       .chunks(chunks)
-                       .checkpoint(mode)
-                       .worker_per_partition(threads);
+    auto options = gpipe::internal::with_partition_threads(
+        GPipeOptions(balance).devices(devices).chunks(chunks).checkpoint(mode), threads);
     auto pipe_forward = [&](GPipe& model) {
       return [&model, &c](const std::vector<at::Tensor>& in) {
         if (c.tuple) return model->forward(in);

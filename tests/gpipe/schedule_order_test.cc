@@ -3,6 +3,8 @@
 // layers inside the model.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <algorithm>
 #include <map>
 #include <set>
@@ -18,17 +20,22 @@ namespace testing {
 namespace {
 
 // A model of `partitions` partitions, each a Probe then a Scale, all on the CPU.
+// With `one_thread`, the partitions share the calling thread, so that the log's order across
+// partitions is the schedule's (by default CPU partitions get threads of their own: Note [Threads
+// of forward()]).
 GPipe probed_model(int64_t partitions, int64_t chunks, Checkpoint mode,
-                   const std::shared_ptr<Log>& log) {
+                   const std::shared_ptr<Log>& log, bool one_thread = false) {
   torch::nn::Sequential seq;
   for (int64_t j = 0; j < partitions; ++j) {
     seq->push_back(Probe(j, log));
     seq->push_back(Scale(3));
   }
-  return GPipe(seq, GPipeOptions(std::vector<int64_t>(partitions, 2))
-                        .devices(std::vector<c10::Device>(partitions, at::kCPU))
-                        .chunks(chunks)
-                        .checkpoint(mode));
+  GPipeOptions options = GPipeOptions(std::vector<int64_t>(partitions, 2))
+                             .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                             .chunks(chunks)
+                             .checkpoint(mode);
+  if (one_thread) options = internal::with_partition_threads(options, false);
+  return GPipe(seq, options);
 }
 
 // How many micro-batches `mode` checkpoints in training (the reference's checkpoint_stop).
@@ -52,7 +59,7 @@ std::vector<Event> events(const std::string& phase, std::vector<std::pair<int64_
 
 CATCH_TEST_CASE("forward runs the tasks in lock-step clock cycles", "[pipeline][schedule]") {
   auto log = std::make_shared<Log>(/*rows_per_microbatch=*/2);
-  GPipe model = probed_model(2, 3, Checkpoint::kNever, log);
+  GPipe model = probed_model(2, 3, Checkpoint::kNever, log, /*one_thread=*/true);
   model->forward(rows_input(6, 3));
   // Ticks {(0,0)}, {(1,0),(0,1)}, {(2,0),(1,1)}, {(2,1)}.
   CATCH_CHECK(log->take("forward") ==
@@ -63,7 +70,7 @@ CATCH_TEST_CASE("forward follows clock_cycles for several sizes", "[pipeline][sc
   const int64_t partitions = GENERATE(1, 2, 3, 4);
   const int64_t chunks = GENERATE(1, 2, 3, 5);
   auto log = std::make_shared<Log>(2);
-  GPipe model = probed_model(partitions, chunks, Checkpoint::kNever, log);
+  GPipe model = probed_model(partitions, chunks, Checkpoint::kNever, log, /*one_thread=*/true);
   model->forward(rows_input(2 * chunks, 3));
   std::vector<Event> expected;
   for (const auto& tick : clock_cycles(chunks, partitions)) {

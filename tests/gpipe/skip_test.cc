@@ -3,6 +3,8 @@
 // current_microbatch() pattern.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <map>
 #include <set>
 
@@ -129,7 +131,8 @@ CATCH_TEST_CASE("GPipe with skips equals the plain Sequential in outputs and gra
   at::manual_seed(8);
   const at::Tensor x = at::randn({7, 5}, at::kDouble);
   check_transparent(skip_model, x,
-                    cpu(balance).chunks(chunks).checkpoint(mode).worker_per_partition(threads),
+                    gpipe::internal::with_partition_threads(
+                        cpu(balance).chunks(chunks).checkpoint(mode), threads),
                     train);
 }
 

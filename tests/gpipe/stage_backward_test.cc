@@ -2,6 +2,8 @@
 // parameters as the plain model over several optimizer steps, each partition's backward on its
 // own worker thread, errors from a partition's backward raised by backward(), and the mode's
 // limits refused with clear errors.
+#include <torch/optim/sgd.h>
+
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -9,10 +11,9 @@
 #include <set>
 #include <thread>
 
-#include <torch/optim/sgd.h>
-
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/skippable.h"
 #include "gpipe/worker.h"
 #include "tests/gpipe/test_util.h"
@@ -77,9 +78,15 @@ nn::Sequential make_model(ThreadLog* log = nullptr, bool fail_first = false) {
   return seq;
 }
 
+// A thread per partition in either mode (without stage-local backward, the engine's choice for
+// these layers too: the override keeps the tests from depending on it).
 GPipeOptions options(Checkpoint checkpoint, bool stage_local = true) {
-  return GPipeOptions({3, 3, 3}).chunks(4).checkpoint(checkpoint).worker_per_partition(true)
-      .devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(stage_local);
+  return gpipe::internal::with_partition_threads(GPipeOptions({3, 3, 3})
+                                                     .chunks(4)
+                                                     .checkpoint(checkpoint)
+                                                     .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                     .stage_local_backward(stage_local),
+                                                 true);
 }
 
 // Four SGD-with-momentum steps of `plain` and `pipe` (the same model) on the same random
@@ -340,9 +347,11 @@ CATCH_TEST_CASE("stage-local backward trains a model whose skips cross partition
                                    Checkpoint::kNever);
   CATCH_INFO("checkpoint " << static_cast<int>(mode));
   nn::Sequential plain = make_skip_model();
-  GPipe pipe(make_skip_model(),
-             GPipeOptions({4, 4, 4}).chunks(4).checkpoint(mode).worker_per_partition(true)
-                 .devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(true));
+  GPipe pipe(make_skip_model(), GPipeOptions({4, 4, 4})
+                                    .chunks(4)
+                                    .checkpoint(mode)
+                                    .devices({at::kCPU, at::kCPU, at::kCPU})
+                                    .stage_local_backward(true));
   train_against_plain(plain, pipe);
 }
 
@@ -394,8 +403,10 @@ CATCH_TEST_CASE("a skip that no gradient reaches does not hold its stashing part
                      skippable(PopDrop("c"), SkippableOptions().pop({"c"})),
                      WaitOnLast(note, 4, saw), nn::Linear(6, 6));
   seq->to(at::kDouble);
-  GPipe pipe(seq, GPipeOptions({1, 3, 3}).chunks(4).checkpoint(Checkpoint::kNever)
-                      .worker_per_partition(true).devices({at::kCPU, at::kCPU, at::kCPU})
+  GPipe pipe(seq, GPipeOptions({1, 3, 3})
+                      .chunks(4)
+                      .checkpoint(Checkpoint::kNever)
+                      .devices({at::kCPU, at::kCPU, at::kCPU})
                       .stage_local_backward(true));
   pipe->forward(at::randn({8, 6}, at::kDouble)).pow(2).sum().backward();
   CATCH_CHECK(saw->load());
@@ -432,8 +443,11 @@ CATCH_TEST_CASE("an input that comes from layers before a stage-local GPipe gets
 CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
                 "[gpipe][stage_backward][errors]") {
   CATCH_CHECK_THROWS_WITH(
-      GPipe(make_model(), options(Checkpoint::kNever).worker_per_partition(false)),
-      gpipe_test::contains("stage_local_backward needs worker_per_partition(true)"));
+      GPipe(make_model(),
+            gpipe::internal::with_partition_threads(options(Checkpoint::kNever), false)),
+      gpipe_test::contains(
+          "stage_local_backward runs each partition's backward on the partition's own thread, but "
+          "worker_per_partition(false) gives the partitions one thread"));
   GPipe pipe(make_model(), options(Checkpoint::kNever));
   const at::Tensor x = at::randn({8, 6}, at::kDouble);
   CATCH_CHECK_THROWS_WITH(

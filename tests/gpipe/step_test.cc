@@ -265,6 +265,16 @@ CATCH_TEST_CASE("the deprecated schedule options set one field of the schedule e
   CATCH_CHECK(!written->is_recording_timeline());
   recording->forward(at::randn({4, 5}, at::kDouble));
   CATCH_CHECK(recording->last_timeline().size() >= 4);  // 2 micro-batches x 2 partitions at least
+  // worker_per_partition overrides forward()'s thread decision (Note [Threads of forward()]).
+  const GPipeOptions two = GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU});
+  CATCH_CHECK(GPipe(build(skip_model, 8), two)->partitions_on_own_threads());
+  CATCH_CHECK_FALSE(GPipe(build(skip_model, 8), GPipeOptions(two).worker_per_partition(false))
+                        ->partitions_on_own_threads());
+  CATCH_CHECK_FALSE(GPipe(build(skip_model, 8), GPipeOptions({8}).devices({at::kCPU}))
+                        ->partitions_on_own_threads());
+  CATCH_CHECK(GPipe(build(skip_model, 8), GPipeOptions({8}).devices({at::kCPU})
+                                              .worker_per_partition(true))
+                  ->partitions_on_own_threads());
 }
 #pragma GCC diagnostic pop
 

@@ -11,6 +11,7 @@
 #include <torch/cuda.h>
 
 #include "absl/strings/str_format.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/trace.h"
 #include "tests/gpipe/json.h"
 #include "tests/gpipe/test_util.h"
@@ -54,11 +55,12 @@ CATCH_TEST_CASE("a training step's Chrome trace holds every task in clock-cycle 
   const int64_t chunks = GENERATE(1, 4);
   const bool workers = GENERATE(false, true);
   CATCH_CAPTURE(chunks, workers);
-  GPipe model(linear_stack(3), GPipeOptions({2, 2, 2})
-                                   .devices({at::kCPU, at::kCPU, at::kCPU})
-                                   .chunks(chunks)
-                                   .checkpoint(Checkpoint::kExceptLast)
-                                   .worker_per_partition(workers));
+  GPipe model(linear_stack(3),
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 2, 2})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(chunks)
+                                                          .checkpoint(Checkpoint::kExceptLast),
+                                                      workers));
   model->record_timeline(true);
   model->train();
   model->forward(at::randn({8, 4}).requires_grad_(true)).sum().backward();

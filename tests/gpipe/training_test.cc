@@ -16,6 +16,7 @@
 #include <torch/optim/adam.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/saved_training.h"
 
 namespace gpipe {
@@ -40,11 +41,12 @@ CATCH_TEST_CASE("Autocast training over several optimizer steps equals the plain
   at::manual_seed(3);
   nn::Sequential plain = mlp();
   at::manual_seed(3);
-  GPipe model(mlp(), GPipeOptions({2, 2, 1})
-                         .devices({at::kCPU, at::kCPU, at::kCPU})
-                         .chunks(chunks)
-                         .checkpoint(mode)
-                         .worker_per_partition(threads));
+  GPipe model(mlp(),
+              gpipe::internal::with_partition_threads(GPipeOptions({2, 2, 1})
+                                                          .devices({at::kCPU, at::kCPU, at::kCPU})
+                                                          .chunks(chunks)
+                                                          .checkpoint(mode),
+                                                      threads));
   const at::Tensor x = at::randn({6, 16});
   const at::Tensor w = at::randn({6, 4});
   for (int step = 0; step < 4; ++step) {
@@ -78,11 +80,11 @@ CATCH_TEST_CASE("Autocast regions opened by workers and recomputations close and
   // GPipe, once rebuilt fresh with the updated weights. Equal outputs mean no cached cast of an
   // old weight survived on any thread.
   at::manual_seed(5);
-  GPipe model(mlp(), GPipeOptions({1, 4})
-                         .devices({at::kCPU, at::kCPU})
-                         .chunks(2)
-                         .checkpoint(Checkpoint::kAlways)
-                         .worker_per_partition(true));
+  GPipe model(mlp(), gpipe::internal::with_partition_threads(GPipeOptions({1, 4})
+                                                                 .devices({at::kCPU, at::kCPU})
+                                                                 .chunks(2)
+                                                                 .checkpoint(Checkpoint::kAlways),
+                                                             true));
   const at::Tensor x = at::randn({4, 16});
   {
     Autocast autocast;

@@ -56,7 +56,7 @@ CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in
   const std::vector<c10::Device> devices(balance.size(), c10::Device(at::kCPU));
   GPipeOptions options = GPipeOptions(balance).devices(devices).chunks(3).checkpoint(mode);
   if (named) options.tied_parameters({{"0.weight", "4.weight"}});
-  if (run == Run::kStageLocal) options.worker_per_partition(true).stage_local_backward(true);
+  if (run == Run::kStageLocal) options.stage_local_backward(true);
   if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
   GPipe model(tied_model(/*shared=*/!named), options);
   CATCH_REQUIRE(model->ties().size() == 1);

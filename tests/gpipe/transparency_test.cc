@@ -2,6 +2,8 @@
 // gradients, whatever the balance, the number of micro-batches and the checkpoint mode.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/partition_threads.h"
+
 #include <torch/nn/modules/linear.h>
 
 namespace gpipe {
@@ -97,9 +99,10 @@ CATCH_TEST_CASE("GPipe of a conv model equals the plain Sequential in outputs an
   CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train, batch, threads);
   at::manual_seed(1);
   const at::Tensor x = at::randn({batch, 3, 8, 8}, at::kDouble);
-  check_transparent(
-      conv_model, x,
-      cpu_options(balance).chunks(chunks).checkpoint(mode).worker_per_partition(threads), train);
+  check_transparent(conv_model, x,
+                    gpipe::internal::with_partition_threads(
+                        cpu_options(balance).chunks(chunks).checkpoint(mode), threads),
+                    train);
 }
 
 CATCH_TEST_CASE("GPipe of random MLPs equals the plain Sequential in outputs and gradients",
@@ -131,7 +134,8 @@ CATCH_TEST_CASE("GPipe with tuple batches equals the plain Sequential", "[gpipe]
   CATCH_CAPTURE(balance.size(), chunks, static_cast<int>(mode), train, threads);
   torch::nn::Sequential plain = build(mix_model, 3);
   GPipe model(build(mix_model, 3),
-              cpu_options(balance).chunks(chunks).checkpoint(mode).worker_per_partition(threads));
+              gpipe::internal::with_partition_threads(
+                  cpu_options(balance).chunks(chunks).checkpoint(mode), threads));
   plain->train(train);
   model->train(train);
   at::manual_seed(2);
