@@ -40,7 +40,7 @@
 #include "gpipe/internal/partition_threads.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/internal/partition.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 

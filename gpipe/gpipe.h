@@ -25,7 +25,7 @@
 #include "gpipe/pipeline_options.h"
 #include "gpipe/schedule.h"
 #include "gpipe/schedule_option.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
 #include "gpipe/tied_parameters.h"
 #include "gpipe/timeline.h"

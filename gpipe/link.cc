@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "gpipe/internal/copy.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace {

@@ -1,5 +1,5 @@
 // Skip layout and the static check of skip declarations; see skip_layout.h and skippable.h.
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 
 #include <algorithm>
 #include <string>

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -11,9 +12,9 @@
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 
-#include "gpipe/internal/stream.h"
-
 namespace gpipe {
+
+struct StreamMark;  // a point in a stream a timeline reads device times at (internal/stream.h)
 
 /// One thing the pipeline did during a forward.
 struct TimelineEvent {

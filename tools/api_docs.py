@@ -285,6 +285,18 @@ def main(out_dir):
             if h.endswith(".h") and h not in headers:
                 print("%s: warning: a public header (outside internal/) that %s does not list; "
                       "list it, or move it to %s/internal/" % (h, LIST, folder), file=sys.stderr)
+    # A public header that includes an internal one would make it API by accident (a program
+    # compiles it, CMake must install it): declare the type instead, or make it public.
+    for h in headers:
+        if h in absent:
+            continue
+        with open(h) as f:
+            for number, line in enumerate(f, 1):
+                m = re.match(r'#include "([^"]+/internal/[^"]+)"', line)
+                if m:
+                    print("%s:%d: warning: a public header includes the internal header %s; "
+                          "declare what it needs from it instead, or make that header public"
+                          % (h, number, m.group(1)), file=sys.stderr)
     for circle in include_circles():
         print("%s: warning: an include circle among gpipe's headers: %s; break it (the headers "
               "are layered: a header never includes, through others, one that includes it)"

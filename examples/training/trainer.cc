@@ -39,7 +39,7 @@
 #include "gpipe/schedule_check.h"
 #include "gpipe/internal/partition.h"
 #include "gpipe/saved_training.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/internal/stream.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/trace.h"

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/distributed/internal/configuration.h"
+#include "gpipe/distributed/internal/gradient_reducer.h"
 #include "gpipe/distributed/replication.h"
 #include "gpipe/gpipe.h"
 
@@ -143,6 +144,10 @@ DataParallelImpl::~DataParallelImpl() {
     }
   }
 }
+
+ReductionStats DataParallelImpl::last_reduction() const { return reducer_->last_stats(); }
+
+size_t DataParallelImpl::bucket_count() const { return reducer_->bucket_count(); }
 
 void DataParallelImpl::check_same_configuration() {
   // What must agree, as numbers; compared with rank 0's.

@@ -12,8 +12,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include "gpipe/distributed/internal/gradient_reducer.h"
 #include "gpipe/distributed/process_group.h"
+#include "gpipe/distributed/reduction_stats.h"
 #include "gpipe/tied_parameters.h"
 
 namespace gpipe {
@@ -23,6 +23,8 @@ struct StatisticsMerge;
 }  // namespace detail
 
 namespace distributed {
+
+class GradientReducer;  // internal/gradient_reducer.h
 
 // Note [Replicas and batch norm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,9 +135,9 @@ class DataParallelImpl : public torch::nn::Module {
   /// The group of the replicas.
   const ProcessGroup& group() const { return group_; }
   /// What the last averaging backward's reduction did.
-  ReductionStats last_reduction() const { return reducer_->last_stats(); }
+  ReductionStats last_reduction() const;
   /// The number of gradient buckets.
-  size_t bucket_count() const { return reducer_->bucket_count(); }
+  size_t bucket_count() const;
 
  private:
   // This replica's device for collectives over NCCL (see data_parallel.cc).

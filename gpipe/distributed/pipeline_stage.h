@@ -27,7 +27,7 @@
 #include "gpipe/schedule_option.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/microbatch.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/tied_parameters.h"
 #include "gpipe/timeline.h"
 #include "gpipe/worker.h"

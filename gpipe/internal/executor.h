@@ -17,7 +17,7 @@
 #include "gpipe/checkpoint.h"
 #include "gpipe/internal/link.h"
 #include "gpipe/schedule.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/internal/stage_backward.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/timeline.h"

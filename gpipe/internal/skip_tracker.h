@@ -14,7 +14,7 @@
 #include <c10/core/Stream.h>
 
 #include "gpipe/microbatch.h"
-#include "gpipe/internal/skip_layout.h"
+#include "gpipe/skip_layout.h"
 #include "gpipe/skippable.h"
 
 namespace gpipe {

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "gpipe/distributed/process_group.h"
+#include "gpipe/distributed/reduction_stats.h"
 
 namespace gpipe {
 namespace distributed {
@@ -68,19 +69,6 @@ namespace distributed {
 // on every rank; one that some ranks have gets the average on every rank, the others counting as
 // zeros, as under DistributedDataParallel with find_unused_parameters.
 
-/// What the last backward's reduction did.
-struct ReductionStats {
-  int64_t buckets = 0;
-  /// Buckets whose all-reduce started while backward was still running.
-  int64_t started_during_backward = 0;
-  int64_t bytes = 0;
-  /// Seconds between the end of backward's own work (the final callback) and the end of the
-  /// reduction: the part of the all-reduce that backward did not hide.
-  double exposed_seconds = 0;
-  /// Buckets all-reduced a second time because a gradient came after they had started (Note
-  /// [Graphs that change between backwards]).
-  int64_t reduced_again = 0;
-};
 
 class GradientReducer {
  public:
