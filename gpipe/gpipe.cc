@@ -256,7 +256,8 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     input_has_history |= t.defined() && t.grad_fn() != nullptr;
   }
   if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 && !input_has_history) {
-    spec.stage_backward = std::make_shared<StageBackward>(workers_);
+    spec.stage_backward = std::make_shared<StageBackward>(
+        workers_, static_cast<int64_t>(partitions_.size()));
   }
 
   const bool deferred = options_.deferred_batch_norm() && is_training();

@@ -2,6 +2,8 @@
 // one process].
 #include "gpipe/internal/stage_backward.h"
 
+#include <optional>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
@@ -152,11 +154,15 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     const bool outer = stage_job;
     stage_job = true;
     bool cancelled;
+    std::shared_ptr<const detail::CoreShare> cores;
     {
       absl::MutexLock lock(&self->mu_);
       cancelled = self->cancelled_;
+      cores = self->cores_;
     }
     try {
+      std::optional<detail::CoreShare::Lane> lane;
+      if (cores) lane.emplace(*cores);
       if (!cancelled) job();
     } catch (...) {
       absl::MutexLock lock(&self->mu_);
@@ -206,6 +212,7 @@ void StageBackward::queue_callback_once() {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return;
     callback_queued_ = true;
+    cores_ = std::make_shared<const detail::CoreShare>(partitions_);
   }
   auto self = shared_from_this();
   queue_end_of_backward([self] { self->finish(); }, [self] { self->cancel(); });
@@ -231,6 +238,7 @@ void StageBackward::cancel() {
     error_ = nullptr;  // the user's backward raises its own error
     callback_queued_ = false;
     cancelled_ = false;
+    cores_ = nullptr;
   }
 }
 
@@ -278,6 +286,7 @@ void StageBackward::finish() {
     error = error_;
     error_ = nullptr;
     callback_queued_ = false;
+    cores_ = nullptr;  // the cores are the caller's again
     joins_.clear();  // after an error, backwards that will not run
     arrived_.clear();  // a backward with retain_graph may reach the Handoffs again
   }

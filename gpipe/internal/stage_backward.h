@@ -39,7 +39,10 @@ namespace gpipe {
 // would make one engine call run nodes that belong to another. The first Handoff the user's
 // backward meets queues an end-of-backward callback that waits for every handed-off backward
 // (running those of partitions that run on the calling thread itself) and rethrows the first
-// error, so backward() returns with every gradient final, as without the mode.
+// error, so backward() returns with every gradient final, as without the mode. From that first
+// Handoff to the callback the partitions' backwards share the cores as a step's lanes do (Note
+// [Dividing the cores] in worker.h): without it each would start every core's worth of OpenBLAS
+// threads, and they spun against each other (2.3-3.4x slower on two vCPUs, docs/benchmarks.md).
 //
 // A skip from partition a to a later partition b is cut too (MicroBatchSkips::cut, at b's fence):
 // b pops the tensor detached, behind a Handoff of its own. Partition a's backward of micro-batch i
@@ -77,7 +80,9 @@ namespace gpipe {
 /// The handed-off backwards of one forward (one per GPipe forward in this mode).
 class StageBackward : public std::enable_shared_from_this<StageBackward> {
  public:
-  explicit StageBackward(std::shared_ptr<WorkerPool> workers) : workers_(std::move(workers)) {}
+  /// For the backwards of `partitions` CPU partitions, run on `workers`.
+  StageBackward(std::shared_ptr<WorkerPool> workers, int64_t partitions)
+      : workers_(std::move(workers)), partitions_(partitions) {}
 
   /// Puts a Handoff in front of `batch` (micro-batch `microbatch`, just computed by partition
   /// `partition`) for the next partition, or, with `last`, for the caller's own backward: its
@@ -114,7 +119,12 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   void cancel();  // the end of a backward that failed before its callback ran
 
   std::shared_ptr<WorkerPool> workers_;
+  const int64_t partitions_;
   absl::Mutex mu_;
+  // The cores divided among the partitions while a backward runs (Note [Dividing the cores] in
+  // worker.h): from the first Handoff the caller's backward meets to the end-of-backward callback
+  // (or the cancellation that replaces it). Each job runs as one lane of it.
+  std::shared_ptr<const detail::CoreShare> cores_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::function<void()>> inline_jobs_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);

@@ -2,9 +2,14 @@
 // parameters as the plain model over several optimizer steps, each partition's backward on its
 // own worker thread, errors from a partition's backward raised by backward(), and the mode's
 // limits refused with clear errors.
+#include <ATen/Parallel.h>
 #include <torch/optim/sgd.h>
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -438,6 +443,64 @@ CATCH_TEST_CASE("an input that comes from layers before a stage-local GPipe gets
     check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
     check_same_grads(before_plain->parameters(), before->parameters(), 1e-12);
   }
+}
+
+int openblas_threads() {
+  using Get = int (*)();
+  auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
+}
+
+// Records, in each backward through it, the running thread's intra-op threads and OpenBLAS's.
+struct BackwardCountsImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = x * 1;  // a node of this layer's own, whose hook runs where its backward does
+    y.register_hook([this](const at::Tensor& grad) {
+      std::lock_guard<std::mutex> lock(mu);
+      seen.emplace_back(at::get_num_threads(), openblas_threads());
+      return grad;
+    });
+    return y;
+  }
+  std::mutex mu;
+  std::vector<std::pair<int, int>> seen;
+};
+TORCH_MODULE(BackwardCounts);
+
+CATCH_TEST_CASE("stage-local backwards share the cores, and the caller gets them back",
+                "[gpipe][stage_backward][threads]") {
+  // Note [Dividing the cores] in gpipe/worker.h, for the backwards a forward() leaves behind.
+  const int intra = at::get_num_threads();
+  const int blas = openblas_threads();
+  auto set = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0';
+  };
+  const bool omp_env = set("OMP_NUM_THREADS");
+  const bool env = set("OPENBLAS_NUM_THREADS") || omp_env;
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  CATCH_CAPTURE(intra, blas, env, cpus);
+  BackwardCounts first, second;
+  GPipe pipe(nn::Sequential(nn::Linear(4, 4), first, nn::Linear(4, 2), second),
+             GPipeOptions({2, 2})
+                 .devices({at::kCPU, at::kCPU})
+                 .chunks(2)
+                 .checkpoint(Checkpoint::kNever)
+                 .stage_local_backward(true));
+  pipe->forward(at::randn({4, 4})).sum().backward();
+  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1 && !omp_env
+                             ? std::max(1, intra / 2)
+                             : intra;
+  const int lane_blas = blas > 1 && !env ? std::max(1, std::min(blas, cpus / 2)) : blas;
+  for (BackwardCounts counts : {first, second}) {
+    CATCH_REQUIRE(counts->seen.size() == 2);
+    for (const auto& [seen_intra, seen_blas] : counts->seen) {
+      CATCH_CHECK(seen_intra == lane_intra);
+      CATCH_CHECK(seen_blas == lane_blas);
+    }
+  }
+  CATCH_CHECK(at::get_num_threads() == intra);
+  CATCH_CHECK(openblas_threads() == blas);
 }
 
 CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
