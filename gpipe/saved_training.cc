@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/atomic_file.h"
+#include "gpipe/internal/error_text.h"
 
 namespace gpipe {
 namespace {
@@ -252,10 +253,6 @@ void check_layout(torch::serialize::InputArchive& archive, const std::string& la
 
 }  // namespace
 
-const char* without_backtrace(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
 
 FileDigest save_file(const std::string& path, const std::string& layout,
                      const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,

@@ -81,10 +81,6 @@ namespace detail {
 
 struct FileDigest;  // gpipe/internal/atomic_file.h
 
-// An exception's message, without the backtrace a c10::Error carries (a message quoted in
-// another error is read by people, not debuggers).
-const char* without_backtrace(const std::exception& e);
-
 // Writes a file of a save (atomically: Note [Atomic saves]) and returns its length and checksum:
 // `layout` says what wrote it, and a load into another layout is refused; `module` (if not
 // null), `optimizer` (if not null), `step`, this process's random generators when `random`, and

@@ -162,7 +162,7 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     }
     try {
       std::optional<detail::CoreShare::Lane> lane;
-      if (cores) lane.emplace(*cores);
+      if (cores && !cancelled) lane.emplace(*cores);
       if (!cancelled) job();
     } catch (...) {
       absl::MutexLock lock(&self->mu_);
@@ -172,6 +172,9 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     // as done, so that backward() returns with no worker still holding (and later freeing, beside
     // the caller's next step) any of the graph.
     job = nullptr;
+    // The share too, before the job counts as done: the last holder puts OpenBLAS's threads back,
+    // which must happen before backward() returns, not beside the caller's next step.
+    cores = nullptr;
     stage_job = outer;
     // Backwards that waited for a Handoff this job passed by start before this one counts as
     // done, so that the end-of-backward callback never sees nothing pending in between.
@@ -211,8 +214,8 @@ void StageBackward::queue_callback_once() {
   {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return;
+    cores_ = std::make_shared<const detail::CoreShare>(partitions_);  // before: it may throw
     callback_queued_ = true;
-    cores_ = std::make_shared<const detail::CoreShare>(partitions_);
   }
   auto self = shared_from_this();
   queue_end_of_backward([self] { self->finish(); }, [self] { self->cancel(); });

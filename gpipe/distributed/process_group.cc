@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "gpipe/internal/error_text.h"
 
 #ifdef GPIPE_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -37,13 +38,6 @@
 namespace gpipe {
 namespace distributed {
 namespace {
-
-// An exception's message, without the backtrace a c10::Error carries (a message quoted in
-// another error is read by people, not debuggers).
-const char* without_backtrace(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
 
 
 std::string env(const char* name, bool required) {
@@ -187,7 +181,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
                 " could not meet the others at ", where, " (TCPStore, timeout ",
-                options.timeout().count(), " ms): ", without_backtrace(e),
+                options.timeout().count(), " ms): ", detail::without_backtrace(e),
                 (options.rank() == 0 ? "; is the port already in use?"
                                      : "; is rank 0 running, and MASTER_ADDR/MASTER_PORT right?"));
   }
@@ -276,8 +270,9 @@ ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store,
                 " met the others at ", options.master_addr(), ":", options.master_port(),
                 " but could not connect to the others of its group ('", prefix, "') with ",
                 nccl ? "NCCL" : "Gloo", " (timeout ", options.timeout().count(), " ms): ",
-                without_backtrace(e), "; every process must make the same groups, its unnamed ones "
-                "in the same order (a group that only some processes make needs GroupOptions::name)");
+                detail::without_backtrace(e), "; every process must make the same groups, its "
+                "unnamed ones in the same order (a group that only some processes make needs "
+                "GroupOptions::name)");
   }
 }
 
@@ -360,7 +355,7 @@ void check_collective(const ProcessGroup& group, const std::string& what,
                 " (another process may have died, stopped or timed out)");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::distributed: ", what, " failed on rank ", group->getRank(), " of ",
-                group->getSize(), ": ", without_backtrace(e),
+                group->getSize(), ": ", detail::without_backtrace(e),
                 " (another process may have died, stopped or timed out)");
   }
 }

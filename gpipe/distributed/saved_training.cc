@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/atomic_file.h"
+#include "gpipe/internal/error_text.h"
 
 namespace gpipe {
 namespace distributed {

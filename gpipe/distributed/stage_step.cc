@@ -20,6 +20,7 @@
 #include "gpipe/distributed/internal/shared_memory.h"
 #include "gpipe/distributed/internal/tied_stages.h"
 #include "gpipe/distributed/internal/transfer.h"
+#include "gpipe/internal/error_text.h"
 #include "gpipe/internal/executor.h"
 #include "gpipe/microbatch.h"
 #include "gpipe/internal/skip_tracker.h"
@@ -211,8 +212,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
     // Its transfers in flight stay posted in the group: kept until the stage goes (Note
     // [Failing fast across processes]).
     abandoned_ = cancellation;
-    const auto* error = dynamic_cast<const c10::Error*>(&e);
-    const std::string what = error ? error->what_without_backtrace() : e.what();
+    const std::string what = detail::without_backtrace(e);
     if (faults_ && !cancellation->cancelled()) {
       faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ", what), index);
     }
