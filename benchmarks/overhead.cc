@@ -168,12 +168,13 @@ int main(int argc, char** argv) {
         std::vector<int64_t> balance(partitions, kLayers / partitions);
         // One thread for the CPU's partitions, as the floor runs (Note [Threads of forward()]:
         // by default they would get threads of their own): what is left is the library's cost.
-        gpipe::GPipe model(make_model(), gpipe::internal::with_partition_threads(
-                                             gpipe::GPipeOptions(balance)
-                                                 .devices(std::vector<c10::Device>(partitions, at::kCPU))
-                                                 .chunks(chunks)
-                                                 .checkpoint(mode),
-                                             false));
+        gpipe::GPipe model(make_model(),
+                           gpipe::internal::with_partition_threads(
+                               gpipe::GPipeOptions(balance)
+                                   .devices(std::vector<c10::Device>(partitions, at::kCPU))
+                                   .chunks(chunks)
+                                   .checkpoint(mode),
+                               false));
         const auto params = model->parameters();
         auto gpipe_step = [&] {
           zero_grads(params);

@@ -94,8 +94,9 @@ void set_intra_op_threads(int threads);
 // LibTorch starts every CPU operator with one thread per physical core, and OpenBLAS, which
 // Debian's LibTorch calls for matrix products, with one per logical CPU, process-wide. A step whose
 // CPU partitions run on several threads at once (GPipe::step's lanes, forward()'s CPU partitions
-// on threads of their own, a PipelineStage's partitions) would then start lanes × cores threads, which spin against each other: measured on
-// two vCPUs, two lanes of Linear layers trained at 0.29x the plain model's speed. So the executor
+// on threads of their own, a PipelineStage's partitions, stage-local backwards) would then start
+// lanes × cores threads, which spin against each other: measured on two vCPUs, two lanes of
+// Linear layers trained at 0.29x the plain model's speed. So the executor
 // divides the cores for the step: each CPU lane's intra-op threads become cores / CPU lanes (at
 // least one; set on the lane's thread, which is where OpenMP keeps the count) and OpenBLAS's
 // threads CPUs / CPU lanes; both are put back when the step ends (process-wide: by the last of

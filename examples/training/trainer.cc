@@ -53,8 +53,8 @@ ABSL_FLAG(std::string, data_cache, "",
 ABSL_FLAG(int64_t, synthetic_samples, 2048, "training images of --data=synthetic");
 ABSL_FLAG(std::string, devices, "",
           "cpu, or a list such as cuda:0,cuda:1 (one per partition; default: every GPU, else the "
-          "CPU, with a thread per partition where the engine decides so); with --distributed, cpu or cuda (each "
-          "process on the GPU of its LOCAL_RANK)");
+          "CPU, with a thread per partition where the engine decides so); with --distributed, "
+          "cpu or cuda (each process on the GPU of its LOCAL_RANK)");
 ABSL_FLAG(int64_t, partitions, 0,
           "pipeline partitions (default: the number of --devices, or 2 on the CPU)");
 ABSL_FLAG(std::string, balance, "auto",

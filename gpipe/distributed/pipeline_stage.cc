@@ -209,8 +209,8 @@ void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
   tied_stages_ = std::make_unique<TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
   skip_layout_ = SkipLayout(local);
   // Partitions run at the same time on threads of their own (as a GPipe's CPU partitions, and
-  // with the same caveats about random numbers); a stage's virtual
-  // stages run on one thread, in the schedule's order.
+  // with the same caveats about random numbers); a stage's virtual stages run on one thread, in
+  // the schedule's order.
   const bool interleaved = this->interleaved();
   if (!interleaved) {
     std::vector<int64_t> threads(local.size());

@@ -123,11 +123,12 @@ CATCH_TEST_CASE("an exception stops the pipeline at the end of its clock tick",
     seq->push_back(TrapLayer(j, trap));
   }
   // On one thread, so that the ticks run in order (Note [Threads of forward()]).
-  GPipe model(seq, internal::with_partition_threads(GPipeOptions({2, 2, 2, 2})
-                                                        .devices(std::vector<c10::Device>(4, at::kCPU))
-                                                        .chunks(3)
-                                                        .checkpoint(Checkpoint::kNever),
-                                                    false));
+  GPipe model(seq,
+              internal::with_partition_threads(GPipeOptions({2, 2, 2, 2})
+                                                   .devices(std::vector<c10::Device>(4, at::kCPU))
+                                                   .chunks(3)
+                                                   .checkpoint(Checkpoint::kNever),
+                                               false));
   CATCH_CHECK_THROWS_WITH(model->forward(rows_input(6, 3)), gpipe_test::contains("trap in forward"));
   std::vector<int64_t> per_partition(4, 0);
   for (const Event& e : log->take("forward")) per_partition[e.partition] += 1;
