@@ -22,12 +22,12 @@
 namespace gpipe {
 namespace {
 
+using internal::distinct_devices;
+using internal::elapsed_us;
+using internal::json_field;
+using internal::median;
+using internal::parse_json;
 using nlohmann::json;
-using detail::distinct_devices;
-using detail::elapsed_us;
-using detail::json_field;
-using detail::median;
-using detail::parse_json;
 
 // Linux's turns between more threads than cores, per 1 + log2 of the CPUs (Note [Simulating a
 // step]): a turn (and the CPU time a thread that slept may come back behind: its credit), and the
@@ -159,7 +159,7 @@ std::string PipelineProfile::to_json() const {
          {"cpu_capacity", cpu_capacity},
          {"handoff_us", handoff_us}};
   j["sizes"] = json::array();
-  for (const LayerProfile& p : sizes) j["sizes"].push_back(detail::layer_profile_json(p));
+  for (const LayerProfile& p : sizes) j["sizes"].push_back(internal::layer_profile_json(p));
   j["calibration"] = json::array();
   for (const Calibration& c : calibration) {
     j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}, {"split", c.split}});
@@ -188,7 +188,7 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
   TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
               ": devices must not be empty and batch, cores and threads must be positive");
   for (const json& s : json_field<json>(j, "sizes", who)) {
-    p.sizes.push_back(detail::layer_profile_from_json(s, who));
+    p.sizes.push_back(internal::layer_profile_from_json(s, who));
   }
   TORCH_CHECK(!p.sizes.empty(), who, ": \"sizes\" holds no profile");
   for (const LayerProfile& s : p.sizes) {

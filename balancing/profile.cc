@@ -32,8 +32,8 @@
 namespace gpipe {
 namespace {
 
-using detail::elapsed_us;
-using detail::median;
+using internal::elapsed_us;
+using internal::median;
 
 // Counts the bytes LibTorch's allocators report on this thread while installed: the CPU
 // allocator and CUDA's caching allocator both report to the profiler's debug info when memory
@@ -530,14 +530,14 @@ nlohmann::json layers_json(const std::vector<LayerStats>& layers) {
 
 std::string LayerProfile::json() const { return layers_json(layers).dump(); }
 
-std::string LayerProfile::to_json() const { return detail::layer_profile_json(*this).dump(1); }
+std::string LayerProfile::to_json() const { return internal::layer_profile_json(*this).dump(1); }
 
 LayerProfile LayerProfile::from_json(const std::string& text) {
   const std::string who = "LayerProfile::from_json";
-  return detail::layer_profile_from_json(detail::parse_json(text, who), who);
+  return internal::layer_profile_from_json(internal::parse_json(text, who), who);
 }
 
-namespace detail {
+namespace internal {
 
 nlohmann::json layer_profile_json(const LayerProfile& profile) {
   return nlohmann::json{{"device", profile.device.str()},
@@ -585,11 +585,11 @@ std::vector<c10::Device> distinct_devices(const std::vector<c10::Device>& device
   return out;
 }
 
-}  // namespace detail
+}  // namespace internal
 
 std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
   for (const c10::Device& d : devices) check_device_available(d, "profile_copies");
-  const std::vector<c10::Device> distinct = detail::distinct_devices(devices);
+  const std::vector<c10::Device> distinct = internal::distinct_devices(devices);
   auto copy_us = [](const at::Tensor& x, c10::Device to) {
     std::vector<double> times;
     for (int k = 0; k < 6; ++k) {

@@ -167,15 +167,15 @@ void record(const Schedule& schedule, const PipelineCosts& costs, const Running&
   }
 }
 
-// When each action ended, and so when what an action needs is there (detail::Plan::needs): its
+// When each action ended, and so when what an action needs is there (internal::Plan::needs): its
 // own worker's actions at once, another worker's handoff_us and the copy later.
 class Dependencies {
  public:
   Dependencies(const Schedule& schedule, const PipelineCosts& costs)
       : costs_(costs),
         plan_(schedule),
-        done_(static_cast<size_t>(schedule.stages * detail::kTypes * schedule.microbatches), -1) {
-    detail::place_actions(schedule, plan_);
+        done_(static_cast<size_t>(schedule.stages * internal::kTypes * schedule.microbatches), -1) {
+    internal::place_actions(schedule, plan_);
   }
 
   // The time at which what `a` needs is there, or nullopt while something is not done.
@@ -202,7 +202,7 @@ class Dependencies {
 
  private:
   const PipelineCosts& costs_;
-  detail::Plan plan_;
+  internal::Plan plan_;
   std::vector<double> done_;  // per action (Plan::key): when it ended, -1 before
   std::vector<Action> local_;  // what ready_at's action needs, from its own worker and another
   std::optional<Action> remote_;

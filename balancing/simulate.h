@@ -16,9 +16,9 @@ namespace gpipe {
 
 // Note [Simulating a step]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
-// The simulation runs what the executor runs (Note [One executor] in gpipe/internal/executor.h): each
-// worker (a rank of the schedule: a thread of its own) takes its actions in order, each when what
-// it needs is done (detail::Plan::needs, the dependencies check_schedule uses):
+// The simulation runs what the executor runs (Note [One executor] in gpipe/internal/executor.h):
+// each worker (a rank of the schedule: a thread of its own) takes its actions in order, each when
+// what it needs is done (internal::Plan::needs, the dependencies check_schedule uses):
 //   F i  a stage's forward of micro-batch i: forward_nograd_us when i is checkpointed, else
 //        forward_us; its output reaches the next stage copy_us later when that stage is on another
 //        device (copies run beside compute, as on CUDA's copy streams);

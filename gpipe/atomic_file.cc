@@ -64,7 +64,7 @@ void sync_folder(const std::string& dir, const std::string& path, const std::str
 
 }  // namespace
 
-namespace detail {
+namespace internal {
 
 uint64_t checksum(const void* data, size_t size, uint64_t hash) {
   const auto* bytes = static_cast<const unsigned char*>(data);
@@ -145,9 +145,6 @@ std::string read_whole_file(const std::string& path, const std::string& who) {
   }
 }
 
-}  // namespace detail
-
-namespace internal {
 void set_commit_hook(std::function<void(const std::string& path)> hook) {
   commit_hook() = std::move(hook);
 }

@@ -10,7 +10,7 @@
 #include <c10/util/Exception.h>
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 namespace {
 
 bool is_infinity(double norm_type) { return norm_type == std::numeric_limits<double>::infinity(); }
@@ -64,16 +64,16 @@ void scale_gradients_to(const std::vector<at::Tensor>& parameters, const at::Ten
   }
 }
 
-}  // namespace detail
+}  // namespace internal
 
 at::Tensor clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm,
                           double norm_type) {
   const char* who = "gpipe::clip_grad_norm";
   TORCH_CHECK(max_norm >= 0 && !std::isnan(max_norm), who, ": max_norm must be at least 0, got ",
               max_norm);
-  const at::Tensor norm = detail::gradient_norm(parameters, norm_type, who);
+  const at::Tensor norm = internal::gradient_norm(parameters, norm_type, who);
   if (!norm.defined()) return at::zeros({});
-  detail::scale_gradients_to(parameters, norm, max_norm);
+  internal::scale_gradients_to(parameters, norm, max_norm);
   return norm;
 }
 

@@ -36,7 +36,7 @@ namespace gpipe {
 at::Tensor clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm,
                           double norm_type = 2.0);
 
-namespace detail {
+namespace internal {
 
 /// The norm of order `norm_type` of the defined gradients of `parameters`, on the first one's
 /// device; undefined when none has a gradient. Checks `norm_type`, naming `who`.
@@ -46,5 +46,5 @@ at::Tensor gradient_norm(const std::vector<at::Tensor>& parameters, double norm_
 void scale_gradients_to(const std::vector<at::Tensor>& parameters, const at::Tensor& norm,
                         double max_norm);
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

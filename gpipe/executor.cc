@@ -22,7 +22,7 @@
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 namespace {
 
 void run_lane(Step& st, const std::vector<Action>& actions) {
@@ -262,5 +262,5 @@ void run_schedule(const ExecutorSpec& spec) {
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

@@ -21,7 +21,7 @@
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 namespace {
 
@@ -323,5 +323,5 @@ void run_backward_weight(Step& st, int64_t p, int64_t i) {
   st.record(Kind::kBackwardWeight, i, p, started, stream);
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

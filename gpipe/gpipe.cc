@@ -91,7 +91,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     : options_(std::move(options)) {
   TORCH_CHECK(module, "GPipe needs a Sequential, but the given one is empty (null)");
   std::vector<c10::Device> devices = choose_devices(options_.devices(), options_.balance().size());
-  detail::check_shared_options(options_, module, devices.size(), "GPipe");
+  internal::check_shared_options(options_, module, devices.size(), "GPipe");
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), "GPipe");
@@ -136,7 +136,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
                         options_.chunks(), "gpipe::GPipe");
   record_timeline_ = options_.initially_records_timeline();
   for (const auto j : c10::irange(partitions_.size())) {
-    detail::ExecutorPartition p;
+    internal::ExecutorPartition p;
     p.layers = partitions_[j];
     p.device = devices_[j];
     p.batch_norms = batch_norms_[j];
@@ -225,11 +225,11 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   const bool checkpointing = is_training() && grad_enabled;
   const int64_t stop =
       checkpointing ? checkpoint_stop(options_.checkpoint(), options_.chunks()) : 0;
-  detail::ExecutorSpec spec;
+  internal::ExecutorSpec spec;
   const std::vector<std::vector<Action>> lanes =
       forward_lanes(m, *workers_, partitions_.size(), spec.workers);
-  detail::InputSource source(std::move(batches), grad_enabled, /*keep_graph=*/true);
-  detail::OutputSink sink;
+  internal::InputSource source(std::move(batches), grad_enabled, /*keep_graph=*/true);
+  internal::OutputSink sink;
   spec.who = "gpipe::GPipe::forward";
   spec.partitions = &step_partitions_;
   spec.plan = [&lanes](int64_t) { return lanes; };
@@ -263,7 +263,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   const bool deferred = options_.deferred_batch_norm() && is_training();
   {
     const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
-    detail::run_schedule(spec);
+    internal::run_schedule(spec);
   }
   batches = sink.take();
   if (spec.stage_backward) {

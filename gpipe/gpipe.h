@@ -34,10 +34,8 @@ namespace gpipe {
 
 class Worker;
 class WorkerPool;
-namespace detail {
-struct ExecutorPartition;
-}  // namespace detail
 namespace internal {
+struct ExecutorPartition;
 struct PartitionThreads;
 }  // namespace internal
 
@@ -248,7 +246,7 @@ class GPipeImpl : public torch::nn::Module {
   std::vector<Tie> ties_;
   std::shared_ptr<TiedCopies> tied_;
   // step()'s partitions and lanes' threads (rank 0 runs on the caller).
-  std::vector<detail::ExecutorPartition> step_partitions_;
+  std::vector<internal::ExecutorPartition> step_partitions_;
   std::vector<std::unique_ptr<Worker>> lane_workers_;
   // Whether forwards and steps record their timelines (record_timeline()).
   std::atomic<bool> record_timeline_{false};

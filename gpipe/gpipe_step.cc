@@ -61,15 +61,15 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
   }
   tied_->refresh();
   const bool grad_enabled = at::GradMode::is_enabled();
-  detail::InputSource source(std::move(microbatches), grad_enabled);
+  internal::InputSource source(std::move(microbatches), grad_enabled);
   const int64_t last = static_cast<int64_t>(partitions_.size()) - 1;
-  detail::LossSink sink(loss, target, detail::forwards_before_backwards(plan.ranks, last), who);
+  internal::LossSink sink(loss, target, internal::forwards_before_backwards(plan.ranks, last), who);
 
-  detail::ExecutorSpec spec;
+  internal::ExecutorSpec spec;
   spec.who = who;
   spec.partitions = &step_partitions_;
   spec.plan = [&plan](int64_t) { return plan.ranks; };
-  spec.workers = detail::lane_workers(lane_workers_, plan.ranks.size());
+  spec.workers = internal::lane_workers(lane_workers_, plan.ranks.size());
   spec.upstream = &source;
   spec.downstream = &sink;
   spec.microbatches = m;
@@ -88,7 +88,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
   try {
     {
       const DeferredBatchNormRun deferred_run(batch_norms_, deferred);
-      detail::run_schedule(spec);
+      internal::run_schedule(spec);
       sink.finish();
     }
     if (deferred) commit_deferred(batch_norms_, statistics_combiner_);

@@ -28,9 +28,6 @@ std::atomic<bool>& pinned_staging() {
 
 namespace internal {
 void set_pinned_staging(bool enabled) { pinned_staging() = enabled; }
-}  // namespace internal
-
-namespace detail {
 
 Batch cut_batch(const Batch& batch, c10::Device device) {
   std::vector<at::Tensor> values;
@@ -471,5 +468,5 @@ Batch LossSink::output() const {
   return out;
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

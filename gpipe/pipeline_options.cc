@@ -36,7 +36,7 @@ int64_t checkpoint_stop(Checkpoint mode, int64_t chunks) {
   return 0;
 }
 
-namespace detail {
+namespace internal {
 
 void check_shared_options(const PipelineOptionsCore& options, const torch::nn::Sequential& module,
                           size_t max_partitions, const std::string& who) {
@@ -46,5 +46,5 @@ void check_shared_options(const PipelineOptionsCore& options, const torch::nn::S
   verify_balance(options.balance(), static_cast<int64_t>(module->size()), max_partitions);
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

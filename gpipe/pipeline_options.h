@@ -159,13 +159,13 @@ class PipelineOptions : public PipelineOptionsCore {
   }
 };
 
-namespace detail {
+namespace internal {
 /// The checks of the shared options, GPipe's and PipelineStage's alike, with `who` opening each
 /// message: chunks at least 1, a module that can be split, a balance of positive entries adding up
 /// to its layers (at most `max_partitions` of them) and skips that are stashed before they are
 /// popped. The schedule is checked by check_schedule_option (schedule_option.h).
 void check_shared_options(const PipelineOptionsCore& options, const torch::nn::Sequential& module,
                           size_t max_partitions, const std::string& who);
-}  // namespace detail
+}  // namespace internal
 
 }  // namespace gpipe

@@ -35,7 +35,7 @@ constexpr const char* kScaler = "gpipe_grad_scaler";
 
 }  // namespace
 
-namespace detail {
+namespace internal {
 namespace {
 
 // Every parameter and buffer of `module`, by name (buffers prefixed, so that the two never mix).
@@ -334,18 +334,18 @@ void LoadedFile::apply() {
   if (scaler_ != nullptr) *scaler_ = *scaler_state_;
 }
 
-}  // namespace detail
+}  // namespace internal
 
 void save_training(const std::string& path, const torch::nn::Module& module,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler) {
-  detail::save_file(path, "one process", &module, optimizer, step, /*random=*/true, scaler);
+  internal::save_file(path, "one process", &module, optimizer, step, /*random=*/true, scaler);
 }
 
 int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler) {
-  detail::LoadedFile file(path, detail::read_whole_file(path, "gpipe::load_training"),
-                          "one process", &module, optimizer, /*random=*/true, scaler);
+  internal::LoadedFile file(path, internal::read_whole_file(path, "gpipe::load_training"),
+                            "one process", &module, optimizer, /*random=*/true, scaler);
   file.apply();
   return file.step();
 }

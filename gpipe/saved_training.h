@@ -30,7 +30,7 @@ namespace gpipe {
 // it. A load checks everything before it changes anything: every name, shape and dtype, the
 // optimizer's parameter groups and each parameter's moments (their shapes), the generators'
 // states, the GradScaler's; a refused load leaves the module, the optimizer, the generators and
-// the scaler as they were (detail::LoadedFile reads and checks, apply() copies). The optimizer's
+// the scaler as they were (internal::LoadedFile reads and checks, apply() copies). The optimizer's
 // state comes back on the device it was saved from, so a run resumes on the same layout of
 // devices. Across processes (gpipe/distributed/saved_training.h) each stage writes its own file
 // and each rank its own generators, committed together by a manifest (Note [Atomic saves]).
@@ -39,7 +39,7 @@ namespace gpipe {
 // ~~~~~~~~~~~~~~~~~~~
 // A process killed during a save (or a full disk) must leave the previous save loadable, and a
 // load must never mix pieces of two saves. So every file is written under a temporary name in
-// its folder, flushed (fsync), renamed into place and the folder flushed (detail::AtomicFile):
+// its folder, flushed (fsync), renamed into place and the folder flushed (internal::AtomicFile):
 // a reader finds the old file or the new one, whole; a failed write removes its temporary file.
 // One process's save is one file, so that is all it needs. A save across processes is several
 // files from several ranks, so a rename per file is not enough: a crash between two renames
@@ -77,7 +77,7 @@ void save_training(const std::string& path, const torch::nn::Module& module,
 int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
-namespace detail {
+namespace internal {
 
 struct FileDigest;  // gpipe/internal/atomic_file.h
 
@@ -116,5 +116,5 @@ class LoadedFile {
   std::optional<GradScaler> scaler_state_;
 };
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

@@ -16,11 +16,11 @@
 namespace gpipe {
 namespace {
 
-using detail::counterpart;
-using detail::kTypes;
-using detail::place_actions;
-using detail::Plan;
-using detail::where;
+using internal::counterpart;
+using internal::kTypes;
+using internal::place_actions;
+using internal::Plan;
+using internal::where;
 
 // Every compute action once; every transfer where (and only where) a tensor crosses ranks.
 void check_complete(const Schedule& s, const Plan& plan) {

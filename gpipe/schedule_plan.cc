@@ -7,7 +7,7 @@
 #include "gpipe/schedule_check.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 Action counterpart(const Action& a) {
   switch (a.type) {
@@ -70,5 +70,5 @@ void place_actions(const Schedule& s, Plan& plan) {
   }
 }
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

@@ -154,14 +154,14 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     const bool outer = stage_job;
     stage_job = true;
     bool cancelled;
-    std::shared_ptr<const detail::CoreShare> cores;
+    std::shared_ptr<const internal::CoreShare> cores;
     {
       absl::MutexLock lock(&self->mu_);
       cancelled = self->cancelled_;
       cores = self->cores_;
     }
     try {
-      std::optional<detail::CoreShare::Lane> lane;
+      std::optional<internal::CoreShare::Lane> lane;
       if (cores && !cancelled) lane.emplace(*cores);
       if (!cancelled) job();
     } catch (...) {
@@ -214,7 +214,7 @@ void StageBackward::queue_callback_once() {
   {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return;
-    cores_ = std::make_shared<const detail::CoreShare>(partitions_);  // before: it may throw
+    cores_ = std::make_shared<const internal::CoreShare>(partitions_);  // before: it may throw
     callback_queued_ = true;
   }
   auto self = shared_from_this();

@@ -166,7 +166,7 @@ void set_intra_op_threads(int threads) {
   set_blas_threads(threads);
 }
 
-namespace detail {
+namespace internal {
 
 namespace {
 
@@ -235,7 +235,7 @@ CoreShare::Lane::~Lane() {
   if (before_ != 0) set_thread_threads(before_);
 }
 
-}  // namespace detail
+}  // namespace internal
 
 void internal::set_core_share(bool enabled) {
   core_share_enabled() = enabled;

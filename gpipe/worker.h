@@ -107,7 +107,7 @@ void set_intra_op_threads(int threads);
 // OPENBLAS_NUM_THREADS) is set. A lane's count is set and put back for its thread alone
 // (omp_set_num_threads), not process-wide.
 
-namespace detail {
+namespace internal {
 
 /// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime (Note [Dividing the
 /// cores]); nothing is divided with fewer than two lanes or where the user chose thread counts
@@ -142,9 +142,6 @@ class CoreShare {
   bool blas_ = false;  // whether this share holds OpenBLAS's count
 };
 
-}  // namespace detail
-
-namespace internal {
 /// For tests and benchmarks: whether the executor divides the cores (Note [Dividing the cores];
 /// default true); false leaves every thread count as LibTorch and OpenBLAS have it, and forgets
 /// that set_intra_op_threads was called. Not for use while steps run.

@@ -16,7 +16,7 @@
 #include "balancing/profile.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 /// The median of `values` (not empty): the middle one, or the mean of the two middle ones.
 inline double median(std::vector<double> values) {
@@ -64,5 +64,5 @@ LayerProfile layer_profile_from_json(const nlohmann::json& j, const std::string&
 /// `devices` in order of first appearance, each once.
 std::vector<c10::Device> distinct_devices(const std::vector<c10::Device>& devices);
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

@@ -36,12 +36,12 @@ struct BeginReduction : torch::autograd::Node {
 }  // namespace
 }  // namespace distributed
 
-namespace detail {
+namespace internal {
 struct StatisticsMerge {
   std::atomic<bool> entered{false};
   std::atomic<bool> done{false};
 };
-}  // namespace detail
+}  // namespace internal
 
 namespace distributed {
 namespace {
@@ -53,7 +53,7 @@ struct ReplicaStatistics {
   void operator()(std::vector<BatchNormStatistics>& stats) const {
     // Entered once the all-gather is posted: a failure before it (packing the statistics) is
     // this replica's alone, which its failed forward then tells the others in their all-gather.
-    const std::shared_ptr<detail::StatisticsMerge> m = merge;
+    const std::shared_ptr<gpipe::internal::StatisticsMerge> m = merge;
     combine_statistics(group, stats, device, nullptr, /*failed_here=*/false,
                        [m] { m->entered = true; });
     merge->done = true;
@@ -61,7 +61,7 @@ struct ReplicaStatistics {
   ProcessGroup group;
   c10::Device device;
   const DataParallelImpl* owner;
-  std::shared_ptr<detail::StatisticsMerge> merge;
+  std::shared_ptr<gpipe::internal::StatisticsMerge> merge;
 };
 
 // Whether `pipe` merges its statistics with ReplicaStatistics of `owner`.
@@ -79,7 +79,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
       forward_(std::move(forward)),
       group_(std::move(group)),
       options_(std::move(options)),
-      merge_(std::make_shared<detail::StatisticsMerge>()) {
+      merge_(std::make_shared<gpipe::internal::StatisticsMerge>()) {
   TORCH_CHECK(module_ptr_ != nullptr, "gpipe::DataParallel: the module is null");
   TORCH_CHECK(group_, "gpipe::DataParallel: the process group is null; make one with "
               "gpipe::distributed::new_gloo_group");

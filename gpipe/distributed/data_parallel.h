@@ -17,10 +17,10 @@
 #include "gpipe/tied_parameters.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 // How far a DataParallel forward's merge of batch norm statistics got (data_parallel.cc).
 struct StatisticsMerge;
-}  // namespace detail
+}  // namespace internal
 
 namespace distributed {
 
@@ -161,7 +161,7 @@ class DataParallelImpl : public torch::nn::Module {
   ProcessGroup group_;
   DataParallelOptions options_;
   bool combined_statistics_ = false;
-  std::shared_ptr<detail::StatisticsMerge> merge_;
+  std::shared_ptr<gpipe::internal::StatisticsMerge> merge_;
   int no_sync_ = 0;
   std::shared_ptr<GradientReducer> reducer_;
 };

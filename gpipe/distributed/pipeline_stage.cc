@@ -50,7 +50,7 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   TORCH_CHECK(group, who, ": the process group is null; make one with "
               "gpipe::distributed::new_gloo_group");
   const std::vector<int64_t>& balance = options.balance();
-  detail::check_shared_options(options, module, balance.size(), who);
+  gpipe::internal::check_shared_options(options, module, balance.size(), who);
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
   TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
@@ -220,7 +220,7 @@ void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
                                 checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   for (size_t j = 0; j < local.size(); ++j) {
-    detail::ExecutorPartition p;
+    gpipe::internal::ExecutorPartition p;
     p.layers = local[j];
     p.device = devices[j];
     p.batch_norms = std::make_shared<BatchNormLayers>(p.layers->modules(/*include_self=*/false));
@@ -238,7 +238,7 @@ void PipelineStageImpl::connect(const torch::nn::Sequential& module, const char*
   // Transfers with the neighbouring stages: through the CPU (Gloo), or on this stage's first
   // GPU (NCCL).
   local_ = partitions_[0].device;
-  for (const detail::ExecutorPartition& p : partitions_) {
+  for (const gpipe::internal::ExecutorPartition& p : partitions_) {
     if (p.device.is_cuda()) {
       local_ = p.device;
       break;

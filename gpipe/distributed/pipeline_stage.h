@@ -34,10 +34,10 @@
 
 namespace gpipe {
 class Worker;
-namespace detail {
+namespace internal {
 struct ExecutorPartition;
 class InputSource;
-}  // namespace detail
+}  // namespace internal
 namespace distributed {
 class Cancellation;  // internal/fault.h
 class FaultChannel;
@@ -158,9 +158,6 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   ///   // Stage 1 of {3, 4}: layers 3-4 on cuda:0, layers 5-6 on cuda:1.
   ///   PipelineStageOptions({3, 4}).local_balance({2, 2}).devices({"cuda:0", "cuda:1"})
   TORCH_ARG(std::vector<int64_t>, local_balance);
-  /// The last stage's loss function for step(input, target) and evaluate(input, target): the
-  /// older spelling of step()'s and evaluate()'s argument `loss`, which takes precedence.
-  TORCH_ARG(Loss, loss) = Loss();
   /// The bytes of each ring of shared memory between this stage and a neighbour in another
   /// process on the same host (one ring per direction of each link, in /dev/shm), through which
   /// the computing threads pass activations and gradients themselves instead of over the process
@@ -182,6 +179,17 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
     devices_ = std::move(devices);
     return *this;
   }
+  /// Deprecated: the older spelling of step()'s and evaluate()'s argument `loss`, used by the last
+  /// stage when that argument is empty. As in a GPipe, the loss is an argument of step().
+  [[deprecated("pass the loss to step() and evaluate(): stage->step(input, target, loss)")]]
+  PipelineStageOptions& loss(Loss loss) {
+    loss_ = std::move(loss);
+    return *this;
+  }
+
+ private:
+  friend class PipelineStageImpl;
+  Loss loss_;  // the deprecated default of step()'s loss
 };
 
 // Note [Pipeline stages and batch norm]
@@ -242,7 +250,7 @@ class PipelineStageImpl : public torch::nn::Module {
   /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does; a
   /// gpipe::Loss with a count for a mean over tokens that are not padding).
   /// Other stages take no input (no_input()) and ignore the target and loss, so every stage may
-  /// pass the same target and loss; an empty loss (or none) means PipelineStageOptions::loss.
+  /// pass the same target and loss; the last stage needs one (an empty one there is refused).
   /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's
   /// forward and backward of every micro-batch are done and its gradients sent. Under
   /// torch::NoGradGuard (on every stage) only the forward runs, and the last stage calls the loss
@@ -259,8 +267,7 @@ class PipelineStageImpl : public torch::nn::Module {
     at::Tensor loss;  ///< the last stage's loss (a double scalar on the CPU), given a target there
   };
   /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
-  /// only; the last stage calls `loss`, or PipelineStageOptions::loss when it is empty, when given
-  /// a target), then the last stage's output and loss broadcast to every stage of the pipeline. A
+  /// only; the last stage calls `loss` when given a target), then the last stage's output and loss broadcast to every stage of the pipeline. A
   /// collective: every stage calls it, e.g. to log the loss or count accuracy on any rank.
   ///
   ///   stage->eval();
@@ -378,8 +385,8 @@ class PipelineStageImpl : public torch::nn::Module {
   // batch norm is deferred); stage 0's micro-batches; deferred statistics, tied and replicas'
   // gradients after the executor.
   bool begin_step(bool grad_enabled);
-  std::unique_ptr<detail::InputSource> input_source(const Batch& input, bool grad_enabled,
-                                                    const char* who) const;
+  std::unique_ptr<gpipe::internal::InputSource> input_source(const Batch& input, bool grad_enabled,
+                                                             const char* who) const;
   void end_step(int64_t index, bool grad_enabled, bool deferred,
                 const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms);
   at::Tensor run_step(const Batch& input, const at::Tensor& target, const Loss& loss,
@@ -390,7 +397,7 @@ class PipelineStageImpl : public torch::nn::Module {
   ProcessGroup replica_group_;  // null: not replicated
   int64_t stage_ = 0;
   torch::nn::Sequential layers_;  // all of this stage's layers
-  std::vector<detail::ExecutorPartition> partitions_;  // Note [Partitions within a stage]
+  std::vector<gpipe::internal::ExecutorPartition> partitions_;  // Note [Partitions within a stage]
   std::vector<std::unique_ptr<Worker>> workers_;  // per partition; null: the calling thread
   SkipLayout skip_layout_;  // over this stage's partitions
   // The model's ties, this process's copies of them, and those spanning stages.

@@ -181,7 +181,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const GroupOptions& options) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
                 " could not meet the others at ", where, " (TCPStore, timeout ",
-                options.timeout().count(), " ms): ", detail::without_backtrace(e),
+                options.timeout().count(), " ms): ", gpipe::internal::without_backtrace(e),
                 (options.rank() == 0 ? "; is the port already in use?"
                                      : "; is rank 0 running, and MASTER_ADDR/MASTER_PORT right?"));
   }
@@ -269,8 +269,9 @@ ProcessGroup backend_group(const c10::intrusive_ptr<c10d::Store>& store,
     TORCH_CHECK(false, "gpipe::distributed: rank ", options.rank(), " of ", options.world_size(),
                 " met the others at ", options.master_addr(), ":", options.master_port(),
                 " but could not connect to the others of its group ('", prefix, "') with ",
-                nccl ? "NCCL" : "Gloo", " (timeout ", options.timeout().count(), " ms): ",
-                detail::without_backtrace(e), "; every process must make the same groups, its "
+                nccl ? "NCCL" : "Gloo", " (timeout ", options.timeout().count(),
+                " ms): ", gpipe::internal::without_backtrace(e),
+                "; every process must make the same groups, its "
                 "unnamed ones in the same order (a group that only some processes make needs "
                 "GroupOptions::name)");
   }
@@ -355,7 +356,7 @@ void check_collective(const ProcessGroup& group, const std::string& what,
                 " (another process may have died, stopped or timed out)");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::distributed: ", what, " failed on rank ", group->getRank(), " of ",
-                group->getSize(), ": ", detail::without_backtrace(e),
+                group->getSize(), ": ", gpipe::internal::without_backtrace(e),
                 " (another process may have died, stopped or timed out)");
   }
 }

@@ -131,7 +131,7 @@ bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
   return true;
 }
 
-detail::Activation RemoteUpstream::receive() {
+gpipe::internal::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r;
   if (shared_) {
     const int rank = wire_.group->getRank();
@@ -323,7 +323,7 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
   grad_enabled_ = grad_enabled;
   if (grad_enabled) {
     std::vector<at::Tensor> buffers;
-    for (const at::Tensor& t : detail::requiring_grad(output)) {
+    for (const at::Tensor& t : gpipe::internal::requiring_grad(output)) {
       buffers.push_back(at::empty(t.sizes(), t.options().device(wire_.device)));
     }
     buffers_[microbatch] = std::move(buffers);

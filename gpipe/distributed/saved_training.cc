@@ -146,7 +146,7 @@ struct Manifest {
 
 // The line that ends a manifest whose text before it is `text`.
 std::string checksum_line(const std::string& text) {
-  return absl::StrCat("checksum ", hex(detail::checksum(text.data(), text.size())), "\n");
+  return absl::StrCat("checksum ", hex(gpipe::internal::checksum(text.data(), text.size())), "\n");
 }
 
 // The manifest as text, one field a line, its own checksum last:
@@ -216,7 +216,7 @@ int64_t last_save(const std::string& dir) {
   const std::string path = dir + "/" + kManifest;
   struct stat info {};
   if (::stat(path.c_str(), &info) != 0 && errno == ENOENT) return 0;
-  return parse_manifest(detail::read_whole_file(path, "gpipe::save_training"), path).save;
+  return parse_manifest(gpipe::internal::read_whole_file(path, "gpipe::save_training"), path).save;
 }
 
 // ----- Saving
@@ -242,7 +242,7 @@ int64_t agree_on_save(const std::string& dir, const Grid& grid) {
       mine = last_save(dir) + 1;
     } catch (const std::exception& e) {
       mine = -1;
-      why = detail::without_backtrace(e);
+      why = gpipe::internal::without_backtrace(e);
     }
   }
   const at::Tensor all = everyone(grid, at::tensor(std::vector<int64_t>{mine}, at::kLong),
@@ -265,13 +265,13 @@ at::Tensor write_files(const std::string& dir, const Grid& grid, const torch::nn
   try {
     make_folders(dir);
     if (grid.writes_module()) {
-      const detail::FileDigest d = detail::save_file(
+      const gpipe::internal::FileDigest d = gpipe::internal::save_file(
           dir + "/" + file_name(grid.module_base(grid.outer_index), step, save), layout, &module,
           optimizer, step, /*random=*/false, scaler);
       fields[kModuleBytes] = d.bytes;
       fields[kModuleChecksum] = static_cast<int64_t>(d.checksum);
     }
-    const detail::FileDigest d = detail::save_file(
+    const gpipe::internal::FileDigest d = gpipe::internal::save_file(
         dir + "/" + file_name(grid.random_base(grid.outer_index, grid.inner_index), step, save),
         layout, nullptr, nullptr, step, /*random=*/true);
     fields[kRandomBytes] = d.bytes;
@@ -326,9 +326,9 @@ void commit(const std::string& dir, const Grid& grid, const Manifest& manifest) 
   std::string error;
   if (grid.writes_manifest()) {
     try {
-      detail::write_atomically(path, manifest_text(manifest), "gpipe::save_training");
+      gpipe::internal::write_atomically(path, manifest_text(manifest), "gpipe::save_training");
     } catch (const std::exception& e) {
-      error = detail::without_backtrace(e);
+      error = gpipe::internal::without_backtrace(e);
     }
   }
   const at::Tensor done = everyone(
@@ -389,7 +389,7 @@ Manifest read_manifest(const std::string& dir) {
   TORCH_CHECK(::stat(path.c_str(), &info) == 0 || errno != ENOENT, "gpipe::load_training: '", dir,
               "' holds no ", kManifest, ": no save_training into it finished (a save commits by "
               "writing it last); load a folder that save_training wrote");
-  return parse_manifest(detail::read_whole_file(path, "gpipe::load_training"), path);
+  return parse_manifest(gpipe::internal::read_whole_file(path, "gpipe::load_training"), path);
 }
 
 void check_layout_listed(const Manifest& manifest, const std::string& layout,
@@ -420,8 +420,8 @@ std::pair<std::string, std::string> committed_file(const std::string& dir,
               listed->name, "': it mixes saves (its file would be '", expected, "'); load a "
               "folder that one save_training wrote");
   const std::string path = dir + "/" + expected;
-  std::string bytes = detail::read_whole_file(path, "gpipe::load_training");
-  const uint64_t sum = detail::checksum(bytes.data(), bytes.size());
+  std::string bytes = gpipe::internal::read_whole_file(path, "gpipe::load_training");
+  const uint64_t sum = gpipe::internal::checksum(bytes.data(), bytes.size());
   TORCH_CHECK(static_cast<int64_t>(bytes.size()) == listed->bytes && sum == listed->checksum,
               "gpipe::load_training: '", path, "' is torn or was replaced: it has ", bytes.size(),
               " bytes of checksum ", hex(sum), ", but '", manifest_path, "' commits ",
@@ -432,14 +432,13 @@ std::pair<std::string, std::string> committed_file(const std::string& dir,
 }
 
 // A committed file of the save, read and checked, its step the manifest's.
-std::unique_ptr<detail::LoadedFile> load_file(const std::string& dir, const Manifest& manifest,
-                                              const std::string& base, const std::string& layout,
-                                              torch::nn::Module* module,
-                                              torch::optim::Optimizer* optimizer, bool random,
-                                              GradScaler* scaler) {
+std::unique_ptr<gpipe::internal::LoadedFile> load_file(
+    const std::string& dir, const Manifest& manifest, const std::string& base,
+    const std::string& layout, torch::nn::Module* module, torch::optim::Optimizer* optimizer,
+    bool random, GradScaler* scaler) {
   const auto [path, bytes] = committed_file(dir, manifest, base);
-  auto file = std::make_unique<detail::LoadedFile>(path, bytes, layout, module, optimizer, random,
-                                                   scaler);
+  auto file = std::make_unique<gpipe::internal::LoadedFile>(path, bytes, layout, module, optimizer,
+                                                            random, scaler);
   TORCH_CHECK(file->step() == manifest.step, "gpipe::load_training: '", path, "' holds step ",
               file->step(), ", but '", dir, "/", kManifest, "' commits step ", manifest.step,
               ": the folder mixes saves of different steps; load a folder that one "
@@ -450,7 +449,7 @@ std::unique_ptr<detail::LoadedFile> load_file(const std::string& dir, const Mani
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,
              torch::optim::Optimizer* optimizer, GradScaler* scaler) {
   // Both files read and checked before either changes anything (Note [Saving and resuming]).
-  std::unique_ptr<detail::LoadedFile> module_file, random_file;
+  std::unique_ptr<gpipe::internal::LoadedFile> module_file, random_file;
   int64_t step = 0, save = 0;
   std::string refused;
   try {
@@ -464,7 +463,7 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
     step = manifest.step;
     save = manifest.save;
   } catch (const std::exception& e) {
-    refused = detail::without_backtrace(e);
+    refused = gpipe::internal::without_backtrace(e);
   }
   // Every rank applies the save, or none does (Note [Atomic saves]): a rank that refused, or
   // read another save, would otherwise leave the others to wait for it in their next step.

@@ -35,7 +35,7 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
     for (const at::Tensor& t : below) elsewhere |= t.is_same(p);
     if (!elsewhere) counted.push_back(p);
   }
-  const at::Tensor local = detail::gradient_norm(counted, norm_type, who);
+  const at::Tensor local = gpipe::internal::gradient_norm(counted, norm_type, who);
   const at::Tensor sent =
       local.defined() ? local.to(c10::kCPU, c10::kDouble).reshape({1}) : at::zeros({1}, c10::kDouble);
   const std::vector<at::Tensor> norms =
@@ -46,7 +46,7 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
   const at::Tensor all = at::stack(norms).reshape(-1);
   const at::Tensor norm =
       norm_type == std::numeric_limits<double>::infinity() ? all.max() : all.norm(norm_type);
-  detail::scale_gradients_to(mine, norm, max_norm);
+  gpipe::internal::scale_gradients_to(mine, norm, max_norm);
   return norm;
 }
 

@@ -60,20 +60,23 @@ std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind k
 
 // The executor's ends of this stage's partitions: the input or remote upstreams, the loss or
 // remote downstreams; `v` > 0: interleaved, virtual stage c * stages + me's own links.
-void attach_links(detail::ExecutorSpec& spec, detail::InputSource* source, detail::LossSink* sink,
+void attach_links(gpipe::internal::ExecutorSpec& spec, gpipe::internal::InputSource* source,
+                  gpipe::internal::LossSink* sink,
                   const std::vector<std::unique_ptr<RemoteUpstream>>& remote_upstreams,
                   const std::vector<std::unique_ptr<RemoteDownstream>>& remote_downstreams,
                   int64_t v) {
   if (v == 0) {
-    spec.upstream = source ? static_cast<detail::Upstream*>(source) : remote_upstreams[0].get();
-    spec.downstream = sink ? static_cast<detail::Downstream*>(sink) : remote_downstreams[0].get();
+    spec.upstream =
+        source ? static_cast<gpipe::internal::Upstream*>(source) : remote_upstreams[0].get();
+    spec.downstream =
+        sink ? static_cast<gpipe::internal::Downstream*>(sink) : remote_downstreams[0].get();
     return;
   }
   size_t up = 0, down = 0;
   for (int64_t c = 0; c < v; ++c) {
-    spec.upstreams.push_back(c == 0 && source ? static_cast<detail::Upstream*>(source)
+    spec.upstreams.push_back(c == 0 && source ? static_cast<gpipe::internal::Upstream*>(source)
                                               : remote_upstreams[up++].get());
-    spec.downstreams.push_back(c == v - 1 && sink ? static_cast<detail::Downstream*>(sink)
+    spec.downstreams.push_back(c == v - 1 && sink ? static_cast<gpipe::internal::Downstream*>(sink)
                                                   : remote_downstreams[down++].get());
   }
 }
@@ -82,15 +85,15 @@ void attach_links(detail::ExecutorSpec& spec, detail::InputSource* source, detai
 // whole mini-batch. The same rule as GPipe::step's, on the schedule of as many micro-batches as
 // chunks (fewer, for a small mini-batch, change no schedule's answer but 1F1B's and ZB's at one
 // micro-batch, where the two losses are the same).
-std::unique_ptr<detail::LossSink> loss_sink(const PipelineStageOptions& options, int64_t stages,
-                                            const at::Tensor& target, const Loss& loss,
-                                            const char* who) {
+std::unique_ptr<gpipe::internal::LossSink> loss_sink(const PipelineStageOptions& options,
+                                                     int64_t stages, const at::Tensor& target,
+                                                     const Loss& loss, const char* who) {
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
   const int64_t group = schedule.interleaves() ? schedule.microbatch_group() : 0;
-  const bool whole = detail::forwards_before_backwards(
+  const bool whole = gpipe::internal::forwards_before_backwards(
       make_schedule(schedule.kind(), stages, options.chunks(), v, group).ranks, stages * v - 1);
-  return std::make_unique<detail::LossSink>(loss, target, whole, who);
+  return std::make_unique<gpipe::internal::LossSink>(loss, target, whole, who);
 }
 
 }  // namespace
@@ -101,7 +104,7 @@ bool PipelineStageImpl::begin_step(bool grad_enabled) {
   if (grad_enabled) tied_stages_->begin_step();  // Note [Ties across stages]
   // Note [Pipeline stages and batch norm].
   bool any_batch_norm = false;
-  for (const detail::ExecutorPartition& p : partitions_) {
+  for (const gpipe::internal::ExecutorPartition& p : partitions_) {
     any_batch_norm |= p.batch_norms->size() > 0;
   }
   const bool deferred = options_.deferred_batch_norm() && is_training() && any_batch_norm;
@@ -112,9 +115,8 @@ bool PipelineStageImpl::begin_step(bool grad_enabled) {
   return deferred;
 }
 
-std::unique_ptr<detail::InputSource> PipelineStageImpl::input_source(const Batch& input,
-                                                                     bool grad_enabled,
-                                                                     const char* who) const {
+std::unique_ptr<gpipe::internal::InputSource> PipelineStageImpl::input_source(
+    const Batch& input, bool grad_enabled, const char* who) const {
   check_input(input);
   for (const at::Tensor& t : input.values()) {
     TORCH_CHECK(t.device() == partitions_[0].device, who, ": the input is on ", t.device(),
@@ -131,7 +133,7 @@ std::unique_ptr<detail::InputSource> PipelineStageImpl::input_source(const Batch
               group > 0 ? "the micro-batch group, " : "the stages, ",
               group > 0 ? group : stages, "; give a mini-batch that splits into chunks "
               "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
-  return std::make_unique<detail::InputSource>(std::move(microbatches), grad_enabled);
+  return std::make_unique<gpipe::internal::InputSource>(std::move(microbatches), grad_enabled);
 }
 
 void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred,
@@ -171,7 +173,7 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
 at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
                                    Loss loss) {
   const char* who = "gpipe::distributed::PipelineStage::step";
-  if (!loss) loss = options_.loss();
+  if (!loss) loss = options_.loss_;  // the deprecated option
   absl::MutexLock step_lock(&step_mu_);
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
@@ -203,7 +205,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
     TORCH_CHECK(is_first() || input.size() == 0, who, ": stage ", stage_, " takes no input (only "
                 "stage 0 does; its activations come from stage ", stage_ - 1, ")");
     TORCH_CHECK(!is_last() || loss, who, ": the last stage (", stage_, ") needs a loss "
-                "function: pass it to step(input, target, loss) (or PipelineStageOptions::loss)");
+                "function: pass it to step(input, target, loss)");
     checked = true;
     return run_step(input, target, loss, index, cancellation);
   } catch (const std::exception& e) {
@@ -212,7 +214,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
     // Its transfers in flight stay posted in the group: kept until the stage goes (Note
     // [Failing fast across processes]).
     abandoned_ = cancellation;
-    const std::string what = detail::without_backtrace(e);
+    const std::string what = gpipe::internal::without_backtrace(e);
     if (faults_ && !cancellation->cancelled()) {
       faults_->raise(absl::StrCat("stage ", stage_, " of ", stages(), " failed: ", what), index);
     }
@@ -254,7 +256,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
   // remote link on each side but at the pipeline's two ends.
   const bool interleaved = this->interleaved();
-  std::unique_ptr<detail::InputSource> source;
+  std::unique_ptr<gpipe::internal::InputSource> source;
   std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
   // Note [Micro-batch groups] in schedule.h (0: the default, n).
@@ -271,7 +273,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
         turns_with(l.peer), l.channel, packs ? &received_bytes_[l.channel] : nullptr,
         shared_ ? shared_->find(false, l.channel) : nullptr));
   }
-  std::unique_ptr<detail::LossSink> sink =
+  std::unique_ptr<gpipe::internal::LossSink> sink =
       is_last() ? loss_sink(options_, stages, target, loss, who) : nullptr;
   // Note [When gradients' receives are posted] in remote_link.h.
   const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
@@ -285,7 +287,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
         shared_ ? shared_->find(true, l.channel) : nullptr));
   }
 
-  detail::ExecutorSpec spec;
+  gpipe::internal::ExecutorSpec spec;
   spec.who = who;
   spec.partitions = &partitions_;
   spec.plan = lanes_of(kind, stages, me, k, v, group, interleaved);
@@ -307,10 +309,11 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   // With deferred batch norm, the statistics gathered during the step are committed after it,
   // merged over the replicas first.
   std::vector<std::shared_ptr<BatchNormLayers>> batch_norms;
-  for (const detail::ExecutorPartition& p : partitions_) batch_norms.push_back(p.batch_norms);
+  for (const gpipe::internal::ExecutorPartition& p : partitions_)
+    batch_norms.push_back(p.batch_norms);
   {
     const DeferredBatchNormRun deferred_run(batch_norms, deferred);
-    detail::run_schedule(spec);
+    gpipe::internal::run_schedule(spec);
     if (sink) sink->finish();
   }
   internal::run_step_end_hook(index);

@@ -8,7 +8,7 @@
 #include <string>
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 // The 64-bit FNV-1a hash of `size` bytes at `data`, going on from `hash` (kChecksumStart for a
 // new one): a save's checksum of each file.
@@ -26,7 +26,7 @@ struct FileDigest {
 // old file or the new one, whole, even after a crash. Destroyed uncommitted (a failed write), it
 // removes the temporary file. Errors are c10::Errors that start with `who` and name `path`.
 //
-//   detail::AtomicFile file("run/manifest.txt", "gpipe::save_training");
+//   internal::AtomicFile file("run/manifest.txt", "gpipe::save_training");
 //   file.append(text.data(), text.size());
 //   file.commit();
 class AtomicFile {
@@ -57,9 +57,6 @@ FileDigest write_atomically(const std::string& path, const std::string& text,
 // The bytes of the file at `path`. Throws c10::Error "<who>: cannot read '<path>': <reason>".
 std::string read_whole_file(const std::string& path, const std::string& who);
 
-}  // namespace detail
-
-namespace internal {
 /// Fault injection for tests: `hook` (or nothing, when empty) runs with the path of each file a
 /// save is about to rename into place, after its bytes are on the disk; a hook that throws stands
 /// for a process killed there (the file stays out of place). Not for use while saves run.

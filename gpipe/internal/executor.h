@@ -24,7 +24,7 @@
 #include "gpipe/worker.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 // Note [One executor]
 // ~~~~~~~~~~~~~~~~~~~
@@ -151,5 +151,5 @@ void run_schedule(const ExecutorSpec& spec);
 /// (GPipe's order): the loss can then be applied to the whole mini-batch.
 bool forwards_before_backwards(const std::vector<std::vector<Action>>& lanes, int64_t last);
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

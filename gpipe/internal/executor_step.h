@@ -24,7 +24,7 @@
 #include "gpipe/timeline.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 using Kind = TimelineEvent::Kind;
 
@@ -118,5 +118,5 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split);
 // W i on partition p: the parameters' gradients of what I i kept.
 void run_backward_weight(Step& st, int64_t p, int64_t i);
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

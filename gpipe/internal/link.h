@@ -27,9 +27,6 @@ namespace internal {
 /// For benchmarks: whether a CPU tensor bound for a GPU is staged in pinned memory first (Note
 /// [Links on copy streams]; default true). Not for use while steps run.
 void set_pinned_staging(bool enabled);
-}  // namespace internal
-
-namespace detail {
 
 /// A micro-batch's input as a partition receives it: cut from the sender's graph (tensors that
 /// required grad there are leaves that require grad here).
@@ -325,5 +322,5 @@ class LossSink final : public Downstream {
   at::Tensor total_count_;  // the loss's count over the whole target (a Loss with a count)
 };
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

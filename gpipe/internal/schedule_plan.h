@@ -12,7 +12,7 @@
 #include "gpipe/schedule_check.h"
 
 namespace gpipe {
-namespace detail {
+namespace internal {
 
 constexpr int64_t kTypes = 8;
 // The most (stage, micro-batch) pairs a schedule may have (its tables hold kTypes entries each).
@@ -121,5 +121,5 @@ std::string where(const Plan& plan, const Action& a);
 // Checks the shape of the schedule and places every action in `plan` (each once).
 void place_actions(const Schedule& s, Plan& plan);
 
-}  // namespace detail
+}  // namespace internal
 }  // namespace gpipe

@@ -124,7 +124,7 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   // The cores divided among the partitions while a backward runs (Note [Dividing the cores] in
   // worker.h): from the first Handoff the caller's backward meets to the end-of-backward callback
   // (or the cancellation that replaces it). Each job runs as one lane of it.
-  std::shared_ptr<const detail::CoreShare> cores_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const internal::CoreShare> cores_ ABSL_GUARDED_BY(mu_);
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::function<void()>> inline_jobs_ ABSL_GUARDED_BY(mu_);
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);

@@ -141,9 +141,8 @@ CATCH_TEST_CASE(kUnusedInStages, "[distributed][unused][stage]") {
     const auto loss = [](const Batch& out, const at::Tensor& y) {
       return torch::nn::functional::mse_loss(out.tensor(), y);
     };
-    PipelineStage stage(gated_model(groups.replica),
-                        PipelineStageOptions({1, 2}).chunks(2).loss(loss), groups.pipeline,
-                        groups.replica_group);
+    PipelineStage stage(gated_model(groups.replica), PipelineStageOptions({1, 2}).chunks(2),
+                        groups.pipeline, groups.replica_group);
     torch::optim::Adam adam(stage->parameters(),
                             torch::optim::AdamOptions(0.01).weight_decay(0.1));
     // The plain model, trained alongside on the whole batches: the oracle of this stage's layers.
@@ -156,9 +155,9 @@ CATCH_TEST_CASE(kUnusedInStages, "[distributed][unused][stage]") {
       const at::Tensor ys = y.chunk(2)[groups.replica];
       clear_grads(stage->parameters());
       if (stage->is_first()) {
-        stage->step(Batch(xs));
+        stage->step(Batch(xs), {}, loss);
       } else {
-        stage->step(no_input(), ys);
+        stage->step(no_input(), ys, loss);
       }
       CATCH_CAPTURE(step);
       for (const at::Tensor& p : branch_params(*stage)) {

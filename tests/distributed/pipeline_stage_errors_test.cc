@@ -28,21 +28,20 @@ CATCH_TEST_CASE(kDeadStage, "[distributed][stage][errors]") {
     nn::Sequential seq(nn::Linear(6, 8), nn::Tanh(), Die(), nn::Linear(8, 3));
     seq->to(at::kDouble);
     PipelineStage stage(
-        seq, PipelineStageOptions({2, 2}).chunks(4).loss(mse).shared_memory(shared ? 8 << 20 : 0),
-        join());
+        seq, PipelineStageOptions({2, 2}).chunks(4).shared_memory(shared ? 8 << 20 : 0), join());
     CATCH_CHECK(stage->shared_memory_links() == (shared ? 1 : 0));
     auto [x, y] = batch(0);
     if (!stage->is_first()) {
-      stage->step(no_input(), y);
+      stage->step(no_input(), y, mse);
     } else if (shared) {
       // Waiting in the ring for its gradients, it finds the process gone (a zombie here: the
       // test waits for rank 0 first).
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), {}, mse),
                               gpipe_test::contains("waiting for gradients from rank 1 on rank 0 in "
                                                    "shared memory, but the other process (pid ") &&
                                   gpipe_test::contains(") has exited"));
     } else {
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), {}, mse),
                               gpipe_test::contains("failed on rank 0 of 2") &&
                                   gpipe_test::contains("another process may have died"));
     }
@@ -82,8 +81,7 @@ CATCH_TEST_CASE(kMismatch, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
     const int64_t chunks = test_rank() == 0 ? 2 : 4;
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), PipelineStageOptions(kBalance).chunks(chunks).loss(mse),
-                      join()),
+        PipelineStage(make_model(), PipelineStageOptions(kBalance).chunks(chunks), join()),
         gpipe_test::contains("rank 1's stage differs from rank 0's: chunks: 4 (rank 0: 2)"));
     return;
   }

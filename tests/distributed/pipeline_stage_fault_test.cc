@@ -76,16 +76,18 @@ CATCH_TEST_CASE(kFailFast, "[distributed][stage][errors]") {
     seq->to(at::kDouble);
     // The group's timeout (60 s, join()) is what the others would wait for without the channel.
     const bool interleaved = schedule == "interleaved";
-    PipelineStage stage(seq, PipelineStageOptions(interleaved ? std::vector<int64_t>(6, 1)
-                                                              : std::vector<int64_t>{2, 2, 2})
-                                 .chunks(interleaved ? 3 : 4).loss(mse)
-                                 .checkpoint(Checkpoint::kNever)
-                                 .schedule(PipelineSchedule::of(schedule_kind(schedule),
-                                                                interleaved ? 2 : 1)), join());
+    PipelineStage stage(
+        seq,
+        PipelineStageOptions(interleaved ? std::vector<int64_t>(6, 1)
+                                         : std::vector<int64_t>{2, 2, 2})
+            .chunks(interleaved ? 3 : 4)
+            .checkpoint(Checkpoint::kNever)
+            .schedule(PipelineSchedule::of(schedule_kind(schedule), interleaved ? 2 : 1)),
+        join());
     const auto step = [&](bool bad_input) {
       auto [x, y] = batch(0);
-      if (stage->is_first()) return stage->step(bad_input ? no_input() : Batch(x));
-      return stage->step(no_input(), y);
+      if (stage->is_first()) return stage->step(bad_input ? no_input() : Batch(x), {}, mse);
+      return stage->step(no_input(), y, mse);
     };
     step(false);  // a step that works first
     const int rank = test_rank();
@@ -125,15 +127,15 @@ constexpr const char* kNextStep =
 CATCH_TEST_CASE(kNextStep, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
     const std::string schedule = std::getenv("GPIPE_TEST_SCHEDULE");
-    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(4).loss(mse)
-                                          .schedule(schedule_kind(schedule)),
+    PipelineStage stage(make_model(),
+                        PipelineStageOptions(kBalance).chunks(4).schedule(schedule_kind(schedule)),
                         join());
     auto [x, y] = batch(0);
     const std::string failed = gpipe_test::test_folder() + "/failed";
     if (stage->is_first()) {
-      CATCH_CHECK_NOTHROW(stage->step(Batch(x)));
+      CATCH_CHECK_NOTHROW(stage->step(Batch(x), {}, mse));
       // Step 1 fails at once (no input) while stage 1 is still in step 0.
-      CATCH_CHECK_THROWS_WITH(stage->step(no_input()),
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), {}, mse),
                               gpipe_test::contains("stage 0 needs the mini-batch as input"));
       std::ofstream{failed};
       wait_for_others(2, 0);
@@ -147,9 +149,9 @@ CATCH_TEST_CASE(kNextStep, "[distributed][stage][errors]") {
         }
         if (index == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
       });
-      CATCH_CHECK_NOTHROW(stage->step(no_input(), y));  // step 0 happened on both stages
+      CATCH_CHECK_NOTHROW(stage->step(no_input(), y, mse));  // step 0 happened on both stages
       internal::set_step_end_hook(nullptr);
-      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y, mse),
                               gpipe_test::contains("stage 0 of 2 failed: ") &&
                                   gpipe_test::contains("stage 0 needs the mini-batch as input"));
       mark_done(1);
@@ -167,21 +169,21 @@ constexpr const char* kGradModes =
 
 CATCH_TEST_CASE(kGradModes, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
-    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2), join());
     auto [x, y] = batch(0);
     // Seen by stage 1, which receives stage 0's activations with their grad mode.
     const char* mismatch = "stage 0 runs with grad but stage 1 without it";
     if (stage->is_first()) {
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
-                              gpipe_test::contains("stage 1 of 2 failed: ") &&
-                                  gpipe_test::contains(mismatch));
+      CATCH_CHECK_THROWS_WITH(
+          stage->step(Batch(x), {}, mse),
+          gpipe_test::contains("stage 1 of 2 failed: ") && gpipe_test::contains(mismatch));
       mark_done(0);
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), {}, mse),
                               gpipe_test::contains("an earlier step failed on this stage"));
     } else {
       {
         at::NoGradGuard no_grad;
-        CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y), gpipe_test::contains(mismatch));
+        CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y, mse), gpipe_test::contains(mismatch));
       }
       wait_for_others(2, 1);
     }
@@ -196,18 +198,18 @@ constexpr const char* kTrainEval =
 
 CATCH_TEST_CASE(kTrainEval, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
-    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2).loss(mse), join());
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(2), join());
     auto [x, y] = batch(0);
     // Seen by stage 1, which receives stage 0's activations with its mode.
     const char* mismatch = "stage 0 is in train mode but stage 1 in eval mode";
     if (stage->is_first()) {
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x)),
-                              gpipe_test::contains("stage 1 of 2 failed: ") &&
-                                  gpipe_test::contains(mismatch));
+      CATCH_CHECK_THROWS_WITH(
+          stage->step(Batch(x), {}, mse),
+          gpipe_test::contains("stage 1 of 2 failed: ") && gpipe_test::contains(mismatch));
       mark_done(0);
     } else {
       stage->eval();
-      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y), gpipe_test::contains(mismatch));
+      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y, mse), gpipe_test::contains(mismatch));
       wait_for_others(2, 1);
     }
     return;
@@ -235,13 +237,12 @@ CATCH_TEST_CASE(kReplicaFails, "[distributed][stage][errors]") {
     PipelineStage stage(seq,
                         PipelineStageOptions({2, batch_norm ? 4 : 3})
                             .chunks(2)
-                            .loss(mse)
                             .deferred_batch_norm(batch_norm),
                         groups.pipeline, groups.replica_group);
     const auto step = [&] {
       auto [x, y] = batch(0);
       const at::Tensor xs = x.chunk(2)[groups.replica], ys = y.chunk(2)[groups.replica];
-      return stage->is_first() ? stage->step(Batch(xs)) : stage->step(no_input(), ys);
+      return stage->is_first() ? stage->step(Batch(xs), {}, mse) : stage->step(no_input(), ys, mse);
     };
     step();  // a step that works first
     // Stage 1 of replica 1 (rank 3) fails in forward; its stage 0 hears it from the pipeline, and
@@ -298,7 +299,7 @@ CATCH_TEST_CASE(kRecovery, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
     const int rank = test_rank();
     const PipelineStageOptions options =
-        PipelineStageOptions(kBalance).chunks(kChunks).loss(mse).checkpoint(Checkpoint::kExceptLast);
+        PipelineStageOptions(kBalance).chunks(kChunks).checkpoint(Checkpoint::kExceptLast);
     nn::Sequential model = make_model();
     // The failed stage and its group stay alive beside the new ones, as in a program that keeps
     // them in scope; rank 0 serves the store once for both groups (Note [One store per process]).
@@ -312,8 +313,8 @@ CATCH_TEST_CASE(kRecovery, "[distributed][stage][errors]") {
       if (step == 1 && stages.size() == 1) {
         // Stage 0 gives no mini-batch: its step fails, stage 1 hears it, and both make anew.
         PipelineStage& failed = stages.back();
-        CATCH_CHECK_THROWS_WITH(failed->is_first() ? failed->step(no_input())
-                                                   : failed->step(no_input(), y),
+        CATCH_CHECK_THROWS_WITH(failed->is_first() ? failed->step(no_input(), {}, mse)
+                                                   : failed->step(no_input(), y, mse),
                                 gpipe_test::contains("stage 0 needs the mini-batch as input"));
         mark_done(rank);
         wait_for_others(2, rank);
@@ -325,7 +326,8 @@ CATCH_TEST_CASE(kRecovery, "[distributed][stage][errors]") {
       }
       PipelineStage& stage = stages.back();
       sgd.zero_grad();
-      at::Tensor loss = stage->is_first() ? stage->step(Batch(x)) : stage->step(no_input(), y);
+      at::Tensor loss =
+          stage->is_first() ? stage->step(Batch(x), {}, mse) : stage->step(no_input(), y, mse);
       if (loss.defined()) losses.push_back(loss.detach());
       sgd.step();
     }

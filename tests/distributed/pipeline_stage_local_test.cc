@@ -59,7 +59,7 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(2), group);
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y),
                           gpipe_test::contains("needs a loss function"));
-  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks).loss(mse), group);
+  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks), group);
   // Recording is a switch: a stage that did not record says so (on every stage: a collective).
   CATCH_CHECK_THROWS_WITH(stage->gather_timeline(),
                           gpipe_test::contains("stage 0 recorded no timeline; call "
@@ -69,19 +69,18 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
     // The deprecated option (Note [One schedule option]) starts the stage recording.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    PipelineStage recording(make_model(),
-                            PipelineStageOptions({6}).chunks(2).loss(mse).record_timeline(true),
+    PipelineStage recording(make_model(), PipelineStageOptions({6}).chunks(2).record_timeline(true),
                             group);
 #pragma GCC diagnostic pop
     CATCH_CHECK(recording->is_recording_timeline());
     CATCH_CHECK(!no_loss->is_recording_timeline());
   }
-  CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y),
+  CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y, mse),
                           gpipe_test::contains("stage 0 needs the mini-batch as input"));
   nn::Sequential plain = make_model();
   at::Tensor expected = nn::functional::mse_loss(plain->forward(x), y);
   expected.backward();
-  const at::Tensor loss = stage->step(Batch(x), y);
+  const at::Tensor loss = stage->step(Batch(x), y, mse);
   CATCH_CHECK(at::allclose(loss, expected, 0, 1e-12));
   const auto got = stage->parameters();
   const auto want = plain->parameters();
@@ -99,17 +98,14 @@ CATCH_TEST_CASE("one stage in one process is the plain model, and wrong stages a
   CATCH_CHECK(order == expected_order);
 }
 
-CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, before the option",
+CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, and a last stage given "
+                "none is refused",
                 "[distributed][stage]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
       GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
   auto [x, y] = batch(0);
-  // An option that would give another loss: the argument wins.
-  const LossFunction doubled = [](const Batch& out, const at::Tensor& target) {
-    return 2 * nn::functional::mse_loss(out.tensor(), target);
-  };
-  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks).loss(doubled), group);
+  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks), group);
   nn::Sequential plain = make_model();
   at::Tensor expected = nn::functional::mse_loss(plain->forward(x), y);
   expected.backward();
@@ -120,15 +116,36 @@ CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, befor
   for (size_t k = 0; k < got.size(); ++k) {
     CATCH_CHECK(at::allclose(got[k].grad(), want[k].grad(), 0, 1e-12));
   }
-  // Without an argument, or with an empty one, the option's.
-  CATCH_CHECK(at::allclose(stage->step(Batch(x), y), 2 * expected, 0, 1e-12));
-  CATCH_CHECK(at::allclose(stage->step(Batch(x), y, nullptr), 2 * expected, 0, 1e-12));
   stage->eval();
   CATCH_CHECK(at::allclose(stage->evaluate(Batch(x), y, mse).loss, expected.detach(), 0, 1e-12));
   PipelineStage no_loss(make_model(), PipelineStageOptions({6}).chunks(kChunks), group);
   CATCH_CHECK_THROWS_WITH(no_loss->step(Batch(x), y, nullptr),
                           gpipe_test::contains("needs a loss function: pass it to step(input, "
                                                "target, loss)"));
+}
+
+// The only use of the deprecated PipelineStageOptions::loss: a loss other than mse, so that which
+// loss a step used shows in its value.
+CATCH_TEST_CASE("the deprecated loss option is the loss of a step() given none, and step()'s "
+                "loss takes precedence",
+                "[distributed][stage]") {
+  if (test_rank() >= 0) return;
+  ProcessGroup group = new_gloo_group(
+      GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
+  auto [x, y] = batch(0);
+  const LossFunction doubled = [](const Batch& out, const at::Tensor& target) {
+    return 2 * nn::functional::mse_loss(out.tensor(), target);
+  };
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  PipelineStage stage(make_model(), PipelineStageOptions({6}).chunks(kChunks).loss(doubled), group);
+#pragma GCC diagnostic pop
+  nn::Sequential plain = make_model();
+  const at::Tensor expected = nn::functional::mse_loss(plain->forward(x), y).detach();
+  // Without a loss, or with an empty one, the option's; with one, that one.
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y), 2 * expected, 0, 1e-12));
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y, nullptr), 2 * expected, 0, 1e-12));
+  CATCH_CHECK(at::allclose(stage->step(Batch(x), y, mse), expected, 0, 1e-12));
 }
 
 CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip within or "
@@ -139,7 +156,7 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   ProcessGroup group = new_gloo_group(
       GroupOptions().master_port(gpipe_test::free_port()).timeout(std::chrono::seconds(30)));
   const auto refused = [&](PipelineStageOptions options) {
-    PipelineStage(make_model(), options.loss(mse), group);
+    PipelineStage(make_model(), options, group);
   };
   CATCH_CHECK_THROWS_WITH(refused(PipelineStageOptions({6}).local_balance({1, 2})),
                           gpipe_test::contains("local_balance {1, 2} adds up to 3 layers, but "
@@ -156,10 +173,8 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
                                                "empty"));
   // One device for a stage of several partitions: every partition on it.
   {
-    PipelineStage one_device(make_model(),
-                             PipelineStageOptions({6}).local_balance({3, 3}).devices({at::kCPU})
-                                 .loss(mse),
-                             group);
+    PipelineStage one_device(
+        make_model(), PipelineStageOptions({6}).local_balance({3, 3}).devices({at::kCPU}), group);
     CATCH_CHECK(one_device->partitions() == 2);
   }
 
@@ -172,10 +187,9 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
       GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   CATCH_INFO("local balance {" << local[0] << ", " << local[1] << ", " << local[2]
                                << "}, checkpoint mode " << static_cast<int>(mode));
-  PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).local_balance(local).chunks(kChunks)
-                          .checkpoint(mode).loss(mse),
-                      group);
+  PipelineStage stage(
+      make_model(), PipelineStageOptions({6}).local_balance(local).chunks(kChunks).checkpoint(mode),
+      group);
   stage->record_timeline(true);
   CATCH_CHECK(stage->partitions() == 3);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -183,7 +197,7 @@ CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    losses.push_back(stage->step(Batch(x), y).detach());
+    losses.push_back(stage->step(Batch(x), y, mse).detach());
     sgd.step();
   }
   const Oracle oracle = plain_training({6});
@@ -219,10 +233,9 @@ CATCH_TEST_CASE("a stage of partitions in one process jumps a skip over a partit
   before->to(at::kDouble);
   auto before_plain = std::dynamic_pointer_cast<nn::LinearImpl>(before->clone());
   nn::Sequential plain = make_jump_model();
-  PipelineStage stage(make_jump_model(),
-                      PipelineStageOptions({7}).local_balance({2, 1, 4}).chunks(kChunks)
-                          .checkpoint(mode).loss(mse),
-                      group);
+  PipelineStage stage(
+      make_jump_model(),
+      PipelineStageOptions({7}).local_balance({2, 1, 4}).chunks(kChunks).checkpoint(mode), group);
   std::vector<at::Tensor> params = stage->parameters();
   for (const at::Tensor& p : before->parameters()) params.push_back(p);
   std::vector<at::Tensor> plain_params = plain->parameters();
@@ -233,7 +246,7 @@ CATCH_TEST_CASE("a stage of partitions in one process jumps a skip over a partit
     auto [x, y] = batch(step);
     sgd.zero_grad();
     plain_sgd.zero_grad();
-    const at::Tensor loss = stage->step(Batch(before(x)), y);
+    const at::Tensor loss = stage->step(Batch(before(x)), y, mse);
     const at::Tensor plain_loss =
         nn::functional::mse_loss(plain->forward(before_plain->forward(x)), y);
     plain_loss.backward();
@@ -246,7 +259,7 @@ CATCH_TEST_CASE("a stage of partitions in one process jumps a skip over a partit
   auto [x, y] = batch(kSteps);
   {
     at::NoGradGuard no_grad;
-    stage->step(Batch(x), y);
+    stage->step(Batch(x), y, mse);
   }
   CATCH_CHECK(at::allclose(stage->output().tensor(), plain->forward(x).detach(), 0, 1e-12));
 }
@@ -292,14 +305,13 @@ CATCH_TEST_CASE("a layer that fails in any partition of a stage in forward or ba
   };
   nn::Sequential seq(nn::Linear(6, 8), fail(0), nn::Tanh(), fail(1), nn::Linear(8, 3), fail(2));
   seq->to(at::kDouble);
-  PipelineStage stage(seq,
-                      PipelineStageOptions({6}).local_balance({2, 2, 2}).chunks(kChunks).loss(mse),
+  PipelineStage stage(seq, PipelineStageOptions({6}).local_balance({2, 2, 2}).chunks(kChunks),
                       group);
   auto [x, y] = batch(0);
   const std::string what = std::string("layer failed in ") + (backward ? "backward" : "forward") +
                            " on call " + std::to_string(call);
-  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y), gpipe_test::contains(what));
-  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y),
+  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y, mse), gpipe_test::contains(what));
+  CATCH_CHECK_THROWS_WITH(stage->step(Batch(x), y, mse),
                           gpipe_test::contains("an earlier step failed on this stage"));
 }
 
@@ -314,16 +326,18 @@ CATCH_TEST_CASE("a stage with a partition on the GPU and one on the CPU trains w
   CATCH_INFO("checkpoint mode " << static_cast<int>(mode));
   const c10::Device gpu("cuda:0");
   PipelineStage stage(make_model(),
-                      PipelineStageOptions({6}).local_balance({2, 4})
-                          .devices({gpu, c10::Device(c10::kCPU)}).chunks(kChunks)
-                          .checkpoint(mode).loss(mse),
+                      PipelineStageOptions({6})
+                          .local_balance({2, 4})
+                          .devices({gpu, c10::Device(c10::kCPU)})
+                          .chunks(kChunks)
+                          .checkpoint(mode),
                       group);
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<at::Tensor> losses;
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    losses.push_back(stage->step(Batch(x.to(gpu)), y).detach().cpu());
+    losses.push_back(stage->step(Batch(x.to(gpu)), y, mse).detach().cpu());
     sgd.step();
   }
   const Oracle oracle = plain_training({6});

@@ -78,14 +78,13 @@ CATCH_TEST_CASE(kManyStages, "[distributed][stage][schedule]") {
 }
 
 // This process's stage of the test model over two processes under `schedule` (interleaved: two
-// virtual stages each), with `loss`.
-PipelineStage two_stages(const std::string& schedule, LossFunction loss) {
+// virtual stages each).
+PipelineStage two_stages(const std::string& schedule) {
   const bool interleaved = schedule == "interleaved";
   return PipelineStage(make_model(),
                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
                                                         : kBalance)
                            .chunks(interleaved ? 4 : kChunks)
-                           .loss(std::move(loss))
                            .schedule(PipelineSchedule::of(schedule_kind(schedule),
                                                           interleaved ? 2 : 1)),
                        join());
@@ -183,12 +182,12 @@ CATCH_TEST_CASE(kInference, "[distributed][stage][schedule]") {
       TORCH_CHECK(false, "the loss was called");
       return at::Tensor();
     };
-    PipelineStage stage = two_stages(name, never);
+    PipelineStage stage = two_stages(name);
     nn::Sequential plain = make_model();
     auto [x, y] = batch(0);
     at::NoGradGuard no_grad;
     for (int step = 0; step < 2; ++step) {
-      const at::Tensor loss = stage->step(stage->is_first() ? Batch(x) : no_input());
+      const at::Tensor loss = stage->step(stage->is_first() ? Batch(x) : no_input(), {}, never);
       CATCH_CHECK(!loss.defined());
       if (stage->is_last()) {
         CATCH_CHECK(at::allclose(stage->output().tensor(), plain->forward(x), 0, 1e-12));
@@ -206,18 +205,18 @@ constexpr const char* kEvaluate =
 
 CATCH_TEST_CASE(kEvaluate, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    PipelineStage stage = two_stages(std::getenv("GPIPE_TEST_SCHEDULE"), mse);
+    PipelineStage stage = two_stages(std::getenv("GPIPE_TEST_SCHEDULE"));
     nn::Sequential plain = make_model();
     auto [x, y] = batch(0);
     stage->eval();
     // With a target (on every rank: only the last stage's counts), and without.
-    const auto with = stage->evaluate(stage->is_first() ? Batch(x) : no_input(), y);
+    const auto with = stage->evaluate(stage->is_first() ? Batch(x) : no_input(), y, mse);
     const at::Tensor expected = plain->forward(x);
     CATCH_CHECK(at::allclose(with.output.tensor(), expected, 0, 1e-12));
     CATCH_REQUIRE(with.loss.defined());
     CATCH_CHECK(std::abs(with.loss.item<double>() -
                          nn::functional::mse_loss(expected, y).item<double>()) < 1e-12);
-    const auto without = stage->evaluate(stage->is_first() ? Batch(x) : no_input());
+    const auto without = stage->evaluate(stage->is_first() ? Batch(x) : no_input(), {}, mse);
     CATCH_CHECK(at::allclose(without.output.tensor(), expected, 0, 1e-12));
     CATCH_CHECK(!without.loss.defined());
     return;
@@ -329,7 +328,8 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
   if (test_rank() >= 0) {
     ProcessGroup gloo = join();
     const auto options = [] {
-      return PipelineStageOptions({1, 2, 2, 1}).chunks(4).loss(mse)
+      return PipelineStageOptions({1, 2, 2, 1})
+          .chunks(4)
           .schedule(PipelineSchedule::interleaved(2));
     };
     // On a group that matches in posting order (NCCL's way).
@@ -391,15 +391,16 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
     const char* odd = "the mini-batch of 6 samples splits into 3 micro-batches (chunks 4)";
     const std::string done = gpipe_test::test_folder() + "/heard";
     if (stage->is_first()) {
-      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x.slice(0, 0, 6))), gpipe_test::contains(odd));
+      CATCH_CHECK_THROWS_WITH(stage->step(Batch(x.slice(0, 0, 6)), {}, mse),
+                              gpipe_test::contains(odd));
       // Alive until stage 1 has heard.
       for (int k = 0; k < 3000 && !std::filesystem::exists(done); ++k) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     } else {
-      CATCH_CHECK_THROWS_WITH(stage->step(no_input(), y.slice(0, 0, 6)),
-                              gpipe_test::contains("stage 0 of 2 failed: ") &&
-                                  gpipe_test::contains(odd));
+      CATCH_CHECK_THROWS_WITH(
+          stage->step(no_input(), y.slice(0, 0, 6), mse),
+          gpipe_test::contains("stage 0 of 2 failed: ") && gpipe_test::contains(odd));
       std::ofstream{done};
     }
     return;

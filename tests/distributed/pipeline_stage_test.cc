@@ -163,7 +163,7 @@ CATCH_TEST_CASE(kReplicas, "[distributed][stage]") {
     const std::vector<int64_t> balance = stages == 1 ? std::vector<int64_t>{6} : kBalance;
     // Replicas start apart: replica 0's parameters must reach the others.
     PipelineStage stage(make_model(7 + 100 * groups.replica),
-                        PipelineStageOptions(balance).chunks(2).loss(mse), groups.pipeline,
+                        PipelineStageOptions(balance).chunks(2), groups.pipeline,
                         groups.replica_group);
     torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     std::vector<at::Tensor> losses;
@@ -173,7 +173,7 @@ CATCH_TEST_CASE(kReplicas, "[distributed][stage]") {
       const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
       sgd.zero_grad();
       at::Tensor loss =
-          stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+          stage->is_first() ? stage->step(Batch(xs), ys, mse) : stage->step(no_input(), ys, mse);
       if (loss.defined()) losses.push_back(loss.detach());
       sgd.step();
     }
@@ -326,10 +326,11 @@ CATCH_TEST_CASE(kBatchNorm, "[distributed][stage][batchnorm]") {
     const int replicas = std::atoi(std::getenv("GPIPE_TEST_REPLICAS"));
     const PipelineGroups groups =
         new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
-    const PipelineStageOptions options =
-        PipelineStageOptions(kBalance).chunks(kBnMicrobatches / replicas).loss(mse)
-            .checkpoint(Checkpoint::kExceptLast).deferred_batch_norm(bn == "deferred")
-            .local_balance(local_balance_from_env(groups.stage));
+    const PipelineStageOptions options = PipelineStageOptions(kBalance)
+                                             .chunks(kBnMicrobatches / replicas)
+                                             .checkpoint(Checkpoint::kExceptLast)
+                                             .deferred_batch_norm(bn == "deferred")
+                                             .local_balance(local_balance_from_env(groups.stage));
     PipelineStage stage = replicas == 1
         ? PipelineStage(make_bn_model(bn == "frozen"), options, groups.pipeline)
         : PipelineStage(make_bn_model(bn == "frozen"), options, groups.pipeline,
@@ -341,9 +342,9 @@ CATCH_TEST_CASE(kBatchNorm, "[distributed][stage][batchnorm]") {
       const at::Tensor ys = y.chunk(replicas)[groups.replica];
       sgd.zero_grad();
       if (stage->is_first()) {
-        stage->step(Batch(xs));
+        stage->step(Batch(xs), {}, mse);
       } else {
-        stage->step(no_input(), ys);
+        stage->step(no_input(), ys, mse);
       }
       sgd.step();
     }
@@ -424,11 +425,11 @@ CATCH_TEST_CASE(kAutocast, "[distributed][stage][autocast]") {
     ProcessGroup group = join();
     PipelineStage stage(make_float_model(),
                         PipelineStageOptions({3, 2}).chunks(kChunks).checkpoint(mode_from_env())
-                            .loss([](const Batch& out, const at::Tensor& target) {
-                              return nn::functional::mse_loss(out.tensor(), target);
-                            })
                             .local_balance(local_balance_from_env(group->getRank())),
                         group);
+    const auto loss = [](const Batch& out, const at::Tensor& target) {
+      return nn::functional::mse_loss(out.tensor(), target);
+    };
     torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.05));
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = batch(step);
@@ -436,9 +437,9 @@ CATCH_TEST_CASE(kAutocast, "[distributed][stage][autocast]") {
       {
         Autocast autocast;  // around the step on every stage, as around a forward
         if (stage->is_first()) {
-          stage->step(Batch(x.to(at::kFloat)));
+          stage->step(Batch(x.to(at::kFloat)), {}, loss);
         } else {
-          stage->step(no_input(), y.to(at::kFloat));
+          stage->step(no_input(), y.to(at::kFloat), loss);
         }
       }
       sgd.step();
@@ -482,8 +483,7 @@ constexpr const char* kThreads =
 
 CATCH_TEST_CASE(kThreads, "[distributed][stage][threads]") {
   if (test_rank() >= 0) {
-    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks).loss(mse),
-                        join());
+    PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks), join());
     // A server's two request threads, each running a step on the same batch: whichever step of a
     // stage runs first meets the other stage's first.
     auto [x, y] = batch(0);
@@ -491,9 +491,9 @@ CATCH_TEST_CASE(kThreads, "[distributed][stage][threads]") {
     for (int t = 0; t < 2; ++t) {
       threads.emplace_back([&, x = x, y = y] {
         if (stage->is_first()) {
-          stage->step(Batch(x));
+          stage->step(Batch(x), {}, mse);
         } else {
-          stage->step(no_input(), y);
+          stage->step(no_input(), y, mse);
         }
       });
     }

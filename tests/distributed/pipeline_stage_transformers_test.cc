@@ -66,7 +66,7 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
     const bool named = env_or("GPIPE_TEST_NAMED", "0") == "1";
     const std::string schedule = env_or("GPIPE_TEST_SCHEDULE", "gpipe");
     const std::vector<int64_t> balance = balance_from_env();
-    auto options = PipelineStageOptions(balance).chunks(4).checkpoint(mode_from_env()).loss(mse);
+    auto options = PipelineStageOptions(balance).chunks(4).checkpoint(mode_from_env());
     if (named) options.tied_parameters({{"0.weight", "4.weight"}});
     if (schedule == "1f1b") options.schedule(ScheduleKind::k1F1B);
     if (schedule == "interleaved") options.schedule(PipelineSchedule::of(
@@ -93,7 +93,7 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
         const at::Tensor xs = x.chunk(accumulate)[a].chunk(groups.replicas)[groups.replica];
         const at::Tensor ys = y.chunk(accumulate)[a].chunk(groups.replicas)[groups.replica];
         const at::Tensor loss =
-            stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+            stage->is_first() ? stage->step(Batch(xs), ys, mse) : stage->step(no_input(), ys, mse);
         if (loss.defined()) losses.push_back(loss.detach());
       }
       if (clip > 0) norms.push_back(stage->clip_grad_norm(clip));
@@ -217,8 +217,7 @@ CATCH_TEST_CASE(kSkipEverywhere, "[distributed][stage][grad_scaler]") {
   const auto scaled = [&scaler](const Batch& out, const at::Tensor& y) {
     return scaler.scale(mse(out, y));
   };
-  PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks).loss(scaled),
-                      join());
+  PipelineStage stage(make_model(), PipelineStageOptions(kBalance).chunks(kChunks), join());
   torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   bool poison = false;
   if (stage->is_last()) {
@@ -231,7 +230,7 @@ CATCH_TEST_CASE(kSkipEverywhere, "[distributed][stage][grad_scaler]") {
     poison = step == 1;
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    stage->step(stage->is_first() ? Batch(x) : no_input(), y);
+    stage->step(stage->is_first() ? Batch(x) : no_input(), y, scaled);
     std::vector<at::Tensor> before;
     for (const at::Tensor& p : stage->parameters()) before.push_back(p.detach().clone());
     const double scale = scaler.scale_value();

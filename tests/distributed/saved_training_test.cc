@@ -36,8 +36,8 @@ std::vector<at::Tensor> copies(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-// Trains `count` steps from `first` on, each replica on its shard of the batch; the losses of the
-// last stage.
+// Trains `count` steps from `first` on, each replica on its shard of the batch, with mse; the
+// losses of the last stage.
 std::vector<at::Tensor> train_steps(PipelineStage& stage, const PipelineGroups& groups,
                                     torch::optim::Optimizer& opt, int first, int count) {
   std::vector<at::Tensor> losses;
@@ -46,7 +46,8 @@ std::vector<at::Tensor> train_steps(PipelineStage& stage, const PipelineGroups& 
     const at::Tensor xs = x.chunk(groups.replicas)[groups.replica];
     const at::Tensor ys = y.chunk(groups.replicas)[groups.replica];
     opt.zero_grad();
-    at::Tensor loss = stage->is_first() ? stage->step(Batch(xs), ys) : stage->step(no_input(), ys);
+    at::Tensor loss =
+        stage->is_first() ? stage->step(Batch(xs), ys, mse) : stage->step(no_input(), ys, mse);
     if (loss.defined()) losses.push_back(loss.detach());
     opt.step();
   }
@@ -88,7 +89,7 @@ CATCH_TEST_CASE(kStages, "[distributed][stage][save]") {
   if (test_rank() >= 0) {
     const std::string dir = gpipe_test::test_folder() + "/save";
     const auto options =
-        PipelineStageOptions(kBalance).chunks(2).loss(mse).checkpoint(Checkpoint::kExceptLast);
+        PipelineStageOptions(kBalance).chunks(2).checkpoint(Checkpoint::kExceptLast);
     const auto group_options = options_from_env().timeout(std::chrono::seconds(60));
     const PipelineGroups groups = new_pipeline_groups(group_options, 2);
     PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);
@@ -169,7 +170,7 @@ constexpr const char* kInterrupted =
 CATCH_TEST_CASE(kInterrupted, "[distributed][stage][save]") {
   if (test_rank() >= 0) {
     const std::string dir = gpipe_test::test_folder() + "/save";
-    const auto options = PipelineStageOptions(kBalance).chunks(2).loss(mse);
+    const auto options = PipelineStageOptions(kBalance).chunks(2);
     const auto group_options = options_from_env().timeout(std::chrono::seconds(60));
     const PipelineGroups groups = new_pipeline_groups(group_options, 2);
     PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);
@@ -234,19 +235,20 @@ CATCH_TEST_CASE(kInterrupted, "[distributed][stage][save]") {
 // Lists `name`'s entry of `dir`'s manifest with the length and checksum of `bytes`, and the
 // manifest's own checksum made anew: a manifest that mixes two saves.
 void relist(const std::string& dir, const std::string& name, const std::string& bytes) {
-  std::istringstream in(detail::read_whole_file(dir + "/manifest.txt", "relist"));
+  std::istringstream in(gpipe::internal::read_whole_file(dir + "/manifest.txt", "relist"));
   std::string text;
   const auto hex = [](uint64_t v) { return absl::StrCat(absl::Hex(v, absl::kZeroPad16)); };
   for (std::string line; std::getline(in, line);) {
     if (absl::StartsWith(line, "checksum ")) continue;
     if (absl::StartsWith(line, "file " + name + " ")) {
       line = absl::StrCat("file ", name, " ", bytes.size(), " ",
-                          hex(detail::checksum(bytes.data(), bytes.size())));
+                          hex(gpipe::internal::checksum(bytes.data(), bytes.size())));
     }
     absl::StrAppend(&text, line, "\n");
   }
-  absl::StrAppend(&text, "checksum ", hex(detail::checksum(text.data(), text.size())), "\n");
-  detail::write_atomically(dir + "/manifest.txt", text, "relist");
+  absl::StrAppend(&text, "checksum ", hex(gpipe::internal::checksum(text.data(), text.size())),
+                  "\n");
+  gpipe::internal::write_atomically(dir + "/manifest.txt", text, "relist");
 }
 
 // Both stages' loads of save `a` (step 3) after stage 1's file is torn, then replaced by its
@@ -275,7 +277,7 @@ void check_refused(const std::string& a, const std::string& b, PipelineStageImpl
   round([&] { fs::copy_file(later, mine, fs::copy_options::overwrite_existing); },
         "'" + mine + "' is torn or was replaced");
   // ... and listed by the manifest of step 3: the stages' steps differ.
-  round([&] { relist(a, name, detail::read_whole_file(later, "relist")); },
+  round([&] { relist(a, name, gpipe::internal::read_whole_file(later, "relist")); },
         "'" + mine + "' holds step 5, but '" + a + "/manifest.txt' commits step 3");
 }
 
@@ -286,7 +288,7 @@ constexpr const char* kRefused =
 CATCH_TEST_CASE(kRefused, "[distributed][stage][save]") {
   if (test_rank() >= 0) {
     const std::string a = gpipe_test::test_folder() + "/a", b = gpipe_test::test_folder() + "/b";
-    const auto options = PipelineStageOptions(kBalance).chunks(2).loss(mse);
+    const auto options = PipelineStageOptions(kBalance).chunks(2);
     const PipelineGroups groups =
         new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
     PipelineStage stage(make_model(7), options, groups.pipeline, groups.replica_group);

@@ -222,8 +222,7 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   const bool fails = std::getenv("GPIPE_TEST_SHARED_FAILS") != nullptr;
   std::optional<gpipe::testing::CaptureWarnings> warnings;
   if (fails) warnings.emplace();
-  PipelineStage stage(model, options.loss(mse).devices(devices).local_balance(local)
-                                 .schedule(chosen), group);
+  PipelineStage stage(model, options.devices(devices).local_balance(local).schedule(chosen), group);
   stage->record_timeline(record_timeline);
   if (fails) {
     CATCH_REQUIRE(warnings->messages.size() == 1);
@@ -242,8 +241,8 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step);
     sgd.zero_grad();
-    at::Tensor loss = stage->is_first() ? stage->step(Batch(x.to(device)))
-                                        : stage->step(no_input(), y.to(device));
+    at::Tensor loss = stage->is_first() ? stage->step(Batch(x.to(device)), {}, mse)
+                                        : stage->step(no_input(), y.to(device), mse);
     CATCH_CHECK(loss.defined() == stage->is_last());
     if (loss.defined()) losses.push_back(loss.detach());
     sgd.step();

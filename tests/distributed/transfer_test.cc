@@ -171,18 +171,18 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
     ProcessGroup group =
         new_gloo_group(options_from_env().timeout(std::chrono::seconds(60)));
     // Over Gloo (shared memory, the default between processes of one host, has no capacity).
-    PipelineStage stage(mlp(),
-                        PipelineStageOptions({2, 3}).chunks(kChunks).loss(mse).schedule(
-                            schedule_kind(name)).shared_memory(0),
-                        group);
+    PipelineStage stage(
+        mlp(),
+        PipelineStageOptions({2, 3}).chunks(kChunks).schedule(schedule_kind(name)).shared_memory(0),
+        group);
     torch::optim::SGD sgd(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     for (int step = 0; step < static_cast<int>(kRows.size()); ++step) {
       auto [x, y] = batch(step);
       sgd.zero_grad();
       if (stage->is_first()) {
-        stage->step(Batch(x));
+        stage->step(Batch(x), {}, mse);
       } else {
-        stage->step(no_input(), y);
+        stage->step(no_input(), y, mse);
       }
       sgd.step();
     }

@@ -126,7 +126,7 @@ CATCH_TEST_CASE("A save that fails before its file is in place leaves the previo
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
   train(model, adam, 2);
   save_training(path, *model, &adam, 2);
-  const std::string saved = detail::read_whole_file(path, "test");
+  const std::string saved = gpipe::internal::read_whole_file(path, "test");
   const std::vector<at::Tensor> at_step_2 = copies(model->parameters());
 
   train(model, adam, 2);
@@ -139,7 +139,7 @@ CATCH_TEST_CASE("A save that fails before its file is in place leaves the previo
                             gpipe_test::contains("killed before the rename"));
   }
   CATCH_CHECK(folder.names() == std::set<std::string>{"run.pt"});
-  CATCH_CHECK(detail::read_whole_file(path, "test") == saved);
+  CATCH_CHECK(gpipe::internal::read_whole_file(path, "test") == saved);
   nn::Sequential other = small_model(3, 2);
   torch::optim::Adam adam2(other->parameters(), torch::optim::AdamOptions(0.01));
   CATCH_CHECK(load_training(path, *other, &adam2) == 2);

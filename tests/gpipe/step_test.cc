@@ -1017,9 +1017,9 @@ CATCH_TEST_CASE("clip_grad_norm over partitions on a GPU and the CPU clips as Li
 }
 
 // An upstream that announces `count` micro-batches (as a peer's header may).
-struct Announcing final : detail::Upstream {
+struct Announcing final : gpipe::internal::Upstream {
   explicit Announcing(int64_t count) : count(count) {}
-  detail::Activation receive() override { return {count, Batch(at::ones({1, 2})), true}; }
+  gpipe::internal::Activation receive() override { return {count, Batch(at::ones({1, 2})), true}; }
   void send_gradients(int64_t, std::vector<at::Tensor>) override {}
   void fail(const std::string&) override {}
   int64_t count;
@@ -1028,15 +1028,15 @@ struct Announcing final : detail::Upstream {
 CATCH_TEST_CASE("The executor refuses an upstream that announces more micro-batches than the "
                 "stage's chunks, before anything is sized by the count",
                 "[gpipe][executor][errors]") {
-  std::vector<detail::ExecutorPartition> partitions(1);
+  std::vector<gpipe::internal::ExecutorPartition> partitions(1);
   partitions[0].layers = nn::Sequential(nn::Linear(2, 2));
   partitions[0].batch_norms =
       std::make_shared<BatchNormLayers>(partitions[0].layers->modules(/*include_self=*/false));
   partitions[0].grad_record = std::make_shared<GradRecord>();
   const int64_t count = GENERATE(int64_t{0}, int64_t{5}, int64_t{1} << 50);
   Announcing up(count);
-  detail::OutputSink sink;
-  detail::ExecutorSpec spec;
+  gpipe::internal::OutputSink sink;
+  gpipe::internal::ExecutorSpec spec;
   spec.who = "a stage";
   spec.partitions = &partitions;
   spec.plan = [](int64_t m) {
@@ -1051,11 +1051,11 @@ CATCH_TEST_CASE("The executor refuses an upstream that announces more micro-batc
   spec.grad_enabled = false;
   spec.checkpoint_stop = [](int64_t) { return int64_t{0}; };
   at::NoGradGuard no_grad;
-  CATCH_CHECK_THROWS_WITH(detail::run_schedule(spec),
-                          gpipe_test::contains("a stage: the stage before announced " +
-                                               std::to_string(count) + " micro-batches") &&
-                              gpipe_test::contains(count == 0 ? "a step has at least 1"
-                                                              : "takes 1 to 4 (its chunks)"));
+  CATCH_CHECK_THROWS_WITH(
+      gpipe::internal::run_schedule(spec),
+      gpipe_test::contains("a stage: the stage before announced " + std::to_string(count) +
+                           " micro-batches") &&
+          gpipe_test::contains(count == 0 ? "a step has at least 1" : "takes 1 to 4 (its chunks)"));
 }
 
 }  // namespace

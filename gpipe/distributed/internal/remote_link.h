@@ -61,7 +61,7 @@ using TurnsOf = std::function<std::vector<PairTurn>(int64_t m)>;
 
 /// The activations from stage `peer` (the one before), received ahead on a thread of their own;
 /// their gradients go back to it.
-class RemoteUpstream final : public detail::Upstream {
+class RemoteUpstream final : public gpipe::internal::Upstream {
  public:
   /// `grad_enabled`: this step's grad mode, which the sender's must equal. `turns`: the pair's
   /// order, on a group that matches in posting order under a schedule that interleaves forwards
@@ -75,7 +75,7 @@ class RemoteUpstream final : public detail::Upstream {
                  TurnsOf turns = nullptr, int64_t channel = 0, int64_t* capacity = nullptr,
                  SharedLink* shared = nullptr);
   ~RemoteUpstream() override;
-  detail::Activation receive() override;
+  gpipe::internal::Activation receive() override;
   void send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) override;
   bool takes_undefined_gradients() const override { return false; }
   void fail(const std::string& why) override;
@@ -137,7 +137,7 @@ class RemoteUpstream final : public detail::Upstream {
 enum class GradientReceives { kAfterLastSend, kWithSend, kInTurn };
 
 /// The activations to stage `peer` (the one after); their gradients come back from it.
-class RemoteDownstream final : public detail::Downstream {
+class RemoteDownstream final : public gpipe::internal::Downstream {
  public:
   /// `turns`: the pair's order, for GradientReceives::kInTurn. `channel`, `capacity` and `shared`
   /// as RemoteUpstream's.
