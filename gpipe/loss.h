@@ -42,7 +42,8 @@ using LossCount = std::function<at::Tensor(const at::Tensor& target)>;
 ///   at::Tensor l = model->step(x, y, loss);  // the plain model's loss, under every schedule
 class Loss {
  public:
-  /// No loss function (a forward-only step, or PipelineStageOptions::loss where it applies).
+  /// No loss function (a forward-only step, or the deprecated PipelineStageOptions::loss where
+  /// it applies).
   Loss() = default;
   /// A mean over the samples: `function` converted to a LossFunction (a lambda, a function
   /// pointer, a LossFunction, nullptr).

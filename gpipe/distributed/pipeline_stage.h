@@ -250,7 +250,8 @@ class PipelineStageImpl : public torch::nn::Module {
   /// on the last, `loss` computes the loss of the output and `target` (as GPipe::step's does; a
   /// gpipe::Loss with a count for a mean over tokens that are not padding).
   /// Other stages take no input (no_input()) and ignore the target and loss, so every stage may
-  /// pass the same target and loss; the last stage needs one (an empty one there is refused).
+  /// pass the same target and loss; the last stage needs one (an empty one there is refused,
+  /// unless the deprecated PipelineStageOptions::loss gave one).
   /// Returns the loss on the last stage, an undefined tensor elsewhere. Blocks until this stage's
   /// forward and backward of every micro-batch are done and its gradients sent. Under
   /// torch::NoGradGuard (on every stage) only the forward runs, and the last stage calls the loss
@@ -267,8 +268,9 @@ class PipelineStageImpl : public torch::nn::Module {
     at::Tensor loss;  ///< the last stage's loss (a double scalar on the CPU), given a target there
   };
   /// Inference across the stages, for every rank: step() under torch::NoGradGuard (the forward
-  /// only; the last stage calls `loss` when given a target), then the last stage's output and loss broadcast to every stage of the pipeline. A
-  /// collective: every stage calls it, e.g. to log the loss or count accuracy on any rank.
+  /// only; the last stage calls `loss` when given a target), then the last stage's output and
+  /// loss broadcast to every stage of the pipeline. A collective: every stage calls it, e.g. to
+  /// log the loss or count accuracy on any rank.
   ///
   ///   stage->eval();
   ///   auto result = stage->evaluate(stage->is_first() ? gpipe::Batch(x) : no_input(), y, loss);
