@@ -262,11 +262,11 @@ void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at:
         return GPipe(layers, plan.options());
       };
       auto step_us = [&](GPipe& pipe) {
-        synchronize(device);
+        internal::synchronize(device);
         const auto tick = std::chrono::steady_clock::now();
         pipe->step(x, target, loss);
-        synchronize(device);
-        const double us = elapsed_us(tick);
+        internal::synchronize(device);
+        const double us = internal::elapsed_us(tick);
         pipe->zero_grad();
         return us;
       };

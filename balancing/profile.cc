@@ -77,7 +77,7 @@ int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
 // Skips while profiling: each layer runs and goes backward on its own, so a popped tensor must
 // not carry the stashing layer's (already used) autograd history. It comes back as a fresh leaf,
 // like a layer input.
-class ProfileSkipTracker : public SkipTracker {
+class ProfileSkipTracker : public internal::SkipTracker {
  public:
   void stash(const SkipKey& key, at::Tensor tensor) override {
     if (tensor.defined()) {
@@ -219,7 +219,7 @@ std::vector<at::Tensor> forward_with_grad(const ProfiledLayer& layer, const Batc
   for (const at::Tensor& v : values) {
     input_refs.push_back(v.defined() && v.has_storage() ? v.storage().use_count() : 0);
   }
-  synchronize(layer.device);
+  internal::synchronize(layer.device);
   const auto tick = std::chrono::steady_clock::now();
   {
     c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, counter);
@@ -234,9 +234,9 @@ std::vector<at::Tensor> forward_with_grad(const ProfiledLayer& layer, const Batc
     Batch result = Batch::from_any(forward(), describe_layer(layer.module, layer.k));
     atomic = result.atomic();
     outputs = std::move(result.values());
-    synchronize(layer.device);
+    internal::synchronize(layer.device);
   }
-  times.forward_us = elapsed_us(tick);
+  times.forward_us = internal::elapsed_us(tick);
   stats.held_bytes = counter->current();
   stats.forward_peak_bytes = counter->peak();
   bool saves_input = false, saves_output = false;
@@ -261,22 +261,22 @@ void whole_backward(const ProfiledLayer& layer, const std::vector<at::Tensor>& r
   if (!roots.empty()) {
     c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, backward_counter);
     torch::autograd::backward(roots, grads);
-    synchronize(layer.device);
+    internal::synchronize(layer.device);
   }
-  times.backward_us = roots.empty() ? 0.0 : elapsed_us(tick);
+  times.backward_us = roots.empty() ? 0.0 : internal::elapsed_us(tick);
   stats.backward_peak_bytes = backward_counter->peak();
 }
 
 // The forward of a checkpointed micro-batch, without autograd, timed.
 void forward_without_grad(const ProfiledLayer& layer, const Batch& input, LayerTimes& times) {
-  synchronize(layer.device);
+  internal::synchronize(layer.device);
   const auto tick = std::chrono::steady_clock::now();
   {
     at::NoGradGuard no_grad;
     layer.copy.any_forward(input.to_any());
-    synchronize(layer.device);
+    internal::synchronize(layer.device);
   }
-  times.nograd_us = elapsed_us(tick);
+  times.nograd_us = internal::elapsed_us(tick);
 }
 
 // The backward split in two (zero bubble's I and W), on a forward of its own, each half timed.
@@ -295,20 +295,20 @@ void split_backward(const ProfiledLayer& layer, const Batch& input,
   for (const at::Tensor& p : layer.copy.ptr()->parameters()) {
     if (p.requires_grad()) params.push_back(p);
   }
-  synchronize(layer.device);
+  internal::synchronize(layer.device);
   auto tick = std::chrono::steady_clock::now();
   if (!leaves.empty()) {
     torch::autograd::grad(again, leaves, grads, /*retain_graph=*/true,
                           /*create_graph=*/false, /*allow_unused=*/true);
-    synchronize(layer.device);
-    times.input_us = elapsed_us(tick);
+    internal::synchronize(layer.device);
+    times.input_us = internal::elapsed_us(tick);
   }
   tick = std::chrono::steady_clock::now();
   if (!params.empty()) {
     torch::autograd::backward(again, grads, /*retain_graph=*/false, /*create_graph=*/false,
                               params);
-    synchronize(layer.device);
-    times.weight_us = elapsed_us(tick);
+    internal::synchronize(layer.device);
+    times.weight_us = internal::elapsed_us(tick);
   }
 }
 
@@ -335,8 +335,8 @@ std::vector<at::Tensor> profile_layer(const ProfiledLayer& layer,
 void profile_pass(const torch::nn::Sequential& module, std::vector<torch::nn::AnyModule>& layers,
                   const std::vector<at::Tensor>& sample, c10::Device device,
                   std::vector<LayerStats>& stats, PassTimes* times) {
-  TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
-  TaskScope skips(context);
+  internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+  internal::TaskScope skips(context);
   std::vector<at::Tensor> values;
   for (const at::Tensor& t : sample) {
     values.push_back(fresh_input(t, device, t.requires_grad()));
@@ -408,8 +408,8 @@ double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sampl
   }
   // A training pass: forward, then backward from the outputs (the mix a pipeline's workers run).
   auto pass = [&](std::vector<torch::nn::AnyModule>& layers) {
-    TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
-    TaskScope skips(context);
+    internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+    internal::TaskScope skips(context);
     Batch x(sample.detach());
     const auto tick = std::chrono::steady_clock::now();
     for (auto& layer : layers) x = Batch::from_any(layer.any_forward(x.to_any()), "cpu_capacity");
@@ -422,7 +422,7 @@ double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sampl
     }
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     for (auto& layer : layers) layer.ptr()->zero_grad();
-    return elapsed_us(tick);
+    return internal::elapsed_us(tick);
   };
   // Alone, then together, three times over (a machine whose speed drifts moves both sides of a
   // round alike); the median of the three ratios. Each side passes for about a sixth of the
@@ -593,12 +593,12 @@ std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
   auto copy_us = [](const at::Tensor& x, c10::Device to) {
     std::vector<double> times;
     for (int k = 0; k < 6; ++k) {
-      synchronize(x.device());
-      synchronize(to);
+      internal::synchronize(x.device());
+      internal::synchronize(to);
       const auto tick = std::chrono::steady_clock::now();
       at::Tensor y = x.to(to, /*non_blocking=*/false, /*copy=*/true);
-      synchronize(to);
-      if (k > 0) times.push_back(elapsed_us(tick));  // the first pays allocations
+      internal::synchronize(to);
+      if (k > 0) times.push_back(internal::elapsed_us(tick));  // the first pays allocations
     }
     return median(times);
   };

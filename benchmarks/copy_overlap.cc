@@ -93,7 +93,7 @@ Result run(const std::string& schedule, bool gpu_first, bool pinned) {
       [&] {
         for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
         pipe->step(x, y, loss);
-        gpipe::synchronize(gpu);
+        gpipe::internal::synchronize(gpu);
       },
       absl::GetFlag(FLAGS_steps), /*warmup=*/true);
   r.overlap = gpipe::copy_overlap(pipe->last_timeline(), devices);

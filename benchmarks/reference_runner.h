@@ -147,7 +147,7 @@ struct Setup {
 };
 
 inline void synchronize_all(const std::vector<c10::Device>& devices) {
-  for (const c10::Device& d : devices) synchronize(d);
+  for (const c10::Device& d : devices) gpipe::internal::synchronize(d);
 }
 
 inline std::string device_list(const std::vector<c10::Device>& devices) {
@@ -226,7 +226,7 @@ inline int memory_child(const Experiment* e, bool cuda) {
   if (cuda) {
     for (const c10::Device& d : devices_for(*e, cuda)) {
       std::printf("gpipe-memory: device %s %lld\n", d.str().c_str(),
-                  static_cast<long long>(peak_memory_allocated(d)));
+                  static_cast<long long>(gpipe::internal::peak_memory_allocated(d)));
     }
   }
   return 0;

@@ -113,12 +113,13 @@ int child(const std::string& config) {
   // On CUDA a step ends when the device has finished its work.
   const std::function<void()> timed = [&] {
     step();
-    gpipe::synchronize(device);
+    gpipe::internal::synchronize(device);
   };
   std::printf("ms %.3f\n", gpipe_benchmarks::median_ms(timed, absl::GetFlag(FLAGS_steps),
                                                   /*warmup=*/true));
   if (on_cuda()) {
-    std::printf("peak %lld\n", static_cast<long long>(gpipe::peak_memory_allocated(device)));
+    std::printf("peak %lld\n",
+                static_cast<long long>(gpipe::internal::peak_memory_allocated(device)));
   }
   if (pipe) {
     // The last step's bubble on its timeline: the lanes' idle share of the step.

@@ -37,14 +37,14 @@ class FlagScope {
 // random sequence of the rest of the program.
 class RngReplay {
  public:
-  explicit RngReplay(const RngState& saved)
-      : current_(saved.empty() ? RngState{} : get_rng_state(saved.device)) {
-    set_rng_state(saved);
+  explicit RngReplay(const internal::RngState& saved)
+      : current_(saved.empty() ? internal::RngState{} : internal::get_rng_state(saved.device)) {
+    internal::set_rng_state(saved);
   }
-  ~RngReplay() { set_rng_state(current_); }
+  ~RngReplay() { internal::set_rng_state(current_); }
 
  private:
-  RngState current_;
+  internal::RngState current_;
 };
 
 }  // namespace
@@ -186,7 +186,7 @@ struct CheckpointBackward : Node {
     for (const at::Tensor& leaf : state->leaves) {
       input_grads.push_back(grad_of(leaf));
     }
-    for (const SkipTensor& leaf : state->popped_leaves) {
+    for (const internal::SkipTensor& leaf : state->popped_leaves) {
       input_grads.push_back(grad_of(leaf.get()));
     }
     if (state->has_dependency) {
@@ -206,7 +206,7 @@ struct CheckpointBackward : Node {
 // Passes the gradient of a checkpointed task's lane through, after recomputing the task (see Note
 // [Checkpoint and recompute] in checkpoint.h). A PassBackward, so that the dependency on the next
 // micro-batch (Note [Backward order] in executor.h) takes its phony from this node.
-struct RecomputeBackward : PassBackward {
+struct RecomputeBackward : internal::PassBackward {
   explicit RecomputeBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::RecomputeBackward"; }
   void release_variables() override { state.reset(); }
@@ -266,7 +266,7 @@ void Checkpointing::record_to(std::shared_ptr<Timeline> timeline, int64_t microb
 }
 
 Batch Checkpointing::checkpoint() {
-  state_->rng = get_rng_state(state_->device);
+  state_->rng = internal::get_rng_state(state_->device);
   state_->known = state_->record->find(state_->key);
   state_->learning = state_->known == nullptr;
   Batch out(std::vector<at::Tensor>{});
@@ -280,10 +280,10 @@ Batch Checkpointing::checkpoint() {
     CheckpointFrame frame(state_.get(), /*recomputing=*/false);
     out = state_->function(state_->input);
   }
-  if (rng_unchanged(state_->rng)) {
+  if (internal::rng_unchanged(state_->rng)) {
     // The partition drew no random number (and no other thread did meanwhile): the recomputation
     // has nothing to replay, and saves and restores nothing.
-    state_->rng = RngState{};
+    state_->rng = internal::RngState{};
   }
   if (state_->learning) {
     for (const at::Tensor& t : out.values()) {

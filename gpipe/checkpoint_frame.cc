@@ -24,7 +24,7 @@ CheckpointFrame::~CheckpointFrame() { current_frame = previous_; }
 CheckpointFrame* CheckpointFrame::current() { return current_frame; }
 
 void CheckpointFrame::add_popped(const SkipKey& key, at::Tensor tensor) {
-  state_->popped.emplace_back(key, SkipTensor(std::move(tensor)));
+  state_->popped.emplace_back(key, internal::SkipTensor(std::move(tensor)));
 }
 
 at::Tensor CheckpointFrame::stash_first_forward(const SkipKey& key, at::Tensor tensor,
@@ -60,7 +60,7 @@ at::Tensor CheckpointFrame::popped_leaf(const SkipKey& key) {
 }
 
 void CheckpointFrame::add_restashed(const SkipKey& key, at::Tensor tensor) {
-  state_->restashed.emplace_back(key, SkipTensor(std::move(tensor)));
+  state_->restashed.emplace_back(key, internal::SkipTensor(std::move(tensor)));
 }
 
 }  // namespace gpipe

@@ -10,6 +10,7 @@
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 using torch::autograd::Node;
@@ -146,4 +147,5 @@ std::vector<at::Tensor> pass(std::vector<at::Tensor> tensors) {
   return out;
 }
 
+}  // namespace internal
 }  // namespace gpipe

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 using torch::autograd::Node;
@@ -73,4 +74,5 @@ void depend(at::Tensor& before, at::Tensor& after) {
   after = join(after, forked.second);
 }
 
+}  // namespace internal
 }  // namespace gpipe

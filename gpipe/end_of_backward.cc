@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 // Shared by the callback's copies: destroyed with the engine's task.
@@ -30,4 +31,5 @@ void queue_end_of_backward(std::function<void()> callback, std::function<void()>
   });
 }
 
+}  // namespace internal
 }  // namespace gpipe

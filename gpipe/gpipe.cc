@@ -148,7 +148,7 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   copy_streams_.resize(devices_.size());
   for (const auto j : c10::irange(devices_.size())) {
     for (int64_t i = 0; i < options_.chunks(); ++i) {
-      copy_streams_[j].push_back(new_stream(devices_[j]));
+      copy_streams_[j].push_back(internal::new_stream(devices_[j]));
     }
   }
 }
@@ -238,7 +238,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.microbatches = m;
   spec.grad_enabled = grad_enabled;
   spec.checkpoint_stop = [stop](int64_t) { return stop; };
-  spec.run = next_run_id();
+  spec.run = internal::next_run_id();
   if (stop > 0) {
     // Captured before the deferred-batch-norm callback is added: the recomputation observes no
     // operator (Note [Deferred batch norm without replacing modules]).
@@ -256,7 +256,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
     input_has_history |= t.defined() && t.grad_fn() != nullptr;
   }
   if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 && !input_has_history) {
-    spec.stage_backward = std::make_shared<StageBackward>(
+    spec.stage_backward = std::make_shared<internal::StageBackward>(
         workers_, static_cast<int64_t>(partitions_.size()));
   }
 

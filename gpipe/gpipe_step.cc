@@ -77,7 +77,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
   spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t n) {
     return training ? checkpoint_stop(mode, n) : int64_t{0};
   };
-  spec.run = next_run_id();
+  spec.run = internal::next_run_id();
   // Captured before the deferred-batch-norm callback is added: the recomputation observes no
   // operator (Note [Deferred batch norm without replacing modules]).
   spec.recompute_state = std::make_shared<const ThreadState>();

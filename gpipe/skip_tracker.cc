@@ -10,6 +10,7 @@
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 std::atomic<int64_t> live_tensors{0};
@@ -73,13 +74,7 @@ void SkipTensor::count(const at::Tensor& t, int64_t delta) {
   }
 }
 
-int64_t live_skip_tensors() { return live_tensors.load(); }
-
 uint64_t next_run_id() { return last_run.fetch_add(1) + 1; }
-
-MicroBatch current_microbatch() {
-  return current_context != nullptr ? current_context->microbatch : MicroBatch{};
-}
 
 SkipTracker& current_skip_tracker() {
   if (current_context != nullptr && current_context->skips) {
@@ -221,6 +216,16 @@ std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partitio
     slot.tensor.set(std::move(moved_tensor));
   }
   return moved;
+}
+
+}  // namespace internal
+
+// The public functions of skippable.h that read the tracker's state.
+int64_t live_skip_tensors() { return internal::live_tensors.load(); }
+
+MicroBatch current_microbatch() {
+  return internal::current_context != nullptr ? internal::current_context->microbatch
+                                              : MicroBatch{};
 }
 
 }  // namespace gpipe

@@ -108,7 +108,7 @@ void stash(const std::string& name, at::Tensor tensor) {
               quoted(scope->layer.stash_names()), ")");
   TORCH_CHECK(scope->stashed.insert(name).second, describe(scope->layer), " stashed '", name,
               "' twice in one forward");
-  current_skip_tracker().stash(scope->layer.key(name), std::move(tensor));
+  internal::current_skip_tracker().stash(scope->layer.key(name), std::move(tensor));
 }
 
 at::Tensor pop(const std::string& name) {
@@ -118,7 +118,7 @@ at::Tensor pop(const std::string& name) {
               quoted(scope->layer.pop_names()), ")");
   TORCH_CHECK(scope->popped.insert(name).second, describe(scope->layer), " popped '", name,
               "' twice in one forward");
-  return current_skip_tracker().pop(scope->layer.key(name));
+  return internal::current_skip_tracker().pop(scope->layer.key(name));
 }
 
 }  // namespace gpipe

@@ -14,6 +14,7 @@
 #include "gpipe/internal/end_of_backward.h"
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 using torch::autograd::Node;
@@ -296,4 +297,5 @@ void StageBackward::finish() {
   if (error) std::rethrow_exception(error);
 }
 
+}  // namespace internal
 }  // namespace gpipe

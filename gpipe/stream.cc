@@ -20,6 +20,7 @@
 #endif
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 #ifndef GPIPE_WITH_CUDA
@@ -408,4 +409,5 @@ bool rng_unchanged(const RngState& state) {
          impl->next_double_normal_sample() == state.cpu->next_double_normal;
 }
 
+}  // namespace internal
 }  // namespace gpipe

@@ -215,8 +215,8 @@ void sum_tied_gradients_after_backward(std::shared_ptr<TiedCopies> tied) {
   // Queued from the output's hook, the first callback would run before callbacks that nodes
   // queue later (a stage-local backward's wait for its handed-off backwards); queued again from
   // itself, it runs after them (Note [A callback the failed backward drops]).
-  queue_end_of_backward(
-      [tied] { queue_end_of_backward([tied] { tied->sum_gradients(); }, [] {}); }, [] {});
+  internal::queue_end_of_backward(
+      [tied] { internal::queue_end_of_backward([tied] { tied->sum_gradients(); }, [] {}); }, [] {});
 }
 
 }  // namespace gpipe

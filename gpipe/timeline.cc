@@ -31,14 +31,15 @@ namespace gpipe {
 
 Timeline::Timeline(const std::vector<c10::Device>& devices) : Timeline() {
   for (const c10::Device& device : devices) {
-    if (!has_streams(device) || origin(device) != nullptr) {
+    if (!internal::has_streams(device) || origin(device) != nullptr) {
       continue;
     }
-    synchronize(device);
-    std::shared_ptr<StreamMark> mark = mark_stream(current_stream(device));
-    (void)elapsed_us(*mark, *mark);  // waits until the device has reached it
+    internal::synchronize(device);
+    std::shared_ptr<internal::StreamMark> mark =
+        internal::mark_stream(internal::current_stream(device));
+    (void)internal::elapsed_us(*mark, *mark);  // waits until the device has reached it
     const double host_us = now_us();
-    origins_.push_back(Origin{mark_device(*mark), std::move(mark), host_us});
+    origins_.push_back(Origin{internal::mark_device(*mark), std::move(mark), host_us});
   }
 }
 
@@ -51,8 +52,8 @@ const Timeline::Origin* Timeline::origin(const c10::Device& device) const {
   return nullptr;
 }
 
-std::shared_ptr<StreamMark> Timeline::mark(const c10::Stream& stream) const {
-  return origin(stream.device()) != nullptr ? mark_stream(stream) : nullptr;
+std::shared_ptr<internal::StreamMark> Timeline::mark(const c10::Stream& stream) const {
+  return origin(stream.device()) != nullptr ? internal::mark_stream(stream) : nullptr;
 }
 
 double Timeline::now_us() const {
@@ -66,12 +67,12 @@ void Timeline::finish(TimelineEvent event, const Started& started, const c10::St
   add(event, started.mark, started.mark ? mark(stream) : nullptr);
 }
 
-void Timeline::add(TimelineEvent event, std::shared_ptr<StreamMark> device_start,
-                   std::shared_ptr<StreamMark> device_end) {
+void Timeline::add(TimelineEvent event, std::shared_ptr<internal::StreamMark> device_start,
+                   std::shared_ptr<internal::StreamMark> device_end) {
   std::lock_guard<std::mutex> lock(mu_);
   if (device_start != nullptr && device_end != nullptr) {
     // Both marks are on one stream's device, which has an origin (mark() made them).
-    if (const Origin* o = origin(mark_device(*device_start))) {
+    if (const Origin* o = origin(internal::mark_device(*device_start))) {
       pending_.push_back(Pending{events_.size(), o, std::move(device_start),
                                  std::move(device_end)});
     }
@@ -83,8 +84,8 @@ std::vector<TimelineEvent> Timeline::events() const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const Pending& p : pending_) {
     TimelineEvent& e = events_[p.event];
-    e.device_start_us = p.origin->host_us + elapsed_us(*p.origin->mark, *p.start);
-    e.device_end_us = p.origin->host_us + elapsed_us(*p.origin->mark, *p.end);
+    e.device_start_us = p.origin->host_us + internal::elapsed_us(*p.origin->mark, *p.start);
+    e.device_end_us = p.origin->host_us + internal::elapsed_us(*p.origin->mark, *p.end);
   }
   pending_.clear();
   return events_;

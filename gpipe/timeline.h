@@ -14,7 +14,9 @@
 
 namespace gpipe {
 
+namespace internal {
 struct StreamMark;  // a point in a stream a timeline reads device times at (internal/stream.h)
+}  // namespace internal
 
 /// One thing the pipeline did during a forward.
 struct TimelineEvent {
@@ -79,10 +81,10 @@ class Timeline {
     return std::chrono::duration<double, std::micro>(start_.time_since_epoch()).count();
   }
   /// A timing mark recorded on `stream` now, if its device's times are measured (else null).
-  std::shared_ptr<StreamMark> mark(const c10::Stream& stream) const;
+  std::shared_ptr<internal::StreamMark> mark(const c10::Stream& stream) const;
   /// Adds `event`; with marks, the event's device times are read from them by events().
-  void add(TimelineEvent event, std::shared_ptr<StreamMark> device_start = nullptr,
-           std::shared_ptr<StreamMark> device_end = nullptr);
+  void add(TimelineEvent event, std::shared_ptr<internal::StreamMark> device_start = nullptr,
+           std::shared_ptr<internal::StreamMark> device_end = nullptr);
 
   /// When a piece of work started: the host time and, where the device's times are measured, a
   /// mark on its stream.
@@ -90,7 +92,7 @@ class Timeline {
     /// The host time, as now_us().
     double us = 0;
     /// The mark on the work's stream; null where device times are not measured.
-    std::shared_ptr<StreamMark> mark;
+    std::shared_ptr<internal::StreamMark> mark;
   };
   /// Starts timing work on `stream`.
   ///
@@ -106,13 +108,13 @@ class Timeline {
  private:
   struct Origin {
     c10::Device device;
-    std::shared_ptr<StreamMark> mark;
+    std::shared_ptr<internal::StreamMark> mark;
     double host_us;  // the host time at which the device reached `mark`
   };
   struct Pending {
     size_t event;
     const Origin* origin;
-    std::shared_ptr<StreamMark> start, end;
+    std::shared_ptr<internal::StreamMark> start, end;
   };
   const Origin* origin(const c10::Device& device) const;
 

@@ -436,7 +436,7 @@ int train(const TrainerModel& trainer) {
     seen_devices.push_back(d);
     if (d.is_cuda()) {
       std::printf("peak memory on %s: %.1f MiB allocated\n", d.str().c_str(),
-                  peak_memory_allocated(d) / 1048576.0);
+                  gpipe::internal::peak_memory_allocated(d) / 1048576.0);
     } else {
       struct rusage usage {};
       getrusage(RUSAGE_SELF, &usage);

@@ -16,6 +16,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 constexpr const char* kReceiving = "receiving activations from the previous stage";
@@ -109,7 +110,8 @@ void ActivationReceiver::run() {
       if (i > 0 && between_ && !between_(i, m)) return;
       // On a GPU, each micro-batch on a stream of its own (see the constructor's doc).
       const c10::optional<c10::Stream> stream =
-          device_.is_cuda() ? c10::make_optional(new_stream(device_)) : c10::nullopt;
+          device_.is_cuda() ? c10::make_optional(gpipe::internal::new_stream(device_))
+                            : c10::nullopt;
       c10::OptionalStreamGuard guard(stream);
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::dtype(at::kLong).device(device_));
       if (!receive(encoded, Message::kHeader, i, 0)) return;
@@ -243,8 +245,8 @@ ActivationReceiver::Received ActivationReceiver::next() {
   Received r = std::move(ready_.front());
   ready_.pop_front();
   if (r.stream && stream_) {
-    wait_stream(*stream_, *r.stream);
-    for (const at::Tensor& t : r.tensors) record_stream(t, *stream_);
+    gpipe::internal::wait_stream(*stream_, *r.stream);
+    for (const at::Tensor& t : r.tensors) gpipe::internal::record_stream(t, *stream_);
   }
   return r;
 }
@@ -255,5 +257,6 @@ void ActivationReceiver::finish() {
   if (error_) std::rethrow_exception(error_);
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

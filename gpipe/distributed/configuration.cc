@@ -9,6 +9,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 uint64_t fingerprint(const std::string& text) {
   uint64_t h = 1469598103934665603ULL;
@@ -62,5 +63,6 @@ std::vector<std::pair<std::string, int64_t>> module_fields(const torch::nn::Modu
           {"names, shapes and dtypes (hash)", static_cast<int64_t>(fingerprint(shapes))}};
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -22,7 +22,8 @@ namespace {
 
 // The first node of the outermost backward through the wrapper's output: starts the reduction.
 struct BeginReduction : torch::autograd::Node {
-  explicit BeginReduction(std::weak_ptr<GradientReducer> reducer) : reducer(std::move(reducer)) {}
+  explicit BeginReduction(std::weak_ptr<internal::GradientReducer> reducer)
+      : reducer(std::move(reducer)) {}
   std::string name() const override { return "gpipe::distributed::BeginReduction"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (auto r = reducer.lock()) {
@@ -30,7 +31,7 @@ struct BeginReduction : torch::autograd::Node {
     }
     return std::move(grads);
   }
-  std::weak_ptr<GradientReducer> reducer;
+  std::weak_ptr<internal::GradientReducer> reducer;
 };
 
 }  // namespace
@@ -110,8 +111,8 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module,
     names.push_back(item.key());
     params.push_back(item.value());
   }
-  reducer_ = std::make_shared<GradientReducer>(std::move(params), std::move(names), group_,
-                                               options_.bucket_bytes());
+  reducer_ = std::make_shared<internal::GradientReducer>(std::move(params), std::move(names),
+                                                         group_, options_.bucket_bytes());
 }
 
 std::vector<at::Tensor> DataParallelImpl::parameters(bool recurse) const {
@@ -151,7 +152,7 @@ size_t DataParallelImpl::bucket_count() const { return reducer_->bucket_count();
 
 void DataParallelImpl::check_same_configuration() {
   // What must agree, as numbers; compared with rank 0's.
-  std::vector<std::pair<std::string, int64_t>> fields = module_fields(*module_ptr_);
+  std::vector<std::pair<std::string, int64_t>> fields = internal::module_fields(*module_ptr_);
   fields.emplace_back("bucket_bytes", options_.bucket_bytes());
   fields.emplace_back("broadcast_buffers", options_.broadcast_buffers() ? 1 : 0);
   auto pipe = std::dynamic_pointer_cast<GPipeImpl>(module_ptr_);
@@ -159,7 +160,7 @@ void DataParallelImpl::check_same_configuration() {
   fields.emplace_back("GPipe chunks", pipe ? pipe->chunks() : 0);
   fields.emplace_back(
       "GPipe balance (hash)",
-      pipe ? static_cast<int64_t>(fingerprint(absl::StrJoin(pipe->balance(), ","))) : 0);
+      pipe ? static_cast<int64_t>(internal::fingerprint(absl::StrJoin(pipe->balance(), ","))) : 0);
   fields.emplace_back("GPipe checkpoint mode", pipe ? static_cast<int64_t>(pipe->checkpoint()) : 0);
   fields.emplace_back("GPipe deferred_batch_norm", combined_statistics_ ? 1 : 0);
   // Which parameters are frozen: the reducer buckets only those that require grad, so replicas
@@ -175,11 +176,13 @@ void DataParallelImpl::check_same_configuration() {
   }
   fields.emplace_back("parameters that require grad", trained);
   fields.emplace_back("names of the frozen parameters (hash)",
-                      static_cast<int64_t>(fingerprint(frozen)));
+                      static_cast<int64_t>(internal::fingerprint(frozen)));
 
-  check_same_fields(group_, fields, "gpipe::DataParallel", "replica",
-                    "Every process must wrap the same model with the same options (and freeze "
-                    "the same parameters)", device());
+  internal::check_same_fields(
+      group_, fields, "gpipe::DataParallel", "replica",
+      "Every process must wrap the same model with the same options (and freeze "
+      "the same parameters)",
+      device());
 }
 
 void DataParallelImpl::broadcast_state(bool parameters, bool buffers) {

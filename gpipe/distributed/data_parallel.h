@@ -24,7 +24,9 @@ struct StatisticsMerge;
 
 namespace distributed {
 
+namespace internal {
 class GradientReducer;  // internal/gradient_reducer.h
+}  // namespace internal
 
 // Note [Replicas and batch norm]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -163,7 +165,7 @@ class DataParallelImpl : public torch::nn::Module {
   bool combined_statistics_ = false;
   std::shared_ptr<gpipe::internal::StatisticsMerge> merge_;
   int no_sync_ = 0;
-  std::shared_ptr<GradientReducer> reducer_;
+  std::shared_ptr<internal::GradientReducer> reducer_;
 };
 
 /// A DataParallel: a module holder of DataParallelImpl.

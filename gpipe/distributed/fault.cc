@@ -18,6 +18,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 constexpr int64_t kMessageBytes = 4096;
@@ -175,13 +176,12 @@ std::function<void(int64_t)>& step_end_hook() {
 }
 }  // namespace
 
-void internal::set_step_end_hook(std::function<void(int64_t)> hook) {
-  step_end_hook() = std::move(hook);
-}
+void set_step_end_hook(std::function<void(int64_t)> hook) { step_end_hook() = std::move(hook); }
 
-void internal::run_step_end_hook(int64_t index) {
+void run_step_end_hook(int64_t index) {
   if (step_end_hook()) step_end_hook()(index);
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

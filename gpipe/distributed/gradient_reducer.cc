@@ -20,6 +20,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 struct GradientReducer::State {
   struct Bucket {
@@ -340,8 +341,9 @@ void GradientReducer::begin_backward() {
     std::lock_guard<std::mutex> lock(s->mu);
     s->abandon(State::kBackward);
   };
-  queue_end_of_backward([s, abandon] { queue_end_of_backward([s] { s->finish(); }, abandon); },
-                        abandon);
+  gpipe::internal::queue_end_of_backward(
+      [s, abandon] { gpipe::internal::queue_end_of_backward([s] { s->finish(); }, abandon); },
+      abandon);
 }
 
 void GradientReducer::fail_forward() {
@@ -363,5 +365,6 @@ ReductionStats GradientReducer::last_stats() const {
   return state_->stats;
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -55,13 +55,14 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   const int64_t v = schedule.virtual_stages();
   TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
               "a stage a ScheduleKind or PipelineSchedule::interleaved(v)");
-  TORCH_CHECK(v >= 1 && v <= kMaxChannels, who, ": virtual_stages must be between 1 and ",
-              kMaxChannels, ", got ", v);
-  TORCH_CHECK(options.shared_memory() == 0 || options.shared_memory() >= kMinSharedRing, who,
-              ": shared_memory is ", options.shared_memory(), " bytes; a ring needs at least ",
-              kMinSharedRing, " (256 KiB), or 0 for none");
-  TORCH_CHECK(options.chunks() <= kMaxMicrobatches, who, ": chunks is ", options.chunks(),
-              "; at most ", kMaxMicrobatches, " micro-batches cross processes in one step");
+  TORCH_CHECK(v >= 1 && v <= internal::kMaxChannels, who, ": virtual_stages must be between 1 and ",
+              internal::kMaxChannels, ", got ", v);
+  TORCH_CHECK(options.shared_memory() == 0 || options.shared_memory() >= internal::kMinSharedRing,
+              who, ": shared_memory is ", options.shared_memory(), " bytes; a ring needs at least ",
+              internal::kMinSharedRing, " (256 KiB), or 0 for none");
+  TORCH_CHECK(options.chunks() <= internal::kMaxMicrobatches, who, ": chunks is ", options.chunks(),
+              "; at most ", internal::kMaxMicrobatches,
+              " micro-batches cross processes in one step");
   const int ranks = group->getSize();
   // (A balance of the wrong size is refused, naming it, once the skips are checked: place().)
   if (static_cast<int64_t>(balance.size()) == ranks * v) {
@@ -206,7 +207,8 @@ void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
   const auto whole = module->named_parameters();
   std::vector<at::Tensor> shapes;
   for (const Tie& tie : ties_) shapes.push_back(whole[tie.names[0]]);
-  tied_stages_ = std::make_unique<TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
+  tied_stages_ =
+      std::make_unique<internal::TiedStages>(ties_, stage_of_layer, tied_->owners(), shapes);
   skip_layout_ = SkipLayout(local);
   // Partitions run at the same time on threads of their own (as a GPipe's CPU partitions, and
   // with the same caveats about random numbers); a stage's virtual stages run on one thread, in
@@ -248,10 +250,11 @@ void PipelineStageImpl::connect(const torch::nn::Sequential& module, const char*
   courier_ = std::make_unique<Worker>(absl::StrCat("send ", stage_));
   check_same_configuration(*module);
   // Note [Shared memory between stages on one host]: the links run_step uses.
-  if (stages() > 1 && options_.shared_memory() > 0 && packs_activations(group_)) {
-    std::vector<SharedLinks::Spec> specs;
+  if (stages() > 1 && options_.shared_memory() > 0 && internal::packs_activations(group_)) {
+    std::vector<internal::SharedLinks::Spec> specs;
     for (const Link& l : links()) specs.push_back({l.downstream, l.peer, l.channel});
-    shared_ = std::make_unique<SharedLinks>(group_, local_, specs, options_.shared_memory(), who);
+    shared_ = std::make_unique<internal::SharedLinks>(group_, local_, specs,
+                                                      options_.shared_memory(), who);
   }
   tied_stages_->broadcast(group_, local_);  // Note [Ties across stages]
   const char* stepping = "gpipe::distributed::PipelineStage::step";
@@ -259,12 +262,12 @@ void PipelineStageImpl::connect(const torch::nn::Sequential& module, const char*
     std::vector<at::Tensor> state = layers_->parameters();
     for (const at::Tensor& b : layers_->buffers()) state.push_back(b);
     broadcast_from_rank0(replica_group_, state, "replica 0's parameters and buffers", local_);
-    if (FaultChannel::can_hear_any(replica_group_)) {
-      replica_faults_ = std::make_unique<FaultChannel>(replica_group_, stepping);
+    if (internal::FaultChannel::can_hear_any(replica_group_)) {
+      replica_faults_ = std::make_unique<internal::FaultChannel>(replica_group_, stepping);
     }
   }
-  if (FaultChannel::can_hear_any(group_)) {
-    faults_ = std::make_unique<FaultChannel>(group_, stepping);
+  if (internal::FaultChannel::can_hear_any(group_)) {
+    faults_ = std::make_unique<internal::FaultChannel>(group_, stepping);
   }
 }
 
@@ -306,10 +309,11 @@ int64_t PipelineStageImpl::shared_memory_links() const { return shared_ ? shared
 
 void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole) {
   // The whole model, not only this stage's layers: every process builds the same Sequential.
-  std::vector<std::pair<std::string, int64_t>> fields = module_fields(whole);
+  std::vector<std::pair<std::string, int64_t>> fields = internal::module_fields(whole);
   fields.emplace_back("stages", stages());
-  fields.emplace_back("balance (hash)",
-                      static_cast<int64_t>(fingerprint(absl::StrJoin(options_.balance(), ","))));
+  fields.emplace_back(
+      "balance (hash)",
+      static_cast<int64_t>(internal::fingerprint(absl::StrJoin(options_.balance(), ","))));
   fields.emplace_back("chunks", options_.chunks());
   fields.emplace_back("checkpoint mode", static_cast<int64_t>(options_.checkpoint()));
   fields.emplace_back("schedule", static_cast<int64_t>(options_.schedule().kind()));
@@ -320,17 +324,18 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
   fields.emplace_back("replicas", replica_group_ ? replica_group_->getSize() : 1);
   std::string tied;
   for (const auto& [a, b] : options_.tied_parameters()) absl::StrAppend(&tied, a, "=", b, ";");
-  fields.emplace_back("tied_parameters (hash)", static_cast<int64_t>(fingerprint(tied)));
-  check_same_fields(group_, fields, "gpipe::distributed::PipelineStage", "stage",
-                    "Every process of a pipeline must build the same model with the same options",
-                    wire_);
+  fields.emplace_back("tied_parameters (hash)", static_cast<int64_t>(internal::fingerprint(tied)));
+  internal::check_same_fields(
+      group_, fields, "gpipe::distributed::PipelineStage", "stage",
+      "Every process of a pipeline must build the same model with the same options", wire_);
   if (replica_group_) {
     fields.emplace_back("which parameters require grad (hash)",
                         static_cast<int64_t>(requires_grad_key(layers_)));
-    check_same_fields(replica_group_, fields, "gpipe::distributed::PipelineStage", "replica",
-                      "Every replica of a pipeline must build the same model with the same "
-                      "options",
-                      local_);
+    internal::check_same_fields(
+        replica_group_, fields, "gpipe::distributed::PipelineStage", "replica",
+        "Every replica of a pipeline must build the same model with the same "
+        "options",
+        local_);
   }
 }
 

@@ -39,10 +39,12 @@ struct ExecutorPartition;
 class InputSource;
 }  // namespace internal
 namespace distributed {
+namespace internal {
 class Cancellation;  // internal/fault.h
 class FaultChannel;
-class TiedStages;  // internal/tied_stages.h
+class TiedStages;   // internal/tied_stages.h
 class SharedLinks;  // internal/shared_memory.h
+}  // namespace internal
 
 // Note [Stage-local backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -391,8 +393,8 @@ class PipelineStageImpl : public torch::nn::Module {
                                                              const char* who) const;
   void end_step(int64_t index, bool grad_enabled, bool deferred,
                 const std::vector<std::shared_ptr<BatchNormLayers>>& batch_norms);
-  at::Tensor run_step(const Batch& input, const at::Tensor& target, const Loss& loss,
-                      int64_t index, std::shared_ptr<Cancellation> cancellation);
+  at::Tensor run_step(const Batch& input, const at::Tensor& target, const Loss& loss, int64_t index,
+                      std::shared_ptr<internal::Cancellation> cancellation);
 
   PipelineStageOptions options_;
   ProcessGroup group_;
@@ -405,7 +407,7 @@ class PipelineStageImpl : public torch::nn::Module {
   // The model's ties, this process's copies of them, and those spanning stages.
   std::vector<Tie> ties_;
   std::shared_ptr<TiedCopies> tied_;
-  std::unique_ptr<TiedStages> tied_stages_;
+  std::unique_ptr<internal::TiedStages> tied_stages_;
   // This stage's first GPU (else its first partition's device), where groups that carry GPU
   // tensors (NCCL) take them; wire_: where group_'s do (wire_device).
   c10::Device local_{c10::kCPU};
@@ -424,14 +426,15 @@ class PipelineStageImpl : public torch::nn::Module {
   // (Note [One message per micro-batch] in internal/transfer.h).
   std::map<int64_t, int64_t> sent_bytes_, received_bytes_;
   // The links' rings to the stages on this host, if any (internal/shared_memory.h).
-  std::unique_ptr<SharedLinks> shared_;
+  std::unique_ptr<internal::SharedLinks> shared_;
   // Other stages' failures, heard; this one's, told (Note [Failing fast across processes] in
   // internal/fault.h). Null on groups that cannot have one (NCCL).
-  std::unique_ptr<FaultChannel> faults_;
+  std::unique_ptr<internal::FaultChannel> faults_;
   // The same over the replica group: a replica's failed step reaches the other replicas' stages,
   // which wait for its gradients' all-reduce (Note [Failing fast across processes]).
-  std::unique_ptr<FaultChannel> replica_faults_;
-  std::shared_ptr<Cancellation> abandoned_;  // a failed step's transfers, kept (see step())
+  std::unique_ptr<internal::FaultChannel> replica_faults_;
+  std::shared_ptr<internal::Cancellation>
+      abandoned_;  // a failed step's transfers, kept (see step())
 };
 
 /// A PipelineStage: a module holder of PipelineStageImpl (see there).

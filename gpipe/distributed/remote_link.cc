@@ -13,6 +13,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 // Receives `tensors` (their sizes known) of `kind` for `microbatch` from `peer` over the group,
@@ -412,5 +413,6 @@ void RemoteDownstream::finish() {
   sends_.clear();
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -22,6 +22,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -184,5 +185,6 @@ SharedLink* SharedLinks::find(bool downstream, int64_t channel) {
   return it == links_.end() ? nullptr : &it->second;
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

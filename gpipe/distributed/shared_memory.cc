@@ -23,6 +23,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -248,7 +249,8 @@ void SharedRing::release() {
   wake(control_->releases);
 }
 
-void internal::set_shared_message_limit(int64_t bytes) { message_limit.store(bytes); }
+void set_shared_message_limit(int64_t bytes) { message_limit.store(bytes); }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

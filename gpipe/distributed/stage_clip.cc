@@ -39,10 +39,11 @@ at::Tensor PipelineStageImpl::clip_grad_norm(double max_norm, double norm_type) 
   const at::Tensor sent =
       local.defined() ? local.to(c10::kCPU, c10::kDouble).reshape({1}) : at::zeros({1}, c10::kDouble);
   const std::vector<at::Tensor> norms =
-      stages() > 1 ? all_gather(group_, sent, local_, "the all-gather of the stages' gradient norms",
-                                // A failure heard from another stage ends the wait at once.
-                                [this] { FaultChannel::throw_if_heard(faults_.get()); })
-                   : std::vector<at::Tensor>{sent};
+      stages() > 1
+          ? all_gather(group_, sent, local_, "the all-gather of the stages' gradient norms",
+                       // A failure heard from another stage ends the wait at once.
+                       [this] { internal::FaultChannel::throw_if_heard(faults_.get()); })
+          : std::vector<at::Tensor>{sent};
   const at::Tensor all = at::stack(norms).reshape(-1);
   const at::Tensor norm =
       norm_type == std::numeric_limits<double>::infinity() ? all.max() : all.norm(norm_type);

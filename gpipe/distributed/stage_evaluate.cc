@@ -38,10 +38,10 @@ PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
   const std::string what = "the broadcast of the last stage's output";
   // The last stage's output (its header first: the others learn the sizes from it), then its
   // loss, if it computed one.
-  at::Tensor header = is_last() ? BatchHeader::of(output_, 1, false).encode()
-                                : at::empty({BatchHeader::size()}, at::kLong);
-  const BatchHeader shape =
-      BatchHeader::decode(broadcast(group_, header, last, c10::Device(c10::kCPU), what));
+  at::Tensor header = is_last() ? internal::BatchHeader::of(output_, 1, false).encode()
+                                : at::empty({internal::BatchHeader::size()}, at::kLong);
+  const internal::BatchHeader shape =
+      internal::BatchHeader::decode(broadcast(group_, header, last, c10::Device(c10::kCPU), what));
   std::vector<at::Tensor> values = is_last() ? output_.values()
                                              : shape.empty_tensors(local_);
   for (at::Tensor& v : values) v = broadcast(group_, v, last, local_, what);

@@ -33,7 +33,7 @@ namespace {
 
 // The calling thread's current stream on `wire` when it is a GPU (Transfer's `stream`).
 c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
-  return wire.is_cuda() ? c10::make_optional(current_stream(wire)) : c10::nullopt;
+  return wire.is_cuda() ? c10::make_optional(gpipe::internal::current_stream(wire)) : c10::nullopt;
 }
 
 // This stage's actions for m micro-batches: each of its partitions runs them in order (Note
@@ -60,11 +60,11 @@ std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind k
 
 // The executor's ends of this stage's partitions: the input or remote upstreams, the loss or
 // remote downstreams; `v` > 0: interleaved, virtual stage c * stages + me's own links.
-void attach_links(gpipe::internal::ExecutorSpec& spec, gpipe::internal::InputSource* source,
-                  gpipe::internal::LossSink* sink,
-                  const std::vector<std::unique_ptr<RemoteUpstream>>& remote_upstreams,
-                  const std::vector<std::unique_ptr<RemoteDownstream>>& remote_downstreams,
-                  int64_t v) {
+void attach_links(
+    gpipe::internal::ExecutorSpec& spec, gpipe::internal::InputSource* source,
+    gpipe::internal::LossSink* sink,
+    const std::vector<std::unique_ptr<internal::RemoteUpstream>>& remote_upstreams,
+    const std::vector<std::unique_ptr<internal::RemoteDownstream>>& remote_downstreams, int64_t v) {
   if (v == 0) {
     spec.upstream =
         source ? static_cast<gpipe::internal::Upstream*>(source) : remote_upstreams[0].get();
@@ -144,10 +144,9 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
       // A replica that failed tells this one over the replica group's channel (Note [Failing
       // fast across processes]): the all-gather waits no longer.
       combine = [this, index](std::vector<BatchNormStatistics>& statistics) {
-        combine_statistics(replica_group_, statistics, local_,
-                           [this, index] {
-                             FaultChannel::throw_if_heard(replica_faults_.get(), index);
-                           });
+        combine_statistics(replica_group_, statistics, local_, [this, index] {
+          internal::FaultChannel::throw_if_heard(replica_faults_.get(), index);
+        });
       };
     }
     commit_deferred(batch_norms, combine);
@@ -156,17 +155,15 @@ void PipelineStageImpl::end_step(int64_t index, bool grad_enabled, bool deferred
     // Note [Tied parameters], then Note [Ties across stages].
     tied_->sum_gradients();
     if (!tied_stages_->empty()) {
-      tied_stages_->sum_gradients(group_, local_,
-                                  [this, index] {
-                                    FaultChannel::throw_if_heard(faults_.get(), index);
-                                  });
+      tied_stages_->sum_gradients(group_, local_, [this, index] {
+        internal::FaultChannel::throw_if_heard(faults_.get(), index);
+      });
     }
   }
   if (grad_enabled && replica_group_) {
-    average_gradients(replica_group_, layers_->parameters(), local_,
-                      [this, index] {
-                        FaultChannel::throw_if_heard(replica_faults_.get(), index);
-                      });
+    average_gradients(replica_group_, layers_->parameters(), local_, [this, index] {
+      internal::FaultChannel::throw_if_heard(replica_faults_.get(), index);
+    });
   }
 }
 
@@ -178,7 +175,7 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
   TORCH_CHECK(!failed_, who, ": an earlier step failed on this stage, which leaves transfers "
               "of the pipeline unmatched; make new process groups and stages to go on");
   const int64_t index = steps_++;
-  for (FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
+  for (internal::FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
     if (channel == nullptr) continue;
     if (std::optional<std::string> heard = channel->heard()) {
       failed_ = true;
@@ -187,13 +184,13 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
   }
   // Note [Failing fast across processes] in fault.h: a failure heard from this pipeline's stages,
   // or from this stage's replicas, cancels the step's transfers.
-  auto cancellation = std::make_shared<Cancellation>();
-  for (FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
+  auto cancellation = std::make_shared<internal::Cancellation>();
+  for (internal::FaultChannel* channel : {faults_.get(), replica_faults_.get()}) {
     if (channel) channel->attach(cancellation, index);
   }
   struct Detach {
-    FaultChannel* faults;
-    FaultChannel* replica_faults;
+    internal::FaultChannel* faults;
+    internal::FaultChannel* replica_faults;
     ~Detach() {
       if (faults) faults->detach();
       if (replica_faults) replica_faults->detach();
@@ -232,20 +229,20 @@ at::Tensor PipelineStageImpl::step(const Batch& input, const at::Tensor& target,
 
 at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& target,
                                        const Loss& loss, int64_t index,
-                                       std::shared_ptr<Cancellation> cancellation) {
+                                       std::shared_ptr<internal::Cancellation> cancellation) {
   const char* who = "gpipe::distributed::PipelineStage::step";
   const bool grad_enabled = at::GradMode::is_enabled();
   const bool deferred = begin_step(grad_enabled);
-  const Wire wire{group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation),
-                  is_training()};
+  const internal::Wire wire{
+      group_, wire_, wire_stream_of(wire_), courier_.get(), std::move(cancellation), is_training()};
   // On a group that matches in posting order, schedules that interleave forwards and backwards
   // post each pair's transfers in turn (Note [When gradients' receives are posted]).
   const bool in_turn =
       options_.schedule().kind() != ScheduleKind::kGPipe && !matches_by_tag(group_);
-  const auto turns_with = [&](int64_t peer) -> TurnsOf {
+  const auto turns_with = [&](int64_t peer) -> internal::TurnsOf {
     if (!in_turn) return nullptr;
     return [kind = options_.schedule().kind(), stages = stages(), me = stage_, peer](int64_t m) {
-      return pair_turns(kind, stages, m, me, peer);
+      return internal::pair_turns(kind, stages, m, me, peer);
     };
   };
   const ScheduleKind kind = options_.schedule().kind();
@@ -257,18 +254,18 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   // remote link on each side but at the pipeline's two ends.
   const bool interleaved = this->interleaved();
   std::unique_ptr<gpipe::internal::InputSource> source;
-  std::vector<std::unique_ptr<RemoteUpstream>> remote_upstreams;
-  std::vector<std::unique_ptr<RemoteDownstream>> remote_downstreams;
+  std::vector<std::unique_ptr<internal::RemoteUpstream>> remote_upstreams;
+  std::vector<std::unique_ptr<internal::RemoteDownstream>> remote_downstreams;
   // Note [Micro-batch groups] in schedule.h (0: the default, n).
   const int64_t group = interleaved ? options_.schedule().microbatch_group() : 0;
   if (is_first()) source = input_source(input, grad_enabled, who);
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
   // one message per micro-batch (Note [One message per micro-batch]).
-  const bool packs = packs_activations(group_);
+  const bool packs = internal::packs_activations(group_);
   const std::vector<Link> links = this->links();
   for (const Link& l : links) {
     if (l.downstream) continue;
-    remote_upstreams.push_back(std::make_unique<RemoteUpstream>(
+    remote_upstreams.push_back(std::make_unique<internal::RemoteUpstream>(
         wire, l.peer, partitions_[interleaved ? l.chunk : 0].device, grad_enabled,
         turns_with(l.peer), l.channel, packs ? &received_bytes_[l.channel] : nullptr,
         shared_ ? shared_->find(false, l.channel) : nullptr));
@@ -276,12 +273,13 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   std::unique_ptr<gpipe::internal::LossSink> sink =
       is_last() ? loss_sink(options_, stages, target, loss, who) : nullptr;
   // Note [When gradients' receives are posted] in remote_link.h.
-  const GradientReceives when = kind == ScheduleKind::kGPipe ? GradientReceives::kAfterLastSend
-                                : in_turn                    ? GradientReceives::kInTurn
-                                                             : GradientReceives::kWithSend;
+  const internal::GradientReceives when = kind == ScheduleKind::kGPipe
+                                              ? internal::GradientReceives::kAfterLastSend
+                                          : in_turn ? internal::GradientReceives::kInTurn
+                                                    : internal::GradientReceives::kWithSend;
   for (const Link& l : links) {
     if (!l.downstream) continue;
-    remote_downstreams.push_back(std::make_unique<RemoteDownstream>(
+    remote_downstreams.push_back(std::make_unique<internal::RemoteDownstream>(
         wire, l.peer, partitions_[interleaved ? l.chunk : k - 1].device, when, turns_with(l.peer),
         l.channel, packs ? &sent_bytes_[l.channel] : nullptr,
         shared_ ? shared_->find(true, l.channel) : nullptr));
@@ -300,7 +298,7 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   spec.checkpoint_stop = [mode = options_.checkpoint(), training = is_training()](int64_t m) {
     return training ? checkpoint_stop(mode, m) : int64_t{0};
   };
-  spec.run = next_run_id();
+  spec.run = gpipe::internal::next_run_id();
   // Captured before the deferred statistics' callback is added: the recomputation observes no
   // operator (Note [Deferred batch norm without replacing modules]).
   spec.recompute_state = std::make_shared<const ThreadState>();

@@ -12,6 +12,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 TiedStages::TiedStages(const std::vector<Tie>& ties, const std::vector<int64_t>& stage_of_layer,
                        const std::vector<at::Tensor>& owners,
@@ -96,5 +97,6 @@ void TiedStages::sum_gradients(const ProcessGroup& group, c10::Device local,
   }
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -22,6 +22,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 namespace {
 
 constexpr int64_t kHeaderSize = kHeaderBytes / 8;   // int64 values: 4 KiB
@@ -81,8 +82,8 @@ Transfer::Transfer(ProcessGroup group, std::string what, c10::optional<c10::Stre
       stream_(stream),
       cancellation_(std::move(cancellation)) {
   if (stream_) {
-    post_stream_ = new_stream(stream_->device());
-    wait_stream(*post_stream_, *stream_);
+    post_stream_ = gpipe::internal::new_stream(stream_->device());
+    gpipe::internal::wait_stream(*post_stream_, *stream_);
   }
 }
 
@@ -332,5 +333,6 @@ std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Dev
   return out;
 }
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -37,7 +37,7 @@ struct CheckpointFrame::State {
   Checkpointing::Function function;
   Batch input;
   c10::Device device;
-  RngState rng;
+  internal::RngState rng;
   std::shared_ptr<const ThreadState> thread_state;
 
   // Note [Autograd metadata of checkpointed micro-batches].
@@ -49,7 +49,7 @@ struct CheckpointFrame::State {
   const GradRecord::Entry& entry() const { return known ? *known : learnt; }
 
   // Skips popped from other partitions in the first forward: extra inputs (in pop order).
-  std::vector<std::pair<SkipKey, SkipTensor>> popped;
+  std::vector<std::pair<SkipKey, internal::SkipTensor>> popped;
   // Whether CheckpointBackward has the dependency's edge as its last next edge
   // (attach_dependency). `node` is CheckpointBackward (weak: the node owns this state).
   bool has_dependency = false;
@@ -61,13 +61,13 @@ struct CheckpointFrame::State {
   int64_t partition = 0;
   // When recorded work started (Note [Device times] in timeline.cc).
   Timeline::Started start() const {
-    return timeline ? timeline->start(current_stream(device)) : Timeline::Started{};
+    return timeline ? timeline->start(internal::current_stream(device)) : Timeline::Started{};
   }
   void record_event(TimelineEvent::Kind kind, const Timeline::Started& started) const {
     if (timeline) {
       TimelineEvent event{kind, microbatch, partition};
       event.checkpointed = true;
-      timeline->finish(event, started, current_stream(device));
+      timeline->finish(event, started, internal::current_stream(device));
     }
   }
 
@@ -75,8 +75,8 @@ struct CheckpointFrame::State {
   bool recomputed = false;
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> leaves;
-  std::vector<SkipTensor> popped_leaves;  // parallel to `popped`
-  std::vector<std::pair<SkipKey, SkipTensor>> restashed;
+  std::vector<internal::SkipTensor> popped_leaves;  // parallel to `popped`
+  std::vector<std::pair<SkipKey, internal::SkipTensor>> restashed;
   // Stashes of the first forward that need a gradient: given the checkpoint's history once its
   // node exists (`rehome` installs that version in the skip's slot), in this order after the
   // outputs among the node's inputs.

@@ -8,6 +8,7 @@
 #include <c10/core/Stream.h>
 
 namespace gpipe {
+namespace internal {
 
 // Note [Copy streams]
 // ~~~~~~~~~~~~~~~~~~~
@@ -38,4 +39,5 @@ std::vector<at::Tensor> wait(std::vector<at::Tensor> tensors, const c10::Stream&
 /// they are. For a hand-over between threads (Note [Links that keep the graph] in link.h).
 std::vector<at::Tensor> pass(std::vector<at::Tensor> tensors);
 
+}  // namespace internal
 }  // namespace gpipe

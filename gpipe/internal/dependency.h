@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/function.h>
 
 namespace gpipe {
+namespace internal {
 
 // Note [Phony]
 // ~~~~~~~~~~~~
@@ -48,4 +49,5 @@ at::Tensor join(const at::Tensor& x, const at::Tensor& phony);
 /// `before = fork(before); after = join(after, phony)`. Used for the micro-batch order of backward.
 void depend(at::Tensor& before, at::Tensor& after);
 
+}  // namespace internal
 }  // namespace gpipe

@@ -5,6 +5,7 @@
 #include <functional>
 
 namespace gpipe {
+namespace internal {
 
 // Note [A callback the failed backward drops]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -24,4 +25,5 @@ namespace gpipe {
 ///   queue_end_of_backward([state] { state->finish(); }, [state] { state->abandon(); });
 void queue_end_of_backward(std::function<void()> callback, std::function<void()> dropped);
 
+}  // namespace internal
 }  // namespace gpipe

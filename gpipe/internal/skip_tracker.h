@@ -18,6 +18,7 @@
 #include "gpipe/skippable.h"
 
 namespace gpipe {
+namespace internal {
 
 /// A tensor held on behalf of a skip connection, counted by live_skip_tensors() while defined.
 class SkipTensor {
@@ -173,4 +174,5 @@ SkipTracker& current_skip_tracker();
 /// The run id for a new GPipe forward (never 0).
 uint64_t next_run_id();
 
+}  // namespace internal
 }  // namespace gpipe

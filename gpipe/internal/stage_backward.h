@@ -19,6 +19,7 @@
 #include "gpipe/worker.h"
 
 namespace gpipe {
+namespace internal {
 
 // Note [Stage-local backward in one process]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -142,4 +143,5 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
 /// Whether this thread is running a handed-off backward.
 bool in_stage_backward();
 
+}  // namespace internal
 }  // namespace gpipe

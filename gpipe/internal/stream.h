@@ -18,6 +18,7 @@ struct CPUGeneratorImpl;
 }  // namespace at
 
 namespace gpipe {
+namespace internal {
 
 /// Whether this build of gpipe was compiled against a CUDA-enabled LibTorch.
 bool built_with_cuda();
@@ -117,4 +118,5 @@ void set_rng_state(const RngState& state);
 /// from it since. False for CUDA states (not compared).
 bool rng_unchanged(const RngState& state);
 
+}  // namespace internal
 }  // namespace gpipe

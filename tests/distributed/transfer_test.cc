@@ -59,33 +59,35 @@ CATCH_TEST_CASE("an activation header holds exactly what fits in its 512 values,
                 "more, and a malformed one from a peer is refused naming what is wrong",
                 "[distributed][transfer][errors]") {
   // Five values come before the entries: 507 values of entries fill the header.
-  const BatchHeader full = BatchHeader::of(batch_of_header_words(507), 2, /*grad_enabled=*/true);
+  const internal::BatchHeader full =
+      internal::BatchHeader::of(batch_of_header_words(507), 2, /*grad_enabled=*/true);
   const at::Tensor encoded = full.encode();
-  CATCH_CHECK(encoded.numel() == BatchHeader::size());
+  CATCH_CHECK(encoded.numel() == internal::BatchHeader::size());
   CATCH_CHECK(encoded.numel() == 512);
-  const BatchHeader decoded = BatchHeader::decode(encoded);
+  const internal::BatchHeader decoded = internal::BatchHeader::decode(encoded);
   CATCH_REQUIRE(decoded.entries.size() == 64);
   for (size_t k = 0; k < 64; ++k) {
     CATCH_CHECK(decoded.entries[k].sizes == full.entries[k].sizes);
     CATCH_CHECK(decoded.entries[k].dtype == at::kFloat);
   }
-  CATCH_CHECK_THROWS_WITH(BatchHeader::of(batch_of_header_words(508), 2, /*grad_enabled=*/true),
-                          gpipe_test::contains("(513 values, at most 512)"));
+  CATCH_CHECK_THROWS_WITH(
+      internal::BatchHeader::of(batch_of_header_words(508), 2, /*grad_enabled=*/true),
+      gpipe_test::contains("(513 values, at most 512)"));
   // From a peer: a dtype that is no dtype, a negative size.
   at::Tensor bad_dtype = encoded.clone();
   bad_dtype[5] = 1000;
-  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(bad_dtype, 1, 0),
+  CATCH_CHECK_THROWS_WITH(internal::BatchHeader::decode(bad_dtype, 1, 0),
                           gpipe_test::contains("on rank 1, from rank 0") &&
                               gpipe_test::contains("tensor 0 has dtype number 1000"));
   at::Tensor bad_size = encoded.clone();
   bad_size[8] = -3;  // tensor 0's first size (dtype, requires_grad, dims, then sizes)
-  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(bad_size, 1, 0),
+  CATCH_CHECK_THROWS_WITH(internal::BatchHeader::decode(bad_size, 1, 0),
                           gpipe_test::contains("tensor 0 has a size of -3"));
   // Sizes whose bytes overflow an int64 (2^40 x 2^40 x 4 bytes).
   at::Tensor huge = encoded.clone();
   huge[8] = int64_t{1} << 40;
   huge[9] = int64_t{1} << 40;
-  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(huge, 1, 0),
+  CATCH_CHECK_THROWS_WITH(internal::BatchHeader::decode(huge, 1, 0),
                           gpipe_test::contains("over a petabyte"));
   // A shape that holds nothing yet overflows an int64 when multiplied in order (2^62 x 3 x 0):
   // its numel, bytes and strides must not be computed (UBSan caught this from the fuzz test).
@@ -93,13 +95,14 @@ CATCH_TEST_CASE("an activation header holds exactly what fits in its 512 values,
   empty_but_huge[8] = int64_t{1} << 62;
   empty_but_huge[9] = 3;
   empty_but_huge[10] = 0;
-  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(empty_but_huge, 1, 0),
+  CATCH_CHECK_THROWS_WITH(internal::BatchHeader::decode(empty_but_huge, 1, 0),
                           gpipe_test::contains("non-zero sizes multiply to over a petabyte"));
   // An atomic batch (one tensor, not a tuple) that says it has none.
-  at::Tensor atomic = BatchHeader::of(Batch(at::ones({2, 3})), 2, /*grad_enabled=*/true).encode();
-  CATCH_CHECK(BatchHeader::decode(atomic).entries.size() == 1);
+  at::Tensor atomic =
+      internal::BatchHeader::of(Batch(at::ones({2, 3})), 2, /*grad_enabled=*/true).encode();
+  CATCH_CHECK(internal::BatchHeader::decode(atomic).entries.size() == 1);
   atomic[4] = 0;
-  CATCH_CHECK_THROWS_WITH(BatchHeader::decode(atomic, 1, 0),
+  CATCH_CHECK_THROWS_WITH(internal::BatchHeader::decode(atomic, 1, 0),
                           gpipe_test::contains("(0 tensors, 2 micro-batches, atomic)"));
 }
 
@@ -116,19 +119,20 @@ CATCH_TEST_CASE("packed activations keep every tensor's dtype shape and values",
       at::randn({4, 6}, at::kFloat).t(),        // not contiguous: to_wire makes it so
   };
   const Batch batch(tensors);
-  const BatchHeader header = BatchHeader::of(batch, 3, /*grad_enabled=*/true);
-  const std::vector<at::Tensor> wire = to_wire(tensors, c10::Device(c10::kCPU));
-  const int64_t header_bytes = BatchHeader::size() * 8;
-  const int64_t data_bytes = packed_data_bytes(header);
+  const internal::BatchHeader header = internal::BatchHeader::of(batch, 3, /*grad_enabled=*/true);
+  const std::vector<at::Tensor> wire = internal::to_wire(tensors, c10::Device(c10::kCPU));
+  const int64_t header_bytes = internal::BatchHeader::size() * 8;
+  const int64_t data_bytes = internal::packed_data_bytes(header);
   // With the header, and without (the second message of a micro-batch that did not fit).
-  const at::Tensor message = pack_activations(wire, header.encode());
-  const at::Tensor data_only = pack_activations(wire);
+  const at::Tensor message = internal::pack_activations(wire, header.encode());
+  const at::Tensor data_only = internal::pack_activations(wire);
   CATCH_REQUIRE(message.numel() == header_bytes + data_bytes);
   CATCH_REQUIRE(data_only.numel() == data_bytes);
-  const BatchHeader decoded = BatchHeader::decode(message.narrow(0, 0, header_bytes).view(at::kLong));
+  const internal::BatchHeader decoded =
+      internal::BatchHeader::decode(message.narrow(0, 0, header_bytes).view(at::kLong));
   CATCH_CHECK(decoded.microbatches == 3);
   for (const at::Tensor& data : {message.narrow(0, header_bytes, data_bytes), data_only}) {
-    const std::vector<at::Tensor> out = unpack_activations(decoded, data);
+    const std::vector<at::Tensor> out = internal::unpack_activations(decoded, data);
     CATCH_REQUIRE(out.size() == tensors.size());
     for (size_t k = 0; k < tensors.size(); ++k) {
       CATCH_CAPTURE(k);
@@ -219,27 +223,27 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
 // and its reader (which removed the name).
 struct TestRing {
   std::string name;
-  std::unique_ptr<SharedRing> writer, reader;
+  std::unique_ptr<internal::SharedRing> writer, reader;
 };
 TestRing test_ring(const char* what) {
   const std::string name = "/gpipe-test-" + std::to_string(getpid()) + "-" + what;
-  auto writer = SharedRing::create(name, kMinSharedRing);
-  return {name, std::move(writer), SharedRing::open(name)};
+  auto writer = internal::SharedRing::create(name, internal::kMinSharedRing);
+  return {name, std::move(writer), internal::SharedRing::open(name)};
 }
 
 // A wait on no other process, for a minute at most.
-const RingWait kMinute{"test messages", 0, std::chrono::minutes(1), nullptr};
+const internal::RingWait kMinute{"test messages", 0, std::chrono::minutes(1), nullptr};
 
 CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrapping around its "
                 "end, and leaves no name behind",
                 "[distributed][transfer][shared_memory]") {
   TestRing ring = test_ring("order");
-  SharedRing* writer = ring.writer.get();
-  SharedRing* reader = ring.reader.get();
+  internal::SharedRing* writer = ring.writer.get();
+  internal::SharedRing* reader = ring.reader.get();
   CATCH_CHECK_FALSE(std::filesystem::exists("/dev/shm" + ring.name));
   CATCH_CHECK(writer->writer() == getpid());
-  CATCH_CHECK(writer->max_message() == kMinSharedRing / 2 - 64);
-  const RingWait& wait = kMinute;
+  CATCH_CHECK(writer->max_message() == internal::kMinSharedRing / 2 - 64);
+  const internal::RingWait& wait = kMinute;
   CATCH_CHECK(writer->reserve(writer->max_message() + 1, /*block=*/true, wait) == nullptr);
   // Sizes from 0 to the largest, 300 messages: the ring (256 KiB) wraps many times, the writer
   // waiting for room while the reader is behind.
@@ -321,7 +325,7 @@ at::Tensor random_header(std::mt19937_64& random) {
   }
   const bool atomic = count == 1 && random() % 2 == 0;
   const Batch batch = atomic ? Batch(values[0]) : Batch(values);
-  return BatchHeader::of(batch, 1 + static_cast<int64_t>(random() % 8), random() % 2 == 0)
+  return internal::BatchHeader::of(batch, 1 + static_cast<int64_t>(random() % 8), random() % 2 == 0)
       .encode();
 }
 
@@ -334,7 +338,7 @@ CATCH_TEST_CASE("activation headers from a peer, random or mutated, are read or 
   for (int64_t n = 0; n < 100000; ++n) {
     at::Tensor encoded;
     if (n % 10 == 0) {
-      encoded = at::empty({BatchHeader::size()}, at::kLong);
+      encoded = at::empty({internal::BatchHeader::size()}, at::kLong);
       int64_t* words = encoded.data_ptr<int64_t>();
       for (int64_t k = 0; k < encoded.numel(); ++k) words[k] = edge_value(random);
     } else {
@@ -342,16 +346,17 @@ CATCH_TEST_CASE("activation headers from a peer, random or mutated, are read or 
       int64_t* words = encoded.data_ptr<int64_t>();
       for (uint64_t m = 1 + random() % 4; m > 0; --m) {
         // Mostly where the batch's entries are.
-        words[random() % (random() % 4 == 0 ? BatchHeader::size() : 40)] = edge_value(random);
+        words[random() % (random() % 4 == 0 ? internal::BatchHeader::size() : 40)] =
+            edge_value(random);
       }
     }
     try {
-      const BatchHeader header = BatchHeader::decode(encoded, 1, 0);
-      const int64_t bytes = packed_data_bytes(header);
+      const internal::BatchHeader header = internal::BatchHeader::decode(encoded, 1, 0);
+      const int64_t bytes = internal::packed_data_bytes(header);
       if (bytes < 0) wrong.push_back("negative packed bytes " + std::to_string(bytes));
       if (bytes <= (int64_t{1} << 16)) {
         const std::vector<at::Tensor> tensors =
-            unpack_activations(header, at::zeros({bytes}, at::kByte));
+            internal::unpack_activations(header, at::zeros({bytes}, at::kByte));
         for (size_t k = 0; k < tensors.size(); ++k) {
           if (tensors[k].sizes() != c10::IntArrayRef(header.entries[k].sizes) ||
               tensors[k].scalar_type() != header.entries[k].dtype) {
@@ -384,7 +389,8 @@ CATCH_TEST_CASE("shared-memory records of random sizes and bytes are read within
   std::mt19937_64 random(20261129);
   int64_t read = 0, refused = 0;
   std::vector<std::string> wrong;
-  const RingWait wait{"activations from rank 0 on rank 1", 0, std::chrono::minutes(1), nullptr};
+  const internal::RingWait wait{"activations from rank 0 on rank 1", 0, std::chrono::minutes(1),
+                                nullptr};
   for (int64_t n = 0; n < 2000; ++n) {
     TestRing ring = test_ring("fuzz");
     const int64_t length = static_cast<int64_t>(random() % 5000);
@@ -397,11 +403,11 @@ CATCH_TEST_CASE("shared-memory records of random sizes and bytes are read within
       std::memcpy(out - 64, &size, sizeof(size));
     }
     ring.writer->commit();
-    SharedLink link;
+    internal::SharedLink link;
     link.in = ring.reader.get();
     try {
-      const SharedLink::Record record = link.read(wait);
-      if (record.bytes < 0 || record.bytes > kMinSharedRing) {
+      const internal::SharedLink::Record record = link.read(wait);
+      if (record.bytes < 0 || record.bytes > internal::kMinSharedRing) {
         wrong.push_back("a record of " + std::to_string(record.bytes) + " bytes");
       }
       volatile uint8_t sum = 0;  // every byte it says it has can be read (ASan watches)
@@ -425,9 +431,9 @@ CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and
                 "the records that say it went another way",
                 "[distributed][transfer][shared_memory]") {
   TestRing ring = test_ring("full");
-  SharedRing* writer = ring.writer.get();
-  SharedRing* reader = ring.reader.get();
-  const RingWait& wait = kMinute;
+  internal::SharedRing* writer = ring.writer.get();
+  internal::SharedRing* reader = ring.reader.get();
+  const internal::RingWait& wait = kMinute;
   int64_t fitted = 0;
   while (uint8_t* out = writer->reserve(30000, /*block=*/false, wait)) {
     std::memset(out, 1, 30000);
@@ -435,7 +441,7 @@ CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and
     ++fitted;
   }
   // 256 KiB less the 64 KiB kept free, in records of 30000 + 64 bytes (rounded to 64).
-  CATCH_CHECK(fitted == (kMinSharedRing - 64 * 1024) / (30016 + 64));
+  CATCH_CHECK(fitted == (internal::kMinSharedRing - 64 * 1024) / (30016 + 64));
   for (int k = 0; k < 100; ++k) {  // small records still fit, without a reader
     uint8_t* out = writer->reserve(64, /*block=*/true, wait);
     CATCH_REQUIRE(out != nullptr);
@@ -456,21 +462,22 @@ CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancel
                 "timeout, and when the other process has exited",
                 "[distributed][transfer][shared_memory]") {
   TestRing ring = test_ring("waits");
-  SharedRing* writer = ring.writer.get();
-  SharedRing* reader = ring.reader.get();
+  internal::SharedRing* writer = ring.writer.get();
+  internal::SharedRing* reader = ring.reader.get();
   int64_t n = 0;
   // Another stage's failure, heard while this one waits.
-  Cancellation cancellation;
+  internal::Cancellation cancellation;
   std::thread cancel([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     cancellation.cancel("stage 1 of 2 failed: a layer threw");
   });
-  const RingWait cancelled{"activations", 0, std::chrono::minutes(1), &cancellation};
+  const internal::RingWait cancelled{"activations", 0, std::chrono::minutes(1), &cancellation};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, cancelled),
                           gpipe_test::contains("stage 1 of 2 failed: a layer threw"));
   cancel.join();
   // The group's timeout.
-  const RingWait timed{"activations from rank 0", 0, std::chrono::milliseconds(100), nullptr};
+  const internal::RingWait timed{"activations from rank 0", 0, std::chrono::milliseconds(100),
+                                 nullptr};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, timed),
                           gpipe_test::contains("for activations from rank 0 in shared memory, "
                                                "past the group's timeout (100 ms)"));
@@ -479,7 +486,7 @@ CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancel
   const pid_t child = fork();
   if (child == 0) _exit(0);
   CATCH_REQUIRE(child > 0);
-  const RingWait gone{"gradients", child, std::chrono::minutes(1), nullptr};
+  const internal::RingWait gone{"gradients", child, std::chrono::minutes(1), nullptr};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, gone),
                           gpipe_test::contains("other process (pid " + std::to_string(child) +
                                                ") has exited"));

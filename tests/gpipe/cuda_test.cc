@@ -121,10 +121,10 @@ CATCH_TEST_CASE("on a GPU, deferred batch norm matches a full-batch BatchNorm",
 
 CATCH_TEST_CASE("memory statistics are reported for CUDA devices", "[cuda][stream]") {
   const c10::Device gpu(at::kCUDA, 0);
-  const int64_t before = memory_allocated(gpu);
+  const int64_t before = gpipe::internal::memory_allocated(gpu);
   at::Tensor t = at::empty({1 << 20}, at::TensorOptions(at::kFloat).device(gpu));
-  CATCH_CHECK(memory_allocated(gpu) >= before + (4 << 20));
-  CATCH_CHECK(memory_allocated(at::kCPU) == -1);
+  CATCH_CHECK(gpipe::internal::memory_allocated(gpu) >= before + (4 << 20));
+  CATCH_CHECK(gpipe::internal::memory_allocated(at::kCPU) == -1);
 }
 
 // CUDA device k, or cuda:0 where there are not that many devices.
@@ -234,8 +234,8 @@ CATCH_TEST_CASE("skips between GPUs arrive complete: GPipe equals the plain Sequ
 CATCH_TEST_CASE("synchronize(device) waits for every stream of that device, whatever is current",
                 "[cuda][stream]") {
   const c10::Device gpu = cuda_device(0);
-  const c10::Stream side = new_stream(gpu);
-  CATCH_REQUIRE(side != current_stream(gpu));
+  const c10::Stream side = gpipe::internal::new_stream(gpu);
+  CATCH_REQUIRE(side != gpipe::internal::current_stream(gpu));
   // The calling thread's current device: the synchronised one, then another one if there is one.
   for (const c10::Device current : {cuda_device(0), cuda_device(1)}) {
     CATCH_CAPTURE(current);
@@ -252,7 +252,7 @@ CATCH_TEST_CASE("synchronize(device) waits for every stream of that device, what
     }
     {
       c10::DeviceGuard guard(current);
-      synchronize(gpu);
+      gpipe::internal::synchronize(gpu);
     }
     CATCH_CHECK(side.query());
   }
@@ -358,7 +358,7 @@ bool step_overlaps(const std::vector<c10::Device>& devices, ScheduleKind kind) {
   const at::Tensor x = at::randn({8 * 512, 2048}, devices.front());
   const at::Tensor y = at::randn({8 * 512, 2048});
   for (int k = 0; k < 2; ++k) pipe->step(x, y, loss);  // the first warms up
-  synchronize(c10::Device(c10::kCUDA, 0));
+  gpipe::internal::synchronize(c10::Device(c10::kCUDA, 0));
   return copy_overlap(pipe->last_timeline(), devices).overlapped_us > 0;
 }
 

@@ -13,6 +13,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 /// A hash of `text` that is the same on every rank and build (FNV-1a; std::hash is not), for
 /// comparing configurations with check_same_fields.
@@ -30,5 +31,6 @@ void check_same_fields(const ProcessGroup& group,
 /// buffers' count, elements, and names, shapes and dtypes (hashed).
 std::vector<std::pair<std::string, int64_t>> module_fields(const torch::nn::Module& module);
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -21,6 +21,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 // Note [Failing fast across processes]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -135,14 +136,13 @@ class FaultChannel {
   std::thread listener_;  // last: starts once the rest is made
 };
 
-namespace internal {
 /// Fault injection for tests: `hook` (or nothing, when empty) runs in each PipelineStage step
 /// between its schedule and the waits for its last transfers, with the step's index. Not for
 /// concurrent use with running steps.
 void set_step_end_hook(std::function<void(int64_t)> hook);
 /// Runs the hook, if any (the step's part).
 void run_step_end_hook(int64_t index);
-}  // namespace internal
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

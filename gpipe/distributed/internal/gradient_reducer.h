@@ -14,6 +14,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 // Note [Buckets that start during backward]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -100,5 +101,6 @@ class GradientReducer {
   std::shared_ptr<State> state_;
 };
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -24,6 +24,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 /// What one stage's remote links share: the group, the wire (wire_device) and the courier that
 /// posts sends and receives in order.
@@ -185,5 +186,6 @@ class RemoteDownstream final : public gpipe::internal::Downstream {
   std::map<int64_t, std::vector<at::Tensor>> arrived_;
 };
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -22,6 +22,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 class Cancellation;  // fault.h
 
@@ -166,11 +167,10 @@ class SharedLinks {
   std::map<std::pair<bool, int64_t>, SharedLink> links_;
 };
 
-namespace internal {
 /// For tests: a message of more than `bytes` that would not wait takes the process group's way,
 /// as if it found no room (-1, the default: no such limit). Set before the stages run.
 void set_shared_message_limit(int64_t bytes);
-}  // namespace internal
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

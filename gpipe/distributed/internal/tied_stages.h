@@ -14,6 +14,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 // Note [Ties across stages]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -81,5 +82,6 @@ class TiedStages {
   std::vector<Entry> entries_;
 };
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe

@@ -26,6 +26,7 @@
 
 namespace gpipe {
 namespace distributed {
+namespace internal {
 
 class Cancellation;  // fault.h: aborts a step's transfers when another stage failed
 
@@ -277,5 +278,6 @@ c10::intrusive_ptr<c10d::Work> post_receive_from_any(const ProcessGroup& group, 
 /// needed).
 std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Device device);
 
+}  // namespace internal
 }  // namespace distributed
 }  // namespace gpipe
