@@ -1,6 +1,7 @@
 // Saving a training run and resuming it; see Note [Saving and resuming] in saved_training.h.
 #include "gpipe/saved_training.h"
 
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -348,6 +349,14 @@ int64_t load_training(const std::string& path, torch::nn::Module& module,
                             "one process", &module, optimizer, /*random=*/true, scaler);
   file.apply();
   return file.step();
+}
+
+int64_t saved_step(const std::string& path) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) return -1;
+  return internal::LoadedFile(path, internal::read_whole_file(path, "gpipe::saved_step"),
+                              "one process", nullptr, nullptr, /*random=*/false, nullptr)
+      .step();
 }
 
 }  // namespace gpipe

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,22 @@ inline void set_cosine_lr(torch::optim::Adam& optimizer, double lr, int64_t step
         .lr(lr * 0.5 * (1 + std::cos(M_PI * static_cast<double>(step) / total)));
   }
 }
+
+/// The save to resume from, a folder: --resume's when given (a save, or a folder of saves such
+/// as --save's, whose newest complete save it takes); else, in a process that torchrun restarted
+/// (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds one. Empty:
+/// start afresh. `step_of` gives the step of the save in a folder, or -1 where none is complete.
+/// Throws c10::Error when --resume holds no complete save.
+std::string save_to_resume(const std::function<int64_t(const std::string& folder)>& step_of);
+
+/// The trainers' fault injection: with GPIPE_TRAINER_KILL="<rank>@<step>", the process of that
+/// global rank kills itself with SIGKILL in the middle of that training step (counted from 1
+/// over the run), unless torchrun restarted it (TORCHELASTIC_RESTART_COUNT > 0).
+void kill_if_asked(int rank, int64_t step);
+
+/// The parameters and buffers of `module` as one checksum (16 hexadecimal digits): FNV-1a over
+/// their bytes in order, to compare two runs' results bit for bit.
+std::string parameters_digest(const torch::nn::Module& module);
 
 inline std::string duration(double seconds) {
   const int64_t s = static_cast<int64_t>(seconds + 0.5);

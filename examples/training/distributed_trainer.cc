@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "examples/training/common.h"
 #include "gpipe/distributed/core_binding.h"
+#include "gpipe/distributed/internal/fault.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/saved_training.h"
 #include "gpipe/trace.h"
@@ -49,6 +50,7 @@ ABSL_DECLARE_FLAG(int64_t, stage_partitions);
 ABSL_DECLARE_FLAG(bool, bind_cores_to_rank);
 ABSL_DECLARE_FLAG(std::string, save);
 ABSL_DECLARE_FLAG(std::string, resume);
+ABSL_DECLARE_FLAG(int64_t, save_every);
 ABSL_DECLARE_FLAG(std::string, backend);
 
 namespace gpipe {
@@ -226,18 +228,24 @@ int train_distributed(const TrainerModel& trainer) {
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   const double lr = absl::GetFlag(FLAGS_lr);
   int64_t global_step = 0;
-  int64_t first_epoch = 1;
   const std::string save = absl::GetFlag(FLAGS_save);
-  if (!absl::GetFlag(FLAGS_resume).empty()) {
-    // Saves come at the ends of epochs: the next epoch is where the saved run went on.
-    global_step = dist::load_training(absl::GetFlag(FLAGS_resume), *stage, &optimizer);
-    first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
-    if (reporter) {
-      std::printf("resumed from %s at step %lld: epoch %lld\n",
-                  absl::GetFlag(FLAGS_resume).c_str(), static_cast<long long>(global_step),
-                  static_cast<long long>(first_epoch));
-    }
+  const int64_t save_every = absl::GetFlag(FLAGS_save_every);
+  // Every process finds the same save: they read the same folders, and none is saving now.
+  const std::string resume = save_to_resume(dist::saved_step);
+  if (!resume.empty()) global_step = dist::load_training(resume, *stage, &optimizer);
+  // The saved run went on with its step global_step + 1: this epoch's step `skip` + 1.
+  const int64_t first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
+  const int64_t skip = global_step % std::max<int64_t>(steps, 1);
+  if (reporter && !resume.empty()) {
+    std::printf(
+        "resumed from %s at step %lld: epoch %lld %s\n", resume.c_str(),
+        static_cast<long long>(global_step), static_cast<long long>(first_epoch),
+        skip == 0 ? "from its start" : absl::StrCat("after its first ", skip, " steps").c_str());
   }
+  // Fault injection (GPIPE_TRAINER_KILL): in the middle of a step, between its schedule and the
+  // waits for its last transfers.
+  dist::internal::set_step_end_hook(
+      [&](int64_t) { kill_if_asked(options.rank(), global_step + 1); });
   double throughput = 0, accuracy = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
@@ -245,11 +253,16 @@ int train_distributed(const TrainerModel& trainer) {
     auto train_loader = torch::data::make_data_loader(
         data.train.map(torch::data::transforms::Stack<>()), train_sampler(epoch),
         torch::data::DataLoaderOptions(local_batch).drop_last(true));
-    Progress progress(epoch, steps * batch_size);
+    const int64_t skipped = epoch == first_epoch ? skip : 0;
+    Progress progress(epoch, (steps - skipped) * batch_size);
     int64_t step = 0;
     double loss_sum = 0;
     for (auto& batch : *train_loader) {
       if (step == steps) break;
+      if (step < skipped) {  // trained on before the save
+        ++step;
+        continue;
+      }
       optimizer.zero_grad();
       const at::Tensor loss = run(batch.data, batch.target);
       set_cosine_lr(optimizer, lr, global_step, total_steps);
@@ -258,11 +271,14 @@ int train_distributed(const TrainerModel& trainer) {
       ++global_step;
       if (reporter) {
         loss_sum += loss.item<double>();
-        progress.update(step * batch_size, loss_sum / step);
+        progress.update((step - skipped) * batch_size, loss_sum / (step - skipped));
+      }
+      if (!save.empty() && save_every > 0 && global_step % save_every == 0) {
+        dist::save_training(save + "/latest", *stage, &optimizer, global_step);
       }
     }
     if (reporter) progress.finish();
-    throughput = step * batch_size / progress.seconds();
+    throughput = (step - skipped) * batch_size / progress.seconds();
 
     // Test accuracy: forward only, every replica on its shard of the test set.
     stage->eval();
@@ -290,11 +306,11 @@ int train_distributed(const TrainerModel& trainer) {
       }
     }
     if (reporter) {
-      std::printf("epoch %lld: train loss %.4f, %.1f samples/s (%s, all replicas); test "
-                  "accuracy %.2f%% (replica 0: %lld images)\n",
-                  static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step, 1),
-                  throughput, duration(progress.seconds()).c_str(), accuracy,
-                  static_cast<long long>(seen));
+      std::printf(
+          "epoch %lld: train loss %.4f, %.1f samples/s (%s, all replicas); test "
+          "accuracy %.2f%% (replica 0: %lld images)\n",
+          static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step - skipped, 1),
+          throughput, duration(progress.seconds()).c_str(), accuracy, static_cast<long long>(seen));
       std::fflush(stdout);
     }
   }
@@ -333,6 +349,11 @@ int train_distributed(const TrainerModel& trainer) {
                 duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                              .count()).c_str(),
                 usage.ru_maxrss / 1024.0);
+  }
+  dist::internal::set_step_end_hook(nullptr);
+  if (groups.replica == 0) {
+    std::printf("stage %d parameters: %s (a checksum of its trained parameters and buffers)\n",
+                groups.stage, parameters_digest(*stage).c_str());
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 #include "examples/training/trainer.h"
 
 #include <malloc.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <thread>
 #include <vector>
@@ -18,7 +20,7 @@
 #include <torch/cuda.h>
 #include <torch/data/dataloader.h>
 #include <torch/data/datasets/map.h>
-#include <torch/data/samplers/random.h>
+#include <torch/data/samplers/distributed.h>
 #include <torch/data/samplers/sequential.h>
 #include <torch/data/transforms/stack.h>
 #include <torch/optim/adam.h>
@@ -36,6 +38,7 @@
 #include "examples/training/distributed_trainer.h"  // built with GPIPE_WITH_DISTRIBUTED
 #include "gpipe/gpipe.h"
 #include "gpipe/grad_scaler.h"
+#include "gpipe/internal/atomic_file.h"
 #include "gpipe/schedule_check.h"
 #include "gpipe/internal/partition.h"
 #include "gpipe/saved_training.h"
@@ -109,17 +112,94 @@ ABSL_FLAG(bool, stage_local_backward, true,
           "on CPU partitions, run each partition's backward on its own worker "
           "(GPipeOptions::stage_local_backward)");
 ABSL_FLAG(std::string, save, "",
-          "save the training (parameters, optimizer, step, random generators) at the end of every "
-          "epoch k in the folder <this>/epoch_k (gpipe::save_training; with --distributed, a file "
-          "per stage)");
+          "save the training (parameters, optimizer, step, random generators) in this folder: at "
+          "the end of every epoch k in <this>/epoch_k, and every --save_every steps in "
+          "<this>/latest (gpipe::save_training; with --distributed, a file per stage and a "
+          "manifest)");
+ABSL_FLAG(int64_t, save_every, 0,
+          "with --save: also save every this many steps into <save>/latest, each save replacing "
+          "the one before atomically (0: at the ends of epochs only)");
 ABSL_FLAG(std::string, resume, "",
-          "resume the training saved in this folder (one epoch_k of --save), with the epoch after "
-          "it; give the flags of the saved run");
+          "resume the training saved in this folder: a save (an epoch_k or the latest of --save) "
+          "or a --save folder, whose newest complete save it takes; the run goes on from the "
+          "step after the save's, in the middle of an epoch too; give the flags of the saved run "
+          "(under torchrun --max-restarts, a restarted run resumes from --save by itself)");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
 
 namespace gpipe {
 namespace training {
+
+namespace {
+
+// The newest complete save of `folder`: itself, if it is a save, else the newest of its
+// subfolders (in name order among equal steps: the same in every process); empty if none.
+std::string newest_save(const std::string& folder,
+                        const std::function<int64_t(const std::string&)>& step_of) {
+  if (step_of(folder) >= 0) return folder;
+  std::vector<std::string> folders;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
+    if (entry.is_directory()) folders.push_back(entry.path().string());
+  }
+  std::sort(folders.begin(), folders.end());
+  std::string newest;
+  int64_t newest_step = -1;
+  for (const std::string& f : folders) {
+    const int64_t step = step_of(f);
+    if (step > newest_step) newest = f, newest_step = step;
+  }
+  return newest;
+}
+
+int64_t env_int(const char* name) {
+  const char* value = std::getenv(name);
+  int64_t out = 0;
+  return value != nullptr && absl::SimpleAtoi(value, &out) ? out : 0;
+}
+
+}  // namespace
+
+std::string save_to_resume(const std::function<int64_t(const std::string&)>& step_of) {
+  const std::string resume = absl::GetFlag(FLAGS_resume);
+  if (!resume.empty()) {
+    const std::string found = newest_save(resume, step_of);
+    TORCH_CHECK(!found.empty(), "--resume=", resume,
+                " holds no complete save: give a folder that a save wrote (an epoch_k or the "
+                "latest of --save) or a --save folder");
+    return found;
+  }
+  const std::string save = absl::GetFlag(FLAGS_save);
+  if (save.empty() || env_int("TORCHELASTIC_RESTART_COUNT") == 0) return "";
+  return newest_save(save, step_of);  // empty: the first attempt failed before its first save
+}
+
+void kill_if_asked(int rank, int64_t step) {
+  const char* asked = std::getenv("GPIPE_TRAINER_KILL");
+  if (asked == nullptr || env_int("TORCHELASTIC_RESTART_COUNT") > 0) return;
+  const std::vector<std::string> parts = absl::StrSplit(asked, '@');
+  int64_t r = -1, s = -1;
+  TORCH_CHECK(parts.size() == 2 && absl::SimpleAtoi(parts[0], &r) && absl::SimpleAtoi(parts[1], &s),
+              "GPIPE_TRAINER_KILL=", asked, ": give <rank>@<step>, such as 1@5");
+  if (r == rank && s == step) {
+    std::printf("GPIPE_TRAINER_KILL: rank %d kills itself in step %lld\n", rank,
+                static_cast<long long>(step));
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+  }
+}
+
+std::string parameters_digest(const torch::nn::Module& module) {
+  uint64_t hash = gpipe::internal::kChecksumStart;
+  const auto add = [&hash](const at::Tensor& t) {
+    const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    hash = gpipe::internal::checksum(c.data_ptr(), c.nbytes(), hash);
+  };
+  for (const at::Tensor& p : module.parameters()) add(p);
+  for (const at::Tensor& b : module.buffers()) add(b);
+  return absl::StrCat(absl::Hex(hash, absl::kZeroPad16));
+}
+
 namespace {
 
 std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partitions) {
@@ -307,9 +387,16 @@ int train(const TrainerModel& trainer) {
   // bfloat16 has float32's range.
   GradScaler scaler(GradScalerOptions().enabled(amp && !on_cpu));
 
-  auto train_loader = torch::data::make_data_loader<torch::data::samplers::RandomSampler>(
-      data.train.map(torch::data::transforms::Stack<>()),
-      torch::data::DataLoaderOptions(batch_size).drop_last(true));
+  // Each epoch's order comes from the epoch's number, not from the random generators, so that a
+  // run resumed in the middle of an epoch sees the rest of the same order.
+  const auto train_loader = [&](int64_t epoch) {
+    torch::data::samplers::DistributedRandomSampler sampler(
+        static_cast<size_t>(data.train.images().size(0)), 1, 0, /*allow_duplicates=*/false);
+    sampler.set_epoch(static_cast<size_t>(epoch));
+    return torch::data::make_data_loader(
+        data.train.map(torch::data::transforms::Stack<>()), std::move(sampler),
+        torch::data::DataLoaderOptions(batch_size).drop_last(true));
+  };
   auto test_loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
       data.test.map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions(batch_size));
@@ -325,22 +412,39 @@ int train(const TrainerModel& trainer) {
   const double lr = absl::GetFlag(FLAGS_lr);
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   int64_t global_step = 0;
-  int64_t first_epoch = 1;
   const std::string save = absl::GetFlag(FLAGS_save);
-  if (!absl::GetFlag(FLAGS_resume).empty()) {
-    // Saves come at the ends of epochs: the next epoch is where the saved run went on.
-    global_step = load_training(absl::GetFlag(FLAGS_resume) + "/model.pt", *pipe, &optimizer);
-    first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
-    std::printf("resumed from %s at step %lld: epoch %lld\n", absl::GetFlag(FLAGS_resume).c_str(),
-                static_cast<long long>(global_step), static_cast<long long>(first_epoch));
+  const int64_t save_every = absl::GetFlag(FLAGS_save_every);
+  const auto save_into = [&](const std::string& folder) {
+    std::filesystem::create_directories(folder);
+    save_training(folder + "/model.pt", *pipe, &optimizer, global_step, &scaler);
+  };
+  const std::string resume =
+      save_to_resume([](const std::string& folder) { return saved_step(folder + "/model.pt"); });
+  if (!resume.empty()) {
+    global_step = load_training(resume + "/model.pt", *pipe, &optimizer, &scaler);
+  }
+  // The saved run went on with its step global_step + 1: this epoch's step `skip` + 1.
+  const int64_t first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
+  const int64_t skip = global_step % std::max<int64_t>(steps, 1);
+  if (!resume.empty()) {
+    std::printf(
+        "resumed from %s at step %lld: epoch %lld %s\n", resume.c_str(),
+        static_cast<long long>(global_step), static_cast<long long>(first_epoch),
+        skip == 0 ? "from its start" : absl::StrCat("after its first ", skip, " steps").c_str());
   }
   for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
     pipe->train();
-    Progress progress(epoch, steps * batch_size);
+    const int64_t skipped = epoch == first_epoch ? skip : 0;
+    Progress progress(epoch, (steps - skipped) * batch_size);
     int64_t step = 0;
     double loss_sum = 0;
-    for (auto& batch : *train_loader) {
+    auto loader = train_loader(epoch);
+    for (auto& batch : *loader) {
       if (step == steps) break;
+      if (step < skipped) {  // trained on before the save
+        ++step;
+        continue;
+      }
       optimizer.zero_grad();
       at::Tensor loss;
       {
@@ -358,17 +462,21 @@ int train(const TrainerModel& trainer) {
         }
       }
       if (!use_step) scaler.scale(loss).backward();
+      kill_if_asked(0, global_step + 1);  // with the step's gradients, before its update
       set_cosine_lr(optimizer, lr, global_step, total_steps);
       scaler.step(optimizer, pipe->parameters());  // skipped when a gradient overflowed
       scaler.update();
       ++step;
       ++global_step;
       loss_sum += loss.item<double>();
-      progress.update(step * batch_size, loss_sum / step);
+      progress.update((step - skipped) * batch_size, loss_sum / (step - skipped));
+      if (!save.empty() && save_every > 0 && global_step % save_every == 0) {
+        save_into(save + "/latest");
+      }
     }
     progress.finish();
     const double train_seconds = progress.seconds();
-    last_throughput = step * batch_size / train_seconds;
+    last_throughput = (step - skipped) * batch_size / train_seconds;
     last_forward = pipe->last_timeline();
     if (epoch == epochs) {
       if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
@@ -398,15 +506,15 @@ int train(const TrainerModel& trainer) {
       ++batches;
     }
     last_accuracy = 100.0 * correct / std::max<int64_t>(seen, 1);
-    std::printf("epoch %lld: train loss %.4f, %.1f samples/s (%s); test accuracy %.2f%% "
-                "(%lld images)\n",
-                static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step, 1),
-                last_throughput, duration(train_seconds).c_str(), last_accuracy,
-                static_cast<long long>(seen));
+    std::printf(
+        "epoch %lld: train loss %.4f, %.1f samples/s (%s); test accuracy %.2f%% "
+        "(%lld images)\n",
+        static_cast<long long>(epoch), loss_sum / std::max<int64_t>(step - skipped, 1),
+        last_throughput, duration(train_seconds).c_str(), last_accuracy,
+        static_cast<long long>(seen));
     if (!save.empty()) {
       const std::string folder = absl::StrCat(save, "/epoch_", epoch);
-      std::filesystem::create_directories(folder);
-      save_training(folder + "/model.pt", *pipe, &optimizer, global_step);
+      save_into(folder);
       std::printf("saved in %s (step %lld)\n", folder.c_str(),
                   static_cast<long long>(global_step));
     }
@@ -430,6 +538,8 @@ int train(const TrainerModel& trainer) {
               "%.2f%%; %s in all\n",
               absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
               bubble.c_str(), last_throughput, last_accuracy, duration(total).c_str());
+  std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
+              parameters_digest(*pipe).c_str());
   std::vector<c10::Device> seen_devices;
   for (const c10::Device& d : devices) {
     if (std::find(seen_devices.begin(), seen_devices.end(), d) != seen_devices.end()) continue;

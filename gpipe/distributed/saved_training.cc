@@ -490,6 +490,15 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
 
 }  // namespace
 
+int64_t saved_step(const std::string& dir) {
+  const std::string path = dir + "/" + kManifest;
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0 && (errno == ENOENT || errno == ENOTDIR)) return -1;
+  return parse_manifest(gpipe::internal::read_whole_file(path, "gpipe::distributed::saved_step"),
+                        path)
+      .step;
+}
+
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler) {

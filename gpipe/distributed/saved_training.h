@@ -46,6 +46,14 @@ void save_training(const std::string& dir, const PipelineStageImpl& stage,
 int64_t load_training(const std::string& dir, PipelineStageImpl& stage,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
+/// The step of the save committed in `dir` (by either save_training), or -1 when none is (no
+/// manifest there): which of several save folders is the newest, from their manifests alone.
+/// Throws c10::Error naming the manifest when it is damaged. Any process may call it; it is not
+/// a collective.
+///
+///   const bool newer = saved_step("run/latest") > saved_step("run/epoch_3");
+int64_t saved_step(const std::string& dir);
+
 /// The same for the replicas of a DataParallel: the module, `optimizer`, `step` and `scaler` in
 /// "replicas.step<step>.save<n>.pt" (written by rank 0: the replicas are equal), each rank's
 /// random generators in "random_rank<r>.step<step>.save<n>.pt", and "manifest.txt" by rank 0.

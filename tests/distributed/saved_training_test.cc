@@ -207,6 +207,8 @@ CATCH_TEST_CASE(kInterrupted, "[distributed][stage][save]") {
     }
     CATCH_CHECK(fs::exists(random_file(dir, groups, 4, 2)));  // written, never committed
     CATCH_CHECK(fs::exists(random_file(dir, groups, 2, 1)));
+    CATCH_CHECK(saved_step(dir) == 2);  // the committed save is still the newest
+    CATCH_CHECK(saved_step(dir + "/none") == -1);
 
     // A restarted run: new groups and a stage over other parameters load step 2 exactly.
     const PipelineGroups again = new_pipeline_groups(group_options, 2);
@@ -220,6 +222,7 @@ CATCH_TEST_CASE(kInterrupted, "[distributed][stage][save]") {
 
     // Saved again into the folder: committed, and the older files removed.
     save_training(dir, *resumed, &adam2, 4, &loaded);
+    CATCH_CHECK(saved_step(dir) == 4);
     CATCH_CHECK(load_training(dir, *resumed, &adam2, &loaded) == 4);
     CATCH_CHECK(fs::exists(random_file(dir, again, 4, 2)));
     CATCH_CHECK_FALSE(fs::exists(random_file(dir, again, 2, 1)));

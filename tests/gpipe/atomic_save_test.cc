@@ -140,6 +140,8 @@ CATCH_TEST_CASE("A save that fails before its file is in place leaves the previo
   }
   CATCH_CHECK(folder.names() == std::set<std::string>{"run.pt"});
   CATCH_CHECK(gpipe::internal::read_whole_file(path, "test") == saved);
+  CATCH_CHECK(saved_step(path) == 2);  // the newest save is still step 2's
+  CATCH_CHECK(saved_step(folder / "none.pt") == -1);
   nn::Sequential other = small_model(3, 2);
   torch::optim::Adam adam2(other->parameters(), torch::optim::AdamOptions(0.01));
   CATCH_CHECK(load_training(path, *other, &adam2) == 2);
@@ -147,6 +149,7 @@ CATCH_TEST_CASE("A save that fails before its file is in place leaves the previo
 
   // Not killed: the new save replaces the old one.
   save_training(path, *model, &adam, 4);
+  CATCH_CHECK(saved_step(path) == 4);
   CATCH_CHECK(load_training(path, *other, &adam2) == 4);
   check_equal(other->parameters(), model->parameters());
   CATCH_CHECK(folder.names() == std::set<std::string>{"run.pt"});
