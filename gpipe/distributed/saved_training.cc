@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -50,7 +51,7 @@ struct Grid {
   ProcessGroup inner, outer;  // null: one rank
   int inner_size = 1, outer_size = 1;
   int inner_index = 0, outer_index = 0;
-  std::function<std::string(int outer)> layout;       // what wrote outer index's files
+  std::function<std::string(int outer, int inner_size)> layout;  // what wrote outer's files
   std::function<std::string(int outer)> module_base;  // its module file's name, up to ".step"
   std::function<std::string(int outer, int inner)> random_base;
   std::function<std::string(int outer, int inner)> who;  // a rank, for errors
@@ -82,8 +83,7 @@ Grid stage_grid(const PipelineStageImpl& stage) {
   grid.outer_index = static_cast<int>(stage.stage());
   const auto& options = stage.options();
   grid.layout = [stages = stage.stages(), balance = absl::StrJoin(options.balance(), ", "),
-                 virtual_stages = options.schedule().virtual_stages(),
-                 replicas = grid.inner_size](int s) {
+                 virtual_stages = options.schedule().virtual_stages()](int s, int replicas) {
     return absl::StrCat("stage ", s, " of ", stages, " (balance {", balance, "}, ",
                         virtual_stages, " virtual stage(s) each, ", replicas, " replica(s))");
   };
@@ -99,7 +99,7 @@ Grid replica_grid(const DataParallelImpl& model) {
   grid.inner = model.group();
   grid.inner_size = model.group()->getSize();
   grid.inner_index = model.group()->getRank();
-  grid.layout = [replicas = grid.inner_size](int) {
+  grid.layout = [](int, int replicas) {
     return absl::StrCat("a DataParallel of ", replicas, " replicas");
   };
   grid.module_base = [](int) { return std::string("replicas"); };
@@ -261,7 +261,7 @@ at::Tensor write_files(const std::string& dir, const Grid& grid, const torch::nn
                        const GradScaler* scaler, std::exception_ptr& error) {
   std::vector<int64_t> fields(kFields, 0);
   fields[kStep] = step;
-  const std::string layout = grid.layout(grid.outer_index);
+  const std::string layout = grid.layout(grid.outer_index, grid.inner_size);
   try {
     make_folders(dir);
     if (grid.writes_module()) {
@@ -306,7 +306,7 @@ Manifest manifest_of(const Grid& grid, const at::Tensor& all, int64_t step, int6
   Manifest manifest{step, save, {}, {}};
   const auto value = [&](int s, int k, Field f) { return all[s][k][f].item<int64_t>(); };
   for (int s = 0; s < grid.outer_size; ++s) {
-    manifest.layouts.push_back(grid.layout(s));
+    manifest.layouts.push_back(grid.layout(s, grid.inner_size));
     manifest.files.push_back({file_name(grid.module_base(s), step, save),
                               value(s, 0, kModuleBytes),
                               static_cast<uint64_t>(value(s, 0, kModuleChecksum))});
@@ -392,14 +392,27 @@ Manifest read_manifest(const std::string& dir) {
   return parse_manifest(gpipe::internal::read_whole_file(path, "gpipe::load_training"), path);
 }
 
-void check_layout_listed(const Manifest& manifest, const std::string& layout,
-                         const std::string& dir) {
+// The number of replicas the save had, where it was saved by this rank's outer index in the
+// same layout but for the number of replicas (Note [Resuming on fewer or more replicas]).
+int saved_replicas(const Manifest& manifest, const Grid& grid, const std::string& dir) {
+  const std::string mine = grid.layout(grid.outer_index, grid.inner_size);
   for (const std::string& saved : manifest.layouts) {
-    if (saved == layout) return;
+    if (saved == mine) return grid.inner_size;
+    // The replicas are the layout's number after its last "of " or ", ".
+    const size_t of = saved.rfind("of ");
+    size_t at = saved.rfind(", ");
+    if (of != std::string::npos && (at == std::string::npos || of > at)) at = of;
+    if (at == std::string::npos) continue;
+    const std::string tail = saved.substr(at + (at == of ? 3 : 2));
+    int replicas = 0;
+    if (absl::SimpleAtoi(tail.substr(0, tail.find(' ')), &replicas) && replicas >= 1 &&
+        saved == grid.layout(grid.outer_index, replicas)) {
+      return replicas;
+    }
   }
   TORCH_CHECK(false, "gpipe::load_training: '", dir, "' was saved by ",
-              absl::StrJoin(manifest.layouts, "; "), ", but is loaded into ", layout,
-              "; resume with the layout it was saved from");
+              absl::StrJoin(manifest.layouts, "; "), ", but is loaded into ", mine,
+              "; resume with the layout it was saved from (the number of replicas may differ)");
 }
 
 // The path and bytes of the file of `base` that the manifest commits, checked against the
@@ -454,12 +467,14 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
   std::string refused;
   try {
     const Manifest manifest = read_manifest(dir);
-    const std::string layout = grid.layout(grid.outer_index);
-    check_layout_listed(manifest, layout, dir);
+    const int replicas = saved_replicas(manifest, grid, dir);
+    const std::string layout = grid.layout(grid.outer_index, replicas);
     module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout, &module,
                             optimizer, /*random=*/false, scaler);
-    random_file = load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index),
-                            layout, nullptr, nullptr, /*random=*/true, nullptr);
+    // Replica k takes the generators of the saved run's replica k mod R.
+    random_file =
+        load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index % replicas),
+                  layout, nullptr, nullptr, /*random=*/true, nullptr);
     step = manifest.step;
     save = manifest.save;
   } catch (const std::exception& e) {

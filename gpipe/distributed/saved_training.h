@@ -16,6 +16,20 @@
 namespace gpipe {
 namespace distributed {
 
+// Note [Resuming on fewer or more replicas]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A save holds each stage once (its replica 0's file: the replicas are equal) and each rank's
+// random generators. So a save loads into the same stages and balance with any number of
+// replicas R' (a lost machine, a smaller allocation: 4 processes of 2 stages x 2 replicas resumed
+// by 2): every replica takes its stage's file, and replica k takes the generators of the saved
+// run's replica k mod R. What differs from the saved run is only what the number of replicas
+// decides: how a batch is split (with the same global batch, the same sample position, but each
+// replica's shard of an epoch drawn for R' replicas), the order in which replicas' gradients
+// are summed, and, with more replicas than saved, replicas k and k + R drawing the same random
+// numbers (dropout) on different samples. Tested: 2 stages x 2 replicas saved, resumed by 2 x 1,
+// take the saved parameters exactly and train on as the 2 replicas did to 1e-9 (float64). The
+// stages and balance must be the saved ones: a stage's file holds its layers only.
+
 /// Saves a pipeline stage's training to the folder `dir` (made if missing; Note [Saving and
 /// resuming] and Note [Atomic saves] in gpipe/saved_training.h): the stage's layers, `optimizer`
 /// (over its parameters; may be null), `step` and `scaler`'s state (if not null) in
@@ -35,8 +49,9 @@ namespace distributed {
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler = nullptr);
-/// Loads what save_training committed in `dir` for this stage (the same stages, balance and
-/// replicas) and this rank's random generators, and `scaler`'s state (if not null); returns the
+/// Loads what save_training committed in `dir` for this stage (the same stages and balance; any
+/// number of replicas: Note [Resuming on fewer or more replicas]) and this rank's random
+/// generators, and `scaler`'s state (if not null); returns the
 /// step. Throws c10::Error, changing nothing, when `dir` has no manifest (no save finished),
 /// when a file is torn or replaced (its checksum is not the manifest's), when the folder mixes
 /// saves of different steps, or when the save does not fit the stage, the optimizer or the
@@ -63,7 +78,8 @@ int64_t saved_step(const std::string& dir);
 void save_training(const std::string& dir, const DataParallelImpl& model,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler = nullptr);
-/// Loads what save_training committed for the replicas (as many of them), this rank's random
+/// Loads what save_training committed for the replicas (any number of them, as for stages: Note
+/// [Resuming on fewer or more replicas]; tested for stages only), this rank's random
 /// generators and `scaler`'s state (if not null); returns the step. Refuses as the stages' load,
 /// and is a collective as it is: every replica loads, or none.
 int64_t load_training(const std::string& dir, DataParallelImpl& model,

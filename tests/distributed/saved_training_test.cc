@@ -6,6 +6,7 @@
 #include "gpipe/distributed/saved_training.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 #include <stdexcept>
@@ -28,6 +29,13 @@ namespace fs = std::filesystem;
 void check_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   CATCH_REQUIRE(a.size() == b.size());
   for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(at::equal(a[k], b[k]));
+}
+
+// `tensors` flattened into one float64 tensor, as read_doubles reads what write_doubles wrote.
+at::Tensor flat(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& t : tensors) parts.push_back(t.detach().to(at::kDouble).reshape(-1));
+  return at::cat(parts);
 }
 
 std::vector<at::Tensor> copies(const std::vector<at::Tensor>& tensors) {
@@ -111,6 +119,53 @@ CATCH_TEST_CASE(kStages, "[distributed][stage][save]") {
   const auto results = run_ranks(kStages, 4, folder);
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < 4; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kFewerReplicas =
+    "a save of 2 stages x 2 replicas resumes on 2 stages x 1 replica with the saved parameters "
+    "exactly and trains on as the 2 replicas did up to summation order";
+
+// Phase 1, in 4 ranks: saves at step 3, trains 3 more steps; each stage's replica 0 writes its
+// parameters at the save and at the end into the folder. Phase 2, in 2 ranks (GPIPE_TEST_SAVED:
+// phase 1's folder): loads that save and trains the same 3 steps, each on the whole batch.
+CATCH_TEST_CASE(kFewerReplicas, "[distributed][stage][save]") {
+  if (test_rank() >= 0) {
+    const char* saved = std::getenv("GPIPE_TEST_SAVED");
+    const std::string folder = saved != nullptr ? saved : gpipe_test::test_folder();
+    const auto options = PipelineStageOptions(kBalance).chunks(2);
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    PipelineStage stage(make_model(saved != nullptr ? 8 : 7), options, groups.pipeline,
+                        groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
+    const std::string at_save = absl::StrCat(folder, "/at_save", groups.stage);
+    const std::string at_end = absl::StrCat(folder, "/at_end", groups.stage);
+    if (saved == nullptr) {
+      train_steps(stage, groups, adam, 0, 3);
+      save_training(folder + "/save", *stage, &adam, 3);
+      if (groups.replica == 0) gpipe_test::write_doubles(at_save, stage->parameters());
+      train_steps(stage, groups, adam, 3, 3);
+      if (groups.replica == 0) gpipe_test::write_doubles(at_end, stage->parameters());
+      return;
+    }
+    CATCH_REQUIRE(groups.replicas == 1);
+    CATCH_CHECK(load_training(folder + "/save", *stage, &adam) == 3);
+    CATCH_CHECK(at::equal(gpipe_test::read_doubles(at_save), flat(stage->parameters())));
+    train_steps(stage, groups, adam, 3, 3);
+    CATCH_CHECK(
+        at::allclose(gpipe_test::read_doubles(at_end), flat(stage->parameters()), 1e-9, 1e-12));
+    return;
+  }
+  const std::string saved = folder_for("fewer_replicas_saved");
+  const auto four = run_ranks(kFewerReplicas, 4, saved);
+  CATCH_INFO(gpipe_test::outputs(four));
+  for (int r = 0; r < 4; ++r) CATCH_CHECK(four[r].exit_code == 0);
+  const std::string folder = folder_for("fewer_replicas");
+  const auto two = run_ranks(kFewerReplicas, 2, folder, {{"GPIPE_TEST_SAVED", saved}});
+  CATCH_INFO(gpipe_test::outputs(two));
+  for (int r = 0; r < 2; ++r) CATCH_CHECK(two[r].exit_code == 0);
+  std::filesystem::remove_all(saved);
   std::filesystem::remove_all(folder);
 }
 
