@@ -120,11 +120,11 @@ std::vector<torch::nn::AnyModule> training_copies(const torch::nn::Sequential& m
     } catch (const c10::Error& e) {
       // LibTorch's Module::clone says so when a module does not implement it.
       const bool no_clone = e.msg().find("clone() has not been implemented") != std::string::npos;
-      TORCH_CHECK(!no_clone, "profile_layers: cannot copy ", describe_layer(module, k),
+      TORCH_CHECK(!no_clone, "profile_layers: cannot copy ", internal::describe_layer(module, k),
                   ": it must implement clone() (derive from torch::nn::Cloneable); ",
                   e.what_without_backtrace());
-      TORCH_CHECK(false, "profile_layers: cannot copy ", describe_layer(module, k), " to ", device,
-                  ": ", e.what_without_backtrace());
+      TORCH_CHECK(false, "profile_layers: cannot copy ", internal::describe_layer(module, k),
+                  " to ", device, ": ", e.what_without_backtrace());
     }
     layers.back().ptr()->train();
   }
@@ -228,10 +228,11 @@ std::vector<at::Tensor> forward_with_grad(const ProfiledLayer& layer, const Batc
         return layer.copy.any_forward(input.to_any());
       } catch (const c10::Error& e) {
         TORCH_CHECK(false, "profile_layers: the sample does not go through ",
-                    describe_layer(layer.module, layer.k), ": ", e.what_without_backtrace());
+                    internal::describe_layer(layer.module, layer.k), ": ",
+                    e.what_without_backtrace());
       }
     };
-    Batch result = Batch::from_any(forward(), describe_layer(layer.module, layer.k));
+    Batch result = Batch::from_any(forward(), internal::describe_layer(layer.module, layer.k));
     atomic = result.atomic();
     outputs = std::move(result.values());
     internal::synchronize(layer.device);
@@ -284,7 +285,7 @@ void split_backward(const ProfiledLayer& layer, const Batch& input,
                     const std::vector<at::Tensor>& values, LayerTimes& times) {
   std::vector<at::Tensor> again;
   Batch out = Batch::from_any(layer.copy.any_forward(input.to_any()),
-                              describe_layer(layer.module, layer.k));
+                              internal::describe_layer(layer.module, layer.k));
   for (at::Tensor& o : out.values()) {
     if (o.defined() && o.requires_grad()) again.push_back(std::move(o));
   }

@@ -95,8 +95,8 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   devices_.assign(devices.begin(), devices.begin() + options_.balance().size());
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), "GPipe");
-  partitions_ = split_module(
-      clone_across_devices(module, layer_devices(options_.balance(), devices_), "GPipe"),
+  partitions_ = internal::split_module(
+      clone_across_devices(module, internal::layer_devices(options_.balance(), devices_), "GPipe"),
       options_.balance(), devices_);
   tied_ = std::make_shared<TiedCopies>(ties_, partitions_);
   skip_layout_ = SkipLayout(partitions_);
@@ -128,8 +128,9 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     // Each partition on a thread of its own (Note [Random numbers in concurrent partitions]).
     std::vector<int64_t> threads(partitions_.size());
     std::iota(threads.begin(), threads.end(), int64_t{0});
-    check_concurrent_generators("GPipe", partitions_, devices_, threads,
-                                checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
+    internal::check_concurrent_generators(
+        "GPipe", partitions_, devices_, threads,
+        checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   // step()'s schedule (Note [One schedule option]).
   check_schedule_option(options_.schedule(), static_cast<int64_t>(partitions_.size()),

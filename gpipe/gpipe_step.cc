@@ -56,7 +56,8 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
     for (size_t r = 0; r < plan.ranks.size(); ++r) {
       for (const Action& a : plan.ranks[r]) threads[a.stage] = static_cast<int64_t>(r);
     }
-    check_concurrent_generators(who, partitions_, devices_, threads, /*checkpointing=*/true);
+    internal::check_concurrent_generators(who, partitions_, devices_, threads,
+                                          /*checkpointing=*/true);
     generators_checked_ = true;
   }
   tied_->refresh();

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 
 namespace gpipe {
+namespace internal {
 namespace {
 
 const char* const kBalanceAdvice =
@@ -91,8 +92,6 @@ void check_concurrent_generators(const std::string& who,
   if (!warning.empty()) TORCH_WARN(warning);
 }
 
-namespace internal {
-
 bool own_threads_for_forward(const std::vector<torch::nn::Sequential>& partitions,
                              const std::vector<c10::Device>& devices, std::optional<bool> chosen,
                              bool stage_local) {
@@ -104,8 +103,6 @@ bool own_threads_for_forward(const std::vector<torch::nn::Sequential>& partition
   }
   return true;
 }
-
-}  // namespace internal
 
 std::string describe_layer(const torch::nn::Sequential& module, size_t index) {
   const auto children = module->named_children();
@@ -207,4 +204,5 @@ Batch run_partition(const torch::nn::Sequential& partition, const Batch& input,
   return Batch::from_any(std::move(value), describe_in_partition(partition, index));
 }
 
+}  // namespace internal
 }  // namespace gpipe

@@ -78,8 +78,8 @@ int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
 /// The step of the save at `path` (a file save_training wrote), or -1 when there is no file
-/// there: which of several saves is the newest, without loading one. Throws c10::Error naming
-/// `path` when the file there is not a save of one process.
+/// there: which of several saves is the newest, without applying one (it reads the file). Throws
+/// c10::Error naming `path` when the file there is not a save of one process.
 ///
 ///   if (gpipe::saved_step("run/latest.pt") > gpipe::saved_step("run/epoch_3.pt")) ...
 int64_t saved_step(const std::string& path);

@@ -244,8 +244,10 @@ int train_distributed(const TrainerModel& trainer) {
   }
   // Fault injection (GPIPE_TRAINER_KILL): in the middle of a step, between its schedule and the
   // waits for its last transfers.
-  dist::internal::set_step_end_hook(
-      [&](int64_t) { kill_if_asked(options.rank(), global_step + 1); });
+  bool training_step = false;  // the hook runs in evaluation's steps too
+  dist::internal::set_step_end_hook([&](int64_t) {
+    if (training_step) kill_if_asked(options.rank(), global_step + 1);
+  });
   double throughput = 0, accuracy = 0;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
@@ -264,7 +266,9 @@ int train_distributed(const TrainerModel& trainer) {
         continue;
       }
       optimizer.zero_grad();
+      training_step = true;
       const at::Tensor loss = run(batch.data, batch.target);
+      training_step = false;
       set_cosine_lr(optimizer, lr, global_step, total_steps);
       optimizer.step();
       ++step;

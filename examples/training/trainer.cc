@@ -90,7 +90,9 @@ ABSL_FLAG(double, lr, 2e-3,
           "Adam's learning rate at the start; it follows a cosine down to zero at the last step");
 ABSL_FLAG(int64_t, threads, 0,
           "intra-op threads on the CPU (default: the cores divided among the partitions)");
-ABSL_FLAG(int64_t, seed, 0, "random seed");
+ABSL_FLAG(int64_t, seed, 0,
+          "random seed of the parameters and of dropout (each epoch's order of the training set "
+          "comes from the epoch's number)");
 ABSL_FLAG(std::string, trace, "", "write the last step's schedule here as a Chrome trace (JSON)");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
 ABSL_FLAG(bool, distributed, false,
@@ -140,7 +142,7 @@ std::string newest_save(const std::string& folder,
   std::vector<std::string> folders;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
-    if (entry.is_directory()) folders.push_back(entry.path().string());
+    if (entry.is_directory(error)) folders.push_back(entry.path().string());
   }
   std::sort(folders.begin(), folders.end());
   std::string newest;
@@ -161,17 +163,20 @@ int64_t env_int(const char* name) {
 }  // namespace
 
 std::string save_to_resume(const std::function<int64_t(const std::string&)>& step_of) {
-  const std::string resume = absl::GetFlag(FLAGS_resume);
-  if (!resume.empty()) {
-    const std::string found = newest_save(resume, step_of);
-    TORCH_CHECK(!found.empty(), "--resume=", resume,
-                " holds no complete save: give a folder that a save wrote (an epoch_k or the "
-                "latest of --save) or a --save folder");
-    return found;
-  }
+  // A restarted process goes on from its own saves, when it made one: they are newer than
+  // --resume's (empty: the first attempt failed before its first save).
   const std::string save = absl::GetFlag(FLAGS_save);
-  if (save.empty() || env_int("TORCHELASTIC_RESTART_COUNT") == 0) return "";
-  return newest_save(save, step_of);  // empty: the first attempt failed before its first save
+  if (!save.empty() && env_int("TORCHELASTIC_RESTART_COUNT") > 0) {
+    const std::string found = newest_save(save, step_of);
+    if (!found.empty()) return found;
+  }
+  const std::string resume = absl::GetFlag(FLAGS_resume);
+  if (resume.empty()) return "";
+  const std::string found = newest_save(resume, step_of);
+  TORCH_CHECK(!found.empty(), "--resume=", resume,
+              " holds no complete save: give a folder that a save wrote (an epoch_k or the "
+              "latest of --save) or a --save folder");
+  return found;
 }
 
 void kill_if_asked(int rank, int64_t step) {
@@ -414,14 +419,16 @@ int train(const TrainerModel& trainer) {
   int64_t global_step = 0;
   const std::string save = absl::GetFlag(FLAGS_save);
   const int64_t save_every = absl::GetFlag(FLAGS_save_every);
+  // The scaler's state is saved when it scales (float16 on CUDA), so that other runs' saves load.
+  GradScaler* const scaler_or_null = scaler.is_enabled() ? &scaler : nullptr;
   const auto save_into = [&](const std::string& folder) {
     std::filesystem::create_directories(folder);
-    save_training(folder + "/model.pt", *pipe, &optimizer, global_step, &scaler);
+    save_training(folder + "/model.pt", *pipe, &optimizer, global_step, scaler_or_null);
   };
   const std::string resume =
       save_to_resume([](const std::string& folder) { return saved_step(folder + "/model.pt"); });
   if (!resume.empty()) {
-    global_step = load_training(resume + "/model.pt", *pipe, &optimizer, &scaler);
+    global_step = load_training(resume + "/model.pt", *pipe, &optimizer, scaler_or_null);
   }
   // The saved run went on with its step global_step + 1: this epoch's step `skip` + 1.
   const int64_t first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;

@@ -155,8 +155,9 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   }
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), who);
-  const std::vector<torch::nn::Sequential> parts = split_module(
-      clone_across_devices(module, layer_devices(balance, placed), who), balance, placed);
+  const std::vector<torch::nn::Sequential> parts = gpipe::internal::split_module(
+      clone_across_devices(module, gpipe::internal::layer_devices(balance, placed), who), balance,
+      placed);
   const std::vector<SkipKey> crossing = SkipLayout(parts).crossing();
   const char* part = v > 1 ? "virtual stage" : "stage";
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
@@ -186,8 +187,9 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
     devices = given.size() == local_balance.size()
                   ? given
                   : std::vector<c10::Device>(local_balance.size(), first_device);
-    layers_ = clone_across_devices(parts[stage_], layer_devices(local_balance, devices), who);
-    local = split_module(layers_, local_balance, devices);
+    layers_ = clone_across_devices(parts[stage_],
+                                   gpipe::internal::layer_devices(local_balance, devices), who);
+    local = gpipe::internal::split_module(layers_, local_balance, devices);
   }
   register_module("layers", layers_);
   return local;
@@ -217,9 +219,9 @@ void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
   if (!interleaved) {
     std::vector<int64_t> threads(local.size());
     std::iota(threads.begin(), threads.end(), int64_t{0});
-    check_concurrent_generators(absl::StrCat(who, " (stage ", stage_, ")"), local, devices,
-                                threads,
-                                checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
+    gpipe::internal::check_concurrent_generators(
+        absl::StrCat(who, " (stage ", stage_, ")"), local, devices, threads,
+        checkpoint_stop(options_.checkpoint(), options_.chunks()) > 0);
   }
   for (size_t j = 0; j < local.size(); ++j) {
     gpipe::internal::ExecutorPartition p;
@@ -330,7 +332,7 @@ void PipelineStageImpl::check_same_configuration(const torch::nn::Module& whole)
       "Every process of a pipeline must build the same model with the same options", wire_);
   if (replica_group_) {
     fields.emplace_back("which parameters require grad (hash)",
-                        static_cast<int64_t>(requires_grad_key(layers_)));
+                        static_cast<int64_t>(gpipe::internal::requires_grad_key(layers_)));
     internal::check_same_fields(
         replica_group_, fields, "gpipe::distributed::PipelineStage", "replica",
         "Every replica of a pipeline must build the same model with the same "

@@ -23,10 +23,13 @@ namespace distributed {
 // replicas R' (a lost machine, a smaller allocation: 4 processes of 2 stages x 2 replicas resumed
 // by 2): every replica takes its stage's file, and replica k takes the generators of the saved
 // run's replica k mod R. What differs from the saved run is only what the number of replicas
-// decides: how a batch is split (with the same global batch, the same sample position, but each
-// replica's shard of an epoch drawn for R' replicas), the order in which replicas' gradients
-// are summed, and, with more replicas than saved, replicas k and k + R drawing the same random
-// numbers (dropout) on different samples. Tested: 2 stages x 2 replicas saved, resumed by 2 x 1,
+// decides: how a batch is split, the order in which replicas' gradients are summed, and, with
+// more replicas than saved, replicas k and k + R drawing the same random numbers (dropout) on
+// different samples. A trainer that keeps the global batch resumes at the same step and sample
+// count, but a DistributedRandomSampler draws each replica's shard of an epoch for R' replicas:
+// resumed in the middle of an epoch, the rest of that epoch is not exactly the samples the saved
+// run had left (some come twice in it, some not at all); from the next epoch on, each sample
+// once an epoch. Tested: 2 stages x 2 replicas saved, resumed by 2 x 1,
 // take the saved parameters exactly and train on as the 2 replicas did to 1e-9 (float64). The
 // stages and balance must be the saved ones: a stage's file holds its layers only.
 

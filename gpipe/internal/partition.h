@@ -14,6 +14,7 @@
 #include "gpipe/microbatch.h"
 
 namespace gpipe {
+namespace internal {
 
 /// Checks that `module` can be partitioned: no module object appears twice. Throws c10::Error
 /// naming the layers. (Layers may share parameters: Note [Tied parameters] in tied_parameters.h.)
@@ -26,7 +27,7 @@ void verify_balance(const std::vector<int64_t>& balance, int64_t layers, size_t 
 /// Splits `module` into `balance.size()` Sequentials holding the same layer objects under their
 /// original names, and moves partition j to `devices[j]`.
 ///
-///   auto parts = gpipe::split_module(seq, {2, 3}, {torch::kCPU, torch::kCPU});
+///   auto parts = gpipe::internal::split_module(seq, {2, 3}, {torch::kCPU, torch::kCPU});
 std::vector<torch::nn::Sequential> split_module(const torch::nn::Sequential& module,
                                                 const std::vector<int64_t>& balance,
                                                 const std::vector<c10::Device>& devices);
@@ -67,7 +68,6 @@ void check_concurrent_generators(const std::string& who,
                                  const std::vector<c10::Device>& devices,
                                  const std::vector<int64_t>& threads, bool checkpointing);
 
-namespace internal {
 /// The decision of Note [Threads of forward()]: `chosen` when set; else a thread per partition
 /// when `stage_local` (stage-local backward runs each partition's backward on its thread), or
 /// when at least two partitions are all on the CPU and none holds a layer that draws random
@@ -75,8 +75,6 @@ namespace internal {
 bool own_threads_for_forward(const std::vector<torch::nn::Sequential>& partitions,
                              const std::vector<c10::Device>& devices, std::optional<bool> chosen,
                              bool stage_local);
-
-}  // namespace internal
 
 /// Runs the layers of `partition` on `input` in order. Throws c10::Error naming the layer when a
 /// layer returns something other than a tensor or a vector of tensors. With `layer_outputs`, also
@@ -89,4 +87,5 @@ Batch run_partition(const torch::nn::Sequential& partition, const Batch& input,
 /// Checkpointing (Note [Autograd metadata of checkpointed micro-batches] in checkpoint.h).
 uint64_t requires_grad_key(const torch::nn::Sequential& partition);
 
+}  // namespace internal
 }  // namespace gpipe

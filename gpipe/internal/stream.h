@@ -37,7 +37,7 @@ c10::Stream new_stream(c10::Device device);
 /// CPU work does not read CUDA memory asynchronously. Thread-safe; the events it needs are
 /// reused (Note [Event pool] in stream.cc).
 ///
-///   gpipe::wait_stream(compute, copy);  // compute runs after the copy has landed
+///   gpipe::internal::wait_stream(compute, copy);  // compute runs after the copy has landed
 void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
 
 /// A point in a stream's work that another stream, or the host, can wait for: a CUDA event

@@ -122,51 +122,82 @@ CATCH_TEST_CASE(kStages, "[distributed][stage][save]") {
   std::filesystem::remove_all(folder);
 }
 
-constexpr const char* kFewerReplicas =
+constexpr const char* kOtherReplicas =
     "a save of 2 stages x 2 replicas resumes on 2 stages x 1 replica with the saved parameters "
-    "exactly and trains on as the 2 replicas did up to summation order";
+    "and generators exactly and trains on as the 2 replicas did up to summation order and a "
+    "save of 2 x 1 resumes on 2 x 2 with every replica taking replica 0's generators";
 
-// Phase 1, in 4 ranks: saves at step 3, trains 3 more steps; each stage's replica 0 writes its
-// parameters at the save and at the end into the folder. Phase 2, in 2 ranks (GPIPE_TEST_SAVED:
-// phase 1's folder): loads that save and trains the same 3 steps, each on the whole batch.
-CATCH_TEST_CASE(kFewerReplicas, "[distributed][stage][save]") {
+// One draw of this rank's CPU generator, written to (or compared with) `path`.
+void write_draw(const std::string& path) {
+  gpipe_test::write_doubles(path, {at::randn({4}, at::kDouble)});
+}
+void check_draw(const std::string& path) {
+  CATCH_CHECK(at::equal(gpipe_test::read_doubles(path), at::randn({4}, at::kDouble)));
+}
+
+// Phase 1, in 4 ranks (2 x 2): saves at step 3, draws, trains 3 more steps; each stage's
+// replica 0 writes its parameters at the save and at the end. Phase 2, in 2 ranks (2 x 1;
+// GPIPE_TEST_SAVED: phase 1's folder): loads that save, draws as phase 1's replica 0 did, trains
+// the same 3 steps on the whole batch, saves at step 6 and draws. Phase 3, in 4 ranks again
+// (GPIPE_TEST_RESAVED: phase 2's folder): both replicas load phase 2's parameters and its draw.
+CATCH_TEST_CASE(kOtherReplicas, "[distributed][stage][save]") {
   if (test_rank() >= 0) {
     const char* saved = std::getenv("GPIPE_TEST_SAVED");
-    const std::string folder = saved != nullptr ? saved : gpipe_test::test_folder();
+    const char* resaved = std::getenv("GPIPE_TEST_RESAVED");
+    const std::string mine = gpipe_test::test_folder();
     const auto options = PipelineStageOptions(kBalance).chunks(2);
     const PipelineGroups groups =
         new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
     PipelineStage stage(make_model(saved != nullptr ? 8 : 7), options, groups.pipeline,
                         groups.replica_group);
     torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
-    const std::string at_save = absl::StrCat(folder, "/at_save", groups.stage);
-    const std::string at_end = absl::StrCat(folder, "/at_end", groups.stage);
-    if (saved == nullptr) {
-      train_steps(stage, groups, adam, 0, 3);
-      save_training(folder + "/save", *stage, &adam, 3);
-      if (groups.replica == 0) gpipe_test::write_doubles(at_save, stage->parameters());
-      train_steps(stage, groups, adam, 3, 3);
-      if (groups.replica == 0) gpipe_test::write_doubles(at_end, stage->parameters());
+    const auto file = [&groups](const std::string& folder, const std::string& what, int replica) {
+      return absl::StrCat(folder, "/", what, "_stage", groups.stage, "_replica", replica);
+    };
+    if (resaved != nullptr) {  // phase 3
+      CATCH_REQUIRE(groups.replicas == 2);
+      CATCH_CHECK(load_training(std::string(resaved) + "/save", *stage, &adam) == 6);
+      check_draw(file(resaved, "draw", 0));
+      CATCH_CHECK(at::equal(gpipe_test::read_doubles(file(resaved, "parameters", 0)),
+                            flat(stage->parameters())));
       return;
     }
-    CATCH_REQUIRE(groups.replicas == 1);
-    CATCH_CHECK(load_training(folder + "/save", *stage, &adam) == 3);
-    CATCH_CHECK(at::equal(gpipe_test::read_doubles(at_save), flat(stage->parameters())));
-    train_steps(stage, groups, adam, 3, 3);
+    if (saved == nullptr) {  // phase 1
+      train_steps(stage, groups, adam, 0, 3);
+      save_training(mine + "/save", *stage, &adam, 3);
+      write_draw(file(mine, "draw", groups.replica));
+      if (groups.replica == 0)
+        gpipe_test::write_doubles(file(mine, "at_save", 0), stage->parameters());
+      train_steps(stage, groups, adam, 3, 3);
+      if (groups.replica == 0)
+        gpipe_test::write_doubles(file(mine, "at_end", 0), stage->parameters());
+      return;
+    }
+    CATCH_REQUIRE(groups.replicas == 1);  // phase 2
+    CATCH_CHECK(load_training(std::string(saved) + "/save", *stage, &adam) == 3);
+    check_draw(file(saved, "draw", 0));
     CATCH_CHECK(
-        at::allclose(gpipe_test::read_doubles(at_end), flat(stage->parameters()), 1e-9, 1e-12));
+        at::equal(gpipe_test::read_doubles(file(saved, "at_save", 0)), flat(stage->parameters())));
+    train_steps(stage, groups, adam, 3, 3);
+    CATCH_CHECK(at::allclose(gpipe_test::read_doubles(file(saved, "at_end", 0)),
+                             flat(stage->parameters()), 1e-9, 1e-12));
+    save_training(mine + "/save", *stage, &adam, 6);
+    write_draw(file(mine, "draw", 0));
+    gpipe_test::write_doubles(file(mine, "parameters", 0), stage->parameters());
     return;
   }
-  const std::string saved = folder_for("fewer_replicas_saved");
-  const auto four = run_ranks(kFewerReplicas, 4, saved);
-  CATCH_INFO(gpipe_test::outputs(four));
-  for (int r = 0; r < 4; ++r) CATCH_CHECK(four[r].exit_code == 0);
-  const std::string folder = folder_for("fewer_replicas");
-  const auto two = run_ranks(kFewerReplicas, 2, folder, {{"GPIPE_TEST_SAVED", saved}});
-  CATCH_INFO(gpipe_test::outputs(two));
-  for (int r = 0; r < 2; ++r) CATCH_CHECK(two[r].exit_code == 0);
-  std::filesystem::remove_all(saved);
-  std::filesystem::remove_all(folder);
+  const auto run = [](int world, const std::string& name,
+                      const std::map<std::string, std::string>& env) {
+    const std::string folder = folder_for(name);
+    const auto results = run_ranks(kOtherReplicas, world, folder, env);
+    CATCH_INFO(gpipe_test::outputs(results));
+    for (int r = 0; r < world; ++r) CATCH_CHECK(results[r].exit_code == 0);
+    return folder;
+  };
+  const std::string four = run(4, "replicas_four", {});
+  const std::string two = run(2, "replicas_two", {{"GPIPE_TEST_SAVED", four}});
+  const std::string again = run(4, "replicas_again", {{"GPIPE_TEST_RESAVED", two}});
+  for (const std::string& folder : {four, two, again}) std::filesystem::remove_all(folder);
 }
 
 constexpr const char* kReplicas =
