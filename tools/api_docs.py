@@ -114,6 +114,41 @@ def include_circles():
     return circles
 
 
+NAMESPACE_OPEN = re.compile(r"^\s*namespace\s+([\w:]*)\s*\{")
+NAMESPACE_CLOSE = re.compile(r"^\s*\}\s*//\s*namespace\s*([\w:]*)")
+# checkpoint_state.h defines a member of the public CheckpointFrame (docs/design.md).
+OUTSIDE_ALLOWED = {"gpipe/internal/checkpoint_state.h"}
+
+
+def names_outside_internal():
+    """(header, line number, line) for each declaration of an internal header that is in a named
+    namespace but not in an `internal` one (clang-format's `}  // namespace x` closing comments
+    mark the namespaces' ends)."""
+    out = []
+    for folder in ("gpipe/internal", "gpipe/distributed/internal", "balancing/internal"):
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            h = folder + "/" + name
+            if not h.endswith(".h") or h in OUTSIDE_ALLOWED:
+                continue
+            stack = []
+            with open(h) as f:
+                for number, line in enumerate(f, 1):
+                    m = NAMESPACE_OPEN.match(line)
+                    if m:
+                        stack += (m.group(1) or "<anonymous>").split("::")
+                        continue
+                    m = NAMESPACE_CLOSE.match(line)
+                    if m:
+                        del stack[len(stack) - len((m.group(1) or "<anonymous>").split("::")):]
+                        continue
+                    if (stack and stack[0] == "gpipe" and "internal" not in stack
+                            and re.match(r"[A-Za-z]", line)):
+                        out.append((h, number, line.strip()))
+    return out
+
+
 def filter_header(path):
     with open(path) as f:
         lines = f.read().split("\n")
@@ -297,6 +332,10 @@ def main(out_dir):
                     print("%s:%d: warning: a public header includes the internal header %s; "
                           "declare what it needs from it instead, or make that header public"
                           % (h, number, m.group(1)), file=sys.stderr)
+    for h, number, line in names_outside_internal():
+        print("%s:%d: warning: an internal header declares '%s' outside an internal namespace; "
+              "put it in gpipe::internal (gpipe::distributed::internal in gpipe/distributed)"
+              % (h, number, line[:60]), file=sys.stderr)
     for circle in include_circles():
         print("%s: warning: an include circle among gpipe's headers: %s; break it (the headers "
               "are layered: a header never includes, through others, one that includes it)"
