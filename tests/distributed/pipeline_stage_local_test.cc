@@ -126,8 +126,8 @@ CATCH_TEST_CASE("a stage's step and evaluate take the loss as an argument, and a
 
 // The only use of the deprecated PipelineStageOptions::loss: a loss other than mse, so that which
 // loss a step used shows in its value.
-CATCH_TEST_CASE("the deprecated loss option is the loss of a step() given none, and step()'s "
-                "loss takes precedence",
+CATCH_TEST_CASE("the deprecated loss option is the loss of a step() or evaluate() given none, "
+                "and their own loss takes precedence",
                 "[distributed][stage]") {
   if (test_rank() >= 0) return;
   ProcessGroup group = new_gloo_group(
@@ -146,6 +146,10 @@ CATCH_TEST_CASE("the deprecated loss option is the loss of a step() given none, 
   CATCH_CHECK(at::allclose(stage->step(Batch(x), y), 2 * expected, 0, 1e-12));
   CATCH_CHECK(at::allclose(stage->step(Batch(x), y, nullptr), 2 * expected, 0, 1e-12));
   CATCH_CHECK(at::allclose(stage->step(Batch(x), y, mse), expected, 0, 1e-12));
+  // evaluate() likewise.
+  stage->eval();
+  CATCH_CHECK(at::allclose(stage->evaluate(Batch(x), y).loss, 2 * expected, 0, 1e-12));
+  CATCH_CHECK(at::allclose(stage->evaluate(Batch(x), y, mse).loss, expected, 0, 1e-12));
 }
 
 CATCH_TEST_CASE("a stage with three partitions in one process trains with a skip within or "
