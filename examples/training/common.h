@@ -38,10 +38,10 @@ inline void set_cosine_lr(torch::optim::Adam& optimizer, double lr, int64_t step
   }
 }
 
-/// The save to resume from, a folder: --resume's when given (a save, or a folder of saves such
-/// as --save's, whose newest complete save it takes); else, in a process that torchrun restarted
-/// (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds one. Empty:
-/// start afresh. `step_of` gives the step of the save in a folder, or -1 where none is complete.
+/// The save to resume from, a folder: in a process that torchrun restarted
+/// (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds one; else
+/// --resume's when given (a save, or a folder of saves such as --save's, whose newest complete
+/// save it takes). Empty: start afresh. `step_of` gives the step of the save in a folder, or -1 where none is complete.
 /// Throws c10::Error when --resume holds no complete save.
 std::string save_to_resume(const std::function<int64_t(const std::string& folder)>& step_of);
 
