@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -17,37 +18,17 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/atomic_file.h"
 #include "gpipe/internal/error_text.h"
+#include "gpipe/internal/manifest.h"
+#include "gpipe/internal/resharding.h"
 
 namespace gpipe {
-namespace {
-
-// Archive keys (letters and underscores only, as LibTorch's archives take them).
-constexpr const char* kNames = "gpipe_names";
-constexpr const char* kTensors = "gpipe_tensors";
-constexpr const char* kRandom = "gpipe_random";
-constexpr const char* kLayout = "gpipe_layout";
-constexpr const char* kStep = "gpipe_step";
-constexpr const char* kOptimizer = "gpipe_optimizer";
-constexpr const char* kScaler = "gpipe_grad_scaler";
-
-}  // namespace
-
 namespace internal {
 namespace {
-
-// Every parameter and buffer of `module`, by name (buffers prefixed, so that the two never mix).
-std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers()) {
-    out.emplace_back("buffer " + item.key(), item.value());
-  }
-  return out;
-}
 
 // The generators this process draws from: the CPU's, then each CUDA device's.
 std::vector<at::Generator> generators() {
@@ -61,15 +42,46 @@ std::vector<at::Generator> generators() {
   return out;
 }
 
-void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module) {
-  c10::List<std::string> names;
+// The module's tensors by name, and by their names in the whole Sequential (Note [Saves that
+// outlive their layout]; "" where `names` has none).
+void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Module& module,
+                  const LayerNames& names) {
+  c10::List<std::string> keys, global;
   c10::List<at::Tensor> tensors;
   for (const auto& [name, t] : state_of(module)) {
-    names.push_back(name);
+    keys.push_back(name);
+    const auto it = names.find(name);
+    global.push_back(it != names.end() ? it->second : std::string());
     tensors.push_back(t.detach());
   }
-  archive.write(kNames, c10::IValue(names));
+  archive.write(kNames, c10::IValue(keys));
+  archive.write(kLayerNames, c10::IValue(global));
   archive.write(kTensors, c10::IValue(tensors));
+}
+
+// The optimizer's state, its kind, and its parameters' names in the whole Sequential.
+void write_optimizer(torch::serialize::OutputArchive& archive,
+                     const torch::optim::Optimizer& optimizer, const torch::nn::Module* module,
+                     const LayerNames& names) {
+  torch::serialize::OutputArchive state;
+  optimizer.save(state);
+  archive.write(kOptimizer, state);
+  std::unordered_map<const void*, std::string> local;
+  if (module != nullptr) {
+    for (const auto& item : module->named_parameters()) {
+      local.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    }
+  }
+  c10::List<std::string> global;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      const auto l = local.find(p.unsafeGetTensorImpl());
+      const auto g = l != local.end() ? names.find(l->second) : names.end();
+      global.push_back(g != names.end() ? g->second : std::string());
+    }
+  }
+  archive.write(kOptimizerKind, c10::IValue(optimizer_kind(optimizer)));
+  archive.write(kOptimizerNames, c10::IValue(global));
 }
 
 // The module's tensors, each with the saved one of its name, after checking every name, shape
@@ -254,18 +266,17 @@ void check_layout(torch::serialize::InputArchive& archive, const std::string& la
 
 }  // namespace
 
-
 FileDigest save_file(const std::string& path, const std::string& layout,
                      const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
-                     int64_t step, bool random, const GradScaler* scaler) {
+                     int64_t step, bool random, const GradScaler* scaler,
+                     const LayerNames* layer_names) {
   torch::serialize::OutputArchive archive;
   write_layout(archive, layout);
-  if (module != nullptr) write_module(archive, *module);
-  if (optimizer != nullptr) {
-    torch::serialize::OutputArchive state;
-    optimizer->save(state);
-    archive.write(kOptimizer, state);
-  }
+  const LayerNames names = layer_names != nullptr ? *layer_names
+                           : module != nullptr    ? internal::layer_names(*module)
+                                                  : LayerNames();
+  if (module != nullptr) write_module(archive, *module, names);
+  if (optimizer != nullptr) write_optimizer(archive, *optimizer, module, names);
   archive.write(kStep, c10::IValue(step));
   if (random) write_random(archive);
   if (scaler != nullptr) {
@@ -343,10 +354,52 @@ void save_training(const std::string& path, const torch::nn::Module& module,
   internal::save_file(path, "one process", &module, optimizer, step, /*random=*/true, scaler);
 }
 
+namespace {
+
+// Whether the file `bytes` was saved by one process from a module with the
+// same tensor names as `module`: then it loads exactly, generators too; otherwise it is a save of
+// another layout (Note [Saves that outlive their layout]).
+bool same_layout(const std::string& bytes, const torch::nn::Module& module) {
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(bytes.data(), bytes.size());
+  } catch (const std::exception&) {
+    return true;  // LoadedFile says why it cannot be read
+  }
+  c10::IValue layout, names;
+  if (!archive.try_read(internal::kLayout, layout) || !layout.isString() ||
+      layout.toStringRef() != "one process" || !archive.try_read(internal::kNames, names)) {
+    return !archive.try_read(internal::kLayerNames, names);
+  }
+  std::set<std::string> saved, mine;
+  for (const c10::IValue& name : names.toListRef()) saved.insert(name.toStringRef());
+  for (const auto& item : internal::state_of(module)) mine.insert(item.first);
+  return saved == mine || internal::layer_names(module).empty();
+}
+
+// Loads a save of another layout: the file at `path`, or the files of the save committed in the
+// folder `path` (its manifest's, but for the random generators').
+int64_t load_resharded(const std::string& path, torch::nn::Module& module,
+                       torch::optim::Optimizer* optimizer, GradScaler* scaler) {
+  internal::ReshardedLoad load(module, internal::layer_names(module), internal::ties_of(module),
+                               optimizer, scaler, /*whole=*/true);
+  load.read(path);
+  const int64_t step = load.check();
+  load.apply();
+  return step;
+}
+
+}  // namespace
+
 int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler) {
-  internal::LoadedFile file(path, internal::read_whole_file(path, "gpipe::load_training"),
-                            "one process", &module, optimizer, /*random=*/true, scaler);
+  if (internal::is_folder(path)) return load_resharded(path, module, optimizer, scaler);
+  const std::string bytes = internal::read_whole_file(path, "gpipe::load_training");
+  if (!same_layout(bytes, module)) {
+    return load_resharded(path, module, optimizer, scaler);
+  }
+  internal::LoadedFile file(path, bytes, "one process", &module, optimizer, /*random=*/true,
+                            scaler);
   file.apply();
   return file.step();
 }
@@ -354,6 +407,10 @@ int64_t load_training(const std::string& path, torch::nn::Module& module,
 int64_t saved_step(const std::string& path) {
   std::error_code error;
   if (!std::filesystem::exists(path, error)) return -1;
+  if (internal::is_folder(path)) {
+    if (!std::filesystem::exists(path + "/" + internal::kManifest, error)) return -1;
+    return internal::read_manifest(path).step;
+  }
   return internal::LoadedFile(path, internal::read_whole_file(path, "gpipe::saved_step"),
                               "one process", nullptr, nullptr, /*random=*/false, nullptr)
       .step();

@@ -7,6 +7,7 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,33 @@ namespace gpipe {
 // the previous manifest and every file it lists in place. (internal::set_commit_hook injects
 // such a crash in the tests.)
 
+// Note [Saves that outlive their layout]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A job that loses a machine, or gets more, resumes on another layout: other partitions or
+// balance, another number of stages, interleaved or not, one process or several (Varuna's "job
+// morphing"). So every file of a save also names each tensor by its place in the whole
+// Sequential, "<layer index>.<name in the layer>" (as the plain Sequential's named_parameters()
+// names them when its layers are named "0", "1", ...), and each parameter's optimizer state by
+// its parameter's such name, with the optimizer's kind. A load into the layout that saved it
+// reads the files as they are, bit for bit, random generators too (Note [Saving and resuming]).
+// A load into another layout (internal::ReshardedLoad) reads every data file of the save (the
+// one file of one process, or every stage's file that the folder's manifest commits, each
+// checked against it) and takes each of its own tensors and optimizer states by those names: a
+// GPipe or a plain Sequential the whole model, a PipelineStage its layers. It checks everything
+// before it changes anything, as the other load: every tensor there, of its shape and dtype, the
+// optimizer of the saved kind (Adam, AdamW, SGD, Adagrad or RMSprop; each moment of its
+// parameter's shape, moved to its device), one step in every file, the GradScaler's state when
+// asked for. A tie's state is found under any of its places (a stage holds its own copy of a tie
+// that spans stages; a GPipe steps it under its first place). The optimizer's options (learning
+// rate, betas) are the optimizer's own: make it as the saved run made it. Not restored across
+// layouts: the random generators (each layout draws its own: dropout masks differ from the
+// saved run's, as they would between the layouts anyway). The trained arithmetic is the same
+// but for summation order where the layout changes it (micro-batches, replicas): float64 runs
+// resume to 1e-12. Tested: tests/gpipe/resharded_save_test.cc (GPipe <-> GPipe of another
+// balance <-> Sequential, ties, Adam and SGD; refusals) and
+// tests/distributed/saved_training_test.cc (stages of one balance -> stages of another,
+// interleaved, and one process).
+
 /// Saves what resuming `module`'s training needs to the file `path`: its parameters and buffers
 /// by name, `optimizer`'s state (if not null), `step`, this process's random generators, and
 /// `scaler`'s state (if not null: gpipe::GradScaler). The file is written beside `path` and
@@ -73,7 +101,13 @@ void save_training(const std::string& path, const torch::nn::Module& module,
 /// and `optimizer` (made over the module's parameters as when saved), restores the random
 /// generators and `scaler` (if not null), and returns the step. Throws c10::Error naming what
 /// does not match, and then has changed nothing: the module, optimizer, generators and scaler
-/// are as they were.
+/// are as they were. `path` may also be a save of another layout (Note [Saves that outlive their
+/// layout]): a file of one process's save of a GPipe of another balance, or of the plain
+/// Sequential, or a folder that gpipe::distributed::save_training wrote, loaded into a GPipe or
+/// a Sequential of the same model (without the random generators).
+///
+///   gpipe::save_training("run/step_1000.pt", *gpipe_2_partitions, &adam, step);
+///   step = gpipe::load_training("run/step_1000.pt", *plain_sequential, &adam2);
 int64_t load_training(const std::string& path, torch::nn::Module& module,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 
@@ -89,12 +123,14 @@ namespace internal {
 struct FileDigest;  // gpipe/internal/atomic_file.h
 
 // Writes a file of a save (atomically: Note [Atomic saves]) and returns its length and checksum:
-// `layout` says what wrote it, and a load into another layout is refused; `module` (if not
-// null), `optimizer` (if not null), `step`, this process's random generators when `random`, and
-// `scaler` (if not null).
+// `layout` says what wrote it; `module` (if not null) with each tensor's name in the whole
+// Sequential (`layer_names`: the module's names to those; null: found for a Sequential or a
+// GPipe), `optimizer` (if not null), `step`, this process's random generators when `random`,
+// and `scaler` (if not null).
 FileDigest save_file(const std::string& path, const std::string& layout,
                      const torch::nn::Module* module, const torch::optim::Optimizer* optimizer,
-                     int64_t step, bool random, const GradScaler* scaler = nullptr);
+                     int64_t step, bool random, const GradScaler* scaler = nullptr,
+                     const std::unordered_map<std::string, std::string>* layer_names = nullptr);
 
 // A file of a save, read from its bytes and checked against what it loads into (the same
 // arguments as save_file's, and a scaler only if given): every name, shape and dtype, the

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,12 +37,12 @@ inline void set_cosine_lr(torch::optim::Adam& optimizer, double lr, int64_t step
   }
 }
 
-/// The save to resume from, a folder: in a process that torchrun restarted
-/// (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds one; else
-/// --resume's when given (a save, or a folder of saves such as --save's, whose newest complete
-/// save it takes). Empty: start afresh. `step_of` gives the step of the save in a folder, or -1 where none is complete.
+/// The save to resume from (a file or a folder, for load_training): in a process that torchrun
+/// restarted (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds
+/// one; else --resume's when given (a save, or a folder of saves such as --save's, whose newest
+/// complete save it takes). A save of either trainer, of any layout. Empty: start afresh.
 /// Throws c10::Error when --resume holds no complete save.
-std::string save_to_resume(const std::function<int64_t(const std::string& folder)>& step_of);
+std::string save_to_resume();
 
 /// The trainers' fault injection: with GPIPE_TRAINER_KILL="<rank>@<step>", the process of that
 /// global rank kills itself with SIGKILL in the middle of that training step (counted from 1

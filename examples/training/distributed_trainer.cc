@@ -155,12 +155,14 @@ int train_distributed(const TrainerModel& trainer) {
     return at::cross_entropy_loss(out.tensor().to(at::kFloat), target);
   };
   dist::PipelineStage stage(model,
-                            dist::PipelineStageOptions(balance).chunks(chunks)
-                                .checkpoint(checkpoint).devices({device})
+                            dist::PipelineStageOptions(balance)
+                                .chunks(chunks)
+                                .checkpoint(checkpoint)
+                                .deferred_batch_norm(true)
+                                .devices({device})
                                 .local_balance(local_balance)
                                 .schedule(gpipe::PipelineSchedule::of(
-                                    schedule_kind(absl::GetFlag(FLAGS_schedule)),
-                                    virtual_stages,
+                                    schedule_kind(absl::GetFlag(FLAGS_schedule)), virtual_stages,
                                     absl::GetFlag(FLAGS_microbatch_group))),
                             groups.pipeline, groups.replica_group);
   stage->record_timeline(true);
@@ -231,7 +233,7 @@ int train_distributed(const TrainerModel& trainer) {
   const std::string save = absl::GetFlag(FLAGS_save);
   const int64_t save_every = absl::GetFlag(FLAGS_save_every);
   // Every process finds the same save: they read the same folders, and none is saving now.
-  const std::string resume = save_to_resume(dist::saved_step);
+  const std::string resume = save_to_resume();
   if (!resume.empty()) global_step = dist::load_training(resume, *stage, &optimizer);
   // The saved run went on with its step global_step + 1: this epoch's step `skip` + 1.
   const int64_t first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;

@@ -124,7 +124,8 @@ ABSL_FLAG(int64_t, save_every, 0,
 ABSL_FLAG(std::string, resume, "",
           "resume the training saved in this folder: a save (an epoch_k or the latest of --save) "
           "or a --save folder, whose newest complete save it takes; the run goes on from the "
-          "step after the save's, in the middle of an epoch too; give the flags of the saved run "
+          "step after the save's, in the middle of an epoch too; give the model and batch flags of "
+          "the saved run; its layout (--partitions, --balance, --distributed, stages) may differ "
           "(under torchrun --max-restarts, a restarted run resumes from --save by itself)");
 ABSL_FLAG(std::string, ideal_svg, "",
           "draw the ideal clock-cycle schedule of the same partitions and micro-batches here (SVG)");
@@ -134,10 +135,21 @@ namespace training {
 
 namespace {
 
+// The save in `folder`: its model.pt (a save of one process), or the folder itself (a save
+// across processes, committed by its manifest). Either loads into either trainer, in any layout
+// (Note [Saves that outlive their layout] in gpipe/saved_training.h).
+std::string save_in(const std::string& folder) {
+  std::error_code error;
+  const std::string file = folder + "/model.pt";
+  return std::filesystem::exists(file, error) ? file : folder;
+}
+
+// The step of the save in `folder`, or -1 where none is complete.
+int64_t step_of(const std::string& folder) { return saved_step(save_in(folder)); }
+
 // The newest complete save of `folder`: itself, if it is a save, else the newest of its
 // subfolders (in name order among equal steps: the same in every process); empty if none.
-std::string newest_save(const std::string& folder,
-                        const std::function<int64_t(const std::string&)>& step_of) {
+std::string newest_save(const std::string& folder) {
   if (step_of(folder) >= 0) return folder;
   std::vector<std::string> folders;
   std::error_code error;
@@ -162,21 +174,21 @@ int64_t env_int(const char* name) {
 
 }  // namespace
 
-std::string save_to_resume(const std::function<int64_t(const std::string&)>& step_of) {
+std::string save_to_resume() {
   // A restarted process goes on from its own saves, when it made one: they are newer than
   // --resume's (empty: the first attempt failed before its first save).
   const std::string save = absl::GetFlag(FLAGS_save);
   if (!save.empty() && env_int("TORCHELASTIC_RESTART_COUNT") > 0) {
-    const std::string found = newest_save(save, step_of);
-    if (!found.empty()) return found;
+    const std::string found = newest_save(save);
+    if (!found.empty()) return save_in(found);
   }
   const std::string resume = absl::GetFlag(FLAGS_resume);
   if (resume.empty()) return "";
-  const std::string found = newest_save(resume, step_of);
+  const std::string found = newest_save(resume);
   TORCH_CHECK(!found.empty(), "--resume=", resume,
               " holds no complete save: give a folder that a save wrote (an epoch_k or the "
               "latest of --save) or a --save folder");
-  return found;
+  return save_in(found);
 }
 
 void kill_if_asked(int rank, int64_t step) {
@@ -425,11 +437,8 @@ int train(const TrainerModel& trainer) {
     std::filesystem::create_directories(folder);
     save_training(folder + "/model.pt", *pipe, &optimizer, global_step, scaler_or_null);
   };
-  const std::string resume =
-      save_to_resume([](const std::string& folder) { return saved_step(folder + "/model.pt"); });
-  if (!resume.empty()) {
-    global_step = load_training(resume + "/model.pt", *pipe, &optimizer, scaler_or_null);
-  }
+  const std::string resume = save_to_resume();
+  if (!resume.empty()) global_step = load_training(resume, *pipe, &optimizer, scaler_or_null);
   // The saved run went on with its step global_step + 1: this epoch's step `skip` + 1.
   const int64_t first_epoch = global_step / std::max<int64_t>(steps, 1) + 1;
   const int64_t skip = global_step % std::max<int64_t>(steps, 1);

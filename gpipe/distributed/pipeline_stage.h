@@ -343,6 +343,8 @@ class PipelineStageImpl : public torch::nn::Module {
   std::vector<at::Tensor> parameters(bool recurse = true) const;
   /// parameters() with their names, as torch::nn::Module names this stage's.
   torch::OrderedDict<std::string, at::Tensor> named_parameters(bool recurse = true) const;
+  /// The model's ties (found and named), in the order of their first place, as GPipe's.
+  const std::vector<Tie>& ties() const { return ties_; }
   /// The stages holding each tie that spans stages, in the ties' order (Note [Ties across
   /// stages]).
   std::vector<std::vector<int64_t>> tied_stages() const;

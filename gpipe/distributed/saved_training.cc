@@ -24,13 +24,21 @@
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/atomic_file.h"
 #include "gpipe/internal/error_text.h"
+#include "gpipe/internal/manifest.h"
+#include "gpipe/internal/resharding.h"
 
 namespace gpipe {
 namespace distributed {
 namespace {
 
-constexpr const char* kManifest = "manifest.txt";
-constexpr const char* kFormat = "gpipe save 1";
+using gpipe::internal::committed_file;
+using gpipe::internal::hex;
+using gpipe::internal::kManifest;
+using gpipe::internal::Manifest;
+using gpipe::internal::manifest_text;
+using gpipe::internal::ManifestFile;
+using gpipe::internal::parse_manifest;
+using gpipe::internal::read_manifest;
 
 // Makes folder `dir` and the folders above it that are missing.
 void make_folders(const std::string& dir) {
@@ -56,6 +64,10 @@ struct Grid {
   std::function<std::string(int outer, int inner)> random_base;
   std::function<std::string(int outer, int inner)> who;  // a rank, for errors
   c10::Device local{c10::kCPU};                           // for collectives on NCCL
+  // The module's tensors' names in the whole Sequential, and its ties (Note [Saves that outlive
+  // their layout]); none for a DataParallel.
+  gpipe::internal::LayerNames names;
+  std::vector<Tie> ties;
 
   bool writes_module() const { return inner_index == 0; }
   bool writes_manifest() const { return inner_index == 0 && outer_index == 0; }
@@ -71,6 +83,29 @@ c10::Device local_device(const torch::nn::Module& module) {
     if (t.is_cuda()) return t.device();
   }
   return c10::Device(c10::kCPU);
+}
+
+// A stage's layers, each with its index in the whole Sequential: stage s of S owns the layers
+// of balance entry s (with v virtual stages, of entries s, S + s, ..., (v - 1) S + s, in that
+// order in layers()).
+gpipe::internal::LayerNames stage_layer_names(const PipelineStageImpl& stage) {
+  const std::vector<int64_t>& balance = stage.options().balance();
+  std::vector<int64_t> start(balance.size() + 1, 0);
+  for (size_t k = 0; k < balance.size(); ++k) start[k + 1] = start[k] + balance[k];
+  std::vector<int64_t> indices;
+  const int64_t v = stage.options().schedule().virtual_stages();
+  for (int64_t c = 0; c < v; ++c) {
+    const int64_t entry = c * stage.stages() + stage.stage();
+    for (int64_t i = 0; i < balance[entry]; ++i) indices.push_back(start[entry] + i);
+  }
+  const auto children = stage.layers()->named_children();
+  TORCH_CHECK(children.size() == indices.size(), "gpipe::save_training: stage ", stage.stage(),
+              " holds ", children.size(), " layers, but its balance gives it ", indices.size());
+  std::vector<gpipe::internal::PlacedLayer> layers;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    layers.push_back({"layers." + children[k].key() + ".", indices[k], children[k].value()});
+  }
+  return gpipe::internal::layer_names(layers);
 }
 
 Grid stage_grid(const PipelineStageImpl& stage) {
@@ -91,6 +126,8 @@ Grid stage_grid(const PipelineStageImpl& stage) {
   grid.random_base = [](int s, int k) { return absl::StrCat("random_stage", s, "_replica", k); };
   grid.who = [](int s, int k) { return absl::StrCat("stage ", s, "'s replica ", k); };
   grid.local = stage.device();
+  grid.names = stage_layer_names(stage);
+  grid.ties = stage.ties();
   return grid;
 }
 
@@ -118,96 +155,6 @@ at::Tensor everyone(const Grid& grid, const at::Tensor& mine, const std::string&
   return grid.outer && grid.outer_size > 1
              ? at::stack(all_gather(grid.outer, row, grid.local, what))
              : row.unsqueeze(0);
-}
-
-// A checksum as manifests write it: 16 hexadecimal digits.
-std::string hex(uint64_t value) { return absl::StrCat(absl::Hex(value, absl::kZeroPad16)); }
-
-// A file of a save: "<base>.step<step>.save<save>.pt" (Note [Atomic saves]).
-std::string file_name(const std::string& base, int64_t step, int64_t save) {
-  return absl::StrFormat("%s.step%06d.save%d.pt", base, step, save);
-}
-
-// ----- The manifest
-
-struct ManifestFile {
-  std::string name;
-  int64_t bytes = 0;
-  uint64_t checksum = 0;
-};
-
-// What a save committed: its step, the folder's count of saves, what wrote it, its files.
-struct Manifest {
-  int64_t step = 0;
-  int64_t save = 0;
-  std::vector<std::string> layouts;
-  std::vector<ManifestFile> files;
-};
-
-// The line that ends a manifest whose text before it is `text`.
-std::string checksum_line(const std::string& text) {
-  return absl::StrCat("checksum ", hex(gpipe::internal::checksum(text.data(), text.size())), "\n");
-}
-
-// The manifest as text, one field a line, its own checksum last:
-//   gpipe save 1
-//   step 300
-//   save 4
-//   layout stage 0 of 2 (balance {3, 3}, 1 virtual stage(s) each, 2 replica(s))
-//   file stage0.step000300.save4.pt 10496 9c3b0d1e5f2a7788
-//   checksum 0123456789abcdef
-std::string manifest_text(const Manifest& manifest) {
-  std::string text = absl::StrCat(kFormat, "\nstep ", manifest.step, "\nsave ", manifest.save,
-                                  "\n");
-  for (const std::string& layout : manifest.layouts) {
-    absl::StrAppend(&text, "layout ", layout, "\n");
-  }
-  for (const ManifestFile& f : manifest.files) {
-    absl::StrAppend(&text, "file ", f.name, " ", f.bytes, " ", hex(f.checksum), "\n");
-  }
-  return text + checksum_line(text);
-}
-
-// One line of a manifest into `manifest`; false when it is not a manifest's line.
-bool parse_line(const std::string& line, Manifest& manifest) {
-  std::istringstream in(line);
-  std::string key;
-  in >> key;
-  if (key == "layout" && line.size() > key.size() + 1) {
-    manifest.layouts.push_back(line.substr(key.size() + 1));
-    return true;
-  }
-  if (key == "file") {
-    ManifestFile f;
-    in >> f.name >> f.bytes >> std::hex >> f.checksum;
-    manifest.files.push_back(f);
-  } else if (key == "step") {
-    in >> manifest.step;
-  } else if (key == "save") {
-    in >> manifest.save;
-  } else {
-    return false;
-  }
-  return !in.fail() && in.peek() == EOF;
-}
-
-// Parses a manifest's text; throws, naming `path`, on a manifest that is damaged.
-Manifest parse_manifest(const std::string& text, const std::string& path) {
-  const size_t last = text.rfind("checksum ");
-  const bool whole = last != std::string::npos && absl::StartsWith(text, kFormat) &&
-                     text.compare(last, std::string::npos,
-                                  checksum_line(text.substr(0, last))) == 0;
-  TORCH_CHECK(whole, "gpipe::load_training: '", path, "' is damaged (not a manifest of ",
-              kFormat, ", or its checksum does not match); load another save");
-  Manifest manifest;
-  std::istringstream lines(text.substr(0, last));
-  std::string line;
-  std::getline(lines, line);  // the format
-  while (std::getline(lines, line)) {
-    TORCH_CHECK(parse_line(line, manifest), "gpipe::load_training: '", path,
-                "' is damaged: cannot read its line '", line, "'; load another save");
-  }
-  return manifest;
 }
 
 // The save count of the manifest in `dir`, or 0 where there is none. A manifest that is there
@@ -266,13 +213,16 @@ at::Tensor write_files(const std::string& dir, const Grid& grid, const torch::nn
     make_folders(dir);
     if (grid.writes_module()) {
       const gpipe::internal::FileDigest d = gpipe::internal::save_file(
-          dir + "/" + file_name(grid.module_base(grid.outer_index), step, save), layout, &module,
-          optimizer, step, /*random=*/false, scaler);
+          dir + "/" +
+              gpipe::internal::save_file_name(grid.module_base(grid.outer_index), step, save),
+          layout, &module, optimizer, step, /*random=*/false, scaler, &grid.names);
       fields[kModuleBytes] = d.bytes;
       fields[kModuleChecksum] = static_cast<int64_t>(d.checksum);
     }
     const gpipe::internal::FileDigest d = gpipe::internal::save_file(
-        dir + "/" + file_name(grid.random_base(grid.outer_index, grid.inner_index), step, save),
+        dir + "/" +
+            gpipe::internal::save_file_name(grid.random_base(grid.outer_index, grid.inner_index),
+                                            step, save),
         layout, nullptr, nullptr, step, /*random=*/true);
     fields[kRandomBytes] = d.bytes;
     fields[kRandomChecksum] = static_cast<int64_t>(d.checksum);
@@ -307,11 +257,11 @@ Manifest manifest_of(const Grid& grid, const at::Tensor& all, int64_t step, int6
   const auto value = [&](int s, int k, Field f) { return all[s][k][f].item<int64_t>(); };
   for (int s = 0; s < grid.outer_size; ++s) {
     manifest.layouts.push_back(grid.layout(s, grid.inner_size));
-    manifest.files.push_back({file_name(grid.module_base(s), step, save),
+    manifest.files.push_back({gpipe::internal::save_file_name(grid.module_base(s), step, save),
                               value(s, 0, kModuleBytes),
                               static_cast<uint64_t>(value(s, 0, kModuleChecksum))});
     for (int k = 0; k < grid.inner_size; ++k) {
-      manifest.files.push_back({file_name(grid.random_base(s, k), step, save),
+      manifest.files.push_back({gpipe::internal::save_file_name(grid.random_base(s, k), step, save),
                                 value(s, k, kRandomBytes),
                                 static_cast<uint64_t>(value(s, k, kRandomChecksum))});
     }
@@ -348,10 +298,10 @@ void remove_older(const std::string& dir, const Grid& grid, int64_t step, int64_
   std::vector<std::pair<std::string, std::string>> mine;  // (prefix, the file to keep)
   if (grid.writes_module()) {
     const std::string base = grid.module_base(grid.outer_index);
-    mine.emplace_back(base + ".step", file_name(base, step, save));
+    mine.emplace_back(base + ".step", gpipe::internal::save_file_name(base, step, save));
   }
   const std::string base = grid.random_base(grid.outer_index, grid.inner_index);
-  mine.emplace_back(base + ".step", file_name(base, step, save));
+  mine.emplace_back(base + ".step", gpipe::internal::save_file_name(base, step, save));
   if (grid.writes_manifest()) mine.emplace_back(std::string(kManifest) + ".tmp.", "");
   try {
     std::vector<std::filesystem::path> old;
@@ -381,20 +331,10 @@ void save(const std::string& dir, const Grid& grid, const torch::nn::Module& mod
 
 // ----- Loading
 
-// The manifest of `dir`; throws when there is none (no save into `dir` finished) or it is
-// damaged.
-Manifest read_manifest(const std::string& dir) {
-  const std::string path = dir + "/" + kManifest;
-  struct stat info {};
-  TORCH_CHECK(::stat(path.c_str(), &info) == 0 || errno != ENOENT, "gpipe::load_training: '", dir,
-              "' holds no ", kManifest, ": no save_training into it finished (a save commits by "
-              "writing it last); load a folder that save_training wrote");
-  return parse_manifest(gpipe::internal::read_whole_file(path, "gpipe::load_training"), path);
-}
-
 // The number of replicas the save had, where it was saved by this rank's outer index in the
-// same layout but for the number of replicas (Note [Resuming on fewer or more replicas]).
-int saved_replicas(const Manifest& manifest, const Grid& grid, const std::string& dir) {
+// same layout but for the number of replicas (Note [Resuming on fewer or more replicas]); 0
+// when it was saved by another layout.
+int saved_replicas(const Manifest& manifest, const Grid& grid) {
   const std::string mine = grid.layout(grid.outer_index, grid.inner_size);
   for (const std::string& saved : manifest.layouts) {
     if (saved == mine) return grid.inner_size;
@@ -410,38 +350,7 @@ int saved_replicas(const Manifest& manifest, const Grid& grid, const std::string
       return replicas;
     }
   }
-  TORCH_CHECK(false, "gpipe::load_training: '", dir, "' was saved by ",
-              absl::StrJoin(manifest.layouts, "; "), ", but is loaded into ", mine,
-              "; resume with the layout it was saved from (the number of replicas may differ)");
-}
-
-// The path and bytes of the file of `base` that the manifest commits, checked against the
-// manifest's name, length and checksum for it.
-std::pair<std::string, std::string> committed_file(const std::string& dir,
-                                                   const Manifest& manifest,
-                                                   const std::string& base) {
-  const std::string manifest_path = dir + "/" + kManifest;
-  const std::string expected = file_name(base, manifest.step, manifest.save);
-  const ManifestFile* listed = nullptr;
-  for (const ManifestFile& f : manifest.files) {
-    if (absl::StartsWith(f.name, base + ".step")) listed = &f;
-  }
-  TORCH_CHECK(listed != nullptr, "gpipe::load_training: '", manifest_path, "' lists no '",
-              expected, "'; load a folder that save_training wrote");
-  TORCH_CHECK(listed->name == expected, "gpipe::load_training: '", manifest_path,
-              "' commits step ", manifest.step, " (save ", manifest.save, ") but lists '",
-              listed->name, "': it mixes saves (its file would be '", expected, "'); load a "
-              "folder that one save_training wrote");
-  const std::string path = dir + "/" + expected;
-  std::string bytes = gpipe::internal::read_whole_file(path, "gpipe::load_training");
-  const uint64_t sum = gpipe::internal::checksum(bytes.data(), bytes.size());
-  TORCH_CHECK(static_cast<int64_t>(bytes.size()) == listed->bytes && sum == listed->checksum,
-              "gpipe::load_training: '", path, "' is torn or was replaced: it has ", bytes.size(),
-              " bytes of checksum ", hex(sum), ", but '", manifest_path, "' commits ",
-              listed->bytes, " bytes of checksum ", hex(listed->checksum), " for step ",
-              manifest.step,
-              "; load a folder whose save finished, or an earlier save");
-  return {path, std::move(bytes)};
+  return 0;
 }
 
 // A committed file of the save, read and checked, its step the manifest's.
@@ -459,24 +368,53 @@ std::unique_ptr<gpipe::internal::LoadedFile> load_file(
   return file;
 }
 
+// A load of a save of another layout into this rank's module (Note [Saves that outlive their
+// layout]), refused for a DataParallel's.
+std::unique_ptr<gpipe::internal::ReshardedLoad> resharded_load(const Grid& grid,
+                                                               torch::nn::Module& module,
+                                                               torch::optim::Optimizer* optimizer,
+                                                               GradScaler* scaler) {
+  TORCH_CHECK(!grid.names.empty(),
+              "gpipe::load_training: the save was made by another layout; "
+              "a DataParallel resumes from a save of a DataParallel of the same model");
+  return std::make_unique<gpipe::internal::ReshardedLoad>(module, grid.names, grid.ties, optimizer,
+                                                          scaler, /*whole=*/false);
+}
+
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,
              torch::optim::Optimizer* optimizer, GradScaler* scaler) {
   // Both files read and checked before either changes anything (Note [Saving and resuming]).
   std::unique_ptr<gpipe::internal::LoadedFile> module_file, random_file;
+  std::unique_ptr<gpipe::internal::ReshardedLoad> resharded;
   int64_t step = 0, save = 0;
   std::string refused;
   try {
-    const Manifest manifest = read_manifest(dir);
-    const int replicas = saved_replicas(manifest, grid, dir);
-    const std::string layout = grid.layout(grid.outer_index, replicas);
-    module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout, &module,
-                            optimizer, /*random=*/false, scaler);
-    // Replica k takes the generators of the saved run's replica k mod R.
-    random_file =
-        load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index % replicas),
-                  layout, nullptr, nullptr, /*random=*/true, nullptr);
-    step = manifest.step;
-    save = manifest.save;
+    // Reads and checks the files: the module's and the generators', or those of another layout.
+    [&] {
+      if (gpipe::internal::is_file(dir)) {  // a save of one process
+        resharded = resharded_load(grid, module, optimizer, scaler);
+        save = resharded->read(dir);
+        step = resharded->check();
+        return;
+      }
+      const Manifest manifest = read_manifest(dir);
+      const int replicas = saved_replicas(manifest, grid);
+      if (replicas == 0) {  // another layout
+        resharded = resharded_load(grid, module, optimizer, scaler);
+        save = resharded->read(dir);
+        step = resharded->check();
+        return;
+      }
+      const std::string layout = grid.layout(grid.outer_index, replicas);
+      module_file = load_file(dir, manifest, grid.module_base(grid.outer_index), layout, &module,
+                              optimizer, /*random=*/false, scaler);
+      // Replica k takes the generators of the saved run's replica k mod R.
+      random_file =
+          load_file(dir, manifest, grid.random_base(grid.outer_index, grid.inner_index % replicas),
+                    layout, nullptr, nullptr, /*random=*/true, nullptr);
+      step = manifest.step;
+      save = manifest.save;
+    }();
   } catch (const std::exception& e) {
     refused = gpipe::internal::without_backtrace(e);
   }
@@ -498,8 +436,12 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
                   "was committed while the ranks loaded; load again");
     }
   }
-  module_file->apply();
-  random_file->apply();
+  if (resharded) {
+    resharded->apply();
+  } else {
+    module_file->apply();
+    random_file->apply();
+  }
   return step;
 }
 

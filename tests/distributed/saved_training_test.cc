@@ -200,6 +200,128 @@ CATCH_TEST_CASE(kOtherReplicas, "[distributed][stage][save]") {
   for (const std::string& folder : {four, two, again}) std::filesystem::remove_all(folder);
 }
 
+constexpr const char* kResharded =
+    "a save of 2 stages resumes in 2 interleaved stages of another balance and in a GPipe and in "
+    "the plain Sequential and a GPipe's save in 2 stages and each takes the plain run's next "
+    "steps";
+
+// The plain model of 8 layers after `steps` Adam steps on the whole batch: the oracle.
+nn::Sequential adam_oracle(int steps) {
+  nn::Sequential plain = make_model(7, 8);
+  torch::optim::Adam adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = batch(step);
+    adam.zero_grad();
+    nn::functional::mse_loss(plain->forward(x), y).backward();
+    adam.step();
+  }
+  return plain;
+}
+
+// The parameters of `layers` (in order) against the oracle's layers `indices`.
+void check_layers(nn::Sequential layers, nn::Sequential oracle, const std::vector<int64_t>& indices,
+                  double tol) {
+  CATCH_REQUIRE(layers->size() == indices.size());
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const auto mine = layers[k]->parameters();
+    const auto want = oracle[indices[k]]->parameters();
+    CATCH_REQUIRE(mine.size() == want.size());
+    for (size_t p = 0; p < mine.size(); ++p) {
+      CATCH_CHECK((mine[p] - want[p]).abs().max().item<double>() <= tol);
+    }
+  }
+}
+
+std::vector<int64_t> range(int64_t first, int64_t end) {
+  std::vector<int64_t> out;
+  for (int64_t k = first; k < end; ++k) out.push_back(k);
+  return out;
+}
+
+// Phases, 2 ranks each (GPIPE_TEST_PHASE): "save": stages {3, 5} train 3 steps and save;
+// "interleaved" (GPIPE_TEST_SAVED: that folder): stages of balance {3, 1, 2, 2}, 2 virtual
+// stages each, load it, train 3 more steps against the oracle and save; "one_process"
+// (GPIPE_TEST_SAVED: a GPipe's save file): stages {4, 4} load it and train on.
+CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
+  if (test_rank() >= 0) {
+    const std::string phase = std::getenv("GPIPE_TEST_PHASE");
+    const char* saved = std::getenv("GPIPE_TEST_SAVED");
+    const std::string mine = gpipe_test::test_folder();
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    auto options = PipelineStageOptions({3, 5}).chunks(2);
+    std::vector<int64_t> indices = groups.stage == 0 ? range(0, 3) : range(3, 8);
+    if (phase == "interleaved") {
+      options =
+          PipelineStageOptions({3, 1, 2, 2}).chunks(2).schedule(PipelineSchedule::interleaved(2));
+      indices =
+          groups.stage == 0 ? std::vector<int64_t>{0, 1, 2, 4, 5} : std::vector<int64_t>{3, 6, 7};
+    } else if (phase == "one_process") {
+      options = PipelineStageOptions({4, 4}).chunks(3);
+      indices = groups.stage == 0 ? range(0, 4) : range(4, 8);
+    }
+    PipelineStage stage(make_model(phase == "save" ? 7 : 8, 8), options, groups.pipeline,
+                        groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
+    if (phase == "save") {
+      train_steps(stage, groups, adam, 0, 3);
+      save_training(mine + "/save", *stage, &adam, 3);
+      return;
+    }
+    CATCH_REQUIRE(saved != nullptr);
+    CATCH_CHECK(load_training(saved, *stage, &adam) == 3);
+    check_layers(stage->layers(), adam_oracle(3), indices, 1e-12);
+    train_steps(stage, groups, adam, 3, 3);
+    check_layers(stage->layers(), adam_oracle(6), indices, 1e-10);
+    if (phase == "interleaved") save_training(mine + "/save", *stage, &adam, 6);
+    return;
+  }
+  const auto run = [](const std::string& name, const std::map<std::string, std::string>& env) {
+    const std::string folder = folder_for(name);
+    const auto results = run_ranks(kResharded, 2, folder, env);
+    CATCH_INFO(gpipe_test::outputs(results));
+    for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
+    return folder;
+  };
+  const std::string stages = run("resharded_stages", {{"GPIPE_TEST_PHASE", "save"}});
+  // The stages' save in the plain Sequential, which trains on as the oracle.
+  nn::Sequential plain = make_model(9, 8);
+  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(gpipe::load_training(stages + "/save", *plain, &plain_adam) == 3);
+  check_layers(plain, adam_oracle(3), range(0, 8), 1e-12);
+  for (int step = 3; step < 6; ++step) {
+    auto [x, y] = batch(step);
+    plain_adam.zero_grad();
+    nn::functional::mse_loss(plain->forward(x), y).backward();
+    plain_adam.step();
+  }
+  check_layers(plain, adam_oracle(6), range(0, 8), 1e-10);
+  // In interleaved stages of another balance, whose save loads into a GPipe.
+  const std::string interleaved =
+      run("resharded_interleaved",
+          {{"GPIPE_TEST_PHASE", "interleaved"}, {"GPIPE_TEST_SAVED", stages + "/save"}});
+  GPipe pipe(make_model(9, 8), GPipeOptions({5, 3}).chunks(2));
+  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(gpipe::load_training(interleaved + "/save", *pipe, &pipe_adam) == 6);
+  nn::Sequential flat_pipe;
+  for (const nn::Sequential& p : pipe->partitions()) flat_pipe->extend(*p);
+  check_layers(flat_pipe, adam_oracle(6), range(0, 8), 1e-10);
+  // A GPipe's save of one process in 2 stages.
+  GPipe first(make_model(7, 8), GPipeOptions({3, 5}).chunks(2));
+  torch::optim::Adam first_adam(first->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = batch(step);
+    first_adam.zero_grad();
+    first->step(x, y, mse);
+    first_adam.step();
+  }
+  const std::string file = folder_for("resharded_file") + ".pt";
+  gpipe::save_training(file, *first, &first_adam, 3);
+  run("resharded_one_process", {{"GPIPE_TEST_PHASE", "one_process"}, {"GPIPE_TEST_SAVED", file}});
+  for (const std::string& f : {stages, interleaved}) fs::remove_all(f);
+  fs::remove(file);
+}
+
 constexpr const char* kReplicas =
     "the replicas of a DataParallel resumed from save_training take the saved run's next steps "
     "bit for bit and get the GradScaler's state back";
