@@ -1,9 +1,12 @@
 // The one test main of every gpipe test binary: Catch2's session, with [cuda] tests skipped when no
-// CUDA device is present ([gpus2] ones with fewer than two), and a closing summary line that .ci/run adds up across binaries.
+// CUDA device is present ([gpus2] ones with fewer than two, [python] ones without Python's torch),
+// and a closing summary line that .ci/run adds up across binaries.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -12,7 +15,7 @@
 
 namespace {
 
-size_t skipped_cuda_tests = 0;
+size_t skipped_tests = 0;
 
 // Prints "gpipe-test-summary: N passed, N failed, N skipped" when the run ends; failed counts
 // test cases with a failed assertion or an unexpected exception.
@@ -46,7 +49,7 @@ struct SummaryListener : ListenerBase {
     std::cout << std::flush;
     std::printf("gpipe-test-summary: %zu passed, %zu failed, %zu skipped\n",
                 stats.totals.testCases.passed + stats.totals.testCases.failedButOk,
-                stats.totals.testCases.failed, skipped_cuda_tests);
+                stats.totals.testCases.failed, skipped_tests);
     std::fflush(stdout);
   }
 };
@@ -63,28 +66,46 @@ int main(int argc, char** argv) {
   // Without a CUDA device, a run that names no tests skips the [cuda] ones. A run that names
   // tests runs what it names (a [cuda] test named explicitly then fails for want of a device).
   // Likewise, with fewer than two, the [gpus2] ones (each process of theirs takes a GPU of its
-  // own).
+  // own), and without Python's torch (/usr/bin/python3 with python3-torch, which tools/setup.sh
+  // installs), the [python] ones (they compare with models and training made in Python).
   auto& specs = session.configData().testsOrTags;
-  const bool no_cuda = !torch::cuda::is_available();
-  if ((no_cuda || torch::cuda::device_count() < 2) && specs.empty()) {
-    const std::string skipped = no_cuda ? "cuda" : "gpus2";
-    specs.push_back("~[" + skipped + "]");
-#if GPIPE_CATCH2_VERSION == 3
-    // A binary of [cuda] tests only then runs none, which is not a failure (Catch2 3 exits
-    // with 2 when no test ran, unless told otherwise).
-    session.configData().allowZeroTests = true;
-#endif
-    for (const std::vector<std::string>& tags : all_tags(session)) {
-      for (const std::string& tag : tags) {
-        if (tag == skipped) {
-          ++skipped_cuda_tests;
-        }
+  if (specs.empty()) {
+    const bool no_cuda = !torch::cuda::is_available();
+    std::vector<std::string> skipped;
+    if (no_cuda || torch::cuda::device_count() < 2) skipped.push_back(no_cuda ? "cuda" : "gpus2");
+    const auto tags = all_tags(session);
+    const auto has = [&tags](const std::string& wanted) {
+      for (const std::vector<std::string>& t : tags) {
+        if (std::find(t.begin(), t.end(), wanted) != t.end()) return true;
+      }
+      return false;
+    };
+    if (has("python") && std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
+      skipped.push_back("python");
+    }
+    std::string spec;  // each exclusion, all of them at once
+    for (const std::string& tag : skipped) {
+      spec += "~[" + tag + "]";
+      size_t count = 0;
+      for (const std::vector<std::string>& t : tags) {
+        if (std::find(t.begin(), t.end(), tag) != t.end()) ++count;
+      }
+      skipped_tests += count;
+      if (count > 0) {
+        std::printf("%s: skipping %zu [%s] test case(s).\n",
+                    tag == "cuda"    ? "No CUDA device"
+                    : tag == "gpus2" ? "Fewer than two CUDA devices"
+                                     : "No Python torch (/usr/bin/python3 -c 'import torch')",
+                    count, tag.c_str());
       }
     }
-    if (skipped_cuda_tests > 0) {
-      std::printf("%s: skipping %zu [%s] test case(s).\n",
-                  no_cuda ? "No CUDA device" : "Fewer than two CUDA devices", skipped_cuda_tests,
-                  skipped.c_str());
+    if (!spec.empty()) {
+      specs.push_back(spec);
+#if GPIPE_CATCH2_VERSION == 3
+      // A binary of skipped tests only then runs none, which is not a failure (Catch2 3 exits
+      // with 2 when no test ran, unless told otherwise).
+      session.configData().allowZeroTests = true;
+#endif
     }
   }
   return session.run();
