@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
     sgd.step();
     std::printf("step %d: loss %.17g\n", step + 1, loss.item<double>());
   }
+  scripted.to(at::kCPU);  // (its layers sit on the partitions' devices)
   if (!absl::GetFlag(FLAGS_out).empty()) scripted.save(absl::GetFlag(FLAGS_out));
   // [from_python]
   std::printf(

@@ -18,6 +18,7 @@
 #include <torch/optim/sgd.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/gpipe.h"
@@ -169,13 +170,15 @@ std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
 }
 
 ReshardedLoad::ReshardedLoad(torch::nn::Module& module, LayerNames names, std::vector<Tie> ties,
-                             torch::optim::Optimizer* optimizer, GradScaler* scaler, bool whole)
+                             torch::optim::Optimizer* optimizer, GradScaler* scaler, bool whole,
+                             int64_t layers)
     : module_(module),
       names_(std::move(names)),
       aliases_(tie_aliases(ties)),
       optimizer_(optimizer),
       scaler_(scaler),
-      whole_(whole) {
+      whole_(whole),
+      layers_(layers) {
   TORCH_CHECK(!names_.empty() || state_of(module).empty(), kWho,
               ": a save of another layout "
               "loads only into a Sequential, a GPipe or a PipelineStage (whose tensors are named "
@@ -206,7 +209,9 @@ void ReshardedLoad::add(const std::string& path, const std::string& bytes) {
   const std::string what = "'" + path + "'";
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(bytes.data(), bytes.size());
+    // On the CPU: a stage reads every stage's file, and copies only its own tensors to their
+    // devices (which the saving run's devices need not be).
+    archive.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, kWho, ": cannot read ", what, ": ", without_backtrace(e));
   }
@@ -235,6 +240,7 @@ void ReshardedLoad::add(const std::string& path, const std::string& bytes) {
   }
   torch::serialize::InputArchive optimizer;
   if (optimizer_ != nullptr && archive.try_read(kOptimizer, optimizer)) {
+    saved_optimizer_ = true;
     c10::IValue kind, optimizer_names;
     TORCH_CHECK(archive.try_read(kOptimizerKind, kind) &&
                     archive.try_read(kOptimizerNames, optimizer_names),
@@ -265,6 +271,9 @@ void ReshardedLoad::add(const std::string& path, const std::string& bytes) {
         if (!name.empty()) states_.emplace(name, SavedState{state, kind.toStringRef(), path});
       }
     }
+    TORCH_CHECK(flat == global.size(), kWho, ": ", what,
+                " is damaged (its optimizer has fewer "
+                "parameters than names)");
   }
   torch::serialize::InputArchive scaler;
   if (scaler_ != nullptr && !scaler_state_ && archive.try_read(kScaler, scaler)) {
@@ -346,6 +355,21 @@ int64_t ReshardedLoad::check() {
     copies_.emplace_back(t, from);
     used.insert(name->second);
   }
+  if (layers_ >= 0) {  // a part of the model: the save must not hold layers past its end
+    for (const auto& item : tensors_) {
+      const std::string& name = item.first;
+      const size_t at = name.rfind(' ', name.find('.'));
+      int64_t layer = 0;
+      const bool numbered =
+          absl::SimpleAtoi(name.substr(at == std::string::npos ? 0 : at + 1,
+                                       name.find('.') - (at == std::string::npos ? 0 : at + 1)),
+                           &layer);
+      TORCH_CHECK(!numbered || layer < layers_, kWho, ": '", item.second.path, "' holds '", name,
+                  "', of layer ", layer, ", but the model has ", layers_,
+                  " layers; load a save "
+                  "of the same model");
+    }
+  }
   if (whole_) {
     std::vector<std::string> extra;
     for (const auto& item : tensors_) {
@@ -354,6 +378,9 @@ int64_t ReshardedLoad::check() {
     TORCH_CHECK(extra.empty(), kWho, ": the save holds ", absl::StrJoin(extra, ", "),
                 ", which the module does not have; load a save of the same model");
   }
+  TORCH_CHECK(optimizer_ == nullptr || saved_optimizer_, kWho,
+              ": the save was made without an "
+              "optimizer, but one is given to load into; give none, or load a save made with one");
   if (optimizer_ != nullptr) {
     std::unordered_map<const void*, std::string> local_names;
     for (const auto& item : module_.named_parameters()) {

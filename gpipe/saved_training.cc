@@ -362,7 +362,7 @@ namespace {
 bool same_layout(const std::string& bytes, const torch::nn::Module& module) {
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(bytes.data(), bytes.size());
+    archive.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
   } catch (const std::exception&) {
     return true;  // LoadedFile says why it cannot be read
   }

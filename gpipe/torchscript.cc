@@ -43,9 +43,16 @@ ScriptedLayerImpl::ScriptedLayerImpl(const torch::jit::Module& child,
 }
 
 void ScriptedLayerImpl::reset() {
-  if (registered_) {  // a clone: a child of its own
+  if (registered_) {
+    // Module::clone() clears the tensors and calls reset(): a clone holds a deep copy of its
+    // child, and no root (the scripted model is not copied with it).
+    TORCH_CHECK(named_parameters(false).is_empty() && named_buffers(false).is_empty(),
+                "gpipe::ScriptedLayer::reset: layer '", name_,
+                "' holds its scripted child's "
+                "own tensors, which reset() would detach from the scripted model; initialise "
+                "them in Python, or assign to them under torch::NoGradGuard");
     child_ = std::make_shared<torch::jit::Module>(child_->deepcopy());
-    root_ = child_;
+    root_.reset();
   }
   registered_ = true;
   const auto check = [this](const std::string& name, const std::string& flat) {
@@ -116,7 +123,7 @@ torch::nn::Sequential from_torchscript(const torch::jit::Module& module, const s
 torch::nn::Sequential from_torchscript(const std::string& path, const std::string& child) {
   torch::jit::Module module;
   try {
-    module = torch::jit::load(path);
+    module = torch::jit::load(path, c10::Device(c10::kCPU));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "gpipe::from_torchscript: cannot load '", path,
                 "': ", internal::without_backtrace(e));
@@ -131,6 +138,14 @@ const torch::jit::Module& scripted_module(const torch::nn::Sequential& layers) {
               "gpipe::scripted_module: the Sequential's first layer is not a "
               "gpipe::ScriptedLayer; give the Sequential that from_torchscript made");
   return first->root();
+}
+
+const torch::jit::Module& ScriptedLayerImpl::root() const {
+  TORCH_CHECK(root_ != nullptr, "gpipe::ScriptedLayer: layer '", name_,
+              "' is a clone, which "
+              "holds a deep copy of its child only, not the scripted model; save the model "
+              "from_torchscript was given (or the Sequential it made)");
+  return *root_;
 }
 
 }  // namespace gpipe

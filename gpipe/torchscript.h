@@ -31,14 +31,16 @@ namespace gpipe {
 // code in place). train() and eval() set the scripted child's mode too. The root scripted module
 // (scripted_module()) therefore holds the trained weights: its save() writes a file that
 // Python's torch.jit.load reads. A ScriptedLayer cloned (a tie across devices) holds a deep copy
-// of its child. What a scripted layer cannot do: take or return anything but one tensor whose
-// first dimension is the batch (refused at its first forward, naming the layer); and gpipe
-// cannot see inside it, so a scripted BatchNorm is not a BatchNorm to gpipe: deferred batch norm
-// does not reach it, and a checkpointed micro-batch's recomputation updates its running
-// statistics a second time (train such a model with Checkpoint::kNever, or keep its batch norms
-// in eval mode). Tested (tests/gpipe/torchscript_test.cc): a ResNet-like and a GPT-like model
-// scripted by python3-torch, trained by a GPipe under 1F1B, against Python's training of the
-// same file.
+// of its child (and no root: save the model it was cloned from). Making the layers sets each
+// child's mode to the layer's (training, as any new module), whatever mode Python saved; call
+// eval() on the Sequential or the GPipe for the other. What a scripted layer cannot do: take or
+// return anything but one tensor whose first dimension is the batch (refused at its first forward,
+// naming the layer); and gpipe cannot see inside it, so a scripted BatchNorm is not a BatchNorm to
+// gpipe: deferred batch norm does not reach it, and a checkpointed micro-batch's recomputation
+// updates its running statistics a second time (train such a model with Checkpoint::kNever, or keep
+// its batch norms in eval mode). Tested (tests/gpipe/torchscript_test.cc): a ResNet-like and a
+// GPT-like model scripted by python3-torch, trained by a GPipe under 1F1B, against Python's
+// training of the same file.
 
 /// One child of a scripted module as a layer (Note [Layers from TorchScript]).
 class ScriptedLayerImpl : public torch::nn::Cloneable<ScriptedLayerImpl> {
@@ -47,6 +49,8 @@ class ScriptedLayerImpl : public torch::nn::Cloneable<ScriptedLayerImpl> {
   ScriptedLayerImpl(const torch::jit::Module& child, const torch::jit::Module& root,
                     std::string name);
   /// Registers the child's parameters and buffers (for a clone: of a deep copy of the child).
+  /// Refused on a layer that holds them: they are the scripted model's (Note [Layers from
+  /// TorchScript]).
   void reset() override;
   /// The child's scripted forward on `input`; its result must be one tensor.
   at::Tensor forward(const at::Tensor& input);
@@ -54,11 +58,12 @@ class ScriptedLayerImpl : public torch::nn::Cloneable<ScriptedLayerImpl> {
   void train(bool on = true) override;
   /// The scripted child.
   const torch::jit::Module& module() const { return *child_; }
-  /// The scripted module the child belongs to (for a clone: the child's deep copy).
-  const torch::jit::Module& root() const { return *root_; }
+  /// The scripted module the child belongs to. Throws c10::Error for a clone (Module::clone),
+  /// which holds a deep copy of its child only.
+  const torch::jit::Module& root() const;
 
  private:
-  std::shared_ptr<torch::jit::Module> child_, root_;
+  std::shared_ptr<torch::jit::Module> child_, root_;  // root_ null: a clone
   std::string name_;
   bool registered_ = false;  // a copy being cloned when reset() finds it set
 };
@@ -80,7 +85,7 @@ TORCH_MODULE(ScriptedLayer);
 torch::nn::Sequential from_torchscript(const torch::jit::Module& module,
                                        const std::string& child = "");
 
-/// The same for the scripted module in the file `path` (torch::jit::load; on the CPU). Throws
+/// The same for the scripted module in the file `path` (torch::jit::load onto the CPU). Throws
 /// c10::Error naming `path` when it cannot be loaded. scripted_module() gives the loaded module.
 torch::nn::Sequential from_torchscript(const std::string& path, const std::string& child = "");
 

@@ -68,6 +68,7 @@ struct Grid {
   // their layout]); none for a DataParallel.
   gpipe::internal::LayerNames names;
   std::vector<Tie> ties;
+  int64_t layers = -1;  // the whole model's (-1: not known)
 
   bool writes_module() const { return inner_index == 0; }
   bool writes_manifest() const { return inner_index == 0 && outer_index == 0; }
@@ -128,6 +129,8 @@ Grid stage_grid(const PipelineStageImpl& stage) {
   grid.local = stage.device();
   grid.names = stage_layer_names(stage);
   grid.ties = stage.ties();
+  grid.layers = 0;
+  for (int64_t n : stage.options().balance()) grid.layers += n;
   return grid;
 }
 
@@ -378,7 +381,7 @@ std::unique_ptr<gpipe::internal::ReshardedLoad> resharded_load(const Grid& grid,
               "gpipe::load_training: the save was made by another layout; "
               "a DataParallel resumes from a save of a DataParallel of the same model");
   return std::make_unique<gpipe::internal::ReshardedLoad>(module, grid.names, grid.ties, optimizer,
-                                                          scaler, /*whole=*/false);
+                                                          scaler, /*whole=*/false, grid.layers);
 }
 
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,

@@ -71,9 +71,12 @@ std::string optimizer_kind(const torch::optim::Optimizer& optimizer);
 // optimizer's kind and its parameter's shape; the steps agree).
 class ReshardedLoad {
  public:
-  // `whole`: the module holds the whole model, so a saved tensor it lacks is refused.
+  // `whole`: the module holds the whole model, so a saved tensor it lacks is refused; else
+  // `layers` (if not negative) is the model's number of layers, and a save that holds a layer
+  // past them is refused.
   ReshardedLoad(torch::nn::Module& module, LayerNames names, std::vector<Tie> ties,
-                torch::optim::Optimizer* optimizer, GradScaler* scaler, bool whole);
+                torch::optim::Optimizer* optimizer, GradScaler* scaler, bool whole,
+                int64_t layers = -1);
   // Reads the save at `path`: a file of one process's save, or else a folder that a save across
   // processes committed (its files as the manifest lists them, checked, but for the random
   // generators'). Returns the folder's count of saves (0 for a file).
@@ -103,6 +106,8 @@ class ReshardedLoad {
   torch::optim::Optimizer* optimizer_;
   GradScaler* scaler_;
   bool whole_;
+  int64_t layers_;
+  bool saved_optimizer_ = false;                        // a file held an optimizer's state
   std::map<std::string, Saved> tensors_;                // by name in the whole Sequential
   std::map<std::string, SavedState> states_;            // the same
   std::vector<std::pair<int64_t, std::string>> steps_;  // each file's step and path

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/resharding.h"
 #include "tests/gpipe/test_util.h"
 #include "tests/gpipe/tied_model.h"
 
@@ -260,8 +261,22 @@ CATCH_TEST_CASE(
   train_pipe(other, witness, 0, 1);
   torch::optim::SGD sgd(other->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   refused(*other, &sgd, witness,
-          "holds the state of the optimizer Adam, but it is loaded into "
-          "an SGD");
+          "holds the state of the optimizer Adam, but it is loaded into an SGD");
+  // A part of the model (as a stage loads its layers) refuses a save of more layers than the
+  // model has: the save is of another model.
+  internal::ReshardedLoad part(*shorter, internal::layer_names(*shorter), {}, nullptr, nullptr,
+                               /*whole=*/false, /*layers=*/4);
+  part.read(file);
+  CATCH_CHECK_THROWS_WITH(part.check(),
+                          gpipe_test::contains("'4.bias', of layer 4, but the model has 4 layers"));
+  // A save without an optimizer, loaded with one.
+  const std::string bare = temp_file("bare");
+  save_training(bare, *saved, nullptr, 2);
+  GPipe again(make_model(3), GPipeOptions({1, 4}));
+  torch::optim::Adam again_adam(again->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK_THROWS_WITH(load_training(bare, *again, &again_adam),
+                          gpipe_test::contains("the save was made without an optimizer"));
+  fs::remove(bare);
   fs::remove(file);
 }
 
