@@ -30,8 +30,9 @@ namespace distributed {
 // resumed in the middle of an epoch, the rest of that epoch is not exactly the samples the saved
 // run had left (some come twice in it, some not at all); from the next epoch on, each sample
 // once an epoch. Tested: 2 stages x 2 replicas saved, resumed by 2 x 1,
-// take the saved parameters exactly and train on as the 2 replicas did to 1e-9 (float64). The
-// stages and balance must be the saved ones: a stage's file holds its layers only.
+// take the saved parameters exactly and train on as the 2 replicas did to 1e-9 (float64). With
+// other stages or another balance, a load goes by layer instead (Note [Saves that outlive their
+// layout] in gpipe/saved_training.h), without the random generators.
 
 /// Saves a pipeline stage's training to the folder `dir` (made if missing; Note [Saving and
 /// resuming] and Note [Atomic saves] in gpipe/saved_training.h): the stage's layers, `optimizer`
@@ -54,8 +55,10 @@ void save_training(const std::string& dir, const PipelineStageImpl& stage,
                    const GradScaler* scaler = nullptr);
 /// Loads what save_training committed in `dir` for this stage (the same stages and balance; any
 /// number of replicas: Note [Resuming on fewer or more replicas]) and this rank's random
-/// generators, and `scaler`'s state (if not null); returns the
-/// step. Throws c10::Error, changing nothing, when `dir` has no manifest (no save finished),
+/// generators, and `scaler`'s state (if not null); returns the step. A save of another layout
+/// (other stages, balance or interleaving, a folder or file of one process's save) loads by
+/// layer: this stage's tensors and optimizer states, without the generators (Note [Saves that
+/// outlive their layout] in gpipe/saved_training.h). Throws c10::Error, changing nothing, when `dir` has no manifest (no save finished),
 /// when a file is torn or replaced (its checksum is not the manifest's), when the folder mixes
 /// saves of different steps, or when the save does not fit the stage, the optimizer or the
 /// scaler; each error names the file and what the manifest says. A collective: every rank calls
