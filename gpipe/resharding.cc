@@ -91,6 +91,14 @@ std::string place_name(const Tie& tie, size_t k) {
   return absl::StrCat(tie.layers[k], name.substr(name.find('.')));
 }
 
+// The layer of a name in the whole Sequential ("3.weight", "buffer 3.running_mean": 3); -1 when
+// it has none.
+int64_t layer_of(const std::string& name) {
+  const size_t start = name.rfind(' ', name.find('.')) + 1;  // 0 without a "buffer " prefix
+  int64_t layer = -1;
+  return absl::SimpleAtoi(name.substr(start, name.find('.') - start), &layer) ? layer : -1;
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module& module) {
@@ -334,9 +342,7 @@ int64_t ReshardedLoad::check() {
                 steps_[0].second, "' holds step ", steps_[0].first, ": the save mixes steps");
   }
   TORCH_CHECK(!manifest_step_ || *manifest_step_ == steps_[0].first, kWho, ": '", steps_[0].second,
-              "' holds step ", steps_[0].first,
-              ", but its folder's manifest "
-              "commits step ",
+              "' holds step ", steps_[0].first, ", but its folder's manifest commits step ",
               *manifest_step_, ": the folder mixes saves");
   std::set<std::string> used;
   for (const auto& [local, t] : state_of(module_)) {
@@ -350,21 +356,14 @@ int64_t ReshardedLoad::check() {
                 name->second, "' in '", it->second.path, "' is ", from.sizes(), " ",
                 from.scalar_type(), ", but the module's '", local, "' is ", t.sizes(), " ",
                 t.scalar_type(),
-                "; load a save of the same model (converted as it was when "
-                "saved)");
+                "; load a save of the same model (converted as it was when saved)");
     copies_.emplace_back(t, from);
     used.insert(name->second);
   }
   if (layers_ >= 0) {  // a part of the model: the save must not hold layers past its end
     for (const auto& item : tensors_) {
-      const std::string& name = item.first;
-      const size_t at = name.rfind(' ', name.find('.'));
-      int64_t layer = 0;
-      const bool numbered =
-          absl::SimpleAtoi(name.substr(at == std::string::npos ? 0 : at + 1,
-                                       name.find('.') - (at == std::string::npos ? 0 : at + 1)),
-                           &layer);
-      TORCH_CHECK(!numbered || layer < layers_, kWho, ": '", item.second.path, "' holds '", name,
+      const int64_t layer = layer_of(item.first);
+      TORCH_CHECK(layer < layers_, kWho, ": '", item.second.path, "' holds '", item.first,
                   "', of layer ", layer, ", but the model has ", layers_,
                   " layers; load a save "
                   "of the same model");
