@@ -64,9 +64,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(const std::string& 
   return std::make_unique<torch::optim::RMSpropParamState>();
 }
 
-// `state`'s moment `name` moved to `device` (through its typed setter).
-void place_moments(torch::optim::OptimizerParamState& state, const std::string& kind,
-                   c10::Device device) {
+// Each of `state`'s moments moved to `device` (through its typed setters).
+void place_moments(torch::optim::OptimizerParamState& state, c10::Device device) {
   const auto to = [device](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
   if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(&state)) {
     s->exp_avg(to(s->exp_avg())).exp_avg_sq(to(s->exp_avg_sq()));
@@ -82,7 +81,6 @@ void place_moments(torch::optim::OptimizerParamState& state, const std::string& 
     s->square_avg(to(s->square_avg())).momentum_buffer(to(s->momentum_buffer()));
     s->grad_avg(to(s->grad_avg()));
   }
-  (void)kind;
 }
 
 // The whole Sequential's name of a tie's place k ("<layer index>.<name in the layer>").
@@ -331,7 +329,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> ReshardedLoad::state_for(
     TORCH_CHECK(false, kWho, ": the optimizer's state of '", name, "' in '", saved.path,
                 "' does not fit a ", mine, " (", e.what_without_backtrace(), ")");
   }
-  place_moments(*state, mine, param.device());
+  place_moments(*state, param.device());
   return state;
 }
 

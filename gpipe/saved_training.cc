@@ -59,6 +59,16 @@ void write_module(torch::serialize::OutputArchive& archive, const torch::nn::Mod
   archive.write(kTensors, c10::IValue(tensors));
 }
 
+// The names of `module`'s parameters (if any) by tensor, for errors about the optimizer's state.
+std::unordered_map<const void*, std::string> parameter_names(const torch::nn::Module* module) {
+  std::unordered_map<const void*, std::string> out;
+  if (module == nullptr) return out;
+  for (const auto& item : module->named_parameters()) {
+    out.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  return out;
+}
+
 // The optimizer's state, its kind, and its parameters' names in the whole Sequential.
 void write_optimizer(torch::serialize::OutputArchive& archive,
                      const torch::optim::Optimizer& optimizer, const torch::nn::Module* module,
@@ -66,12 +76,7 @@ void write_optimizer(torch::serialize::OutputArchive& archive,
   torch::serialize::OutputArchive state;
   optimizer.save(state);
   archive.write(kOptimizer, state);
-  std::unordered_map<const void*, std::string> local;
-  if (module != nullptr) {
-    for (const auto& item : module->named_parameters()) {
-      local.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    }
-  }
+  const std::unordered_map<const void*, std::string> local = parameter_names(module);
   c10::List<std::string> global;
   for (const auto& group : optimizer.param_groups()) {
     for (const at::Tensor& p : group.params()) {
@@ -115,16 +120,6 @@ std::vector<std::pair<at::Tensor, at::Tensor>> module_copies(
   TORCH_CHECK(extra.empty(), "gpipe::load_training: ", what, " holds ", absl::StrJoin(extra, ", "),
               ", which the module does not have; load a save of the same model");
   return copies;
-}
-
-// The names of `module`'s parameters (if any) by tensor, for errors about the optimizer's state.
-std::unordered_map<const void*, std::string> parameter_names(const torch::nn::Module* module) {
-  std::unordered_map<const void*, std::string> out;
-  if (module == nullptr) return out;
-  for (const auto& item : module->named_parameters()) {
-    out.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  }
-  return out;
 }
 
 // A parameter's moments, as LibTorch's optimizers keep them (Adam and AdamW, SGD, Adagrad,
