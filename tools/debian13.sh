@@ -199,7 +199,7 @@ for v in $variants; do
   log="$cache/trixie-$v-test.log"
   # (LibTorch keeps allocations to its exit: LeakSanitizer is off.)
   sanitizer_env="ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0 UBSAN_OPTIONS=print_stacktrace=1"
-  in_root "$root" sh -c "cd /src/gpipe && $sanitizer_env JOBS=${JOBS:-2} \
+  in_root "$root" sh -c "cd /src/gpipe && $sanitizer_env JOBS=${JOBS:-2} TEST_JOBS=${TEST_JOBS:-1} \
     bash tools/cmake_test.sh /build/gpipe -DGPIPE_WERROR=ON $args" > "$log" 2>&1
   grep -E "^-- gpipe:" "$log"
   grep -E "error:|warning:" "$log" | head -n 20
