@@ -55,8 +55,8 @@ ABSL_FLAG(std::string, balance, "auto",
 ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
 ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
 ABSL_FLAG(std::string, schedule, "gpipe",
-          "gpipe (forward() and backward()), or 1f1b, interleaved, zb (GPipe::step)");
-ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved: partitions per worker");
+          "gpipe (forward() and backward()), or 1f1b, interleaved, zb, zbv, zb1p (GPipe::step)");
+ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved or zb1p: partitions per worker");
 ABSL_FLAG(int64_t, microbatch_group, 0,
           "with --schedule=interleaved: micro-batches that go through a virtual stage before "
           "the next (Megatron-LM's microbatch_group_size_per_vp_stage; 0: the workers, or "

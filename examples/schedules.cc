@@ -27,10 +27,10 @@
 #include "gpipe/schedule_text.h"
 #include "gpipe/trace.h"
 
-ABSL_FLAG(std::string, schedule, "gpipe", "gpipe, 1f1b, interleaved or zb");
+ABSL_FLAG(std::string, schedule, "gpipe", "gpipe, 1f1b, interleaved, zb, zbv or zb1p");
 ABSL_FLAG(int, partitions, 4, "ranks (devices or processes)");
 ABSL_FLAG(int, chunks, 8, "micro-batches per mini-batch");
-ABSL_FLAG(int, virtual_stages, 2, "stages per rank, for --schedule=interleaved");
+ABSL_FLAG(int, virtual_stages, 2, "stages per rank, for --schedule=interleaved or zb1p");
 ABSL_FLAG(int, microbatch_group, 0,
           "for --schedule=interleaved: micro-batches through a stage before the next (Note "
           "[Micro-batch groups] in gpipe/schedule.h; 0: the ranks)");
@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
       const gpipe::ScheduleKind kind = gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule));
       schedule = gpipe::make_schedule(
           kind, absl::GetFlag(FLAGS_partitions), absl::GetFlag(FLAGS_chunks),
-          kind == gpipe::ScheduleKind::kInterleaved ? absl::GetFlag(FLAGS_virtual_stages) : 1,
+          gpipe::takes_virtual_stages(kind) ? absl::GetFlag(FLAGS_virtual_stages) : 1,
           kind == gpipe::ScheduleKind::kInterleaved ? absl::GetFlag(FLAGS_microbatch_group) : 0);
     }
     gpipe::ActionCosts costs;

@@ -44,17 +44,17 @@ class PipelineSchedule {
   /// a divisor of chunks; 0 means n (Note [Micro-batch groups] in schedule.h).
   static PipelineSchedule interleaved(int64_t virtual_stages, int64_t microbatch_group = 0);
 
+  /// Interleaved zero bubble (ZB1P): interleaved 1F1B's placement and order with each backward
+  /// split into I and W (interleaved_zero_bubble_schedule); `virtual_stages` as interleaved's.
+  static PipelineSchedule interleaved_zero_bubble(int64_t virtual_stages);
+
   /// A kind with its parameters as a program's flags give them (kind, virtual stages, group),
   /// checked where the model is built: virtual stages and a group only with kInterleaved.
   ///
   ///   gpipe::PipelineSchedule::of(gpipe::schedule_kind(flag), virtual_stages, group)
+  /// zbv takes 1 or 2 (it always has 2 per rank).
   static PipelineSchedule of(ScheduleKind kind, int64_t virtual_stages = 1,
-                             int64_t microbatch_group = 0) {
-    PipelineSchedule schedule(kind);
-    schedule.virtual_stages_ = virtual_stages;
-    schedule.microbatch_group_ = microbatch_group;
-    return schedule;
-  }
+                             int64_t microbatch_group = 0);
 
   /// A schedule written as text (gpipe::parse_schedule's format: one line per rank, stages =
   /// partitions, micro-batches = chunks), parsed and checked here.
@@ -62,8 +62,10 @@ class PipelineSchedule {
 
   /// The kind (kGPipe for a written schedule).
   ScheduleKind kind() const { return kind_; }
-  /// Virtual stages per rank of interleaved 1F1B; 1 otherwise.
-  int64_t virtual_stages() const { return virtual_stages_; }
+  /// Stages per rank: the virtual stages of interleaved 1F1B and ZB1P, 2 for ZBV, 1 otherwise.
+  int64_t virtual_stages() const {
+    return kind_ == ScheduleKind::kZeroBubbleV ? 2 : virtual_stages_;
+  }
   /// Interleaved 1F1B's micro-batch group (Note [Micro-batch groups]); 0: the default.
   int64_t microbatch_group() const { return microbatch_group_; }
   /// The text of a written schedule; empty for a kind.
@@ -72,8 +74,9 @@ class PipelineSchedule {
   bool is_text() const { return parsed_ != nullptr; }
   /// The written schedule, parsed; null for a kind.
   const std::shared_ptr<const Schedule>& parsed() const { return parsed_; }
-  /// Whether it is interleaved 1F1B with two or more virtual stages.
-  bool interleaves() const { return kind_ == ScheduleKind::kInterleaved && virtual_stages_ > 1; }
+  /// Whether each rank holds two or more stages placed in a loop (rank r: r, r + n, ...):
+  /// interleaved 1F1B or ZB1P with two or more virtual stages.
+  bool interleaves() const { return takes_virtual_stages(kind_) && virtual_stages_ > 1; }
 
   /// For the deprecated setters (Note [One schedule option]): one field each, checked later.
   void set_kind(ScheduleKind kind) { kind_ = kind; }
@@ -84,7 +87,8 @@ class PipelineSchedule {
   /// Makes it a written schedule of `text`, parsed and checked here.
   void set_text(std::string text);
 
-  /// "gpipe", "1f1b", "interleaved (v = 2)", "interleaved (v = 2, group = 4)", "zb" or "text".
+  /// "gpipe", "1f1b", "interleaved (v = 2)", "interleaved (v = 2, group = 4)", "zb", "zbv",
+  /// "zb1p (v = 2)" or "text".
   std::string to_string() const;
 
  private:

@@ -298,6 +298,37 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
                /*virtual_stages=*/2);
 }
 
+constexpr const char* kInterleavedZeroBubble =
+    "two and three processes train with interleaved zero bubble (zb1p) to the plain model's "
+    "parameters and losses within its in-flight bound";
+
+CATCH_TEST_CASE(kInterleavedZeroBubble, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    train_stage(PipelineStageOptions(balance_from_env())
+                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
+                    .checkpoint(mode_from_env())
+                    .schedule(PipelineSchedule::interleaved_zero_bubble(2)),
+                /*record_timeline=*/true);
+    return;
+  }
+  // (balance of the virtual stages, chunks, checkpoint mode, links), as kInterleaved's.
+  using Run = std::tuple<std::vector<int64_t>, int64_t, std::string, std::string>;
+  const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "except_last", "shared"},
+                           Run{{1, 2, 1, 1, 1, 1}, 3, "never", "gloo"});
+  const auto& [balance, chunks, mode, links] = run;
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode << ", links "
+                        << links);
+  std::map<std::string, std::string> env{{"GPIPE_TEST_SCHEDULE", "zb1p"},
+                                         {"GPIPE_TEST_BALANCE", spec},
+                                         {"GPIPE_TEST_CHUNKS", std::to_string(chunks)},
+                                         {"GPIPE_TEST_CHECKPOINT", mode}};
+  if (links == "gloo") env["GPIPE_TEST_SHARED_MEMORY"] = "0";
+  check_stages(kInterleavedZeroBubble, folder_for("zb1p_" + std::to_string(balance.size() / 2)),
+               env, /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
+}
+
 constexpr const char* kInterleavedCuda =
     "two processes on the GPU train with the interleaved schedule to the plain model's parameters "
     "and losses";
@@ -346,6 +377,10 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         PipelineStage(make_model(), options().balance({3, 3}), gloo),
         gpipe_test::contains("the balance has 2 entries ({3, 3}) but the process group has 2 "
                              "ranks of 2 virtual stages each"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().schedule(ScheduleKind::kZeroBubbleV), gloo),
+        gpipe_test::contains("the zbv schedule's V-shaped placement (Note [V-shaped placement]) "
+                             "runs in one process (gpipe::GPipe) only so far"));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().schedule(ScheduleKind::k1F1B), gloo),
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));

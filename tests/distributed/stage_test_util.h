@@ -253,12 +253,12 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
     const std::vector<TimelineEvent> events = stage->gather_timeline();
     if (schedule == "gpipe") {
       check_schedule(events, 2 * per_stage);  // two per stage, or one
-    } else if (schedule == "interleaved") {
+    } else if (schedule == "interleaved" || schedule == "zb1p") {
       // Each virtual stage keeps at most what the schedule's definition says (its simulation).
       const int64_t n = stage->stages(), v = chosen.virtual_stages();
       const int64_t m = options.chunks();
-      const ScheduleSimulation ideal =
-          simulate_schedule(interleaved_schedule(n, m, v, chosen.microbatch_group()));
+      const ScheduleSimulation ideal = simulate_schedule(make_schedule(
+          chosen.kind(), n, m, v, schedule == "zb1p" ? 0 : chosen.microbatch_group()));
       const std::map<int64_t, int64_t> peak = gpipe::testing::peak_in_flight(events);
       CATCH_CHECK(peak.size() == static_cast<size_t>(n * v));
       for (const auto& [p, most] : peak) {
@@ -268,7 +268,7 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
       // Each process ran its forwards and backwards in the schedule's order (with a micro-batch
       // group: the group's, Note [Micro-batch groups]).
       const Schedule planned = interleaved_schedule(n, m, v, chosen.microbatch_group());
-      for (int64_t r = 0; r < n; ++r) {
+      for (int64_t r = 0; r < n && schedule == "interleaved"; ++r) {
         std::vector<const TimelineEvent*> mine;
         for (const TimelineEvent& e : events) {
           const bool step = e.kind == TimelineEvent::Kind::kCompute ||

@@ -2,7 +2,9 @@
 // its definition (orders, micro-batches in flight, bubble) simulated by gpipe/schedule_check.h.
 #include "tests/catch.h"
 
+#include <algorithm>
 #include <ostream>
+#include <utility>
 #include <set>
 
 #include <c10/util/Exception.h>
@@ -150,9 +152,9 @@ CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedu
                                                "at least 1, got 0"));
   CATCH_CHECK_THROWS_WITH(schedule_kind("pipedream"),
                           gpipe_test::contains("unknown schedule 'pipedream': expected gpipe, "
-                                               "1f1b, interleaved or zb"));
+                                               "1f1b, interleaved, zb, zbv or zb1p"));
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::k1F1B, 2, 4, 2),
-                          gpipe_test::contains("only interleaved takes more than 1"));
+                          gpipe_test::contains("only interleaved and zb1p take more than 1"));
   CATCH_CHECK_THROWS_WITH(interleaved_schedule(3, 6, 2, 2),
                           gpipe_test::contains("the micro-batch group (2) must be at least the "
                                                "number of partitions (3)"));
@@ -163,7 +165,7 @@ CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedu
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 2, 4, 1, 4),
                           gpipe_test::contains("a micro-batch group of 4 given for the zb "
                                                "schedule; only interleaved takes one"));
-  for (const char* name : {"gpipe", "1f1b", "interleaved", "zb"}) {
+  for (const char* name : {"gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p"}) {
     CATCH_CHECK(schedule_kind_name(schedule_kind(name)) == name);
     CATCH_CHECK(make_schedule(schedule_kind(name), 2, 4).name == name);
   }
@@ -263,13 +265,117 @@ CATCH_TEST_CASE("a larger micro-batch group keeps interleaving's bubble, holds m
               simulate_schedule(with_communication(plain), slow).makespan);
 }
 
+// The most (stage, micro-batch) pairs rank r holds at once, and the most W it keeps waiting
+// (I run, W not yet), counted from its actions.
+std::pair<int64_t, int64_t> held_by(const Schedule& s, int64_t r) {
+  int64_t held = 0, peak = 0, waiting = 0, most_waiting = 0;
+  for (const Action& a : s.ranks[r]) {
+    held += a.type == ActionType::kForward                                             ? 1
+            : a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight ? -1
+                                                                                       : 0;
+    waiting += a.type == ActionType::kBackwardInput    ? 1
+               : a.type == ActionType::kBackwardWeight ? -1
+                                                       : 0;
+    peak = std::max(peak, held);
+    most_waiting = std::max(most_waiting, waiting);
+  }
+  return {peak, most_waiting};
+}
+
+CATCH_TEST_CASE("zbv places stages in a V and holds 1F1B's peak with nearly no bubble",
+                "[schedule]") {
+  const int64_t n = GENERATE(1, 2, 3, 4, 5);
+  const int64_t m = GENERATE(1, 2, 3, 5, 8, 9, 16);
+  CATCH_CAPTURE(n, m);
+  const Schedule s = zbv_schedule(n, m);
+  CATCH_REQUIRE_NOTHROW(check_schedule(s));
+  CATCH_REQUIRE_NOTHROW(check_schedule(with_communication(s)));
+  CATCH_CHECK(s.stages == 2 * n);
+  CATCH_CHECK(s.num_ranks() == n);
+  for (int64_t r = 0; r < n; ++r) {
+    CATCH_CHECK(s.stages_of(r) == (std::vector<int64_t>{r, 2 * n - 1 - r}));
+    // In flight: at most 2n half-size stage-micro-batches (1F1B's n whole ones), counted from
+    // the actions, and the simulation agrees.
+    CATCH_CHECK(held_by(s, r).first <= std::min(2 * n, 2 * m));
+    // The warm-up: 2(n - r) - 1 forwards of stage r first.
+    for (int64_t k = 0; k < std::min(2 * (n - r) - 1, m); ++k) {
+      CATCH_CHECK(s.ranks[r][k] == (Action{ActionType::kForward, r, k}));
+    }
+  }
+  // Equal F, I and W, each stage half a rank's layers: shorter than ZB-H1 and 1F1B over the
+  // same ranks, and the middle stages cross no rank.
+  ActionCosts half;
+  half.forward = half.backward_input = half.backward_weight = 0.5;
+  const ScheduleSimulation zbv = simulate_schedule(s, half);
+  CATCH_CHECK(zbv.peak_in_flight[0] == held_by(s, 0).first);
+  if (m >= 2 * n && n >= 2) {
+    CATCH_CHECK(held_by(s, 0).first == 2 * n);
+    CATCH_CHECK(zbv.makespan < simulate_schedule(zero_bubble_schedule(n, m)).makespan);
+    CATCH_CHECK(zbv.bubble < simulate_schedule(one_f_one_b_schedule(n, m)).bubble / 2);
+  }
+  const Schedule wired = with_communication(s);
+  for (const Action& a : wired.ranks[n - 1]) {
+    CATCH_CHECK(!(a.type == ActionType::kSendForward && a.stage == n - 1));
+  }
+}
+
+CATCH_TEST_CASE(
+    "zb1p is interleaved 1F1B with backwards split and rank r keeping up to r W "
+    "waiting",
+    "[schedule]") {
+  const int64_t n = GENERATE(2, 3, 4);
+  const int64_t v = GENERATE(1, 2, 3);
+  const int64_t m = n * GENERATE(1, 2, 4);
+  CATCH_CAPTURE(n, v, m);
+  const Schedule zb1p = interleaved_zero_bubble_schedule(n, m, v);
+  const Schedule interleaved = interleaved_schedule(n, m, v);
+  CATCH_REQUIRE_NOTHROW(check_schedule(zb1p));
+  CATCH_CHECK(zb1p.stage_ranks == interleaved.stage_ranks);
+  for (int64_t r = 0; r < n; ++r) {
+    // Without its W, each rank's order is interleaved 1F1B's with I for B.
+    std::vector<Action> without_w;
+    for (Action a : zb1p.ranks[r]) {
+      if (a.type == ActionType::kBackwardWeight) continue;
+      if (a.type == ActionType::kBackwardInput) a.type = ActionType::kBackward;
+      without_w.push_back(a);
+    }
+    CATCH_CHECK(without_w == interleaved.ranks[r]);
+    // Up to r W wait at once (one more right after an I, before the oldest runs).
+    CATCH_CHECK(held_by(zb1p, r).second <= std::min(r + 1, v * m));
+    CATCH_CHECK(held_by(zb1p, r).first <= held_by(interleaved, r).first + r);
+  }
+  // Equal F, I and W per chunk: a smaller bubble than interleaved 1F1B's.
+  ActionCosts chunk;
+  chunk.forward = chunk.backward_input = chunk.backward_weight = 1.0 / v;
+  CATCH_CHECK(simulate_schedule(zb1p, chunk).makespan <
+              simulate_schedule(interleaved, chunk).makespan);
+  if (v == 1) CATCH_CHECK(schedule_text(zb1p) == schedule_text(zero_bubble_schedule(n, m)));
+}
+
+CATCH_TEST_CASE("A V-shaped schedule round-trips through text, and zbv is known by name",
+                "[schedule]") {
+  const Schedule s = zbv_schedule(3, 6);
+  const Schedule parsed = parse_schedule(schedule_text(s));
+  CATCH_CHECK(parsed.stage_ranks == s.stage_ranks);
+  CATCH_CHECK(parsed.ranks == s.ranks);
+  CATCH_CHECK(schedule_kind("zbv") == ScheduleKind::kZeroBubbleV);
+  CATCH_CHECK(schedule_kind("zb1p") == ScheduleKind::kInterleavedZeroBubble);
+  CATCH_CHECK(schedule_kind_name(ScheduleKind::kZeroBubbleV) == "zbv");
+  CATCH_CHECK(make_schedule(ScheduleKind::kZeroBubbleV, 3, 6, 2).ranks == s.ranks);
+  CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubbleV, 3, 6, 3),
+                          gpipe_test::contains("zbv always has 2"));
+  CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 3, 6, 2),
+                          gpipe_test::contains("only interleaved and zb1p take more than 1"));
+}
+
 CATCH_TEST_CASE("every generated schedule checks, with its transfers too, at the same cost",
                 "[schedule]") {
   const auto kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
-                             ScheduleKind::kZeroBubble);
+                             ScheduleKind::kZeroBubble, ScheduleKind::kZeroBubbleV,
+                             ScheduleKind::kInterleavedZeroBubble);
   const int64_t n = GENERATE(1, 2, 3, 4);
   const int64_t m = GENERATE(1, 2, 4, 5, 8);
-  const int64_t v = kind == ScheduleKind::kInterleaved && m % n == 0 ? GENERATE(1, 2, 3) : 1;
+  const int64_t v = takes_virtual_stages(kind) && m % n == 0 ? GENERATE(1, 2, 3) : 1;
   CATCH_CAPTURE(schedule_kind_name(kind), n, m, v);
   const Schedule s = make_schedule(kind, n, m, v);
   CATCH_REQUIRE_NOTHROW(check_schedule(s));

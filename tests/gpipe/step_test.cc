@@ -132,18 +132,26 @@ std::unique_ptr<torch::optim::Optimizer> optimizer(const std::string& kind,
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
 }
 
+// Stages per rank for `kind` over `partitions` partitions in these tests: 2 for the interleaved
+// schedules (3 over 3 partitions); zbv always has 2.
+int64_t stages_per_rank(const std::string& kind, int64_t partitions) {
+  if (kind != "interleaved" && kind != "zb1p") return 1;
+  return partitions == 3 ? 3 : 2;
+}
+
 CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer steps equal",
                 "[gpipe][step][transparency]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
   const Checkpoint mode =
       GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   const int64_t partitions = GENERATE(2, 3, 4);
   const std::string opt = GENERATE("sgd", "adam");
   const bool tuple = GENERATE(false, true);
   CATCH_CAPTURE(kind, static_cast<int>(mode), partitions, opt, tuple);
+  if (kind == "zbv" && partitions % 2 != 0) return;  // two partitions per rank
   auto make = [tuple] { return tuple ? tuple_model() : skip_model(); };
   nn::Sequential plain = build(make, 3);
-  const int64_t v = kind != "interleaved" ? 1 : partitions == 3 ? 3 : 2;
+  const int64_t v = stages_per_rank(kind, partitions);
   const int64_t chunks = 4;
   GPipe model(build(make, 3), GPipeOptions(balance_of(partitions))
                                   .devices(std::vector<c10::Device>(partitions, at::kCPU))
@@ -229,7 +237,7 @@ CATCH_TEST_CASE("Interleaved with a micro-batch group of 4 trains as the plain S
   CATCH_CHECK_THROWS_WITH(
       GPipe(build(skip_model, 3), options(PipelineSchedule::of(ScheduleKind::k1F1B, 2))),
       gpipe_test::contains("gpipe::GPipe: virtual_stages is 2 but the schedule is 1f1b; virtual "
-                           "stages are for the interleaved schedule: "
+                           "stages are for the interleaved schedules: "
                            "PipelineSchedule::interleaved(2)"));
 }
 
@@ -517,7 +525,7 @@ CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not 
 
 CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the next one works",
                 "[gpipe][step][errors]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
   const int64_t where = GENERATE(0, 3, 7);  // the failing layer's index: partitions 0, 1, 3
   CATCH_CAPTURE(kind, where);
   nn::Sequential seq;
@@ -528,10 +536,11 @@ CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the ne
       seq->push_back(nn::Linear(4, 4));
     }
   }
-  GPipe model(seq, GPipeOptions({2, 2, 2, 2}).devices(std::vector<c10::Device>(4, at::kCPU))
-                       .chunks(4)
-                       .schedule(PipelineSchedule::of(schedule_kind(kind),
-                                                      kind == "interleaved" ? 2 : 1)));
+  GPipe model(seq,
+              GPipeOptions({2, 2, 2, 2})
+                  .devices(std::vector<c10::Device>(4, at::kCPU))
+                  .chunks(4)
+                  .schedule(PipelineSchedule::of(schedule_kind(kind), stages_per_rank(kind, 4))));
   const at::Tensor x = at::randn({8, 4});
   const at::Tensor y = at::randn({8, 4});
   LossFunction loss = [](const Batch& out, const at::Tensor& t) {
@@ -557,10 +566,10 @@ nn::Sequential dropout_model() {
 
 CATCH_TEST_CASE("Dropout trains under every schedule as in the plain model micro-batch by "
                 "micro-batch", "[gpipe][step][transparency]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
   const int64_t partitions = GENERATE(2, 4);
   CATCH_CAPTURE(kind, partitions);
-  const int64_t v = kind == "interleaved" ? 2 : 1;
+  const int64_t v = stages_per_rank(kind, partitions);
   const std::vector<int64_t> balance =
       partitions == 2 ? std::vector<int64_t>{3, 3} : std::vector<int64_t>{3, 1, 1, 1};
   const int64_t chunks = 4;
@@ -676,21 +685,24 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
 
 CATCH_TEST_CASE("Every schedule trains on GPUs as the plain Sequential on the CPU",
                 "[gpipe][step][cuda]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   CATCH_CAPTURE(kind, static_cast<int>(mode));
-  // Partitions alternate between two GPUs where there are two.
+  // Partitions alternate between two GPUs where there are two (zbv: in a V, rank r's partitions
+  // r and 3 - r on one).
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   std::vector<c10::Device> devices;
   for (int64_t j = 0; j < 4; ++j) {
-    devices.emplace_back(at::kCUDA, static_cast<c10::DeviceIndex>(gpus > 1 ? j % 2 : 0));
+    const int64_t rank = kind == "zbv" ? std::min(j, 3 - j) : j;
+    devices.emplace_back(at::kCUDA, static_cast<c10::DeviceIndex>(gpus > 1 ? rank % 2 : 0));
   }
   nn::Sequential plain = build(skip_model, 3);
-  GPipe model(build(skip_model, 3), GPipeOptions({2, 2, 2, 2}).devices(devices).chunks(4)
-                                        .checkpoint(mode)
-                                        .schedule(PipelineSchedule::of(
-                                            schedule_kind(kind),
-                                            kind == "interleaved" ? 2 : 1)));
+  GPipe model(build(skip_model, 3),
+              GPipeOptions({2, 2, 2, 2})
+                  .devices(devices)
+                  .chunks(4)
+                  .checkpoint(mode)
+                  .schedule(PipelineSchedule::of(schedule_kind(kind), stages_per_rank(kind, 4))));
   torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int step = 0; step < 2; ++step) {
@@ -856,7 +868,7 @@ at::Tensor padded_targets(int step, bool filled = false) {
 CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequential under "
                 "every schedule, also with a micro-batch of padding only",
                 "[gpipe][step][loss]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb");
+  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   const bool by_hand = GENERATE(false, true);  // cross_entropy's ignore_index, or a masked mean
   CATCH_CAPTURE(kind, static_cast<int>(mode), by_hand);
@@ -864,10 +876,11 @@ CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequ
                                     : LossFunction(token_cross_entropy);
   nn::Sequential plain = build(token_model, 5);
   GPipe model(build(token_model, 5),
-              GPipeOptions({2, 2, 2, 1}).devices(std::vector<c10::Device>(4, at::kCPU)).chunks(4)
+              GPipeOptions({2, 2, 2, 1})
+                  .devices(std::vector<c10::Device>(4, at::kCPU))
+                  .chunks(4)
                   .checkpoint(mode)
-                  .schedule(PipelineSchedule::of(schedule_kind(kind),
-                                                 kind == "interleaved" ? 2 : 1)));
+                  .schedule(PipelineSchedule::of(schedule_kind(kind), stages_per_rank(kind, 4))));
   const Loss loss(mean, count_targets_except(-1));
   torch::optim::SGD plain_sgd(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD pipe_sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
