@@ -28,7 +28,8 @@
 #include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 
-ABSL_FLAG(std::string, schedules, "gpipe,1f1b,interleaved,zb,zbv,zb1p", "schedules to run");
+ABSL_FLAG(std::string, schedules, "gpipe,1f1b,interleaved,zb,zbv,zb1p,dualpipev",
+          "schedules to run");
 ABSL_FLAG(std::string, microbatches, "4,8,16,32", "micro-batches per mini-batch");
 ABSL_FLAG(int64_t, batch, 1024, "samples per mini-batch");
 ABSL_FLAG(int64_t, width, 512, "features of each of the 8 Linear layers");
@@ -95,9 +96,8 @@ int child(const std::string& config) {
     };
   } else {
     const gpipe::ScheduleKind kind = gpipe::schedule_kind(parts[0]);
-    // Interleaved, zb1p and zbv: two stages per rank, each half of a rank's layers.
-    const bool interleaved =
-        gpipe::takes_virtual_stages(kind) || kind == gpipe::ScheduleKind::kZeroBubbleV;
+    // Interleaved, zb1p, zbv and dualpipev: two stages per rank, each half of a rank's layers.
+    const bool interleaved = gpipe::takes_virtual_stages(kind) || gpipe::v_shaped(kind);
     const std::vector<int64_t> balance =
         interleaved ? std::vector<int64_t>{4, 4, 4, 4} : std::vector<int64_t>{8, 8};
     pipe = std::make_unique<gpipe::GPipe>(

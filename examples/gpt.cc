@@ -55,7 +55,8 @@ ABSL_FLAG(std::string, balance, "auto",
 ABSL_FLAG(int64_t, chunks, 4, "micro-batches per mini-batch");
 ABSL_FLAG(std::string, checkpoint, "except_last", "always, except_last or never");
 ABSL_FLAG(std::string, schedule, "gpipe",
-          "gpipe (forward() and backward()), or 1f1b, interleaved, zb, zbv, zb1p (GPipe::step)");
+          "gpipe (forward() and backward()), or 1f1b, interleaved, zb, zbv, zb1p, dualpipev "
+          "(GPipe::step)");
 ABSL_FLAG(int64_t, virtual_stages, 1, "with --schedule=interleaved or zb1p: partitions per worker");
 ABSL_FLAG(int64_t, microbatch_group, 0,
           "with --schedule=interleaved: micro-batches that go through a virtual stage before "

@@ -27,7 +27,7 @@
 #include "gpipe/schedule_text.h"
 #include "gpipe/trace.h"
 
-ABSL_FLAG(std::string, schedule, "gpipe", "gpipe, 1f1b, interleaved, zb, zbv or zb1p");
+ABSL_FLAG(std::string, schedule, "gpipe", "gpipe, 1f1b, interleaved, zb, zbv, zb1p or dualpipev");
 ABSL_FLAG(int, partitions, 4, "ranks (devices or processes)");
 ABSL_FLAG(int, chunks, 8, "micro-batches per mini-batch");
 ABSL_FLAG(int, virtual_stages, 2, "stages per rank, for --schedule=interleaved or zb1p");

@@ -280,16 +280,91 @@ std::vector<Action> zbv_rank(int64_t n, int64_t m, int64_t r) {
   return actions;
 }
 
+// One rank's DualPipeV order (Note [V-shaped placement]), DeepSeek's eight steps with m >= 2n - 1
+// micro-batches. Chunk 0 is stage r, chunk 1 stage 2n - 1 - r. A "zero-bubble" backward runs I
+// and queues its W; a weight pass runs the oldest queued W; the pairs DualPipe overlaps (F of one
+// chunk beside B of the other) run here one after the other, F first.
+class DualPipeVRank {
+ public:
+  DualPipeVRank(int64_t n, int64_t m, int64_t r) : n_(n), m_(m), r_(r), s_{r, 2 * n - 1 - r} {}
+
+  std::vector<Action> actions() {
+    const int64_t n = n_, r = r_;
+    repeat(2 * (n - r - 1), [&] { f(0); });                       // 1: nF0
+    repeat(r + 1, [&] { f(0), f(1); });                           // 2: nF0F1
+    repeat(n - r - 1, [&] { b(1, true), w(), f(1); });            // 3: nB1W1F1
+    repeat(m_ - 2 * n + r + 1, [&] { f(0), b(1), f(1), b(0); });  // 4: nF0B1F1B0
+    repeat(n - r - 1, [&] { b(1), f(1), b(0); });                 // 5: nB1F1B0
+    // 6: nB1B0, the second half splitting their backwards (from the middle on; on an even rank
+    // from chunk 0's backward of the middle pair, on an odd one from chunk 1's).
+    const int64_t half = (r + 1) / 2;
+    for (int64_t k = 0; k < r + 1; ++k) {
+      b(1, k > half || (k == half && r % 2 == 1));
+      b(0, k >= half);
+    }
+    repeat(n - r - 1, [&] { w(), b(0, true); });  // 7: nWB0
+    repeat(r + 1, [&] { w(); });                  // 8: nW
+    return std::move(out_);
+  }
+
+ private:
+  static void repeat(int64_t times, const std::function<void()>& body) {
+    for (int64_t k = 0; k < times; ++k) body();
+  }
+  void f(int c) { out_.push_back(forward(s_[c], forwards_[c]++)); }
+  // Chunk c's next backward: whole, or its I with its W queued.
+  void b(int c, bool split = false) {
+    const int64_t i = backwards_[c]++;
+    if (!split) {
+      out_.push_back({ActionType::kBackward, s_[c], i});
+      return;
+    }
+    out_.push_back({ActionType::kBackwardInput, s_[c], i});
+    queued_.push_back({ActionType::kBackwardWeight, s_[c], i});
+  }
+  void w() { out_.push_back(queued_[next_w_++]); }
+
+  const int64_t n_, m_, r_;
+  const int64_t s_[2];
+  int64_t forwards_[2] = {0, 0};
+  int64_t backwards_[2] = {0, 0};
+  std::vector<Action> queued_;
+  size_t next_w_ = 0;
+  std::vector<Action> out_;
+};
+
+// The V placement over n ranks: stage s on rank s, or 2n - 1 - s.
+Schedule v_placement(std::string name, int64_t n, int64_t m) {
+  Schedule schedule;
+  schedule.name = std::move(name);
+  schedule.stages = 2 * n;
+  schedule.microbatches = m;
+  for (int64_t s = 0; s < 2 * n; ++s) schedule.stage_ranks.push_back(s < n ? s : 2 * n - 1 - s);
+  return schedule;
+}
+
 }  // namespace
+
+Schedule dualpipev_schedule(int64_t partitions, int64_t microbatches) {
+  check_counts("dualpipev_schedule", partitions, microbatches);
+  const int64_t n = partitions;
+  // Fewer than 2n - 1 micro-batches leave DualPipeV no steady step: ZBV's order, shortened.
+  if (microbatches < 2 * n - 1) {
+    Schedule schedule = zbv_schedule(n, microbatches);
+    schedule.name = "dualpipev";
+    return schedule;
+  }
+  Schedule schedule = v_placement("dualpipev", n, microbatches);
+  for (int64_t r = 0; r < n; ++r) {
+    schedule.ranks.push_back(DualPipeVRank(n, microbatches, r).actions());
+  }
+  return schedule;
+}
 
 Schedule zbv_schedule(int64_t partitions, int64_t microbatches) {
   check_counts("zbv_schedule", partitions, microbatches);
   const int64_t n = partitions;
-  Schedule schedule;
-  schedule.name = "zbv";
-  schedule.stages = 2 * n;
-  schedule.microbatches = microbatches;
-  for (int64_t s = 0; s < 2 * n; ++s) schedule.stage_ranks.push_back(s < n ? s : 2 * n - 1 - s);
+  Schedule schedule = v_placement("zbv", n, microbatches);
   for (int64_t r = 0; r < n; ++r) schedule.ranks.push_back(zbv_rank(n, microbatches, r));
   return schedule;
 }
@@ -331,8 +406,9 @@ ScheduleKind schedule_kind(const std::string& name) {
   if (name == "zb") return ScheduleKind::kZeroBubble;
   if (name == "zbv") return ScheduleKind::kZeroBubbleV;
   if (name == "zb1p") return ScheduleKind::kInterleavedZeroBubble;
+  if (name == "dualpipev") return ScheduleKind::kDualPipeV;
   TORCH_CHECK(false, "unknown schedule '", name,
-              "': expected gpipe, 1f1b, interleaved, zb, zbv or zb1p");
+              "': expected gpipe, 1f1b, interleaved, zb, zbv, zb1p or dualpipev");
 }
 
 std::string schedule_kind_name(ScheduleKind kind) {
@@ -345,6 +421,8 @@ std::string schedule_kind_name(ScheduleKind kind) {
       return "zbv";
     case ScheduleKind::kInterleavedZeroBubble:
       return "zb1p";
+    case ScheduleKind::kDualPipeV:
+      return "dualpipev";
   }
   return "?";
 }
@@ -353,15 +431,19 @@ bool takes_virtual_stages(ScheduleKind kind) {
   return kind == ScheduleKind::kInterleaved || kind == ScheduleKind::kInterleavedZeroBubble;
 }
 
+bool v_shaped(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+}
+
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
                        int64_t virtual_stages, int64_t microbatch_group) {
-  const bool chunks = takes_virtual_stages(kind);
-  TORCH_CHECK(
-      virtual_stages == 1 || chunks || (kind == ScheduleKind::kZeroBubbleV && virtual_stages == 2),
-      "make_schedule: ", virtual_stages, " virtual stages given for the ", schedule_kind_name(kind),
-      " schedule; ",
-      kind == ScheduleKind::kZeroBubbleV ? "zbv always has 2 (1 or 2 may be given)"
-                                         : "only interleaved and zb1p take more than 1");
+  const bool v_shape = v_shaped(kind);
+  TORCH_CHECK(virtual_stages == 1 || takes_virtual_stages(kind) || (v_shape && virtual_stages == 2),
+              "make_schedule: ", virtual_stages, " virtual stages given for the ",
+              schedule_kind_name(kind), " schedule; ",
+              v_shape
+                  ? absl::StrCat(schedule_kind_name(kind), " always has 2 (1 or 2 may be given)")
+                  : std::string("only interleaved and zb1p take more than 1"));
   TORCH_CHECK(microbatch_group == 0 || kind == ScheduleKind::kInterleaved,
               "make_schedule: a micro-batch group of ", microbatch_group, " given for the ",
               schedule_kind_name(kind), " schedule; only interleaved takes one (0: none)");
@@ -375,6 +457,8 @@ Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatch
       return zbv_schedule(partitions, microbatches);
     case ScheduleKind::kInterleavedZeroBubble:
       return interleaved_zero_bubble_schedule(partitions, microbatches, virtual_stages);
+    case ScheduleKind::kDualPipeV:
+      return dualpipev_schedule(partitions, microbatches);
   }
   TORCH_CHECK(false, "make_schedule: unknown schedule kind");
 }

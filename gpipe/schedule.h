@@ -87,6 +87,7 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 //   ZB-H1        1F1B with B split into I and W; stage s delays up to s W so that the next I goes
 //                first. In flight: at most n. Bubble (n-1)(F+I-W) in time, 1F1B's (n-1)(F+I+W).
 //   ZBV          V-shaped placement (Note [V-shaped placement]), B split into I and W.
+//   DualPipeV    the same placement in DeepSeek's order (Note [V-shaped placement]).
 //   ZB1P         interleaved 1F1B's order and placement with B split into I and W, rank r
 //                keeping up to r W waiting (as ZB-H1's stage r); the rest fill the cool-down.
 //                In flight on rank r: interleaved 1F1B's plus up to r whose W waits.
@@ -105,6 +106,11 @@ std::string schedule_to_string(const std::vector<std::vector<Task2D>>& schedule)
 // With equal F, I and W times the bubble is nearly zero (simulate_schedule, n = 4, m = 16: 0.030,
 // 1F1B 0.158) and rank 0's peak in flight is 2n half-size stage-micro-batches: 1F1B's n full
 // ones. With fewer micro-batches than the warm-up's 2n - 1 the same order, shortened, runs.
+// DualPipeV (DeepSeek-V3, arXiv 2412.19437) runs the same placement in eight steps: forwards of
+// stage r, then of both; I W F of stage 2n-1-r; the main step F(r) B(2n-1-r) F(2n-1-r) B(r),
+// whose forward-backward pairs DualPipe overlaps on a GPU (here they run in turn); then the
+// backwards, the last ones split with their W queued and run oldest first at the end. It needs
+// m >= 2n - 1 (its main step runs m - 2n + r + 1 times); with fewer, zbv's order runs.
 // A GPipe gives each of the 2n partitions its device: rank r's two are partitions r and
 // 2n - 1 - r, which should be on one device (GPipeOptions::devices).
 
@@ -219,18 +225,26 @@ Schedule zbv_schedule(int64_t partitions, int64_t microbatches);
 Schedule interleaved_zero_bubble_schedule(int64_t partitions, int64_t microbatches,
                                           int64_t virtual_stages);
 
+/// DualPipeV (DeepSeek-V3's DualPipe "cut in half"; torch.distributed.pipelining's
+/// ScheduleDualPipeV): the V placement of zbv_schedule in DeepSeek's eight steps, where pairs of a
+/// forward of one stage and a backward of the other (overlapped on a GPU by DualPipe) run one
+/// after the other, and the backwards at the ends split into I and W (Note [V-shaped
+/// placement]). Needs m >= 2n - 1; with fewer micro-batches it gives zbv's order.
+Schedule dualpipev_schedule(int64_t partitions, int64_t microbatches);
+
 /// The schedules gpipe generates.
 enum class ScheduleKind {
-  kGPipe,                 ///< "gpipe": gpipe_schedule
-  k1F1B,                  ///< "1f1b": one_f_one_b_schedule
-  kInterleaved,           ///< "interleaved": interleaved_schedule
-  kZeroBubble,            ///< "zb": zero_bubble_schedule (ZB-H1)
-  kZeroBubbleV,           ///< "zbv": zbv_schedule, two stages per rank in a V
-  kInterleavedZeroBubble  ///< "zb1p": interleaved_zero_bubble_schedule
+  kGPipe,                  ///< "gpipe": gpipe_schedule
+  k1F1B,                   ///< "1f1b": one_f_one_b_schedule
+  kInterleaved,            ///< "interleaved": interleaved_schedule
+  kZeroBubble,             ///< "zb": zero_bubble_schedule (ZB-H1)
+  kZeroBubbleV,            ///< "zbv": zbv_schedule, two stages per rank in a V
+  kInterleavedZeroBubble,  ///< "zb1p": interleaved_zero_bubble_schedule
+  kDualPipeV               ///< "dualpipev": dualpipev_schedule, two stages per rank in a V
 };
 
-/// `kind` by its name: "gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p". Throws c10::Error
-/// naming the unknown name and the known ones.
+/// `kind` by its name: "gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev". Throws
+/// c10::Error naming the unknown name and the known ones.
 ScheduleKind schedule_kind(const std::string& name);
 /// The name of `kind`, as schedule_kind reads it.
 std::string schedule_kind_name(ScheduleKind kind);
@@ -239,8 +253,12 @@ std::string schedule_kind_name(ScheduleKind kind);
 /// always has two per rank, the others one.
 bool takes_virtual_stages(ScheduleKind kind);
 
+/// Whether `kind` places two stages on each rank in a V (kZeroBubbleV, kDualPipeV; Note
+/// [V-shaped placement]).
+bool v_shaped(ScheduleKind kind);
+
 /// The schedule of `kind` over `partitions` ranks (`virtual_stages` for kInterleaved and
-/// kInterleavedZeroBubble; 1 elsewhere, or 2 for kZeroBubbleV, which always has 2).
+/// kInterleavedZeroBubble; 1 elsewhere, or 2 for the V-shaped ones, which always have 2).
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,
                        int64_t virtual_stages = 1, int64_t microbatch_group = 0);
 

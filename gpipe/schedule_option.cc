@@ -22,9 +22,10 @@ PipelineSchedule PipelineSchedule::interleaved(int64_t virtual_stages, int64_t m
 
 PipelineSchedule PipelineSchedule::of(ScheduleKind kind, int64_t virtual_stages,
                                       int64_t microbatch_group) {
-  TORCH_CHECK(kind != ScheduleKind::kZeroBubbleV || virtual_stages == 1 || virtual_stages == 2,
-              "PipelineSchedule::of: the zbv schedule always has 2 stages per rank, but "
-              "virtual_stages is ",
+  TORCH_CHECK(!v_shaped(kind) || virtual_stages == 1 || virtual_stages == 2,
+              "PipelineSchedule::of: the ", schedule_kind_name(kind),
+              " schedule always has 2 "
+              "stages per rank, but virtual_stages is ",
               virtual_stages, "; give 1 or 2");
   PipelineSchedule schedule(kind);
   schedule.virtual_stages_ = virtual_stages;
@@ -85,7 +86,7 @@ int64_t check_schedule_option(const PipelineSchedule& schedule, int64_t partitio
   const int64_t v = schedule.virtual_stages();
   const int64_t group = schedule.microbatch_group();
   const std::string kind = schedule_kind_name(schedule.kind());
-  const bool v_shape = schedule.kind() == ScheduleKind::kZeroBubbleV;
+  const bool v_shape = v_shaped(schedule.kind());
   TORCH_CHECK(!schedule.is_text() || (v == 1 && group == 0), who, ": the schedule is written as "
               "text, which sets its own order, but virtual_stages is ", v, " and "
               "microbatch_group ", group, "; leave them 1 and 0");
@@ -96,24 +97,24 @@ int64_t check_schedule_option(const PipelineSchedule& schedule, int64_t partitio
   TORCH_CHECK(v >= 1, who, ": virtual_stages must be at least 1, got ", v);
   TORCH_CHECK(v == 1 || takes_virtual_stages(schedule.kind()) || v_shape, who,
               ": virtual_stages is ", v, " but the schedule is ", kind,
-              "; virtual stages are for "
-              "the interleaved schedules: PipelineSchedule::interleaved(",
+              "; virtual stages are "
+              "for the interleaved schedules: PipelineSchedule::interleaved(",
               v,
               ") or "
               "PipelineSchedule::interleaved_zero_bubble(",
               v, ")");
-  // (A zbv value set to other virtual stages through the deprecated setter reads 2 anyway.)
+  // (A V-shaped kind set to other virtual stages by the deprecated setter reads 2 anyway.)
   TORCH_CHECK(group >= 0, who, ": microbatch_group must be 0 (the number of ranks) or more, got ",
               group);
   TORCH_CHECK(
       group == 0 || (schedule.interleaves() && schedule.kind() == ScheduleKind::kInterleaved), who,
       ": microbatch_group is ", group, " but the schedule is ", kind, " with ", v, " virtual stage",
       v == 1 ? "" : "s",
-      "; micro-batch groups are for the interleaved schedule with 2 or more virtual "
-      "stages");
-  TORCH_CHECK(!v_shape || partitions % 2 == 0, who,
-              ": the zbv schedule puts two partitions on "
-              "each rank (r and 2n - 1 - r), but there are ",
+      "; micro-batch groups are for the interleaved "
+      "schedule with 2 or more virtual stages");
+  TORCH_CHECK(!v_shape || partitions % 2 == 0, who, ": the ", kind,
+              " schedule puts two "
+              "partitions on each rank (r and 2n - 1 - r), but there are ",
               partitions, "; give an even number");
   TORCH_CHECK(partitions % v == 0, who, ": virtual_stages ", v, " must divide the number of "
               "partitions (", partitions, "): each rank runs ", v, " of them");

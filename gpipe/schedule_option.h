@@ -52,7 +52,7 @@ class PipelineSchedule {
   /// checked where the model is built: virtual stages and a group only with kInterleaved.
   ///
   ///   gpipe::PipelineSchedule::of(gpipe::schedule_kind(flag), virtual_stages, group)
-  /// zbv takes 1 or 2 (it always has 2 per rank).
+  /// zbv and dualpipev take 1 or 2 (they always have 2 per rank).
   static PipelineSchedule of(ScheduleKind kind, int64_t virtual_stages = 1,
                              int64_t microbatch_group = 0);
 
@@ -62,10 +62,9 @@ class PipelineSchedule {
 
   /// The kind (kGPipe for a written schedule).
   ScheduleKind kind() const { return kind_; }
-  /// Stages per rank: the virtual stages of interleaved 1F1B and ZB1P, 2 for ZBV, 1 otherwise.
-  int64_t virtual_stages() const {
-    return kind_ == ScheduleKind::kZeroBubbleV ? 2 : virtual_stages_;
-  }
+  /// Stages per rank: the virtual stages of interleaved 1F1B and ZB1P, 2 for ZBV and DualPipeV
+  /// (in a V), 1 otherwise.
+  int64_t virtual_stages() const { return v_shaped(kind_) ? 2 : virtual_stages_; }
   /// Interleaved 1F1B's micro-batch group (Note [Micro-batch groups]); 0: the default.
   int64_t microbatch_group() const { return microbatch_group_; }
   /// The text of a written schedule; empty for a kind.

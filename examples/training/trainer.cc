@@ -74,7 +74,8 @@ ABSL_FLAG(std::string, schedule, "gpipe",
           "gpipe (forward() and backward(), as always), or a schedule that GPipe::step runs: "
           "1f1b (activations of at most n - s micro-batches per partition), interleaved (v "
           "partitions per worker: a smaller bubble), zb (zero bubble ZB-H1), zbv (two partitions "
-          "per worker in a V: r and 2n - 1 - r), zb1p (interleaved zero bubble)");
+          "per worker in a V: r and 2n - 1 - r), zb1p (interleaved zero bubble), dualpipev "
+          "(DeepSeek's order on zbv's V)");
 ABSL_FLAG(int64_t, virtual_stages, 1,
           "with --schedule=interleaved or zb1p: partitions per worker (divides --partitions); with "
           "--distributed, virtual stages per process");

@@ -55,11 +55,10 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   const int64_t v = schedule.virtual_stages();
   TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
               "a stage a ScheduleKind or PipelineSchedule::interleaved(v)");
-  TORCH_CHECK(schedule.kind() != ScheduleKind::kZeroBubbleV, who,
-              ": the zbv schedule's V-shaped "
-              "placement (Note [V-shaped placement]) runs in one process (gpipe::GPipe) only so "
-              "far; across processes use kZeroBubble or PipelineSchedule::interleaved_zero_bubble"
-              "(v)");
+  TORCH_CHECK(!v_shaped(schedule.kind()), who, ": the ", schedule_kind_name(schedule.kind()),
+              " schedule's V-shaped placement (Note [V-shaped placement]) runs in one process "
+              "(gpipe::GPipe) only so far; across processes use kZeroBubble or "
+              "PipelineSchedule::interleaved_zero_bubble(v)");
   TORCH_CHECK(v >= 1 && v <= internal::kMaxChannels, who, ": virtual_stages must be between 1 and ",
               internal::kMaxChannels, ", got ", v);
   TORCH_CHECK(options.shared_memory() == 0 || options.shared_memory() >= internal::kMinSharedRing,

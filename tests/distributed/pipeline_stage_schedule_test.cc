@@ -382,6 +382,9 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         gpipe_test::contains("the zbv schedule's V-shaped placement (Note [V-shaped placement]) "
                              "runs in one process (gpipe::GPipe) only so far"));
     CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), options().schedule(ScheduleKind::kDualPipeV), gloo),
+        gpipe_test::contains("the dualpipev schedule's V-shaped placement"));
+    CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().schedule(ScheduleKind::k1F1B), gloo),
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
     CATCH_CHECK_THROWS_WITH(PipelineStage(make_model(), options().schedule(PipelineSchedule::of(

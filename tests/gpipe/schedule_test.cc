@@ -152,7 +152,8 @@ CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedu
                                                "at least 1, got 0"));
   CATCH_CHECK_THROWS_WITH(schedule_kind("pipedream"),
                           gpipe_test::contains("unknown schedule 'pipedream': expected gpipe, "
-                                               "1f1b, interleaved, zb, zbv or zb1p"));
+                                               "1f1b, interleaved, zb, zbv, zb1p or "
+                                               "dualpipev"));
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::k1F1B, 2, 4, 2),
                           gpipe_test::contains("only interleaved and zb1p take more than 1"));
   CATCH_CHECK_THROWS_WITH(interleaved_schedule(3, 6, 2, 2),
@@ -165,7 +166,7 @@ CATCH_TEST_CASE("generators refuse impossible sizes and unknown names", "[schedu
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 2, 4, 1, 4),
                           gpipe_test::contains("a micro-batch group of 4 given for the zb "
                                                "schedule; only interleaved takes one"));
-  for (const char* name : {"gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p"}) {
+  for (const char* name : {"gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev"}) {
     CATCH_CHECK(schedule_kind_name(schedule_kind(name)) == name);
     CATCH_CHECK(make_schedule(schedule_kind(name), 2, 4).name == name);
   }
@@ -320,6 +321,52 @@ CATCH_TEST_CASE("zbv places stages in a V and holds 1F1B's peak with nearly no b
 }
 
 CATCH_TEST_CASE(
+    "dualpipev runs DeepSeek's eight steps on the V, with one stage-micro-batch more "
+    "than zbv in flight",
+    "[schedule]") {
+  const int64_t n = GENERATE(1, 2, 3, 4, 5);
+  const int64_t m = GENERATE(1, 2, 3, 5, 8, 9, 16);
+  CATCH_CAPTURE(n, m);
+  const Schedule s = dualpipev_schedule(n, m);
+  CATCH_REQUIRE_NOTHROW(check_schedule(s));
+  CATCH_REQUIRE_NOTHROW(check_schedule(with_communication(s)));
+  CATCH_CHECK(s.stage_ranks == zbv_schedule(n, m).stage_ranks);
+  if (m < 2 * n - 1) {
+    // No main step: zbv's order.
+    CATCH_CHECK(s.ranks == zbv_schedule(n, m).ranks);
+    return;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t down = r, up = 2 * n - 1 - r;
+    const std::vector<Action>& a = s.ranks[r];
+    // Steps 1 and 2: 2(n - r - 1) forwards of stage r, then r + 1 pairs (F of r, F of 2n-1-r).
+    size_t k = 0;
+    for (int64_t i = 0; i < 2 * (n - r - 1); ++i) {
+      CATCH_CHECK(a[k++] == (Action{ActionType::kForward, down, i}));
+    }
+    for (int64_t i = 0; i < r + 1; ++i) {
+      CATCH_CHECK(a[k++] == (Action{ActionType::kForward, down, 2 * (n - r - 1) + i}));
+      CATCH_CHECK(a[k++] == (Action{ActionType::kForward, up, i}));
+    }
+    // Step 3's first triple: I, W, F of the up stage.
+    if (n - r - 1 > 0) {
+      CATCH_CHECK(a[k] == (Action{ActionType::kBackwardInput, up, 0}));
+      CATCH_CHECK(a[k + 1] == (Action{ActionType::kBackwardWeight, up, 0}));
+    }
+    // The main step's backwards are whole: two per round, m - 2n + r + 1 rounds.
+    int64_t whole = 0;
+    for (const Action& x : a) whole += x.type == ActionType::kBackward;
+    CATCH_CHECK(whole >= 2 * (m - 2 * n + r + 1));
+    // In flight: zbv's 2n plus one.
+    CATCH_CHECK(held_by(s, r).first <= 2 * n + 1);
+  }
+  ActionCosts half;
+  half.forward = half.backward_input = half.backward_weight = 0.5;
+  const ScheduleSimulation sim = simulate_schedule(s, half);
+  if (n >= 2) CATCH_CHECK(sim.bubble < simulate_schedule(one_f_one_b_schedule(n, m)).bubble / 2);
+}
+
+CATCH_TEST_CASE(
     "zb1p is interleaved 1F1B with backwards split and rank r keeping up to r W "
     "waiting",
     "[schedule]") {
@@ -364,6 +411,9 @@ CATCH_TEST_CASE("A V-shaped schedule round-trips through text, and zbv is known 
   CATCH_CHECK(make_schedule(ScheduleKind::kZeroBubbleV, 3, 6, 2).ranks == s.ranks);
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubbleV, 3, 6, 3),
                           gpipe_test::contains("zbv always has 2"));
+  CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kDualPipeV, 3, 6, 3),
+                          gpipe_test::contains("dualpipev always has 2"));
+  CATCH_CHECK(schedule_kind("dualpipev") == ScheduleKind::kDualPipeV);
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 3, 6, 2),
                           gpipe_test::contains("only interleaved and zb1p take more than 1"));
 }
@@ -372,7 +422,7 @@ CATCH_TEST_CASE("every generated schedule checks, with its transfers too, at the
                 "[schedule]") {
   const auto kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
                              ScheduleKind::kZeroBubble, ScheduleKind::kZeroBubbleV,
-                             ScheduleKind::kInterleavedZeroBubble);
+                             ScheduleKind::kInterleavedZeroBubble, ScheduleKind::kDualPipeV);
   const int64_t n = GENERATE(1, 2, 3, 4);
   const int64_t m = GENERATE(1, 2, 4, 5, 8);
   const int64_t v = takes_virtual_stages(kind) && m % n == 0 ? GENERATE(1, 2, 3) : 1;

@@ -133,7 +133,7 @@ std::unique_ptr<torch::optim::Optimizer> optimizer(const std::string& kind,
 }
 
 // Stages per rank for `kind` over `partitions` partitions in these tests: 2 for the interleaved
-// schedules (3 over 3 partitions); zbv always has 2.
+// schedules (3 over 3 partitions); zbv and dualpipev always have 2.
 int64_t stages_per_rank(const std::string& kind, int64_t partitions) {
   if (kind != "interleaved" && kind != "zb1p") return 1;
   return partitions == 3 ? 3 : 2;
@@ -141,14 +141,15 @@ int64_t stages_per_rank(const std::string& kind, int64_t partitions) {
 
 CATCH_TEST_CASE("Every schedule trains as the plain Sequential: four optimizer steps equal",
                 "[gpipe][step][transparency]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
   const Checkpoint mode =
       GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   const int64_t partitions = GENERATE(2, 3, 4);
   const std::string opt = GENERATE("sgd", "adam");
   const bool tuple = GENERATE(false, true);
   CATCH_CAPTURE(kind, static_cast<int>(mode), partitions, opt, tuple);
-  if (kind == "zbv" && partitions % 2 != 0) return;  // two partitions per rank
+  if ((kind == "zbv" || kind == "dualpipev") && partitions % 2 != 0) return;  // two per rank
   auto make = [tuple] { return tuple ? tuple_model() : skip_model(); };
   nn::Sequential plain = build(make, 3);
   const int64_t v = stages_per_rank(kind, partitions);
@@ -525,7 +526,8 @@ CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not 
 
 CATCH_TEST_CASE("A layer that throws in any partition fails the step, and the next one works",
                 "[gpipe][step][errors]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
   const int64_t where = GENERATE(0, 3, 7);  // the failing layer's index: partitions 0, 1, 3
   CATCH_CAPTURE(kind, where);
   nn::Sequential seq;
@@ -566,7 +568,8 @@ nn::Sequential dropout_model() {
 
 CATCH_TEST_CASE("Dropout trains under every schedule as in the plain model micro-batch by "
                 "micro-batch", "[gpipe][step][transparency]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
   const int64_t partitions = GENERATE(2, 4);
   CATCH_CAPTURE(kind, partitions);
   const int64_t v = stages_per_rank(kind, partitions);
@@ -685,15 +688,16 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
 
 CATCH_TEST_CASE("Every schedule trains on GPUs as the plain Sequential on the CPU",
                 "[gpipe][step][cuda]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   CATCH_CAPTURE(kind, static_cast<int>(mode));
-  // Partitions alternate between two GPUs where there are two (zbv: in a V, rank r's partitions
-  // r and 3 - r on one).
+  // Partitions alternate between two GPUs where there are two (zbv and dualpipev: in a V, rank
+  // r's partitions r and 3 - r on one).
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   std::vector<c10::Device> devices;
   for (int64_t j = 0; j < 4; ++j) {
-    const int64_t rank = kind == "zbv" ? std::min(j, 3 - j) : j;
+    const int64_t rank = kind == "zbv" || kind == "dualpipev" ? std::min(j, 3 - j) : j;
     devices.emplace_back(at::kCUDA, static_cast<c10::DeviceIndex>(gpus > 1 ? rank % 2 : 0));
   }
   nn::Sequential plain = build(skip_model, 3);
@@ -868,7 +872,8 @@ at::Tensor padded_targets(int step, bool filled = false) {
 CATCH_TEST_CASE("A token-level loss over padded targets trains as the plain Sequential under "
                 "every schedule, also with a micro-batch of padding only",
                 "[gpipe][step][loss]") {
-  const std::string kind = GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p");
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   const bool by_hand = GENERATE(false, true);  // cross_entropy's ignore_index, or a masked mean
   CATCH_CAPTURE(kind, static_cast<int>(mode), by_hand);
