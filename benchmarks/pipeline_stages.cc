@@ -104,9 +104,9 @@ at::Tensor mse(const gpipe::Batch& out, const at::Tensor& y) {
   return nn::functional::mse_loss(out.tensor(), y);
 }
 
-// v: the virtual stages per process (1 unless interleaved).
+// v: the virtual stages per process (1 unless interleaved or zb1p).
 int64_t virtual_stages() {
-  return gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)) == gpipe::ScheduleKind::kInterleaved
+  return gpipe::takes_virtual_stages(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
              ? absl::GetFlag(FLAGS_virtual_stages)
              : 1;
 }

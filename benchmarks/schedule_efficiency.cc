@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
          std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_schedules), ','))) {
       const gpipe::ScheduleKind kind = gpipe::schedule_kind(name);
       const gpipe::Schedule schedule = gpipe::make_schedule(
-          kind, 2, m, /*virtual_stages=*/kind == gpipe::ScheduleKind::kInterleaved ? 2 : 1);
+          kind, 2, m, /*virtual_stages=*/gpipe::takes_virtual_stages(kind) ? 2 : 1);
       const double bubble = gpipe::simulate_schedule(schedule).bubble;
       const auto [output, peak] = run(absl::StrCat(name, ":", m));
       const double ms = value_of(output, "ms");

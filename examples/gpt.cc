@@ -108,14 +108,17 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr, int64_t step, 
   }
 }
 
-std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitions) {
+// The default devices: every GPU in turn by worker (a V-shaped schedule's worker r runs
+// partitions r and 2n - 1 - r: Note [V-shaped placement]), else the CPU.
+std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitions,
+                                       bool v_shape) {
   if (spec.empty() && torch::cuda::is_available()) {
-    std::vector<c10::Device> all;
-    for (size_t k = 0; k < torch::cuda::device_count(); ++k) {
-      all.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(k));
-    }
+    const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
     std::vector<c10::Device> out;
-    for (int64_t j = 0; j < partitions; ++j) out.push_back(all[j % all.size()]);
+    for (int64_t j = 0; j < partitions; ++j) {
+      const int64_t worker = v_shape ? std::min(j, partitions - 1 - j) : j;
+      out.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(worker % gpus));
+    }
     return out;
   }
   if (spec.empty() || spec == "cpu") return std::vector<c10::Device>(partitions, c10::kCPU);
@@ -359,8 +362,10 @@ int run() {
   TORCH_CHECK(partitions >= 1, "--partitions must be positive, got ", partitions);
   TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
   const std::vector<c10::Device> devices =
-      shape.devices.empty() ? parse_devices(absl::GetFlag(FLAGS_devices), partitions)
-                            : shape.devices;
+      shape.devices.empty()
+          ? parse_devices(absl::GetFlag(FLAGS_devices), partitions,
+                          gpipe::v_shaped(schedule_kind(shape.schedule)))
+          : shape.devices;
   const bool on_cpu = training::divide_cores(devices, shape.threads);
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>, got '",

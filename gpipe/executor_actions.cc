@@ -273,6 +273,9 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     for (const at::Tensor& leaf : input_leaves) input_grads.push_back(leaf.grad());
     for (size_t k = 0; k < s.cuts[i].size(); ++k) skip_grads[k] = s.cuts[i][k].leaf.grad();
+    // A whole B in a step split by layer (DualPipeV's main step beside its I and W) needs no
+    // layer outputs; kept, they would hold each layer's activations to the end of the step.
+    s.layer_outputs[i].clear();
   } else {
     backward_input(s, i, std::move(roots), std::move(grads), input_leaves, input_grads,
                    skip_grads);

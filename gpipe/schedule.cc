@@ -371,6 +371,14 @@ Schedule zbv_schedule(int64_t partitions, int64_t microbatches) {
 
 Schedule interleaved_zero_bubble_schedule(int64_t partitions, int64_t microbatches,
                                           int64_t virtual_stages) {
+  const char* who = "interleaved_zero_bubble_schedule";
+  check_counts(who, partitions, microbatches);
+  TORCH_CHECK(virtual_stages >= 1, who, ": the number of virtual stages (model chunks per rank) "
+              "must be at least 1, got ", virtual_stages);
+  TORCH_CHECK(virtual_stages == 1 || microbatches % partitions == 0, who, ": the number of "
+              "micro-batches (", microbatches, ") must be a multiple of the number of partitions (",
+              partitions, ") with more than one virtual stage, e.g. ",
+              (microbatches / partitions + 1) * partitions);
   Schedule schedule = interleaved_schedule(partitions, microbatches, virtual_stages);
   schedule.name = "zb1p";
   const int64_t n = partitions;

@@ -106,12 +106,11 @@ int64_t check_schedule_option(const PipelineSchedule& schedule, int64_t partitio
   // (A V-shaped kind set to other virtual stages by the deprecated setter reads 2 anyway.)
   TORCH_CHECK(group >= 0, who, ": microbatch_group must be 0 (the number of ranks) or more, got ",
               group);
-  TORCH_CHECK(
-      group == 0 || (schedule.interleaves() && schedule.kind() == ScheduleKind::kInterleaved), who,
-      ": microbatch_group is ", group, " but the schedule is ", kind, " with ", v, " virtual stage",
-      v == 1 ? "" : "s",
-      "; micro-batch groups are for the interleaved "
-      "schedule with 2 or more virtual stages");
+  TORCH_CHECK(group == 0 || (schedule.interleaves() && schedule.kind() == ScheduleKind::kInterleaved),
+              who, ": microbatch_group is ", group, " but the schedule is ", kind, " with ", v,
+              " virtual stage", v == 1 ? "" : "s", "; micro-batch groups are for the interleaved "
+              "schedule with 2 or more virtual stages (PipelineSchedule::interleaved(v, group)) "
+              "only");
   TORCH_CHECK(!v_shape || partitions % 2 == 0, who, ": the ", kind,
               " schedule puts two "
               "partitions on each rank (r and 2n - 1 - r), but there are ",

@@ -221,14 +221,18 @@ std::string parameters_digest(const torch::nn::Module& module) {
 
 namespace {
 
-std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partitions) {
+// The default devices: every GPU in turn by worker (a V-shaped schedule's worker r runs
+// partitions r and 2n - 1 - r: Note [V-shaped placement]), else two CPU partitions.
+std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partitions,
+                                       bool v_shape) {
   std::vector<c10::Device> devices;
   if (spec.empty()) {
     if (torch::cuda::is_available()) {
       const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
-      if (partitions == 0) partitions = gpus;
+      if (partitions == 0) partitions = v_shape ? 2 * gpus : gpus;
       for (int64_t j = 0; j < partitions; ++j) {
-        devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(j % gpus));
+        const int64_t worker = v_shape ? std::min(j, partitions - 1 - j) : j;
+        devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(worker % gpus));
       }
       return devices;
     }
@@ -332,8 +336,10 @@ int train(const TrainerModel& trainer) {
   int64_t partitions = shape.partitions;
   TORCH_CHECK(partitions >= 0, "--partitions must be positive, got ", partitions);
   const std::vector<c10::Device> devices =
-      shape.devices.empty() ? parse_devices(absl::GetFlag(FLAGS_devices), partitions)
-                            : shape.devices;
+      shape.devices.empty()
+          ? parse_devices(absl::GetFlag(FLAGS_devices), partitions,
+                          gpipe::v_shaped(gpipe::schedule_kind(schedule)))
+          : shape.devices;
   const bool on_cpu = divide_cores(devices, shape.threads);
 
   torch::nn::Sequential model =

@@ -265,25 +265,26 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
         CATCH_CAPTURE(p);
         CATCH_CHECK(most <= ideal.stage_peak_in_flight.at(static_cast<size_t>(p)));
       }
-      // Each process ran its forwards and backwards in the schedule's order (with a micro-batch
-      // group: the group's, Note [Micro-batch groups]).
-      const Schedule planned = interleaved_schedule(n, m, v, chosen.microbatch_group());
-      for (int64_t r = 0; r < n && schedule == "interleaved"; ++r) {
+      // Each process ran its forwards and backwards (zb1p: I and W) in the schedule's order
+      // (with a micro-batch group: the group's, Note [Micro-batch groups]).
+      const Schedule planned = make_schedule(chosen.kind(), n, m, v,
+                                             schedule == "zb1p" ? 0 : chosen.microbatch_group());
+      using Kind = TimelineEvent::Kind;
+      const std::map<Kind, ActionType> types{{Kind::kCompute, ActionType::kForward},
+                                             {Kind::kBackward, ActionType::kBackward},
+                                             {Kind::kBackwardInput, ActionType::kBackwardInput},
+                                             {Kind::kBackwardWeight, ActionType::kBackwardWeight}};
+      for (int64_t r = 0; r < n; ++r) {
         std::vector<const TimelineEvent*> mine;
         for (const TimelineEvent& e : events) {
-          const bool step = e.kind == TimelineEvent::Kind::kCompute ||
-                            e.kind == TimelineEvent::Kind::kBackward;
-          if (step && e.partition % n == r) mine.push_back(&e);
+          if (types.count(e.kind) != 0 && e.partition % n == r) mine.push_back(&e);
         }
         std::sort(mine.begin(), mine.end(), [](const TimelineEvent* a, const TimelineEvent* b) {
           return a->start_us < b->start_us;
         });
         std::vector<std::string> ran, order;
         for (const TimelineEvent* e : mine) {
-          ran.push_back(to_string(Action{e->kind == TimelineEvent::Kind::kCompute
-                                             ? ActionType::kForward
-                                             : ActionType::kBackward,
-                                         e->partition, e->microbatch}));
+          ran.push_back(to_string(Action{types.at(e->kind), e->partition, e->microbatch}));
         }
         for (const Action& a : planned.ranks[static_cast<size_t>(r)]) order.push_back(to_string(a));
         CATCH_CAPTURE(r);

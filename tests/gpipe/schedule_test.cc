@@ -366,6 +366,29 @@ CATCH_TEST_CASE(
   if (n >= 2) CATCH_CHECK(sim.bubble < simulate_schedule(one_f_one_b_schedule(n, m)).bubble / 2);
 }
 
+CATCH_TEST_CASE("dualpipev over 2 ranks and 6 micro-batches is DeepSeek's eight steps",
+                "[schedule]") {
+  // Written out by hand from the steps (Note [V-shaped placement]), chunk 0 = stage r, chunk 1 =
+  // stage 3 - r. Rank 0: 1 nF0 (2), 2 nF0F1 (1), 3 nB1W1F1 (1), 4 nF0B1F1B0 (3), 5 nB1F1B0 (1),
+  // 6 nB1B0 (1: B1 whole, B0 split), 7 nWB0 (1), 8 nW (1).
+  const Schedule s = dualpipev_schedule(2, 6);
+  CATCH_CHECK(rank_text(s, 0) ==
+              "0F0 0F1 "
+              "0F2 3F0 "
+              "3I0 3W0 3F1 "
+              "0F3 3B1 3F2 0B0 0F4 3B2 3F3 0B1 0F5 3B3 3F4 0B2 "
+              "3B4 3F5 0B3 "
+              "3B5 0I4 "
+              "0W4 0I5 "
+              "0W5");
+  // Rank 1 (odd: step 6 splits from chunk 1's second backward): 2 nF0F1 (2), 4 (4), 6 (2), 8 (2).
+  CATCH_CHECK(rank_text(s, 1) ==
+              "1F0 2F0 1F1 2F1 "
+              "1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 1F4 2B2 2F4 1B2 1F5 2B3 2F5 1B3 "
+              "2B4 1B4 2I5 1I5 "
+              "2W5 1W5");
+}
+
 CATCH_TEST_CASE(
     "zb1p is interleaved 1F1B with backwards split and rank r keeping up to r W "
     "waiting",
@@ -413,6 +436,10 @@ CATCH_TEST_CASE("A V-shaped schedule round-trips through text, and zbv is known 
                           gpipe_test::contains("zbv always has 2"));
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kDualPipeV, 3, 6, 3),
                           gpipe_test::contains("dualpipev always has 2"));
+  CATCH_CHECK_THROWS_WITH(interleaved_zero_bubble_schedule(2, 3, 2),
+                          gpipe_test::contains("interleaved_zero_bubble_schedule: the number of "
+                                               "micro-batches (3) must be a multiple of the "
+                                               "number of partitions (2)"));
   CATCH_CHECK(schedule_kind("dualpipev") == ScheduleKind::kDualPipeV);
   CATCH_CHECK_THROWS_WITH(make_schedule(ScheduleKind::kZeroBubble, 3, 6, 2),
                           gpipe_test::contains("only interleaved and zb1p take more than 1"));
