@@ -244,8 +244,12 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));
   TORCH_CHECK(named.vocabulary == 256, "--model must be a byte-level gpt_<blocks>_<width>");
   const int64_t blocks = (static_cast<int64_t>(named.model->size()) - 3) / 6;
-  // Interleaved: one entry per virtual stage (stage s holds s, s + stages, ...).
-  const int64_t partitions = stages * std::max<int64_t>(absl::GetFlag(FLAGS_virtual_stages), 1);
+  // Interleaved: one entry per virtual stage (stage s holds s, s + stages, ...); on a V (zbv,
+  // dualpipev), two per stage (s and 2 stages - 1 - s: the head and its tied embedding on stage 0).
+  const gpipe::ScheduleKind kind = schedule_kind(absl::GetFlag(FLAGS_schedule));
+  const int64_t virtual_stages =
+      gpipe::v_shaped(kind) ? 2 : std::max<int64_t>(absl::GetFlag(FLAGS_virtual_stages), 1);
+  const int64_t partitions = stages * virtual_stages;
   std::vector<int64_t> balance = block_balance(blocks, partitions);
   if (absl::GetFlag(FLAGS_balance) != "auto") {
     balance = training::choose_balance(absl::GetFlag(FLAGS_balance), partitions, named.model,
@@ -256,10 +260,8 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   auto options = dist::PipelineStageOptions(balance)
                      .chunks(absl::GetFlag(FLAGS_chunks))
                      .checkpoint(training::parse_checkpoint(absl::GetFlag(FLAGS_checkpoint)))
-                     .schedule(gpipe::PipelineSchedule::of(
-                         schedule_kind(absl::GetFlag(FLAGS_schedule)),
-                         absl::GetFlag(FLAGS_virtual_stages),
-                         absl::GetFlag(FLAGS_microbatch_group)));
+                     .schedule(gpipe::PipelineSchedule::of(kind, virtual_stages,
+                                                           absl::GetFlag(FLAGS_microbatch_group)));
   const gpipe::LossFunction next_token = [](const Batch& logits, const at::Tensor& targets) {
     return models::next_token_loss(logits.tensor(), targets);
   };

@@ -95,8 +95,9 @@ void init_partition(Step& st, int64_t p) {
   PartitionState& s = st.states[p];
   s.part = &(*spec.partitions)[p];
   if (!spec.upstreams.empty()) {
-    s.up = spec.upstreams[p];
-    s.down = spec.downstreams[p];
+    // (A null end: the neighbour's partition in this process, joined by a LocalLink.)
+    s.up = spec.upstreams[p] ? spec.upstreams[p] : st.links[p - 1].get();
+    s.down = spec.downstreams[p] ? spec.downstreams[p] : st.links[p].get();
   } else {
     s.up = p == 0 ? spec.upstream : st.links[p - 1].get();
     s.down = p + 1 == n ? spec.downstream : st.links[p].get();
@@ -127,16 +128,27 @@ void init_partition(Step& st, int64_t p) {
 }
 
 // The LocalLinks between neighbouring partitions, or GraphLinks for a forward() (Note [forward()
-// on the executor]).
+// on the executor]); with links of their own (ExecutorSpec::upstreams), only between the
+// partitions whose ends are null.
 void make_links(Step& st, const std::vector<std::vector<Action>>& lanes) {
   const ExecutorSpec& spec = st.spec;
   const std::vector<ExecutorPartition>& partitions = *spec.partitions;
+  const bool own_links = !spec.upstreams.empty();
   std::vector<size_t> lane_of(partitions.size(), 0);
   for (size_t lane = 0; lane < lanes.size(); ++lane) {
     for (const Action& a : lanes[lane]) lane_of[a.stage] = lane;
   }
   for (size_t p = 0; p + 1 < partitions.size(); ++p) {
     const int64_t from = static_cast<int64_t>(p);
+    if (own_links) {
+      TORCH_INTERNAL_ASSERT((spec.downstreams[p] == nullptr) == (spec.upstreams[p + 1] == nullptr),
+                            "gpipe: partition ", p, "'s downstream and ", p + 1,
+                            "'s upstream must both be local or both have links of their own");
+      if (spec.downstreams[p] != nullptr) {
+        st.links.push_back(nullptr);
+        continue;
+      }
+    }
     const c10::Device here = partitions[p].device;
     const c10::Device there = partitions[p + 1].device;
     if (spec.keep_graph) {
@@ -215,8 +227,10 @@ void run_schedule(const ExecutorSpec& spec) {
   const int64_t n = static_cast<int64_t>(partitions.size());
   Step st(spec);
   const bool own_links = !spec.upstreams.empty();
-  TORCH_INTERNAL_ASSERT(!own_links || (static_cast<int64_t>(spec.upstreams.size()) == n &&
-                                       static_cast<int64_t>(spec.downstreams.size()) == n));
+  TORCH_INTERNAL_ASSERT(!own_links ||
+                        (static_cast<int64_t>(spec.upstreams.size()) == n &&
+                         static_cast<int64_t>(spec.downstreams.size()) == n &&
+                         spec.upstreams[0] != nullptr && spec.downstreams[n - 1] != nullptr));
   st.m = spec.microbatches;
   if (st.m == 0) {
     st.first = (own_links ? spec.upstreams[0] : spec.upstream)->receive();
@@ -233,7 +247,7 @@ void run_schedule(const ExecutorSpec& spec) {
     st.compute_streams.push_back(current_stream(p.device));
   }
   const std::vector<std::vector<Action>> lanes = spec.plan(st.m);
-  if (!own_links) make_links(st, lanes);
+  make_links(st, lanes);
   st.stop = spec.grad_enabled ? spec.checkpoint_stop(st.m) : 0;
   // Weight gradients split by layer: for split schedules, where no skip ties layers together.
   for (const std::vector<Action>& lane : lanes) {

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 namespace gpipe {
 
@@ -201,26 +203,40 @@ Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t 
   return schedule;
 }
 
-Schedule zero_bubble_schedule(int64_t partitions, int64_t microbatches) {
-  check_counts("zero_bubble_schedule", partitions, microbatches);
-  const int64_t n = partitions;
-  const int64_t m = microbatches;
-  Schedule schedule = one_stage_per_rank("zb", n, m);
-  for (int64_t s = 0; s < n; ++s) {
-    auto& actions = schedule.ranks[s];
-    int64_t w = 0;
-    // After I of micro-batch i, a W when more than s are waiting: stage s keeps up to n - s
-    // micro-batches in flight as in 1F1B plus s whose W waits, n in all (the first stage's 1F1B
-    // peak).
-    warm_up_then_alternate(
-        std::min(n - s - 1, m), m, [&](int64_t i) { actions.push_back(forward(s, i)); },
-        [&](int64_t i) {
-          actions.push_back({ActionType::kBackwardInput, s, i});
-          if (i + 1 - w > s) actions.push_back({ActionType::kBackwardWeight, s, w++});
-        });
-    while (w < m) actions.push_back({ActionType::kBackwardWeight, s, w++});
+namespace {
+
+// `schedule` with each B split into its I and a W: rank r keeps up to r W waiting, each run after
+// the I that makes r + 1 wait (oldest first), the rest at the end, in the cool-down's bubble.
+// On 1F1B this is ZB-H1: stage r keeps up to n - r micro-batches in flight as in 1F1B plus r
+// whose W waits, n in all (the first stage's 1F1B peak). On interleaved 1F1B it is ZB1P (measured
+// on simulate_schedule with equal F, I and W: n = 4, m = 16, v = 2 bubble 0.030, against 0.059
+// with none waiting, 0.086 for interleaved 1F1B, and no better with n - 1 - r waiting).
+Schedule split_backwards(Schedule schedule, std::string name) {
+  schedule.name = std::move(name);
+  for (size_t r = 0; r < schedule.ranks.size(); ++r) {
+    std::vector<Action> actions;
+    std::vector<Action> pending;
+    size_t next = 0;
+    for (const Action& a : schedule.ranks[r]) {
+      if (a.type != ActionType::kBackward) {
+        actions.push_back(a);
+        continue;
+      }
+      actions.push_back({ActionType::kBackwardInput, a.stage, a.microbatch});
+      pending.push_back({ActionType::kBackwardWeight, a.stage, a.microbatch});
+      if (pending.size() - next > r) actions.push_back(pending[next++]);
+    }
+    while (next < pending.size()) actions.push_back(pending[next++]);
+    schedule.ranks[r] = std::move(actions);
   }
   return schedule;
+}
+
+}  // namespace
+
+Schedule zero_bubble_schedule(int64_t partitions, int64_t microbatches) {
+  check_counts("zero_bubble_schedule", partitions, microbatches);
+  return split_backwards(one_f_one_b_schedule(partitions, microbatches), "zb");
 }
 
 namespace {
@@ -290,11 +306,12 @@ class DualPipeVRank {
 
   std::vector<Action> actions() {
     const int64_t n = n_, r = r_;
-    repeat(2 * (n - r - 1), [&] { f(0); });                       // 1: nF0
-    repeat(r + 1, [&] { f(0), f(1); });                           // 2: nF0F1
-    repeat(n - r - 1, [&] { b(1, true), w(), f(1); });            // 3: nB1W1F1
-    repeat(m_ - 2 * n + r + 1, [&] { f(0), b(1), f(1), b(0); });  // 4: nF0B1F1B0
-    repeat(n - r - 1, [&] { b(1), f(1), b(0); });                 // 5: nB1F1B0
+    // Each step's actions: F<c>, B<c> (whole), I<c> (B split, its W queued), W (the oldest).
+    repeat(2 * (n - r - 1), "F0");              // 1: nF0
+    repeat(r + 1, "F0 F1");                     // 2: nF0F1
+    repeat(n - r - 1, "I1 W F1");               // 3: nB1W1F1
+    repeat(m_ - 2 * n + r + 1, "F0 B1 F1 B0");  // 4: nF0B1F1B0
+    repeat(n - r - 1, "B1 F1 B0");              // 5: nB1F1B0
     // 6: nB1B0, the second half splitting their backwards (from the middle on; on an even rank
     // from chunk 0's backward of the middle pair, on an odd one from chunk 1's).
     const int64_t half = (r + 1) / 2;
@@ -302,14 +319,32 @@ class DualPipeVRank {
       b(1, k > half || (k == half && r % 2 == 1));
       b(0, k >= half);
     }
-    repeat(n - r - 1, [&] { w(), b(0, true); });  // 7: nWB0
-    repeat(r + 1, [&] { w(); });                  // 8: nW
+    repeat(n - r - 1, "W I0");  // 7: nWB0
+    repeat(r + 1, "W");         // 8: nW
     return std::move(out_);
   }
 
  private:
-  static void repeat(int64_t times, const std::function<void()>& body) {
-    for (int64_t k = 0; k < times; ++k) body();
+  // Runs `steps` (space-separated actions, as in actions()) `times` times.
+  void repeat(int64_t times, absl::string_view steps) {
+    for (int64_t k = 0; k < times; ++k) {
+      for (absl::string_view step : absl::StrSplit(steps, ' ')) {
+        const int c = step.size() > 1 ? step[1] - '0' : 0;
+        switch (step[0]) {
+          case 'F':
+            f(c);
+            break;
+          case 'B':
+            b(c);
+            break;
+          case 'I':
+            b(c, /*split=*/true);
+            break;
+          default:
+            w();
+        }
+      }
+    }
   }
   void f(int c) { out_.push_back(forward(s_[c], forwards_[c]++)); }
   // Chunk c's next backward: whole, or its I with its W queued.
@@ -379,32 +414,7 @@ Schedule interleaved_zero_bubble_schedule(int64_t partitions, int64_t microbatch
               "micro-batches (", microbatches, ") must be a multiple of the number of partitions (",
               partitions, ") with more than one virtual stage, e.g. ",
               (microbatches / partitions + 1) * partitions);
-  Schedule schedule = interleaved_schedule(partitions, microbatches, virtual_stages);
-  schedule.name = "zb1p";
-  const int64_t n = partitions;
-  for (int64_t r = 0; r < n; ++r) {
-    // Each B becomes its I; rank r keeps up to r W waiting, as ZB-H1's stage r does (measured on
-    // simulate_schedule with equal F, I and W: n = 4, m = 16, v = 2 bubble 0.030, against 0.059
-    // with none waiting, 0.086 for interleaved 1F1B, and no better with n - 1 - r waiting); the
-    // rest run at the end, in the cool-down's bubble.
-    std::vector<Action> actions;
-    std::vector<Action> pending;
-    size_t next = 0;
-    for (const Action& a : schedule.ranks[r]) {
-      if (a.type != ActionType::kBackward) {
-        actions.push_back(a);
-        continue;
-      }
-      actions.push_back({ActionType::kBackwardInput, a.stage, a.microbatch});
-      pending.push_back({ActionType::kBackwardWeight, a.stage, a.microbatch});
-      if (static_cast<int64_t>(pending.size() - next) > r) {
-        actions.push_back(pending[next++]);
-      }
-    }
-    while (next < pending.size()) actions.push_back(pending[next++]);
-    schedule.ranks[r] = std::move(actions);
-  }
-  return schedule;
+  return split_backwards(interleaved_schedule(partitions, microbatches, virtual_stages), "zb1p");
 }
 
 ScheduleKind schedule_kind(const std::string& name) {

@@ -104,8 +104,10 @@ int train_distributed(const TrainerModel& trainer) {
                          : options.world_size();
   const int64_t per_stage = absl::GetFlag(FLAGS_stage_partitions);
   TORCH_CHECK(per_stage >= 1, "--stage_partitions must be at least 1, got ", per_stage);
-  // Interleaved: each stage holds v virtual stages (Note [Interleaving across processes]).
-  const int64_t virtual_stages = absl::GetFlag(FLAGS_virtual_stages);
+  // Interleaved: each stage holds v virtual stages (Note [Interleaving across processes]); on a
+  // V (zbv, dualpipev), 2: stage s holds s and 2n - 1 - s.
+  const gpipe::ScheduleKind kind = schedule_kind(absl::GetFlag(FLAGS_schedule));
+  const int64_t virtual_stages = gpipe::v_shaped(kind) ? 2 : absl::GetFlag(FLAGS_virtual_stages);
   TORCH_CHECK(virtual_stages == 1 || per_stage == 1, "--virtual_stages ", virtual_stages,
               " and --stage_partitions ", per_stage, " do not combine: with the interleaved "
               "schedule each virtual stage is a partition of its own");
@@ -133,7 +135,8 @@ int train_distributed(const TrainerModel& trainer) {
       trainer.make(models::ModelInput{data.channels, data.size, data.classes});
   const at::Tensor sample = data.train.images().slice(0, 0, batch_size / groups.replicas);
   // Layers per partition, stages x per_stage of them; each stage takes per_stage in a row
-  // (or, interleaved, stages x virtual_stages: stage s takes s, s + stages, ...).
+  // (or, interleaved, stages x virtual_stages: stage s takes s, s + stages, ...; on a V, s and
+  // 2 stages - 1 - s).
   const std::vector<int64_t> partition_balance = agree_on_balance(
       choose_balance(absl::GetFlag(FLAGS_balance), stages * per_stage * virtual_stages, model,
                      sample, chunks, c10::Device(c10::kCPU)),
@@ -162,8 +165,7 @@ int train_distributed(const TrainerModel& trainer) {
                                 .devices({device})
                                 .local_balance(local_balance)
                                 .schedule(gpipe::PipelineSchedule::of(
-                                    schedule_kind(absl::GetFlag(FLAGS_schedule)), virtual_stages,
-                                    absl::GetFlag(FLAGS_microbatch_group))),
+                                    kind, virtual_stages, absl::GetFlag(FLAGS_microbatch_group))),
                             groups.pipeline, groups.replica_group);
   stage->record_timeline(true);
   // The last stage of replica 0 knows the loss and the accuracy: it reports.

@@ -53,12 +53,9 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
   gpipe::internal::check_shared_options(options, module, balance.size(), who);
   const PipelineSchedule& schedule = options.schedule();
   const int64_t v = schedule.virtual_stages();
-  TORCH_CHECK(!schedule.is_text(), who, ": a schedule written as text is for gpipe::GPipe; give "
+  TORCH_CHECK(!schedule.is_text(), who,
+              ": a schedule written as text is for gpipe::GPipe; give "
               "a stage a ScheduleKind or PipelineSchedule::interleaved(v)");
-  TORCH_CHECK(!v_shaped(schedule.kind()), who, ": the ", schedule_kind_name(schedule.kind()),
-              " schedule's V-shaped placement (Note [V-shaped placement]) runs in one process "
-              "(gpipe::GPipe) only so far; across processes use kZeroBubble or "
-              "PipelineSchedule::interleaved_zero_bubble(v)");
   TORCH_CHECK(v >= 1 && v <= internal::kMaxChannels, who, ": virtual_stages must be between 1 and ",
               internal::kMaxChannels, ", got ", v);
   TORCH_CHECK(options.shared_memory() == 0 || options.shared_memory() >= internal::kMinSharedRing,
@@ -78,15 +75,22 @@ void check_options(const PipelineStageOptions& options, const ProcessGroup& grou
                   options.chunks() % ranks == 0,
               who, ": the interleaved schedule needs chunks to be a multiple of the number of "
               "stages (", ranks, "), got ", options.chunks());
-  if (schedule.interleaves()) {
+  if (schedule.interleaves() || v_shaped(schedule.kind())) {
     // Note [Interleaving across processes].
-    TORCH_CHECK(ranks >= 2, who, ": the interleaved schedule across processes needs at least 2 "
-                "stages, got a group of ", ranks, "; interleave in one process with GPipe");
-    TORCH_CHECK(matches_by_tag(group), who, ": the interleaved schedule across processes needs a "
+    const std::string name = schedule.interleaves()
+                                 ? std::string("interleaved")
+                                 : absl::StrCat("V-shaped ", schedule_kind_name(schedule.kind()));
+    TORCH_CHECK(ranks >= 2, who, ": the ", name,
+                " schedule across processes needs at least 2 "
+                "stages, got a group of ",
+                ranks, "; run it in one process with GPipe");
+    TORCH_CHECK(matches_by_tag(group), who, ": the ", name,
+                " schedule across processes needs a "
                 "group that matches transfers by tag (Gloo: new_gloo_group); on a group that "
                 "matches them in posting order (NCCL), use ScheduleKind::k1F1B or kZeroBubble");
     TORCH_CHECK(options.local_balance().empty() && options.devices().size() <= 1, who,
-                ": with the interleaved schedule each of a stage's virtual stages is a partition "
+                ": with the ", name,
+                " schedule each of a stage's virtual stages is a partition "
                 "of its own; local_balance and several devices cannot split them further (leave "
                 "local_balance empty and give at most one device)");
   }
@@ -119,6 +123,22 @@ std::vector<int64_t> local_balance_of(const PipelineStageOptions& options, int64
   return local_balance;
 }
 
+// The rank that holds each entry of balance: the schedule's placement (Schedule::stage_ranks;
+// Note [V-shaped placement]); for a balance of the wrong size, refused in place() once the skips
+// are checked, entry k on rank k mod n.
+std::vector<int64_t> placement(const PipelineStageOptions& options, int ranks) {
+  const PipelineSchedule& schedule = options.schedule();
+  const int64_t entries = static_cast<int64_t>(options.balance().size());
+  const int64_t v = schedule.virtual_stages();
+  if (entries == ranks * v) {
+    const int64_t group = schedule.interleaves() ? schedule.microbatch_group() : 0;
+    return make_schedule(schedule.kind(), ranks, options.chunks(), v, group).stage_ranks;
+  }
+  std::vector<int64_t> ranks_of(static_cast<size_t>(entries));
+  for (int64_t k = 0; k < entries; ++k) ranks_of[k] = k % ranks;
+  return ranks_of;
+}
+
 }  // namespace
 
 PipelineStageImpl::PipelineStageImpl(const torch::nn::Sequential& module,
@@ -143,6 +163,12 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   const int64_t v = options_.schedule().virtual_stages();
   const int ranks = group_->getSize();
   const int rank = group_->getRank();
+  stage_ = rank;
+  stage_ranks_ = placement(options_, ranks);
+  held_.clear();
+  for (size_t k = 0; k < stage_ranks_.size(); ++k) {
+    if (stage_ranks_[k] == rank) held_.push_back(static_cast<int64_t>(k));
+  }
   // Only this stage's layers move to its device; the others stay on the CPU.
   const std::vector<c10::Device>& given = options_.devices();
   if (given.size() == 1) {
@@ -153,10 +179,7 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   }
   const c10::Device first_device = given.empty() ? c10::Device(c10::kCPU) : given[0];
   std::vector<c10::Device> placed(balance.size(), c10::Device(c10::kCPU));
-  for (int64_t c = 0; c < v; ++c) {
-    const size_t k = static_cast<size_t>(c * ranks + rank);
-    if (k < placed.size()) placed[k] = first_device;  // (a wrong balance is refused below)
-  }
+  for (int64_t k : held_) placed[k] = first_device;
   // Note [Tied parameters]: a tensor shared across devices becomes a clone's copy.
   ties_ = find_ties(module, options_.tied_parameters(), who);
   const std::vector<torch::nn::Sequential> parts = gpipe::internal::split_module(
@@ -173,15 +196,14 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
               balance.size(), v > 1 ? " entries" : " stages", " ({", absl::StrJoin(balance, ", "),
               "}) but the process group has ", ranks, " ranks",
               v > 1 ? absl::StrCat(" of ", v, " virtual stages each") : std::string(),
-              "; give one entry per ", v > 1 ? "virtual stage (ranks * virtual_stages)"
-                                             : "process of the pipeline");
-  stage_ = rank;
+              "; give one entry per ",
+              v > 1 ? "virtual stage (ranks * virtual_stages)" : "process of the pipeline");
   std::vector<torch::nn::Sequential> local;
   if (v > 1) {
     // This stage's virtual stages, each a partition; layers() holds them all, in order.
     layers_ = torch::nn::Sequential();
-    for (int64_t c = 0; c < v; ++c) {
-      local.push_back(parts[c * ranks + rank]);
+    for (int64_t k : held_) {
+      local.push_back(parts[k]);
       layers_->extend(*local.back());
       devices.push_back(first_device);
     }
@@ -201,13 +223,11 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
 
 void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
                                          std::vector<torch::nn::Sequential> local,
-                                         const std::vector<c10::Device>& devices,
-                                         const char* who) {
-  const int ranks = group_->getSize();
+                                         const std::vector<c10::Device>& devices, const char* who) {
   std::vector<int64_t> stage_of_layer;
   const std::vector<int64_t>& balance = options_.balance();
   for (size_t k = 0; k < balance.size(); ++k) {
-    stage_of_layer.insert(stage_of_layer.end(), balance[k], static_cast<int64_t>(k) % ranks);
+    stage_of_layer.insert(stage_of_layer.end(), balance[k], stage_ranks_[k]);
   }
   tied_ = std::make_shared<TiedCopies>(ties_, local);
   const auto whole = module->named_parameters();
@@ -219,7 +239,7 @@ void PipelineStageImpl::start_partitions(const torch::nn::Sequential& module,
   // Partitions run at the same time on threads of their own (as a GPipe's CPU partitions, and
   // with the same caveats about random numbers); a stage's virtual stages run on one thread, in
   // the schedule's order.
-  const bool interleaved = this->interleaved();
+  const bool interleaved = holds_virtual_stages();
   if (!interleaved) {
     std::vector<int64_t> threads(local.size());
     std::iota(threads.begin(), threads.end(), int64_t{0});
@@ -282,16 +302,25 @@ PipelineStageImpl::~PipelineStageImpl() = default;
 std::vector<PipelineStageImpl::Link> PipelineStageImpl::links() const {
   std::vector<Link> out;
   if (stages() < 2) return out;
-  const int64_t v = interleaved() ? options_.schedule().virtual_stages() : 1;
-  const int previous = static_cast<int>((stage_ + stages() - 1) % stages());
-  const int next = static_cast<int>((stage_ + 1) % stages());
+  // A partition's chunk on the stage that holds it: the channel of the links it sends on.
+  const auto chunk_of = [this](int64_t k) {
+    return static_cast<int64_t>(
+        std::count(stage_ranks_.begin(), stage_ranks_.begin() + k, stage_ranks_[k]));
+  };
+  const int64_t last = static_cast<int64_t>(stage_ranks_.size()) - 1;
+  const int64_t v = holds_virtual_stages() ? static_cast<int64_t>(held_.size()) : 1;
   for (int64_t c = 0; c < v; ++c) {
-    // Virtual stage c * stages + stage_ hears from the one before: on stage 0, the last stage's
-    // chunk c - 1.
-    if (c > 0 || !is_first()) out.push_back({false, previous, stage_ == 0 ? c - 1 : c, c});
+    // Partition k hears from k - 1, unless it is the first or k - 1 is on this stage too.
+    const int64_t k = held_[c];
+    if (k > 0 && stage_ranks_[k - 1] != stage_) {
+      out.push_back({false, static_cast<int>(stage_ranks_[k - 1]), chunk_of(k - 1), c});
+    }
   }
   for (int64_t c = 0; c < v; ++c) {
-    if (c < v - 1 || !is_last()) out.push_back({true, next, c, c});
+    const int64_t k = held_[c];
+    if (k < last && stage_ranks_[k + 1] != stage_) {
+      out.push_back({true, static_cast<int>(stage_ranks_[k + 1]), c, c});
+    }
   }
   return out;
 }

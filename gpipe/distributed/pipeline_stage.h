@@ -122,6 +122,11 @@ inline Batch no_input() { return Batch(std::vector<at::Tensor>{}); }
 // whose in-order matching would need one order over all the links of a pair. Each virtual stage
 // keeps the activations its schedule says (Note [Schedules as data] in gpipe/schedule.h); the
 // bubble is GPipe's divided by v, at the price of v times as many transfers.
+// The V-shaped schedules (Note [V-shaped placement] in gpipe/schedule.h) place by the same data
+// (the schedule's stage_ranks): stage s holds virtual stages s and 2n - 1 - s, so a pair of
+// neighbouring stages carries one link each way (channel 0 down the V, 1 back up), stage 0 holds
+// both ends of the pipeline, and on stage n - 1 the V's two halves are neighbours, joined by a
+// LocalLink in the process instead of a link across processes.
 
 /// Options of a pipeline stage. Every process of a pipeline must pass the same ones.
 struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
@@ -137,11 +142,16 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   // virtual stages per process (PipelineSchedule::interleaved(v, group)): the balance then has
   // one entry per virtual stage, n * v in all, and stage s runs virtual stages s, s + n, ... (Note
   // [Interleaving across processes]); chunks must be a multiple of n, and so must the
-  // micro-batches each mini-batch splits into (a mini-batch of at least chunks samples). A
-  // schedule written as text is GPipe's only.
+  // micro-batches each mini-batch splits into (a mini-batch of at least chunks samples); the
+  // same for interleaved zero bubble (PipelineSchedule::interleaved_zero_bubble(v)). The V-shaped
+  // kinds (kZeroBubbleV, kDualPipeV) take 2n entries too, stage s running s and 2n - 1 - s, any
+  // chunks: stage 0 then takes the mini-batch and the target (is_last()). A schedule written as
+  // text is GPipe's only.
   //
   //   // 2 processes, 8 layers: stage 0 runs layers 0-1 and 4-5, stage 1 layers 2-3 and 6-7.
   //   PipelineStageOptions({2, 2, 2, 2}).schedule(PipelineSchedule::interleaved(2)).chunks(4)
+  //   // The V: stage 0 runs layers 0-1 and 6-7, stage 1 layers 2-5.
+  //   PipelineStageOptions({2, 2, 2, 2}).schedule(ScheduleKind::kZeroBubbleV).chunks(4)
   // Batch norm: Note [Pipeline stages and batch norm]; ties across stages: Note [Ties across
   // stages] in internal/tied_stages.h.
 
@@ -302,8 +312,13 @@ class PipelineStageImpl : public torch::nn::Module {
   }
   /// Whether this is stage 0, which takes the mini-batch.
   bool is_first() const { return stage_ == 0; }
-  /// Whether this is the last stage, which computes the loss.
-  bool is_last() const { return stage_ == stages() - 1; }
+  /// Whether this stage holds the pipeline's last partition, which computes the loss: the last
+  /// stage, or stage 0 under a V-shaped schedule (kZeroBubbleV, kDualPipeV: Note [V-shaped
+  /// placement] in gpipe/schedule.h), which then takes both the mini-batch and the target.
+  bool is_last() const { return stage_ranks_.back() == stage_; }
+  /// The entries of balance this stage holds, in pipeline order: its own, or with virtual stages
+  /// s, s + n, ... (interleaved) or s and 2n - 1 - s (V-shaped) of n stages.
+  const std::vector<int64_t>& held_partitions() const { return held_; }
 
   /// The layers this stage owns.
   const torch::nn::Sequential& layers() const { return layers_; }
@@ -373,7 +388,7 @@ class PipelineStageImpl : public torch::nn::Module {
   void check_same_configuration(const torch::nn::Module& whole);
   // Whether this stage holds several virtual stages (Note [Interleaving across processes]); with
   // one, the interleaved schedule is 1F1B and placed as any other.
-  bool interleaved() const { return options_.schedule().interleaves(); }
+  bool holds_virtual_stages() const { return held_.size() > 1; }
   // A link with a neighbouring stage: to the next stage (`downstream`: activations out, gradients
   // in) or from the previous one, with `peer`'s rank, on `channel` (the sending virtual stage's
   // chunk: transfer_tag), for this stage's partition (virtual stage chunk) `chunk`.
@@ -384,7 +399,8 @@ class PipelineStageImpl : public torch::nn::Module {
     int64_t chunk = 0;
   };
   // This stage's links (Note [Interleaving across processes]): one on each side of each virtual
-  // stage but at the pipeline's two ends; those from the previous stage first, by chunk.
+  // stage but at the pipeline's two ends and where two of them are neighbours (the V's turn);
+  // those from the previous stage first, by chunk.
   std::vector<Link> links() const;
   // Step `index` (step()'s count) after step()'s checks, with the step's cancellation.
   // run_step's parts: the step's timeline, tied copies and replicas' buffers (returns whether
@@ -402,6 +418,8 @@ class PipelineStageImpl : public torch::nn::Module {
   ProcessGroup group_;
   ProcessGroup replica_group_;  // null: not replicated
   int64_t stage_ = 0;
+  // The rank that holds each entry of balance (the schedule's stage_ranks), and this stage's.
+  std::vector<int64_t> stage_ranks_, held_;
   torch::nn::Sequential layers_;  // all of this stage's layers
   std::vector<gpipe::internal::ExecutorPartition> partitions_;  // Note [Partitions within a stage]
   std::vector<std::unique_ptr<Worker>> workers_;  // per partition; null: the calling thread

@@ -87,16 +87,14 @@ c10::Device local_device(const torch::nn::Module& module) {
 }
 
 // A stage's layers, each with its index in the whole Sequential: stage s of S owns the layers
-// of balance entry s (with v virtual stages, of entries s, S + s, ..., (v - 1) S + s, in that
+// of balance entry s (with virtual stages, of the entries it holds, held_partitions(), in that
 // order in layers()).
 gpipe::internal::LayerNames stage_layer_names(const PipelineStageImpl& stage) {
   const std::vector<int64_t>& balance = stage.options().balance();
   std::vector<int64_t> start(balance.size() + 1, 0);
   for (size_t k = 0; k < balance.size(); ++k) start[k + 1] = start[k] + balance[k];
   std::vector<int64_t> indices;
-  const int64_t v = stage.options().schedule().virtual_stages();
-  for (int64_t c = 0; c < v; ++c) {
-    const int64_t entry = c * stage.stages() + stage.stage();
+  for (int64_t entry : stage.held_partitions()) {
     for (int64_t i = 0; i < balance[entry]; ++i) indices.push_back(start[entry] + i);
   }
   const auto children = stage.layers()->named_children();

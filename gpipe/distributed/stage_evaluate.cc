@@ -34,7 +34,8 @@ PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
     at::NoGradGuard no_grad;
     last_loss = step(input, target, std::move(loss));
   }
-  const int last = static_cast<int>(stages()) - 1;
+  // The stage that holds the last partition: the last, or stage 0 under a V-shaped schedule.
+  const int last = static_cast<int>(stage_ranks_.back());
   const std::string what = "the broadcast of the last stage's output";
   // The last stage's output (its header first: the others learn the sizes from it), then its
   // loss, if it computed one.

@@ -1,6 +1,7 @@
 // A pipeline stage's training step (PipelineStage::step): its links to the neighbouring stages,
 // the executor's run of its partitions, and what follows (deferred batch norm, replicas); see
 // pipeline_stage.h and Note [Failing fast across processes] in fault.h.
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -37,20 +38,21 @@ c10::optional<c10::Stream> wire_stream_of(c10::Device wire) {
 }
 
 // This stage's actions for m micro-batches: each of its partitions runs them in order (Note
-// [Partitions within a stage] in pipeline_stage.h), or, interleaved, its one lane runs its
-// virtual stages'.
-std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind kind,
-                                                                  int64_t stages, int64_t me,
-                                                                  int64_t k, int64_t v,
+// [Partitions within a stage] in pipeline_stage.h), or, with virtual stages (`held`: the
+// entries of balance it holds), its one lane runs theirs.
+std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind kind, int64_t stages,
+                                                                  int64_t me, int64_t k, int64_t v,
                                                                   int64_t group,
-                                                                  bool interleaved) {
-  return [kind, stages, me, k, v, group, interleaved](int64_t m) {
+                                                                  std::vector<int64_t> held) {
+  return [kind, stages, me, k, v, group, held = std::move(held)](int64_t m) {
     std::vector<Action> mine = make_schedule(kind, stages, m, v, group).ranks[me];
-    std::vector<std::vector<Action>> lanes(interleaved ? 1 : k);
+    const bool virtual_stages = held.size() > 1;
+    std::vector<std::vector<Action>> lanes(virtual_stages ? 1 : k);
     for (size_t j = 0; j < lanes.size(); ++j) {
       for (Action a : mine) {
         if (is_communication(a.type)) continue;
-        a.stage = interleaved ? a.stage / stages : static_cast<int64_t>(j);
+        a.stage = virtual_stages ? std::find(held.begin(), held.end(), a.stage) - held.begin()
+                                 : static_cast<int64_t>(j);
         lanes[j].push_back(a);
       }
     }
@@ -59,13 +61,15 @@ std::function<std::vector<std::vector<Action>>(int64_t)> lanes_of(ScheduleKind k
 }
 
 // The executor's ends of this stage's partitions: the input or remote upstreams, the loss or
-// remote downstreams; `v` > 0: interleaved, virtual stage c * stages + me's own links.
+// remote downstreams. With virtual stages (`held`, more than one): each one's own links, in
+// links()'s order, and none (a LocalLink) between two that are neighbours.
 void attach_links(
     gpipe::internal::ExecutorSpec& spec, gpipe::internal::InputSource* source,
     gpipe::internal::LossSink* sink,
     const std::vector<std::unique_ptr<internal::RemoteUpstream>>& remote_upstreams,
-    const std::vector<std::unique_ptr<internal::RemoteDownstream>>& remote_downstreams, int64_t v) {
-  if (v == 0) {
+    const std::vector<std::unique_ptr<internal::RemoteDownstream>>& remote_downstreams,
+    const std::vector<int64_t>& held, int64_t last) {
+  if (held.size() < 2) {
     spec.upstream =
         source ? static_cast<gpipe::internal::Upstream*>(source) : remote_upstreams[0].get();
     spec.downstream =
@@ -73,12 +77,24 @@ void attach_links(
     return;
   }
   size_t up = 0, down = 0;
-  for (int64_t c = 0; c < v; ++c) {
-    spec.upstreams.push_back(c == 0 && source ? static_cast<gpipe::internal::Upstream*>(source)
-                                              : remote_upstreams[up++].get());
-    spec.downstreams.push_back(c == v - 1 && sink ? static_cast<gpipe::internal::Downstream*>(sink)
-                                                  : remote_downstreams[down++].get());
+  for (size_t c = 0; c < held.size(); ++c) {
+    const int64_t k = held[c];
+    gpipe::internal::Upstream* from = nullptr;
+    if (k == 0) {
+      from = source;
+    } else if (c == 0 || held[c - 1] != k - 1) {
+      from = remote_upstreams[up++].get();
+    }
+    gpipe::internal::Downstream* to = nullptr;
+    if (k == last) {
+      to = sink;
+    } else if (c + 1 == held.size() || held[c + 1] != k + 1) {
+      to = remote_downstreams[down++].get();
+    }
+    spec.upstreams.push_back(from);
+    spec.downstreams.push_back(to);
   }
+  TORCH_INTERNAL_ASSERT(up == remote_upstreams.size() && down == remote_downstreams.size());
 }
 
 // The last stage's loss. GPipe's order on the last stage (forwards first): the loss sees the
@@ -127,11 +143,12 @@ std::unique_ptr<gpipe::internal::InputSource> PipelineStageImpl::input_source(
   // Note [Micro-batch groups] in schedule.h (0: the default, n).
   const int64_t group = options_.schedule().microbatch_group();
   const int64_t stages = this->stages();
-  TORCH_CHECK(!interleaved() || m % (group > 0 ? group : stages) == 0, who, ": the mini-batch of ",
-              input[0].size(0), " samples splits into ", m, " micro-batches (chunks ",
-              options_.chunks(), "), but the interleaved schedule needs a multiple of ",
-              group > 0 ? "the micro-batch group, " : "the stages, ",
-              group > 0 ? group : stages, "; give a mini-batch that splits into chunks "
+  TORCH_CHECK(!options_.schedule().interleaves() || m % (group > 0 ? group : stages) == 0, who,
+              ": the mini-batch of ", input[0].size(0), " samples splits into ", m,
+              " micro-batches (chunks ", options_.chunks(),
+              "), but the interleaved schedule needs a multiple of ",
+              group > 0 ? "the micro-batch group, " : "the stages, ", group > 0 ? group : stages,
+              "; give a mini-batch that splits into chunks "
               "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
   return std::make_unique<gpipe::internal::InputSource>(std::move(microbatches), grad_enabled);
 }
@@ -250,14 +267,15 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   const int64_t v = options_.schedule().virtual_stages();
   const int64_t me = stage_;
   const int64_t k = static_cast<int64_t>(partitions_.size());
-  // Note [Interleaving across processes]: partition c is virtual stage c * stages + me, with a
-  // remote link on each side but at the pipeline's two ends.
-  const bool interleaved = this->interleaved();
+  // Note [Interleaving across processes]: partition c is virtual stage held_[c], with a remote
+  // link on each side but at the pipeline's two ends and the V's turn.
+  const bool interleaved = holds_virtual_stages();
   std::unique_ptr<gpipe::internal::InputSource> source;
   std::vector<std::unique_ptr<internal::RemoteUpstream>> remote_upstreams;
   std::vector<std::unique_ptr<internal::RemoteDownstream>> remote_downstreams;
   // Note [Micro-batch groups] in schedule.h (0: the default, n).
-  const int64_t group = interleaved ? options_.schedule().microbatch_group() : 0;
+  const int64_t group =
+      options_.schedule().interleaves() ? options_.schedule().microbatch_group() : 0;
   if (is_first()) source = input_source(input, grad_enabled, who);
   // Activations arrive on a thread of their own (Note [Receiving ahead] in transfer.h), over Gloo
   // one message per micro-batch (Note [One message per micro-batch]).
@@ -288,10 +306,10 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
   gpipe::internal::ExecutorSpec spec;
   spec.who = who;
   spec.partitions = &partitions_;
-  spec.plan = lanes_of(kind, stages, me, k, v, group, interleaved);
+  spec.plan = lanes_of(kind, stages, me, k, v, group, held_);
   for (const std::unique_ptr<Worker>& w : workers_) spec.workers.push_back(w.get());
-  attach_links(spec, source.get(), sink.get(), remote_upstreams, remote_downstreams,
-               interleaved ? v : 0);
+  attach_links(spec, source.get(), sink.get(), remote_upstreams, remote_downstreams, held_,
+               static_cast<int64_t>(stage_ranks_.size()) - 1);
   spec.microbatches = 0;  // as the upstream's first activation says, at most chunks
   spec.max_microbatches = options_.chunks();
   spec.grad_enabled = grad_enabled;

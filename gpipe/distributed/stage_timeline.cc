@@ -51,16 +51,20 @@ std::vector<TimelineEvent> PipelineStageImpl::gather_timeline() {
   std::vector<TimelineEvent> events;
   double earliest = std::numeric_limits<double>::infinity();
   int64_t first_partition = 0;  // of stage r, in the whole pipeline
+  std::vector<std::vector<int64_t>> held_of(static_cast<size_t>(size));
+  for (size_t k = 0; k < stage_ranks_.size(); ++k) {
+    held_of[stage_ranks_[k]].push_back(static_cast<int64_t>(k));
+  }
   for (int r = 0; r < size; ++r) {
     const int64_t n = counts[r][0].item<int64_t>();
     const at::Tensor rows = all[r];
     for (int64_t k = 0; k < n; ++k) {
-      // Interleaved, a stage's partition c is virtual stage c * size + r (Note [Interleaving
-      // across processes]).
+      // With virtual stages, a stage's partition c is the c-th entry of balance it holds
+      // (Note [Interleaving across processes]).
       const int64_t local = static_cast<int64_t>(rows[k][5].item<double>());
       TimelineEvent e{static_cast<TimelineEvent::Kind>(rows[k][0].item<double>()),
                       static_cast<int64_t>(rows[k][1].item<double>()),
-                      interleaved() ? local * size + r : first_partition + local};
+                      holds_virtual_stages() ? held_of[r].at(local) : first_partition + local};
       e.checkpointed = rows[k][2].item<double>() != 0;
       e.start_us = rows[k][3].item<double>();
       e.end_us = rows[k][4].item<double>();

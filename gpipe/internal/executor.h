@@ -107,7 +107,9 @@ struct ExecutorSpec {
   Downstream* downstream = nullptr;
   /// Instead, when this process's partitions are not neighbours in the pipeline (interleaving
   /// across processes: Note [Interleaving across processes] in distributed/pipeline_stage.h):
-  /// each partition's own upstream and downstream, and no LocalLinks between them.
+  /// each partition's own upstream and downstream. A null downstream and the next partition's
+  /// null upstream: the two are neighbours, joined by a LocalLink (the V's turn on the last rank:
+  /// Note [V-shaped placement] in gpipe/schedule.h).
   std::vector<Upstream*> upstreams;
   std::vector<Downstream*> downstreams;
   /// The number of micro-batches; 0: as the upstream's first activation says.

@@ -56,7 +56,7 @@ struct Step {
   bool by_layer = false;  // W split by layer (Note [One executor])
   std::optional<Activation> first;  // the first partition's first input, when it told m
   std::vector<PartitionState> states;
-  std::vector<std::unique_ptr<Link>> links;  // links[p]: partitions p and p + 1
+  std::vector<std::unique_ptr<Link>> links;  // links[p]: partitions p and p + 1 (or null)
   // copy_streams[p][i]: partition p's for micro-batch i (the spec's, or own_copy_streams).
   const CopyStreams* copy_streams = nullptr;
   // Each partition's compute stream: the calling thread's current stream on its device, made
@@ -92,11 +92,17 @@ struct Step {
       if (!error) error = std::move(e);
     }
     has_failed.store(true, std::memory_order_release);
-    for (auto& link : links) link->fail(why);
+    for (auto& link : links) {
+      if (link) link->fail(why);
+    }
     if (spec.upstream) spec.upstream->fail(why);
     if (spec.downstream) spec.downstream->fail(why);
-    for (Upstream* up : spec.upstreams) up->fail(why);
-    for (Downstream* down : spec.downstreams) down->fail(why);
+    for (Upstream* up : spec.upstreams) {
+      if (up) up->fail(why);
+    }
+    for (Downstream* down : spec.downstreams) {
+      if (down) down->fail(why);
+    }
   }
 
   void record(Kind kind, int64_t i, int64_t p, const Timeline::Started& started,

@@ -1,6 +1,6 @@
-// Pipeline stages across processes under the 1F1B, zero-bubble and interleaved schedules: training
-// equal to the plain model's, micro-batches in flight, inference without a target, and the
-// refusals.
+// Pipeline stages across processes under the 1F1B, zero-bubble, interleaved and V-shaped
+// schedules: training equal to the plain model's, micro-batches in flight, inference without a
+// target, and the refusals.
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -77,10 +77,10 @@ CATCH_TEST_CASE(kManyStages, "[distributed][stage][schedule]") {
                /*loss_tolerance=*/1e-12, /*frozen=*/"", balance);
 }
 
-// This process's stage of the test model over two processes under `schedule` (interleaved: two
-// virtual stages each).
+// This process's stage of the test model over two processes under `schedule` (interleaved or
+// V-shaped: two virtual stages each).
 PipelineStage two_stages(const std::string& schedule) {
-  const bool interleaved = schedule == "interleaved";
+  const bool interleaved = schedule == "interleaved" || v_shaped(schedule_kind(schedule));
   return PipelineStage(make_model(),
                        PipelineStageOptions(interleaved ? std::vector<int64_t>{1, 2, 2, 1}
                                                         : kBalance)
@@ -221,7 +221,8 @@ CATCH_TEST_CASE(kEvaluate, "[distributed][stage][schedule]") {
     CATCH_CHECK(!without.loss.defined());
     return;
   }
-  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "interleaved");
+  // (zbv: stage 0 holds the last partition and broadcasts its output and loss.)
+  const std::string schedule = GENERATE(as<std::string>(), "gpipe", "interleaved", "zbv");
   CATCH_INFO("schedule " << schedule);
   check_ranks_pass(kEvaluate, "evaluate_" + schedule, {{"GPIPE_TEST_SCHEDULE", schedule}});
 }
@@ -329,6 +330,47 @@ CATCH_TEST_CASE(kInterleavedZeroBubble, "[distributed][stage][schedule]") {
                env, /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2);
 }
 
+constexpr const char* kVShaped =
+    "two and three processes train with the V-shaped schedules zbv and dualpipev to the plain "
+    "model's parameters and losses in the schedule's order within its in-flight bound";
+
+CATCH_TEST_CASE(kVShaped, "[distributed][stage][schedule]") {
+  if (test_rank() >= 0) {
+    // The kind comes from GPIPE_TEST_SCHEDULE; a V-shaped kind has two virtual stages.
+    train_stage(PipelineStageOptions(balance_from_env())
+                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
+                    .checkpoint(mode_from_env()),
+                /*record_timeline=*/true);
+    return;
+  }
+  // (schedule, balance of the virtual stages, chunks, checkpoint mode, links). Stage r holds
+  // virtual stages r and 2n - 1 - r; the skip stays in virtual stage 1, and the tuple crosses
+  // from it to virtual stage 2: with two processes on stage 1, the V's turn, where the two are
+  // joined in the process; with three, from stage 1 to stage 2. Chunks 3 split the 8 samples
+  // unevenly (3, 3, 2); dualpipev with m >= 2n - 1 runs DeepSeek's steps (the first and third
+  // dualpipev runs), with fewer zbv's order (the last).
+  using Run = std::tuple<std::string, std::vector<int64_t>, int64_t, std::string, std::string>;
+  const Run run = GENERATE(Run{"zbv", {1, 2, 2, 1}, 4, "except_last", "shared"},
+                           Run{"zbv", {1, 2, 1, 1, 1, 1}, 3, "never", "gloo"},
+                           Run{"dualpipev", {1, 2, 2, 1}, 3, "never", "shared"},
+                           Run{"dualpipev", {1, 2, 1, 1, 1, 1}, 8, "always", "shared"},
+                           Run{"dualpipev", {1, 2, 1, 1, 1, 1}, 3, "except_last", "gloo"});
+  const auto& [schedule, balance, chunks, mode, links] = run;
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  CATCH_INFO("schedule " << schedule << ", balance " << spec << ", chunks " << chunks
+                         << ", checkpoint " << mode << ", links " << links);
+  std::map<std::string, std::string> env{{"GPIPE_TEST_SCHEDULE", schedule},
+                                         {"GPIPE_TEST_BALANCE", spec},
+                                         {"GPIPE_TEST_CHUNKS", std::to_string(chunks)},
+                                         {"GPIPE_TEST_CHECKPOINT", mode}};
+  if (links == "gloo") env["GPIPE_TEST_SHARED_MEMORY"] = "0";
+  check_stages(kVShaped,
+               folder_for(schedule + "_" + std::to_string(balance.size() / 2) + "_" + mode), env,
+               /*loss_tolerance=*/1e-12, /*frozen=*/"", balance, /*virtual_stages=*/2,
+               /*v_shape=*/true);
+}
+
 constexpr const char* kInterleavedCuda =
     "two processes on the GPU train with the interleaved schedule to the plain model's parameters "
     "and losses";
@@ -377,13 +419,21 @@ CATCH_TEST_CASE(kInterleavedRefused, "[distributed][stage][schedule][errors]") {
         PipelineStage(make_model(), options().balance({3, 3}), gloo),
         gpipe_test::contains("the balance has 2 entries ({3, 3}) but the process group has 2 "
                              "ranks of 2 virtual stages each"));
+    // The V-shaped kinds: the same refusals, naming the kind.
+    const auto v_shaped = [&options](ScheduleKind kind) { return options().schedule(kind); };
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), options().schedule(ScheduleKind::kZeroBubbleV), gloo),
-        gpipe_test::contains("the zbv schedule's V-shaped placement (Note [V-shaped placement]) "
-                             "runs in one process (gpipe::GPipe) only so far"));
+        PipelineStage(make_model(), v_shaped(ScheduleKind::kZeroBubbleV),
+                      c10::make_intrusive<gpipe_test::InOrderGroup>(gloo)),
+        gpipe_test::contains("the V-shaped zbv schedule across processes needs a group that "
+                             "matches transfers by tag"));
     CATCH_CHECK_THROWS_WITH(
-        PipelineStage(make_model(), options().schedule(ScheduleKind::kDualPipeV), gloo),
-        gpipe_test::contains("the dualpipev schedule's V-shaped placement"));
+        PipelineStage(make_model(), v_shaped(ScheduleKind::kDualPipeV).local_balance({1, 1}), gloo),
+        gpipe_test::contains("with the V-shaped dualpipev schedule each of a stage's virtual "
+                             "stages is a partition of its own"));
+    CATCH_CHECK_THROWS_WITH(
+        PipelineStage(make_model(), v_shaped(ScheduleKind::kZeroBubbleV).balance({3, 3}), gloo),
+        gpipe_test::contains("the balance has 2 entries ({3, 3}) but the process group has 2 "
+                             "ranks of 2 virtual stages each"));
     CATCH_CHECK_THROWS_WITH(
         PipelineStage(make_model(), options().schedule(ScheduleKind::k1F1B), gloo),
         gpipe_test::contains("virtual_stages is 2 but the schedule is 1f1b"));
