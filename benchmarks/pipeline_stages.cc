@@ -15,7 +15,9 @@
 // stage-local backward: Note [Partitions within a stage]) on the same micro-batches.
 // Overhead: the same with one Linear(16, 16) per stage and one-row micro-batches, where a step is
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
-// --schedule=1f1b, zb or interleaved runs the stages under that schedule (speed only; interleaved:
+// --schedule=1f1b, zb, interleaved, zb1p, zbv or dualpipev runs the stages under that schedule
+// (speed only; zbv and dualpipev: 4 slices in a V, stage 0 holding the first and the last;
+// interleaved:
 // --virtual_stages per process, each a slice of the stage's blocks, and even m only;
 // --microbatch_group g for the m that g divides, Note [Micro-batch groups] in gpipe/schedule.h).
 // --bind_cores_to_rank binds each process to its share of the cores (Note [Binding cores to
@@ -66,8 +68,8 @@ ABSL_FLAG(std::string, svg, "",
 ABSL_FLAG(std::string, trace, "", "and write that step as Chrome-trace JSON to this file");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
 ABSL_FLAG(std::string, schedule, "gpipe",
-          "the stages' schedule: gpipe, 1f1b, interleaved or zb (ideal: one thread's time / 2 / "
-          "(1 - the schedule's simulated bubble, F = I = W = 1))");
+          "the stages' schedule: gpipe, 1f1b, interleaved, zb, zb1p, zbv or dualpipev (ideal: "
+          "one thread's time / 2 / (1 - the schedule's simulated bubble, F = I = W = 1))");
 ABSL_FLAG(int64_t, virtual_stages, 2, "with --schedule=interleaved: virtual stages per process");
 ABSL_FLAG(bool, bind_cores_to_rank, false,
           "bind each process to its share of the host's cores (Note [Binding cores to ranks] in "
@@ -104,17 +106,23 @@ at::Tensor mse(const gpipe::Batch& out, const at::Tensor& y) {
   return nn::functional::mse_loss(out.tensor(), y);
 }
 
-// v: the virtual stages per process (1 unless interleaved or zb1p).
+// v: the virtual stages per process (1 unless interleaved or zb1p; 2 on a V: zbv, dualpipev).
 int64_t virtual_stages() {
-  return gpipe::takes_virtual_stages(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)))
-             ? absl::GetFlag(FLAGS_virtual_stages)
-             : 1;
+  const gpipe::ScheduleKind kind = gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule));
+  if (gpipe::v_shaped(kind)) return 2;
+  return gpipe::takes_virtual_stages(kind) ? absl::GetFlag(FLAGS_virtual_stages) : 1;
+}
+
+// Whether the schedule needs m to be a multiple of the stages (interleaving with v > 1).
+bool interleaves() {
+  return gpipe::takes_virtual_stages(gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule))) &&
+         virtual_stages() > 1;
 }
 
 // The micro-batch group for m micro-batches (0: the schedule's default).
 int64_t microbatch_group(int64_t m) {
   const int64_t g = absl::GetFlag(FLAGS_microbatch_group);
-  return virtual_stages() > 1 && g > 0 && m % g == 0 ? g : 0;
+  return interleaves() && g > 0 && m % g == 0 ? g : 0;
 }
 
 // The two stages' balance over mlp(width, layers)'s 4 * layers modules: 2 * v slices (the last
@@ -167,8 +175,9 @@ std::function<void()> pipeline_step(const ProcessGroup& group, int64_t width, in
   const at::Tensor y = at::randn({rows * m, width});
   return [stage, x, y] {
     (*stage)->zero_grad();
-    (*stage)->is_first() ? (*stage)->step(gpipe::Batch(x), {}, mse)
-                         : (*stage)->step(gpipe::distributed::no_input(), y, mse);
+    // (On a V, stage 0 takes both.)
+    (*stage)->step((*stage)->is_first() ? gpipe::Batch(x) : gpipe::distributed::no_input(),
+                   (*stage)->is_last() ? y : at::Tensor(), mse);
   };
 }
 
@@ -262,7 +271,7 @@ int main(int argc, char** argv) {
                 "speed-up", "ideal", "of ideal", "1 proc, 2 parts ms", "speed-up", "of ideal");
   }
   for (int64_t m : {1, 2, 4, 8, 16, 32}) {
-    if (m % 2 != 0 && virtual_stages() > 1) continue;  // interleaved: m a multiple of n
+    if (m % 2 != 0 && interleaves()) continue;  // interleaved: m a multiple of n
     const std::function<void()> pipeline = pipeline_step(group, width, layers, rows, m);
     std::function<void()> serial_run, parts_run;
     if (rank0) {
@@ -324,8 +333,8 @@ int main(int argc, char** argv) {
     const at::Tensor y = at::randn({rows * traced, width});
     for (int s = 0; s < 3; ++s) {  // the last of three steps
       stage->zero_grad();
-      stage->is_first() ? stage->step(gpipe::Batch(x), {}, mse)
-                        : stage->step(gpipe::distributed::no_input(), y, mse);
+      stage->step(stage->is_first() ? gpipe::Batch(x) : gpipe::distributed::no_input(),
+                  stage->is_last() ? y : at::Tensor(), mse);
     }
     const auto events = stage->gather_timeline();
     const std::vector<c10::Device> devices(2 * v, c10::Device(c10::kCPU));

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/schedule_plan.h"
+#include "gpipe/schedule_search.h"
 
 namespace gpipe {
 namespace {
@@ -114,8 +115,9 @@ double cost(const ActionCosts& costs, ActionType type) {
   }
 }
 
-// Runs the schedule on a simulated clock (Note [Checking a schedule]); throws on a deadlock.
-ScheduleSimulation run(const Plan& plan, const ActionCosts& costs) {
+// Runs the schedule on a simulated clock (Note [Checking a schedule]) with each stage's costs
+// (a transfer costs its sending stage's); throws on a deadlock.
+ScheduleSimulation run(const Plan& plan, const std::vector<ActionCosts>& stage_costs) {
   const Schedule& s = plan.schedule();
   const int64_t n = s.num_ranks();
   std::vector<double> done(static_cast<size_t>(s.stages * kTypes * s.microbatches), -1);
@@ -130,7 +132,12 @@ ScheduleSimulation run(const Plan& plan, const ActionCosts& costs) {
     for (; k < mine.size() && k < theirs.size(); ++k) {
       double t = std::max(mine[k].second, theirs[k].second);
       if (k > 0) t = std::max(t, done[plan.key(mine[k - 1].first)]);
-      done[plan.key(mine[k].first)] = done[plan.key(theirs[k].first)] = t + costs.transfer;
+      const Action& send = mine[k].first.type == ActionType::kSendForward ||
+                                   mine[k].first.type == ActionType::kSendBackward
+                               ? mine[k].first
+                               : theirs[k].first;
+      done[plan.key(mine[k].first)] = done[plan.key(theirs[k].first)] =
+          t + stage_costs[send.stage].transfer;
     }
   };
 
@@ -164,10 +171,10 @@ ScheduleSimulation run(const Plan& plan, const ActionCosts& costs) {
         }
         if (remote) {
           ready = ready && done[plan.key(*remote)] >= 0;
-          start = std::max(start, done[plan.key(*remote)] + costs.transfer);
+          start = std::max(start, done[plan.key(*remote)] + stage_costs[remote->stage].transfer);
         }
         if (!ready) break;
-        const double end = start + cost(costs, a.type);
+        const double end = start + cost(stage_costs[a.stage], a.type);
         done[plan.key(a)] = clock[r] = end;
         sim.busy[r] += end - start;
         sim.makespan = std::max(sim.makespan, end);
@@ -214,15 +221,25 @@ void validate(const Schedule& schedule, Plan& plan) {
   if (plan.comm()) check_pairs(schedule);
 }
 
-ScheduleSimulation check(const Schedule& schedule, const ActionCosts& costs) {
+ScheduleSimulation check(const Schedule& schedule, const std::vector<ActionCosts>& stage_costs) {
   Plan plan(schedule);
   validate(schedule, plan);
-  return run(plan, costs);
+  return run(plan, stage_costs);
+}
+
+void check_costs(const ActionCosts& costs, const char* who, const std::string& which) {
+  TORCH_CHECK(costs.forward > 0 && costs.backward_input > 0 && costs.backward_weight > 0 &&
+                  costs.transfer >= 0,
+              who, ": action costs must be positive (transfers: not negative), got ", which, "F ",
+              costs.forward, ", I ", costs.backward_input, ", W ", costs.backward_weight,
+              ", transfer ", costs.transfer);
 }
 
 }  // namespace
 
-void check_schedule(const Schedule& schedule) { check(schedule, ActionCosts{}); }
+void check_schedule(const Schedule& schedule) {
+  check(schedule, std::vector<ActionCosts>(static_cast<size_t>(schedule.stages)));
+}
 
 bool has_communication(const Schedule& schedule) {
   for (const auto& actions : schedule.ranks) {
@@ -234,18 +251,26 @@ bool has_communication(const Schedule& schedule) {
 }
 
 ScheduleSimulation simulate_schedule(const Schedule& schedule, const ActionCosts& costs) {
-  TORCH_CHECK(costs.forward > 0 && costs.backward_input > 0 && costs.backward_weight > 0 &&
-                  costs.transfer >= 0,
-              "simulate_schedule: action costs must be positive (transfers: not negative), got F ",
-              costs.forward, ", I ", costs.backward_input, ", W ", costs.backward_weight,
-              ", transfer ", costs.transfer);
-  return check(schedule, costs);
+  check_costs(costs, "simulate_schedule", "");
+  return check(schedule, std::vector<ActionCosts>(static_cast<size_t>(schedule.stages), costs));
+}
+
+ScheduleSimulation simulate_schedule(const Schedule& schedule,
+                                     const std::vector<ActionCosts>& stage_costs) {
+  TORCH_CHECK(static_cast<int64_t>(stage_costs.size()) == schedule.stages,
+              "simulate_schedule: ", stage_costs.size(), " stage costs for the ", schedule.stages,
+              " stages of schedule '", schedule.name, "'; give one per stage");
+  for (size_t s = 0; s < stage_costs.size(); ++s) {
+    check_costs(stage_costs[s], "simulate_schedule", absl::StrCat("stage ", s, "'s "));
+  }
+  return check(schedule, stage_costs);
 }
 
 Schedule with_communication(const Schedule& schedule) {
   Plan plan(schedule);
   validate(schedule, plan);
-  const ScheduleSimulation sim = run(plan, ActionCosts{});
+  const ScheduleSimulation sim =
+      run(plan, std::vector<ActionCosts>(static_cast<size_t>(schedule.stages)));
   if (plan.comm()) return schedule;
   // The transfers, each keyed by when its send runs in the simulated run.
   struct Transfer {
@@ -306,7 +331,7 @@ Schedule with_communication(const Schedule& schedule) {
       }
     }
   }
-  check(out, ActionCosts{});
+  check(out, std::vector<ActionCosts>(static_cast<size_t>(out.stages)));
   return out;
 }
 

@@ -33,6 +33,7 @@
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
 #include "balancing/plan.h"
+#include "balancing/profile.h"
 #include "examples/training/common.h"
 #include "examples/training/data.h"
 #include "examples/training/distributed_trainer.h"  // built with GPIPE_WITH_DISTRIBUTED
@@ -40,6 +41,8 @@
 #include "gpipe/grad_scaler.h"
 #include "gpipe/internal/atomic_file.h"
 #include "gpipe/schedule_check.h"
+#include "gpipe/schedule_search.h"
+#include "gpipe/schedule_text.h"
 #include "gpipe/internal/partition.h"
 #include "gpipe/saved_training.h"
 #include "gpipe/skip_layout.h"
@@ -75,7 +78,8 @@ ABSL_FLAG(std::string, schedule, "gpipe",
           "1f1b (activations of at most n - s micro-batches per partition), interleaved (v "
           "partitions per worker: a smaller bubble), zb (zero bubble ZB-H1), zbv (two partitions "
           "per worker in a V: r and 2n - 1 - r), zb1p (interleaved zero bubble), dualpipev "
-          "(DeepSeek's order on zbv's V)");
+          "(DeepSeek's order on zbv's V), or auto (one partition per worker: searched from the "
+          "partitions' profiled F, I and W within ZB-H1's memory, gpipe::search_schedule)");
 ABSL_FLAG(int64_t, virtual_stages, 1,
           "with --schedule=interleaved or zb1p: partitions per worker (divides --partitions); with "
           "--distributed, virtual stages per process");
@@ -286,6 +290,46 @@ double step_bubble(const std::vector<TimelineEvent>& events, int64_t ranks) {
   return end <= start ? 0 : 1 - busy / (ranks * (end - start));
 }
 
+// The span of a step's timeline, milliseconds.
+double step_ms(const std::vector<TimelineEvent>& events) {
+  double start = 1e300, end = 0;
+  for (const TimelineEvent& e : events) {
+    start = std::min(start, e.start_us);
+    end = std::max(end, e.end_us);
+  }
+  return end <= start ? 0 : (end - start) / 1000;
+}
+
+// --schedule=auto (Note [Searching a schedule]): each partition's F, I and W, summed over its
+// layers' profile at the micro-batch's size on `device`, transfers left out (one process), each
+// worker holding at most what ZB-H1 holds (n micro-batches); the schedule found runs as text.
+// `found` gets what the search found, in milliseconds.
+gpipe::PipelineSchedule searched_schedule(const torch::nn::Sequential& model,
+                                          const std::vector<int64_t>& balance,
+                                          const at::Tensor& sample, int64_t chunks,
+                                          c10::Device device, gpipe::SearchedSchedule& found) {
+  const int64_t rows = std::max<int64_t>(sample.size(0) / chunks, 1);
+  const gpipe::LayerProfile profile = gpipe::profile_layers(
+      model, sample.slice(0, 0, rows),
+      gpipe::ProfileOptions().device(device).timeout(std::chrono::milliseconds(500)));
+  gpipe::ScheduleSearchOptions options;
+  size_t layer = 0;
+  for (int64_t b : balance) {
+    // (The search takes positive times: a partition without parameters has no W to speak of.)
+    gpipe::ActionCosts c{1e-6, 1e-6, 1e-6, 0};
+    for (int64_t k = 0; k < b; ++k, ++layer) {
+      c.forward += profile.layers[layer].forward_us / 1000;
+      c.backward_input += profile.layers[layer].backward_input_us / 1000;
+      c.backward_weight += profile.layers[layer].backward_weight_us / 1000;
+    }
+    options.stage_costs.push_back(c);
+  }
+  const int64_t n = static_cast<int64_t>(balance.size());
+  options.max_in_flight.assign(static_cast<size_t>(n), std::min(n, chunks));
+  found = gpipe::search_schedule(chunks, options);
+  return gpipe::PipelineSchedule::text(gpipe::schedule_text(found.schedule));
+}
+
 }  // namespace
 
 Data load_data_from_flags() {
@@ -338,7 +382,7 @@ int train(const TrainerModel& trainer) {
   const std::vector<c10::Device> devices =
       shape.devices.empty()
           ? parse_devices(absl::GetFlag(FLAGS_devices), partitions,
-                          gpipe::v_shaped(gpipe::schedule_kind(schedule)))
+                          schedule != "auto" && gpipe::v_shaped(gpipe::schedule_kind(schedule)))
           : shape.devices;
   const bool on_cpu = divide_cores(devices, shape.threads);
 
@@ -355,15 +399,19 @@ int train(const TrainerModel& trainer) {
   // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
   // partitions, each with a thread of its own (Note [Threads of forward()]).
   const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
+  gpipe::SearchedSchedule searched;
+  const gpipe::PipelineSchedule chosen =
+      schedule == "auto"
+          ? searched_schedule(model, balance, sample, chunks, devices.front(), searched)
+          : gpipe::PipelineSchedule::of(schedule_kind(schedule), shape.virtual_stages,
+                                        shape.microbatch_group);
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
                         .checkpoint(parse_checkpoint(checkpoint))
                         .deferred_batch_norm(true)
                         .stage_local_backward(stage_local)
-                        .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
-                                                              shape.virtual_stages,
-                                                              shape.microbatch_group)));
+                        .schedule(chosen));
   pipe->record_timeline(true);
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
   const bool use_step = schedule != "gpipe";
@@ -401,6 +449,13 @@ int train(const TrainerModel& trainer) {
               stage_local ? ", stage-local backward" : "",
               absl::GetFlag(FLAGS_amp) ? (on_cpu ? ", autocast bfloat16" : ", autocast float16")
                                        : "");
+  if (schedule == "auto") {
+    std::printf(
+        "searched schedule: %s; %.1f ms per step simulated on the profiled times (the "
+        "best generated that fits: %s, %.1f ms)\n",
+        searched.origin.c_str(), searched.simulation.makespan, searched.best_generated_name.c_str(),
+        searched.best_generated.makespan);
+  }
 
   torch::optim::Adam optimizer(pipe->parameters(), torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
   const c10::Device in = devices.front();
@@ -562,6 +617,12 @@ int train(const TrainerModel& trainer) {
               "%.2f%%; %s in all\n",
               absl::StrJoin(balance, ", ").c_str(), static_cast<long long>(chunks),
               bubble.c_str(), last_throughput, last_accuracy, duration(total).c_str());
+  if (schedule == "auto") {
+    std::printf(
+        "searched schedule: the last step took %.1f ms on its timeline, %.1f ms "
+        "predicted\n",
+        step_ms(last_forward), searched.simulation.makespan);
+  }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());
   std::vector<c10::Device> seen_devices;

@@ -202,8 +202,8 @@ CATCH_TEST_CASE(kOtherReplicas, "[distributed][stage][save]") {
 
 constexpr const char* kResharded =
     "a save of 2 stages resumes in 2 interleaved stages of another balance and in a GPipe and in "
-    "the plain Sequential and a GPipe's save in 2 stages and each takes the plain run's next "
-    "steps";
+    "the plain Sequential and in 2 V-shaped stages and a GPipe's save in 2 stages and each takes "
+    "the plain run's next steps";
 
 // The plain model of 8 layers after `steps` Adam steps on the whole batch: the oracle.
 nn::Sequential adam_oracle(int steps) {
@@ -240,8 +240,10 @@ std::vector<int64_t> range(int64_t first, int64_t end) {
 
 // Phases, 2 ranks each (GPIPE_TEST_PHASE): "save": stages {3, 5} train 3 steps and save;
 // "interleaved" (GPIPE_TEST_SAVED: that folder): stages of balance {3, 1, 2, 2}, 2 virtual
-// stages each, load it, train 3 more steps against the oracle and save; "one_process"
-// (GPIPE_TEST_SAVED: a GPipe's save file): stages {4, 4} load it and train on.
+// stages each, load it, train 3 more steps against the oracle and save; "v_shaped"
+// (GPIPE_TEST_SAVED: the interleaved save) the same under ZBV, stage 0 holding entries 0 and 3 of
+// {3, 1, 2, 2}; "one_process" (GPIPE_TEST_SAVED: a GPipe's save file): stages {4, 4} load it and
+// train on.
 CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
   if (test_rank() >= 0) {
     const std::string phase = std::getenv("GPIPE_TEST_PHASE");
@@ -256,6 +258,10 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
           PipelineStageOptions({3, 1, 2, 2}).chunks(2).schedule(PipelineSchedule::interleaved(2));
       indices =
           groups.stage == 0 ? std::vector<int64_t>{0, 1, 2, 4, 5} : std::vector<int64_t>{3, 6, 7};
+    } else if (phase == "v_shaped") {
+      options = PipelineStageOptions({3, 1, 2, 2}).chunks(3).schedule(ScheduleKind::kZeroBubbleV);
+      indices =
+          groups.stage == 0 ? std::vector<int64_t>{0, 1, 2, 6, 7} : std::vector<int64_t>{3, 4, 5};
     } else if (phase == "one_process") {
       options = PipelineStageOptions({4, 4}).chunks(3);
       indices = groups.stage == 0 ? range(0, 4) : range(4, 8);
@@ -269,11 +275,12 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
       return;
     }
     CATCH_REQUIRE(saved != nullptr);
-    CATCH_CHECK(load_training(saved, *stage, &adam) == 3);
-    check_layers(stage->layers(), adam_oracle(3), indices, 1e-12);
-    train_steps(stage, groups, adam, 3, 3);
-    check_layers(stage->layers(), adam_oracle(6), indices, 1e-10);
-    if (phase == "interleaved") save_training(mine + "/save", *stage, &adam, 6);
+    const int from = phase == "v_shaped" ? 6 : 3;
+    CATCH_CHECK(load_training(saved, *stage, &adam) == from);
+    check_layers(stage->layers(), adam_oracle(from), indices, from == 3 ? 1e-12 : 1e-10);
+    train_steps(stage, groups, adam, from, 3);
+    check_layers(stage->layers(), adam_oracle(from + 3), indices, 1e-10);
+    if (phase != "one_process") save_training(mine + "/save", *stage, &adam, from + 3);
     return;
   }
   const auto run = [](const std::string& name, const std::map<std::string, std::string>& env) {
@@ -306,6 +313,14 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
   nn::Sequential flat_pipe;
   for (const nn::Sequential& p : pipe->partitions()) flat_pipe->extend(*p);
   check_layers(flat_pipe, adam_oracle(6), range(0, 8), 1e-10);
+  // In V-shaped stages (ZBV), whose save loads into the plain Sequential.
+  const std::string v_shaped =
+      run("resharded_v_shaped",
+          {{"GPIPE_TEST_PHASE", "v_shaped"}, {"GPIPE_TEST_SAVED", interleaved + "/save"}});
+  nn::Sequential after_v = make_model(9, 8);
+  torch::optim::Adam after_v_adam(after_v->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(gpipe::load_training(v_shaped + "/save", *after_v, &after_v_adam) == 9);
+  check_layers(after_v, adam_oracle(9), range(0, 8), 1e-10);
   // A GPipe's save of one process in 2 stages.
   GPipe first(make_model(7, 8), GPipeOptions({3, 5}).chunks(2));
   torch::optim::Adam first_adam(first->parameters(), torch::optim::AdamOptions(0.01));
@@ -318,7 +333,7 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
   const std::string file = folder_for("resharded_file") + ".pt";
   gpipe::save_training(file, *first, &first_adam, 3);
   run("resharded_one_process", {{"GPIPE_TEST_PHASE", "one_process"}, {"GPIPE_TEST_SAVED", file}});
-  for (const std::string& f : {stages, interleaved}) fs::remove_all(f);
+  for (const std::string& f : {stages, interleaved, v_shaped}) fs::remove_all(f);
   fs::remove(file);
 }
 

@@ -28,6 +28,7 @@
 #include "gpipe/internal/executor.h"
 #include "gpipe/internal/link.h"
 #include "gpipe/schedule_check.h"
+#include "gpipe/schedule_search.h"
 #include "gpipe/worker.h"
 #include "gpipe/schedule_text.h"
 
@@ -361,22 +362,23 @@ CATCH_TEST_CASE("step leaves a frozen BatchNorm (eval mode in a training model) 
 
 CATCH_TEST_CASE("steps called from two threads at once run one after the other",
                 "[gpipe][step][threads]") {
-  // "interleaved_g4": interleaved in micro-batch groups of 4 (Note [Micro-batch groups]).
-  const std::string kind = GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4");
+  // "interleaved_g4": interleaved in micro-batch groups of 4 (Note [Micro-batch groups]); zb1p,
+  // zbv and dualpipev: two partitions per worker, as interleaved.
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4", "zb1p", "zbv", "dualpipev");
   CATCH_CAPTURE(kind);
-  const bool interleaved = kind.rfind("interleaved", 0) == 0;
+  const bool interleaved = kind.rfind("interleaved", 0) == 0 || kind == "zb1p";
+  const bool two_each = interleaved || kind == "zbv" || kind == "dualpipev";
   const int64_t group = kind == "interleaved_g4" ? 4 : 0;
   const int64_t chunks = interleaved ? 4 : 3;  // interleaved: a multiple of the group (2 or 4)
   nn::Sequential plain = build(skip_model, 6);
   GPipe model(build(skip_model, 6),
-              GPipeOptions(interleaved ? std::vector<int64_t>{2, 2, 2, 2}
-                                       : std::vector<int64_t>{4, 4})
-                  .devices(std::vector<c10::Device>(interleaved ? 4 : 2, at::kCPU))
+              GPipeOptions(two_each ? std::vector<int64_t>{2, 2, 2, 2} : std::vector<int64_t>{4, 4})
+                  .devices(std::vector<c10::Device>(two_each ? 4 : 2, at::kCPU))
                   .chunks(chunks)
                   .schedule(PipelineSchedule::of(
-                      schedule_kind(interleaved ? "interleaved" : kind),
-                      interleaved ? 2 : 1,
-                      group)));
+                      schedule_kind(kind == "interleaved_g4" ? "interleaved" : kind),
+                      two_each ? 2 : 1, group)));
   // Evaluation-mode BatchNorm: the two steps' order does not change what they compute.
   plain->eval();
   model->eval();
@@ -529,6 +531,30 @@ CATCH_TEST_CASE("step runs a schedule given as text, checked at construction",
                           gpipe_test::contains("virtual_stages must be at least 1, got 0"));
 }
 
+CATCH_TEST_CASE("step runs a searched schedule to the plain model's loss and gradients",
+                "[gpipe][step][schedule][search]") {
+  // Note [Searching a schedule]: four stages within 1F1B's memory, the search's order run as text
+  // (the skip crosses partitions, the batch norm normalises each micro-batch).
+  ScheduleSearchOptions options;
+  options.stage_costs = std::vector<ActionCosts>(4, ActionCosts{1, 1, 1, 0.3});
+  options.max_in_flight = {4, 3, 2, 1};
+  const SearchedSchedule found = search_schedule(8, options);
+  CATCH_REQUIRE(found.schedule.name == "searched");
+  const std::string text = schedule_text(found.schedule);
+  nn::Sequential plain = build(skip_model, 8);
+  GPipe model(build(skip_model, 8), GPipeOptions(balance_of(4))
+                                        .devices(std::vector<c10::Device>(4, at::kCPU))
+                                        .chunks(8)
+                                        .schedule(PipelineSchedule::text(text)));
+  at::manual_seed(9);
+  const at::Tensor x = at::randn({16, 5}, at::kDouble);
+  const at::Tensor y = at::randn({16, 3}, at::kDouble);
+  const double expected = plain_step(plain, Batch(x), y, 8);
+  CATCH_CHECK(model->step(x, y, mse).item<double>() == gpipe_test::Approx(expected).epsilon(1e-12));
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+  CATCH_CHECK(schedule_text(model->schedule(8)) == text);
+}
+
 CATCH_TEST_CASE("step refuses a target that does not fit and a loss that is not a scalar",
                 "[gpipe][step][errors]") {
   GPipe model(build(skip_model, 8), GPipeOptions({4, 4}).devices({at::kCPU, at::kCPU}).chunks(2)
@@ -650,10 +676,13 @@ CATCH_TEST_CASE("step under NoGradGuard runs the forwards and returns the loss",
 
 CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes under autocast",
                 "[gpipe][step][autocast]") {
-  // interleaved_g4: micro-batch groups of 4 (Note [Micro-batch groups]).
-  const std::string kind = GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4");
+  // interleaved_g4: micro-batch groups of 4 (Note [Micro-batch groups]); zb1p, zbv and dualpipev:
+  // two partitions per worker, as interleaved.
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "zb", "interleaved", "interleaved_g4", "zb1p", "zbv", "dualpipev");
   CATCH_CAPTURE(kind);
-  const bool interleaved = kind.rfind("interleaved", 0) == 0;
+  const bool interleaved =
+      kind.rfind("interleaved", 0) == 0 || kind == "zb1p" || kind == "zbv" || kind == "dualpipev";
   auto make = [] {
     at::manual_seed(11);
     return nn::Sequential(nn::Linear(5, 16), nn::ReLU(), nn::Linear(16, 16), nn::Tanh(),
@@ -667,13 +696,15 @@ CATCH_TEST_CASE("step under CPU autocast computes what the plain model computes 
   // Interleaved: 2 workers of 2 partitions each, and micro-batches a multiple of the workers.
   const int64_t m = interleaved ? 4 : 3;
   GPipe model(make(), interleaved
-                          ? GPipeOptions({1, 1, 1, 2}).devices({at::kCPU, at::kCPU, at::kCPU,
-                                                                at::kCPU})
-                                .chunks(m).schedule(PipelineSchedule::of(
-                                    ScheduleKind::kInterleaved,
-                                    2,
-                                    kind == "interleaved_g4" ? 4 : 0))
-                          : GPipeOptions({2, 3}).devices({at::kCPU, at::kCPU}).chunks(m)
+                          ? GPipeOptions({1, 1, 1, 2})
+                                .devices({at::kCPU, at::kCPU, at::kCPU, at::kCPU})
+                                .chunks(m)
+                                .schedule(PipelineSchedule::of(
+                                    schedule_kind(kind == "interleaved_g4" ? "interleaved" : kind),
+                                    2, kind == "interleaved_g4" ? 4 : 0))
+                          : GPipeOptions({2, 3})
+                                .devices({at::kCPU, at::kCPU})
+                                .chunks(m)
                                 .schedule(schedule_kind(kind)));
   at::manual_seed(12);
   const at::Tensor x = at::randn({3 * m, 5});

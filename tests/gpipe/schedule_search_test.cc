@@ -1,0 +1,119 @@
+// Tests of the schedule search (gpipe/schedule_search.h): on random per-stage costs and memory
+// limits its schedule is valid, within the limits and never longer than the best generated one
+// that fits; the per-stage simulation it searches on agrees with a step computed by hand.
+#include "tests/catch.h"
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "gpipe/schedule.h"
+#include "gpipe/schedule_check.h"
+#include "gpipe/schedule_search.h"
+#include "gpipe/schedule_text.h"
+
+namespace gpipe {
+namespace {
+
+using gpipe_test::contains;
+
+CATCH_TEST_CASE("simulate_schedule with each stage's costs gives the step computed by hand",
+                "[schedule][search]") {
+  // 1F1B over 2 ranks, one micro-batch: F0, send, F1, B1 (I + W), send back, B0.
+  const std::vector<ActionCosts> costs{{1, 2, 3, 0.5}, {4, 5, 6, 0.25}};
+  const ScheduleSimulation sim = simulate_schedule(one_f_one_b_schedule(2, 1), costs);
+  CATCH_CHECK(sim.makespan == 1 + 0.5 + 4 + (5 + 6) + 0.25 + (2 + 3));
+  // Equal costs on every stage: the uniform simulation.
+  const ActionCosts same{1, 1.5, 0.5, 0.1};
+  const Schedule zb = zero_bubble_schedule(3, 6);
+  CATCH_CHECK(simulate_schedule(zb, std::vector<ActionCosts>(3, same)).makespan ==
+              simulate_schedule(zb, same).makespan);
+  CATCH_CHECK_THROWS_WITH(simulate_schedule(zb, std::vector<ActionCosts>(2, same)),
+                          contains("2 stage costs for the 3 stages of schedule 'zb'"));
+  CATCH_CHECK_THROWS_WITH(
+      simulate_schedule(zb, {same, same, {1, 0, 1, 0}}),
+      contains("action costs must be positive (transfers: not negative), got stage 2's F 1, I 0"));
+}
+
+CATCH_TEST_CASE(
+    "the searched schedule is valid within the memory limit and never longer than "
+    "the best generated one that fits on random costs",
+    "[schedule][search]") {
+  const int seed = GENERATE(range(1, 41));
+  CATCH_CAPTURE(seed);
+  std::mt19937 gen(static_cast<unsigned>(seed));
+  const int64_t n = std::uniform_int_distribution<int64_t>(1, 5)(gen);
+  const int64_t m = std::uniform_int_distribution<int64_t>(1, 4 * n)(gen);
+  std::uniform_real_distribution<double> time(0.5, 2.0), transfer(0, 0.3);
+  ScheduleSearchOptions options;
+  for (int64_t s = 0; s < n; ++s) {
+    options.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
+  }
+  // Limits from 1 (tighter than every generated schedule) to 2n.
+  for (int64_t r = 0; r < n; ++r) {
+    options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 2 * n)(gen));
+  }
+  CATCH_CAPTURE(n, m);
+  const SearchedSchedule found = search_schedule(m, options);
+  CATCH_CAPTURE(found.origin);
+  // Valid (simulate_schedule checks it first) and simulated as reported.
+  const ScheduleSimulation again = simulate_schedule(found.schedule, options.stage_costs);
+  CATCH_CHECK(again.makespan == found.simulation.makespan);
+  CATCH_CHECK(found.schedule.stages == n);
+  CATCH_CHECK(found.schedule.microbatches == m);
+  for (int64_t r = 0; r < n; ++r) {
+    CATCH_CHECK(again.peak_in_flight[r] <= options.max_in_flight[r]);
+  }
+  // Never longer than any generated schedule that fits, each simulated here on its own.
+  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
+    const ScheduleSimulation generated =
+        simulate_schedule(make_schedule(kind, n, m), options.stage_costs);
+    bool fits = true;
+    for (int64_t r = 0; r < n; ++r) fits &= generated.peak_in_flight[r] <= options.max_in_flight[r];
+    CATCH_CAPTURE(schedule_kind_name(kind), fits);
+    if (fits) CATCH_CHECK(found.simulation.makespan <= generated.makespan);
+  }
+  // Its text runs as a schedule written by hand (GPipe's PipelineSchedule from text).
+  CATCH_CHECK(parse_schedule(schedule_text(found.schedule)).ranks == found.schedule.ranks);
+}
+
+CATCH_TEST_CASE(
+    "within 1F1B's memory the search shortens the step below every generated "
+    "schedule that fits",
+    "[schedule][search]") {
+  // Four equal stages with transfers, each rank holding what 1F1B holds (n - r): ZB-H1 does not
+  // fit (it holds n on every rank), and the search splits backwards within 1F1B's memory.
+  // [search]
+  gpipe::ScheduleSearchOptions options;
+  options.stage_costs = std::vector<gpipe::ActionCosts>(4, gpipe::ActionCosts{1, 1, 1, 0.3});
+  options.max_in_flight = {4, 3, 2, 1};  // 1F1B's memory
+  const gpipe::SearchedSchedule found = gpipe::search_schedule(16, options);
+  const std::string text = gpipe::schedule_text(found.schedule);  // GPipe runs it as text
+  // [search]
+  CATCH_CAPTURE(found.origin);
+  CATCH_CHECK(parse_schedule(text).ranks == found.schedule.ranks);
+  CATCH_CHECK(found.best_generated_name == "1f1b");
+  CATCH_CHECK(found.simulation.makespan < 0.9 * found.best_generated.makespan);
+  CATCH_CHECK(found.schedule.name == "searched");
+}
+
+CATCH_TEST_CASE("search_schedule refuses bad options naming them", "[schedule][search][errors]") {
+  ScheduleSearchOptions options;
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("stage_costs is empty; give one entry per stage"));
+  options.stage_costs = {{}, {}};
+  CATCH_CHECK_THROWS_WITH(search_schedule(0, options),
+                          contains("the number of micro-batches must be at least 1, got 0"));
+  options.max_in_flight = {2};
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("max_in_flight has 1 entries for 2 stages"));
+  options.max_in_flight = {2, 0};
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("max_in_flight[1] is 0; a rank must hold at least 1"));
+}
+
+}  // namespace
+}  // namespace gpipe
