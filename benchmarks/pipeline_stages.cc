@@ -17,8 +17,8 @@
 // almost all overhead, against a GPipe in one process with two partitions (one worker each).
 // --schedule=1f1b, zb, interleaved, zb1p, zbv or dualpipev runs the stages under that schedule
 // (speed only; zbv and dualpipev: 4 slices in a V, stage 0 holding the first and the last;
-// interleaved:
-// --virtual_stages per process, each a slice of the stage's blocks, and even m only;
+// interleaved and zb1p: --virtual_stages per process, each a slice of the stage's blocks, and
+// even m only;
 // --microbatch_group g for the m that g divides, Note [Micro-batch groups] in gpipe/schedule.h).
 // --bind_cores_to_rank binds each process to its share of the cores (Note [Binding cores to
 // ranks] in gpipe/distributed/core_binding.h); rank 0's runs alone use every core.
@@ -122,7 +122,9 @@ bool interleaves() {
 // The micro-batch group for m micro-batches (0: the schedule's default).
 int64_t microbatch_group(int64_t m) {
   const int64_t g = absl::GetFlag(FLAGS_microbatch_group);
-  return interleaves() && g > 0 && m % g == 0 ? g : 0;
+  const bool grouped =
+      gpipe::schedule_kind(absl::GetFlag(FLAGS_schedule)) == gpipe::ScheduleKind::kInterleaved;
+  return grouped && interleaves() && g > 0 && m % g == 0 ? g : 0;
 }
 
 // The two stages' balance over mlp(width, layers)'s 4 * layers modules: 2 * v slices (the last

@@ -23,6 +23,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -271,13 +272,17 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                           : dist::PipelineStage(named.model, options, groups.pipeline);
   if (leader) {
     print_corpus(corpus, unigram, bigram);
-    std::printf("distributed: %d stages x %d replicas, balance {%s}, the tie held by stages "
-                "{%s}, %lld micro-batches of %lld sequences of %lld bytes per replica\n",
-                groups.stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(),
-                stage->tied_stages().empty() ? ""
-                                             : absl::StrJoin(stage->tied_stages()[0], ", ").c_str(),
-                static_cast<long long>(absl::GetFlag(FLAGS_chunks)),
-                static_cast<long long>(batch), static_cast<long long>(length));
+    // (On a V the embedding and the head tied to it are both stage 0's.)
+    const std::string tie = stage->tied_stages().empty()
+                                ? std::string("the tie in one stage")
+                                : absl::StrCat("the tie held by stages {",
+                                               absl::StrJoin(stage->tied_stages()[0], ", "), "}");
+    std::printf(
+        "distributed: %d stages x %d replicas, balance {%s}, %s, %lld micro-batches of "
+        "%lld sequences of %lld bytes per replica\n",
+        groups.stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(), tie.c_str(),
+        static_cast<long long>(absl::GetFlag(FLAGS_chunks)), static_cast<long long>(batch),
+        static_cast<long long>(length));
     print_training_options();
   }
   const double lr = absl::GetFlag(FLAGS_lr);
@@ -330,6 +335,9 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
 #endif
 
 int run() {
+  TORCH_CHECK(absl::GetFlag(FLAGS_schedule) != "auto",
+              "--schedule=auto (a searched schedule) is "
+              "the image trainers' (ResNet, AmoebaNet) so far; give the GPT a schedule by name");
   at::manual_seed(absl::GetFlag(FLAGS_seed));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1);
   const training::TextCorpus corpus = training::load_text(absl::GetFlag(FLAGS_data));

@@ -158,7 +158,10 @@ int64_t improve(Candidate& c, const ScheduleSearchOptions& options,
         if (actions[k].type != ActionType::kBackwardWeight) continue;
         for (size_t to = k + 2; to < std::min(actions.size(), k + 5); ++to) {
           if (actions[to].type == ActionType::kBackwardWeight) break;
-          better |= try_move(actions, k, to);
+          if (try_move(actions, k, to)) {
+            better = true;
+            break;  // (actions[k] is another action now)
+          }
         }
       }
     }
@@ -181,6 +184,7 @@ SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptio
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(limit[r] >= 1, who, ": max_in_flight[", r, "] is ", limit[r],
                 "; a rank must hold at least 1 micro-batch");
+    limit[r] = std::min(limit[r], m);  // (more than m changes nothing)
   }
   SearchedSchedule result;
   std::vector<Candidate> candidates;

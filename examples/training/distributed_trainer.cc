@@ -106,11 +106,15 @@ int train_distributed(const TrainerModel& trainer) {
   TORCH_CHECK(per_stage >= 1, "--stage_partitions must be at least 1, got ", per_stage);
   // Interleaved: each stage holds v virtual stages (Note [Interleaving across processes]); on a
   // V (zbv, dualpipev), 2: stage s holds s and 2n - 1 - s.
+  TORCH_CHECK(absl::GetFlag(FLAGS_schedule) != "auto",
+              "--schedule=auto (a searched schedule) "
+              "runs in one process only so far; give --distributed a schedule by name");
   const gpipe::ScheduleKind kind = schedule_kind(absl::GetFlag(FLAGS_schedule));
   const int64_t virtual_stages = gpipe::v_shaped(kind) ? 2 : absl::GetFlag(FLAGS_virtual_stages);
-  TORCH_CHECK(virtual_stages == 1 || per_stage == 1, "--virtual_stages ", virtual_stages,
-              " and --stage_partitions ", per_stage, " do not combine: with the interleaved "
-              "schedule each virtual stage is a partition of its own");
+  TORCH_CHECK(virtual_stages == 1 || per_stage == 1, "--stage_partitions ", per_stage,
+              " does not combine with ", virtual_stages,
+              " virtual stages per stage (--schedule=", absl::GetFlag(FLAGS_schedule),
+              "): each virtual stage is a partition of its own");
   const dist::PipelineGroups groups = dist::new_pipeline_groups(options, stages);
   // The cores of this host divided among its processes' partitions (bound: this process's).
   const int local =

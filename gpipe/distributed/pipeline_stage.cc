@@ -189,7 +189,7 @@ std::vector<torch::nn::Sequential> PipelineStageImpl::place(const torch::nn::Seq
   const char* part = v > 1 ? "virtual stage" : "stage";
   TORCH_CHECK(crossing.empty(), who, ": the skip '", crossing.empty() ? "" : crossing[0].name,
               "' is stashed in one ", part, " and popped in another; ",
-              v > 1 ? "with the interleaved schedule skips cannot cross virtual stages"
+              v > 1 ? "with virtual stages (interleaved, V-shaped) skips cannot cross them"
                     : "skips cannot cross processes",
               ". Choose a balance that keeps each stash and its pop in one ", part);
   TORCH_CHECK(static_cast<int64_t>(balance.size()) == ranks * v, who, ": the balance has ",

@@ -116,10 +116,13 @@ Grid stage_grid(const PipelineStageImpl& stage) {
   grid.outer_size = grid.outer ? grid.outer->getSize() : 1;
   grid.outer_index = static_cast<int>(stage.stage());
   const auto& options = stage.options();
+  // (A V holds other entries of the same balance than interleaving: Note [V-shaped placement].)
   grid.layout = [stages = stage.stages(), balance = absl::StrJoin(options.balance(), ", "),
-                 virtual_stages = options.schedule().virtual_stages()](int s, int replicas) {
-    return absl::StrCat("stage ", s, " of ", stages, " (balance {", balance, "}, ",
-                        virtual_stages, " virtual stage(s) each, ", replicas, " replica(s))");
+                 virtual_stages = options.schedule().virtual_stages(),
+                 v = v_shaped(options.schedule().kind())](int s, int replicas) {
+    return absl::StrCat("stage ", s, " of ", stages, " (balance {", balance, "}, ", virtual_stages,
+                        " virtual stage(s) each", v ? " in a V" : "", ", ", replicas,
+                        " replica(s))");
   };
   grid.module_base = [](int s) { return absl::StrCat("stage", s); };
   grid.random_base = [](int s, int k) { return absl::StrCat("random_stage", s, "_replica", k); };

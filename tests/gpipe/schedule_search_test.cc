@@ -26,6 +26,8 @@ CATCH_TEST_CASE("simulate_schedule with each stage's costs gives the step comput
   const std::vector<ActionCosts> costs{{1, 2, 3, 0.5}, {4, 5, 6, 0.25}};
   const ScheduleSimulation sim = simulate_schedule(one_f_one_b_schedule(2, 1), costs);
   CATCH_CHECK(sim.makespan == 1 + 0.5 + 4 + (5 + 6) + 0.25 + (2 + 3));
+  // Each transfer costs its sender's: rank 1's F starts after stage 0's F and its 0.5.
+  CATCH_CHECK(sim.actions[1][0].start == 1 + 0.5);
   // Equal costs on every stage: the uniform simulation.
   const ActionCosts same{1, 1.5, 0.5, 0.1};
   const Schedule zb = zero_bubble_schedule(3, 6);
