@@ -20,13 +20,15 @@ namespace gpipe {
 //   1. Seeds: the generated schedules of one stage per rank (gpipe, 1f1b, zb) whose peak
 //      micro-batches in flight fit the limit.
 //   2. Construction: a list scheduler on the simulated clock. Each rank, when free, runs the
-//      first of: the next I whose gradient has arrived; the next F whose activation has arrived,
-//      while fewer than its warm-up cap are ahead of the I's and the memory limit allows; a W
-//      waiting beyond its keep; any waiting W rather than idling. It is run for every warm-up cap
-//      (1F1B's n - r plus 0 to the limit) and keep (0, r, all): each gives a schedule.
-//   3. Local improvement: from the best few, moves that swap two neighbouring actions of a rank
-//      (or carry a W later past several) are kept while they shorten the simulated step within
-//      the limit, up to a budget of simulations.
+//      first of: the next I whose gradient has arrived; a W waiting beyond its keep (keep 0: each
+//      W right after its I, as a whole B); the next F whose activation has arrived, while fewer
+//      than its warm-up cap are ahead of the I's and the memory limit allows; any waiting W
+//      rather than idling. It is run for every warm-up cap (1F1B's n - r plus 0 to the limit) and
+//      keep (0, r, all): each gives a schedule.
+//   3. Local improvement: from the best few, moves that swap two neighbouring actions of
+//      different kinds on a rank (or carry a W up to 3 places later) are kept while they shorten
+//      the simulated step within the limit, up to a budget of simulations. Each kind keeps its
+//      micro-batch order.
 // The result is the shortest of all of them, so never longer than the best generated schedule
 // that fits; ties keep the generated one. In-flight counts F run and W (or B) not yet, as
 // simulate_schedule's peak_in_flight, so the limit is in micro-batches of a stage's activations
@@ -52,9 +54,9 @@ struct SearchedSchedule {
   /// Where it came from: a generated schedule's name, or "greedy (cap +c, keep k)", with the
   /// moves local improvement kept.
   std::string origin;
-  /// The shortest generated schedule within the limit, simulated the same way, and its name;
-  /// an empty name where none fits.
+  /// The shortest generated schedule within the limit, simulated the same way.
   ScheduleSimulation best_generated;
+  /// Its name (gpipe, 1f1b or zb); empty where none fits.
   std::string best_generated_name;
 };
 
