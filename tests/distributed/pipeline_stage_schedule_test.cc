@@ -20,6 +20,20 @@ namespace {
 
 using namespace stage_test;  // NOLINT: the shared helpers
 
+// `balance` as GPIPE_TEST_BALANCE gives it ("3,1,2"; balance_from_env reads it back).
+std::string balance_spec(const std::vector<int64_t>& balance) {
+  const std::string spec = balance_spec(balance);
+  return spec;
+}
+
+// A rank's options from the runner's environment: the balance, GPIPE_TEST_CHUNKS micro-batches and
+// the checkpoint mode.
+PipelineStageOptions options_with_chunks_from_env() {
+  return PipelineStageOptions(balance_from_env())
+      .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
+      .checkpoint(mode_from_env());
+}
+
 constexpr const char* kSchedules =
     "two processes train with the 1F1B and zero-bubble schedules to the plain model's parameters "
     "and losses and keep the schedule's micro-batches in flight";
@@ -60,8 +74,7 @@ CATCH_TEST_CASE(kManyStages, "[distributed][stage][schedule]") {
   // Stage 0 keeps the skip; the pair crosses one or two stages.
   const std::vector<int64_t> balance =
       GENERATE(std::vector<int64_t>{3, 1, 2}, std::vector<int64_t>{3, 1, 1, 1});
-  std::string spec;
-  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  const std::string spec = balance_spec(balance);
   // Each checkpoint mode twice over the six runs, each schedule under two of them.
   const std::map<std::pair<std::string, size_t>, std::string> modes = {
       {{"gpipe", 3}, "never"},       {{"gpipe", 4}, "always"},
@@ -245,8 +258,7 @@ CATCH_TEST_CASE(kScheduleInOrder, "[distributed][stage][schedule]") {
                            Run{"zb", {3, 3}, "", "except_last"},
                            Run{"zb", {3, 1, 2}, "", "always"});
   const auto& [schedule, balance, local, mode] = run;
-  std::string spec;
-  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  const std::string spec = balance_spec(balance);
   CATCH_INFO("schedule " << schedule << ", balance " << spec << ", local '" << local
                          << "', checkpoint " << mode);
   std::map<std::string, std::string> env{{"GPIPE_TEST_IN_ORDER", "1"},
@@ -265,10 +277,8 @@ constexpr const char* kInterleaved =
 
 CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(balance_from_env())
-                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
-                    .checkpoint(mode_from_env())
-                    .schedule(PipelineSchedule::interleaved(2)), /*record_timeline=*/true);
+    train_stage(options_with_chunks_from_env().schedule(PipelineSchedule::interleaved(2)),
+                /*record_timeline=*/true);
     return;
   }
   // (balance of the virtual stages, chunks, checkpoint mode, micro-batch group). The skip stays
@@ -283,8 +293,7 @@ CATCH_TEST_CASE(kInterleaved, "[distributed][stage][schedule]") {
                            Run{{1, 2, 1, 1, 1, 1, 1, 1}, 4, "never", 0, "gloo"},
                            Run{{1, 2, 2, 1}, 4, "except_last", 4, "shared"});
   const auto& [balance, chunks, mode, group, links] = run;
-  std::string spec;
-  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  const std::string spec = balance_spec(balance);
   CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode
                         << ", micro-batch group " << group << ", links " << links);
   const std::string folder = folder_for("interleaved_" + std::to_string(balance.size() / 2) +
@@ -305,11 +314,9 @@ constexpr const char* kInterleavedZeroBubble =
 
 CATCH_TEST_CASE(kInterleavedZeroBubble, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
-    train_stage(PipelineStageOptions(balance_from_env())
-                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
-                    .checkpoint(mode_from_env())
-                    .schedule(PipelineSchedule::interleaved_zero_bubble(2)),
-                /*record_timeline=*/true);
+    train_stage(
+        options_with_chunks_from_env().schedule(PipelineSchedule::interleaved_zero_bubble(2)),
+        /*record_timeline=*/true);
     return;
   }
   // (balance of the virtual stages, chunks, checkpoint mode, links), as kInterleaved's.
@@ -317,8 +324,7 @@ CATCH_TEST_CASE(kInterleavedZeroBubble, "[distributed][stage][schedule]") {
   const Run run = GENERATE(Run{{1, 2, 2, 1}, 4, "except_last", "shared"},
                            Run{{1, 2, 1, 1, 1, 1}, 3, "never", "gloo"});
   const auto& [balance, chunks, mode, links] = run;
-  std::string spec;
-  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  const std::string spec = balance_spec(balance);
   CATCH_INFO("balance " << spec << ", chunks " << chunks << ", checkpoint " << mode << ", links "
                         << links);
   std::map<std::string, std::string> env{{"GPIPE_TEST_SCHEDULE", "zb1p"},
@@ -337,9 +343,7 @@ constexpr const char* kVShaped =
 CATCH_TEST_CASE(kVShaped, "[distributed][stage][schedule]") {
   if (test_rank() >= 0) {
     // The kind comes from GPIPE_TEST_SCHEDULE; a V-shaped kind has two virtual stages.
-    train_stage(PipelineStageOptions(balance_from_env())
-                    .chunks(std::stoll(std::getenv("GPIPE_TEST_CHUNKS")))
-                    .checkpoint(mode_from_env()),
+    train_stage(options_with_chunks_from_env(),
                 /*record_timeline=*/true);
     return;
   }
@@ -356,8 +360,7 @@ CATCH_TEST_CASE(kVShaped, "[distributed][stage][schedule]") {
                            Run{"dualpipev", {1, 2, 1, 1, 1, 1}, 8, "always", "shared"},
                            Run{"dualpipev", {1, 2, 1, 1, 1, 1}, 3, "except_last", "gloo"});
   const auto& [schedule, balance, chunks, mode, links] = run;
-  std::string spec;
-  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
+  const std::string spec = balance_spec(balance);
   CATCH_INFO("schedule " << schedule << ", balance " << spec << ", chunks " << chunks
                          << ", checkpoint " << mode << ", links " << links);
   std::map<std::string, std::string> env{{"GPIPE_TEST_SCHEDULE", schedule},
