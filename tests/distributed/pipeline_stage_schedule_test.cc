@@ -22,7 +22,8 @@ using namespace stage_test;  // NOLINT: the shared helpers
 
 // `balance` as GPIPE_TEST_BALANCE gives it ("3,1,2"; balance_from_env reads it back).
 std::string balance_spec(const std::vector<int64_t>& balance) {
-  const std::string spec = balance_spec(balance);
+  std::string spec;
+  for (int64_t b : balance) spec += (spec.empty() ? "" : ",") + std::to_string(b);
   return spec;
 }
 
