@@ -346,7 +346,14 @@ int64_t ReshardedLoad::check() {
   for (const auto& [local, t] : state_of(module_)) {
     const auto name = names_.find(local);
     TORCH_CHECK(name != names_.end(), kWho, ": the module's '", local, "' has no layer");
-    const auto it = tensors_.find(name->second);
+    // A tie's places are one parameter: each takes the value saved under its first place (the
+    // owner; a GPipe refreshes its copies before each step, so a copy's saved value is a step
+    // behind: Note [Tied parameters]).
+    std::string source = name->second;
+    for (const std::string& other : aliases_[name->second]) {
+      if (layer_of(other) < layer_of(source) && tensors_.count(other) > 0) source = other;
+    }
+    const auto it = tensors_.find(source);
     TORCH_CHECK(it != tensors_.end(), kWho, ": no file of the save holds '", name->second,
                 "' (the module's '", local, "'); load a save of the same model");
     const at::Tensor& from = it->second.tensor;

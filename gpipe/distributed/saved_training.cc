@@ -10,12 +10,14 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <system_error>
 #include <vector>
 
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -65,10 +67,14 @@ struct Grid {
   std::function<std::string(int outer, int inner)> who;  // a rank, for errors
   c10::Device local{c10::kCPU};                           // for collectives on NCCL
   // The module's tensors' names in the whole Sequential, and its ties (Note [Saves that outlive
-  // their layout]); none for a DataParallel.
+  // their layout]); none for a DataParallel of a module that is not a Sequential or a GPipe.
   gpipe::internal::LayerNames names;
   std::vector<Tie> ties;
   int64_t layers = -1;  // the whole model's (-1: not known)
+  bool whole = false;   // the module holds the whole model (a DataParallel's replica)
+  // The layout does not say what the module is: a DataParallel of a Sequential and one of a
+  // GPipe have the same layout, so a save loads exactly only where it holds the same names.
+  bool layout_hides_names = false;
 
   bool writes_module() const { return inner_index == 0; }
   bool writes_manifest() const { return inner_index == 0 && outer_index == 0; }
@@ -147,6 +153,15 @@ Grid replica_grid(const DataParallelImpl& model) {
   grid.random_base = [](int, int r) { return absl::StrCat("random_rank", r); };
   grid.who = [](int, int r) { return absl::StrCat("rank ", r); };
   grid.local = local_device(model);
+  // A Sequential's or a GPipe's tensors by layer, under the DataParallel's "module." (Note [Saves
+  // that outlive their layout]); none for another module.
+  for (const auto& [name, global] : gpipe::internal::layer_names(*model.module())) {
+    const bool buffer = absl::StartsWith(name, "buffer ");
+    grid.names.emplace(buffer ? "buffer module." + name.substr(7) : "module." + name, global);
+  }
+  grid.ties = gpipe::internal::ties_of(*model.module());
+  grid.whole = true;
+  grid.layout_hides_names = true;
   return grid;
 }
 
@@ -379,10 +394,31 @@ std::unique_ptr<gpipe::internal::ReshardedLoad> resharded_load(const Grid& grid,
                                                                torch::optim::Optimizer* optimizer,
                                                                GradScaler* scaler) {
   TORCH_CHECK(!grid.names.empty(),
-              "gpipe::load_training: the save was made by another layout; "
-              "a DataParallel resumes from a save of a DataParallel of the same model");
+              "gpipe::load_training: the save was made by another layout; a DataParallel of a "
+              "module that is not a Sequential or a GPipe resumes only from a save of a "
+              "DataParallel of the same module");
   return std::make_unique<gpipe::internal::ReshardedLoad>(module, grid.names, grid.ties, optimizer,
-                                                          scaler, /*whole=*/false, grid.layers);
+                                                          scaler, grid.whole, grid.layers);
+}
+
+// Whether `outer`'s module file of the save holds exactly `module`'s tensor names (where the
+// layout does not say: Grid::layout_hides_names). A file that cannot be read counts as the same:
+// the exact load then says why it cannot read it.
+bool same_names(const std::string& dir, const Manifest& manifest, const std::string& base,
+                const torch::nn::Module& module) {
+  c10::IValue names;
+  try {
+    const auto [path, bytes] = committed_file(dir, manifest, base);
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
+    if (!archive.try_read(gpipe::internal::kNames, names) || !names.isList()) return true;
+  } catch (const std::exception&) {
+    return true;
+  }
+  std::set<std::string> saved, mine;
+  for (const c10::IValue& name : names.toListRef()) saved.insert(name.toStringRef());
+  for (const auto& item : gpipe::internal::state_of(module)) mine.insert(item.first);
+  return saved == mine;
 }
 
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,
@@ -403,7 +439,9 @@ int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module
       }
       const Manifest manifest = read_manifest(dir);
       const int replicas = saved_replicas(manifest, grid);
-      if (replicas == 0) {  // another layout
+      if (replicas == 0 ||  // another layout
+          (grid.layout_hides_names &&
+           !same_names(dir, manifest, grid.module_base(grid.outer_index), module))) {
         resharded = resharded_load(grid, module, optimizer, scaler);
         save = resharded->read(dir);
         step = resharded->check();

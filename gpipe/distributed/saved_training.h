@@ -86,8 +86,11 @@ void save_training(const std::string& dir, const DataParallelImpl& model,
                    const GradScaler* scaler = nullptr);
 /// Loads what save_training committed for the replicas (any number of them, as for stages: Note
 /// [Resuming on fewer or more replicas]; tested for stages only), this rank's random
-/// generators and `scaler`'s state (if not null); returns the step. Refuses as the stages' load,
-/// and is a collective as it is: every replica loads, or none.
+/// generators and `scaler`'s state (if not null); returns the step. When the replicas are of a
+/// Sequential or a GPipe, a save of another layout (a one-process file, stages, replicas of
+/// another module or balance) loads by layer, without the generators, and their own save loads
+/// into any layout (Note [Saves that outlive their layout] in gpipe/saved_training.h). Refuses
+/// as the stages' load, and is a collective as it is: every replica loads, or none.
 int64_t load_training(const std::string& dir, DataParallelImpl& model,
                       torch::optim::Optimizer* optimizer, GradScaler* scaler = nullptr);
 

@@ -12,11 +12,13 @@
 #include <stdexcept>
 
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gpipe/internal/atomic_file.h"
 #include "tests/distributed/stage_test_util.h"
+#include "tests/gpipe/tied_model.h"
 
 namespace gpipe {
 namespace distributed {
@@ -376,6 +378,175 @@ CATCH_TEST_CASE(kReplicas, "[distributed][save]") {
   CATCH_INFO(gpipe_test::outputs(results));
   for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
   std::filesystem::remove_all(folder);
+}
+
+constexpr const char* kReplicasResharded =
+    "a DataParallel's save resumes by layer in a GPipe of another balance whose save resumes in a "
+    "DataParallel of a GPipe and each takes the plain run's next steps";
+
+// `model`'s layers in order, a GPipe's partitions joined (for check_layers).
+nn::Sequential flat_layers(const std::shared_ptr<nn::Module>& model) {
+  if (const auto* pipe = dynamic_cast<const GPipeImpl*>(model.get())) {
+    nn::Sequential flat;
+    for (const nn::Sequential& p : pipe->partitions()) flat->extend(*p);
+    return flat;
+  }
+  return nn::Sequential(std::dynamic_pointer_cast<nn::SequentialImpl>(model));
+}
+
+// Phases, 2 ranks each (GPIPE_TEST_PHASE): "save": the replicas of the plain 8-layer model train
+// 3 steps, each on its half of the batch, and save; "load" (GPIPE_TEST_SAVED, at step
+// GPIPE_TEST_FROM): the replicas of a GPipe {3, 5} load it (by layer: a one-process file, or a
+// DataParallel's save of another module under the same layout), train 3 steps and save.
+CATCH_TEST_CASE(kReplicasResharded, "[distributed][save][resharding]") {
+  if (test_rank() >= 0) {
+    const std::string phase = std::getenv("GPIPE_TEST_PHASE");
+    const int rank = test_rank();
+    const auto train = [rank](DataParallel& model, torch::optim::Optimizer& opt, int first) {
+      for (int step = first; step < first + 3; ++step) {
+        auto [x, y] = batch(step);
+        opt.zero_grad();
+        mse(Batch(model->forward(x.chunk(2)[rank])), y.chunk(2)[rank]).backward();
+        opt.step();
+      }
+    };
+    const std::string dir = gpipe_test::test_folder() + "/save";
+    if (phase == "save") {
+      DataParallel model(make_model(7, 8), join());
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      train(model, adam, 0);
+      save_training(dir, *model, &adam, 3);
+      return;
+    }
+    const int from = std::atoi(std::getenv("GPIPE_TEST_FROM"));
+    DataParallel model(GPipe(make_model(8, 8), GPipeOptions({3, 5}).chunks(2)), join());
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    CATCH_CHECK(load_training(std::getenv("GPIPE_TEST_SAVED"), *model, &adam) == from);
+    check_layers(flat_layers(model->module()), adam_oracle(from), range(0, 8), 1e-12);
+    train(model, adam, from);
+    check_layers(flat_layers(model->module()), adam_oracle(from + 3), range(0, 8), 1e-10);
+    save_training(dir, *model, &adam, from + 3);
+    return;
+  }
+  const auto run = [](const std::string& name, const std::map<std::string, std::string>& env) {
+    const std::string folder = folder_for(name);
+    const auto results = run_ranks(kReplicasResharded, 2, folder, env);
+    CATCH_INFO(gpipe_test::outputs(results));
+    for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
+    return folder;
+  };
+  const std::string replicas = run("replicas_resharded", {{"GPIPE_TEST_PHASE", "save"}});
+  // In a GPipe of one process, which trains on as the oracle and saves.
+  GPipe pipe(make_model(9, 8), GPipeOptions({5, 3}).chunks(2));
+  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(gpipe::load_training(replicas + "/save", *pipe, &pipe_adam) == 3);
+  check_layers(flat_layers(pipe.ptr()), adam_oracle(3), range(0, 8), 1e-12);
+  for (int step = 3; step < 6; ++step) {
+    auto [x, y] = batch(step);
+    pipe_adam.zero_grad();
+    pipe->step(x, y, mse);
+    pipe_adam.step();
+  }
+  check_layers(flat_layers(pipe.ptr()), adam_oracle(6), range(0, 8), 1e-10);
+  const std::string file = folder_for("replicas_resharded_file") + ".pt";
+  gpipe::save_training(file, *pipe, &pipe_adam, 6);
+  // The GPipe's file in replicas of a GPipe of another balance, whose save loads into the plain
+  // Sequential.
+  const std::string of_file =
+      run("replicas_from_file",
+          {{"GPIPE_TEST_PHASE", "load"}, {"GPIPE_TEST_SAVED", file}, {"GPIPE_TEST_FROM", "6"}});
+  nn::Sequential plain = make_model(10, 8);
+  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(gpipe::load_training(of_file + "/save", *plain, &plain_adam) == 9);
+  check_layers(plain, adam_oracle(9), range(0, 8), 1e-10);
+  // The plain replicas' save in replicas of a GPipe: the same layout ("a DataParallel of 2
+  // replicas") over other tensor names loads by layer.
+  const std::string of_replicas =
+      run("replicas_from_replicas", {{"GPIPE_TEST_PHASE", "load"},
+                                     {"GPIPE_TEST_SAVED", replicas + "/save"},
+                                     {"GPIPE_TEST_FROM", "3"}});
+  for (const std::string& f : {replicas, of_file, of_replicas}) fs::remove_all(f);
+  fs::remove(file);
+}
+
+constexpr const char* kTiedAlias =
+    "a GPipe's save of a tie across partitions resumes in 2 stages that the tie spans and the "
+    "second stage's copy takes the tie's optimizer state";
+
+// Tied-model data of a step.
+std::pair<at::Tensor, at::Tensor> tied_batch(int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(700 + step);
+  return {at::randn({6, tied_test::kVocab}, gen, at::kDouble),
+          at::randn({6, tied_test::kVocab}, gen, at::kDouble)};
+}
+
+// The plain model with one shared weight after each of 5 Adam steps: its losses, and its
+// parameters (each once) at the end.
+std::pair<std::vector<double>, std::vector<at::Tensor>> tied_oracle() {
+  nn::Sequential oracle = tied_test::tied_model(true);
+  torch::optim::Adam adam(tied_test::each_once(oracle->parameters()),
+                          torch::optim::AdamOptions(0.01));
+  std::vector<double> losses;
+  for (int step = 0; step < 5; ++step) {
+    const auto [x, y] = tied_batch(step);
+    adam.zero_grad();
+    const at::Tensor loss = nn::functional::mse_loss(oracle->forward(x), y);
+    loss.backward();
+    adam.step();
+    losses.push_back(loss.item<double>());
+  }
+  return {losses, tied_test::each_once(oracle->parameters())};
+}
+
+// Ranks: stages {3, 2} of the tied model (the tie's owner, layer 0, in stage 0; its copy, layer
+// 4, in stage 1) load GPIPE_TEST_SAVED (a GPipe {2, 3}'s file at step 3, whose optimizer holds
+// the tie under the owner's name only) and train steps 3 and 4 as the oracle did.
+CATCH_TEST_CASE(kTiedAlias, "[distributed][stage][save][resharding][tied]") {
+  const TiedNames tie{{"0.weight", "4.weight"}};
+  if (test_rank() >= 0) {
+    const PipelineGroups groups =
+        new_pipeline_groups(options_from_env().timeout(std::chrono::seconds(60)), 2);
+    PipelineStage stage(tied_test::tied_model(false),
+                        PipelineStageOptions({3, 2}).chunks(2).tied_parameters(tie),
+                        groups.pipeline, groups.replica_group);
+    torch::optim::Adam adam(stage->parameters(), torch::optim::AdamOptions(0.01));
+    CATCH_CHECK(load_training(std::getenv("GPIPE_TEST_SAVED"), *stage, &adam) == 3);
+    const auto [losses, parameters] = tied_oracle();
+    for (int step = 3; step < 5; ++step) {
+      const auto [x, y] = tied_batch(step);
+      adam.zero_grad();
+      const at::Tensor loss =
+          stage->is_first() ? stage->step(Batch(x), y, mse) : stage->step(no_input(), y, mse);
+      adam.step();
+      if (loss.defined()) CATCH_CHECK(std::abs(loss.item<double>() - losses[step]) <= 1e-12);
+    }
+    // Stage 1's layers 3 and 4 (b and the copy) against the oracle's (parameters 4, 5 and 0).
+    if (stage->stage() == 1) {
+      const auto mine = stage->parameters();
+      const std::vector<at::Tensor> want{parameters[3], parameters[4], parameters[0]};
+      CATCH_REQUIRE(mine.size() == want.size());
+      for (size_t k = 0; k < want.size(); ++k) {
+        CATCH_CHECK((mine[k] - want[k]).abs().max().item<double>() <= 1e-12);
+      }
+    }
+    return;
+  }
+  GPipe saved(tied_test::tied_model(false), GPipeOptions({2, 3}).chunks(2).tied_parameters(tie));
+  torch::optim::Adam adam(saved->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < 3; ++step) {
+    const auto [x, y] = tied_batch(step);
+    adam.zero_grad();
+    saved->step(x, y, mse);
+    adam.step();
+  }
+  const std::string file = folder_for("tied_alias_file") + ".pt";
+  gpipe::save_training(file, *saved, &adam, 3);
+  const std::string folder = folder_for("tied_alias");
+  const auto results = run_ranks(kTiedAlias, 2, folder, {{"GPIPE_TEST_SAVED", file}});
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  fs::remove_all(folder);
+  fs::remove(file);
 }
 
 // This rank's file of generators of a save, by name (Note [Atomic saves]).
