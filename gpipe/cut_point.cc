@@ -49,7 +49,8 @@ struct Run {
   std::vector<at::Tensor> inputs, leaves;
   // A section: the cut point where it starts (-1: the model's start) and ends (never reached
   // for the last), its input, and what to do at its start.
-  int64_t start = -1, end = 0, section = 0;
+  int64_t start = -1, end = 0;
+  std::string who;  // the section, for errors
   at::Tensor input;
   std::function<void()> on_start;
 };
@@ -67,6 +68,21 @@ class RunScope {
  private:
   Run* previous_;
 };
+
+// Every module's mode in `model`, parents before children (modules() is pre-order).
+using Modes = std::vector<std::pair<torch::nn::Module*, bool>>;
+Modes modes_of(torch::nn::Module& model) {
+  Modes out;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    out.emplace_back(m.get(), m->is_training());
+  }
+  return out;
+}
+
+// Sets each module's mode back (a parent's train() sets its children's, which come after it).
+void restore(const Modes& modes) {
+  for (const auto& [module, training] : modes) module->train(training);
+}
 
 std::string shape_text(at::IntArrayRef sizes) {
   return absl::StrCat("[", absl::StrJoin(sizes, ", "), "]");
@@ -129,12 +145,12 @@ Run dry_run(const CutPlan& plan, const at::Tensor& sample, at::Tensor& output) {
       p.requires_grad_(true);
     }
   }
-  const bool training = model.is_training();
+  const Modes modes = modes_of(model);
   Run run;
   run.dry = true;
   run.batch = sample.size(0);
-  const auto restore = [&] {
-    model.train(training);
+  const auto put_back = [&] {
+    restore(modes);
     for (at::Tensor& p : frozen) p.requires_grad_(false);
   };
   model.eval();
@@ -143,10 +159,10 @@ Run dry_run(const CutPlan& plan, const at::Tensor& sample, at::Tensor& output) {
     RunScope scope(&run);
     output = plan.forward(model, sample);
   } catch (...) {
-    restore();
+    put_back();
     throw;
   }
-  restore();
+  put_back();
   TORCH_CHECK(run.calls >= 1, kWho,
               ": the model's forward() calls no CutPoint; register CutPoints and "
               "call them where a pipeline may cut (Note [Cut points] in gpipe/cut_point.h)");
@@ -232,21 +248,23 @@ void attribute_all(CutPlan& plan, std::map<std::string, int64_t> placed) {
 void check_sections(const CutPlan& plan, torch::nn::Sequential& sections,
                     const at::Tensor& sample) {
   at::NoGradGuard no_grad;
-  const bool training = plan.model->is_training();
+  const Modes model_modes = modes_of(*plan.model), section_modes = modes_of(*sections);
   plan.model->eval();
   sections->eval();
-  const at::Tensor want = plan.forward(*plan.model, sample);
-  at::Tensor got = sample;
+  at::Tensor want, got = sample;
   std::string failed;
   try {
+    want = plan.forward(*plan.model, sample);
     for (const auto& section : sections->children()) {
       got = std::dynamic_pointer_cast<SectionImpl>(section)->forward(got);
     }
   } catch (const c10::Error& e) {
     failed = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failed = e.what();
   }
-  plan.model->train(training);
-  sections->train(training);
+  restore(model_modes);
+  restore(section_modes);
   const bool same =
       failed.empty() && got.sizes() == want.sizes() && got.dtype() == want.dtype() &&
       (want.is_floating_point() ? at::allclose(got, want, 1e-5, 1e-6) : at::equal(got, want));
@@ -291,11 +309,12 @@ at::Tensor CutPointImpl::forward(const at::Tensor& input) {
     return leaf;
   }
   if (index == run->start) {
-    TORCH_CHECK(input.sizes().slice(1) == run->input.sizes().slice(1), "gpipe::Section ",
-                run->section, ": its input has shape ", shape_text(run->input.sizes()),
-                ", but forward() gives cut point ", index, " a tensor of shape ",
-                shape_text(input.sizes()), " for a placeholder batch of ", input.size(0),
-                "; give the section what the cut point is given");
+    TORCH_CHECK(
+        input.sizes().slice(1) == run->input.sizes().slice(1), run->who, ": its input has shape ",
+        shape_text(run->input.sizes()), ", but forward() gives cut point ", index,
+        " a tensor of shape ", shape_text(input.sizes()), " for a placeholder batch of ",
+        input.size(0),
+        "; a cut model takes inputs of the sample's shape but for the batch (Note [Cut points])");
     run->on_start();
     return run->input;
   }
@@ -304,16 +323,23 @@ at::Tensor CutPointImpl::forward(const at::Tensor& input) {
 }
 
 SectionImpl::SectionImpl(std::shared_ptr<const CutPlan> plan, int64_t first, int64_t last)
-    : plan_(std::move(plan)), first_(first), last_(last) {
+    : SectionImpl(std::move(plan), first, last, nullptr) {}
+
+SectionImpl::SectionImpl(std::shared_ptr<const CutPlan> plan, int64_t first, int64_t last,
+                         std::shared_ptr<torch::nn::Module> source)
+    : plan_(std::move(plan)), first_(first), last_(last), model_(std::move(source)) {
   TORCH_CHECK(plan_ != nullptr && 0 <= first_ && first_ <= last_ && last_ <= plan_->cut_points,
               "gpipe::Section: intervals [", first_, ", ", last_,
               "] are not within the plan's 0 .. ", plan_ ? plan_->cut_points : 0);
+  input_dtype_ = plan_->sample_dtype;
   reset();
 }
 
 void SectionImpl::reset() {
   // The copy: of the plan's model when made, of the section it is cloned from when cloned.
   const std::shared_ptr<torch::nn::Module> source = model_ ? model_ : plan_->model;
+  TORCH_CHECK(source != nullptr, who(),
+              ": reset() has no model to copy once cut() has returned; cut the model again");
   try {
     model_ = source->clone();
   } catch (const c10::Error& e) {
@@ -390,6 +416,7 @@ void SectionImpl::place_others(const std::function<at::Tensor(const at::Tensor&)
 
 void SectionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(device, dtype, non_blocking);
+  if (c10::isFloatingType(plan_->sample_dtype)) input_dtype_ = dtype;
   place_others([&](const at::Tensor& t) {
     return t.to(t.options().device(device).dtype(dtype), non_blocking);
   });
@@ -397,6 +424,7 @@ void SectionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking
 
 void SectionImpl::to(torch::Dtype dtype, bool non_blocking) {
   torch::nn::Module::to(dtype, non_blocking);
+  if (c10::isFloatingType(plan_->sample_dtype)) input_dtype_ = dtype;
   place_others([&](const at::Tensor& t) { return t.to(t.options().dtype(dtype), non_blocking); });
 }
 
@@ -411,8 +439,8 @@ at::Tensor SectionImpl::forward(const at::Tensor& input) {
     try {
       return run(input, placeholder_batch_);
     } catch (const PrefixFailed& failed) {
-      TORCH_CHECK(placeholder_batch_ == 0, "gpipe::Section ", first_,
-                  ": forward() failed before cut point ", first_ - 1,
+      TORCH_CHECK(placeholder_batch_ == 0, who(), ": forward() failed before cut point ",
+                  first_ - 1,
                   ", where it runs on a placeholder (a batch of one zero sample): ", failed.message,
                   " (the code before a section's start may not read tensor values: Note [Cut "
                   "points] in gpipe/cut_point.h)");
@@ -424,27 +452,28 @@ at::Tensor SectionImpl::forward(const at::Tensor& input) {
 
 at::Tensor SectionImpl::run(const at::Tensor& input, int64_t placeholder_batch) {
   const CutPlan& plan = *plan_;
-  const bool training = is_training();
   Run run;
   run.start = first_ - 1;
   run.end = last_;
-  run.section = first_;
+  run.who = who();
   run.input = input;
   std::optional<at::NoGradGuard> no_grad;
   at::Tensor from = input;
+  // Before its start: a placeholder batch of zero samples (or one), every module in eval mode,
+  // no autograd; at its start each module's own mode back.
+  std::optional<Modes> modes;
   if (first_ > 0) {
-    // Before its start: a placeholder batch of zero samples (or one), eval mode, no autograd.
     no_grad.emplace();
+    modes = modes_of(*model_);
     model_->train(false);
     std::vector<int64_t> shape{placeholder_batch};
     shape.insert(shape.end(), plan.sample_shape.begin(), plan.sample_shape.end());
-    from = at::zeros(shape, input.options().dtype(plan.sample_dtype));
+    from = at::zeros(shape, input.options().dtype(input_dtype_));
     run.on_start = [&] {
       no_grad.reset();
-      model_->train(training);
+      restore(*modes);
+      modes.reset();
     };
-  } else {
-    model_->train(training);
   }
   RunScope scope(&run);
   at::Tensor output;
@@ -453,14 +482,39 @@ at::Tensor SectionImpl::run(const at::Tensor& input, int64_t placeholder_batch) 
   } catch (SectionEnd& end) {
     return std::move(end.output);
   } catch (const c10::Error& e) {
+    if (modes) restore(*modes);
     if (run.calls <= run.start) throw PrefixFailed{e.what_without_backtrace()};
     throw;
+  } catch (...) {
+    if (modes) restore(*modes);
+    throw;
   }
-  TORCH_CHECK(last_ == plan.cut_points && run.calls > run.start, "gpipe::Section ", first_,
+  TORCH_CHECK(last_ == plan.cut_points && run.calls > run.start, who(),
               ": forward() returned after calling ", run.calls, " cut point(s), before cut point ",
               run.calls <= run.start ? run.start : last_,
               "; a forward() must call the same cut points every time");
   return output;
+}
+
+std::string SectionImpl::who() const {
+  return first_ == last_ ? absl::StrCat("gpipe::Section ", first_)
+                         : absl::StrCat("gpipe::Section ", first_, "-", last_);
+}
+
+void SectionImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  model_->train(on);
+}
+
+std::shared_ptr<torch::nn::Module> SectionImpl::clone(
+    const c10::optional<c10::Device>& device) const {
+  at::NoGradGuard no_grad;
+  // A section of a copy of this one's model (reset() copies model_: values, modes and flags).
+  auto copy = std::make_shared<SectionImpl>(plan_, first_, last_, model_);
+  copy->placeholder_batch_ = placeholder_batch_;
+  copy->input_dtype_ = input_dtype_;
+  if (device) copy->to(*device);
+  return copy;
 }
 
 namespace internal {
@@ -501,6 +555,7 @@ torch::nn::Sequential cut_model(const std::shared_ptr<torch::nn::Module>& model,
     first += spans[k];
   }
   check_sections(*plan, sections, sample);
+  plan->model = nullptr;  // the sections hold their copies: no process keeps the whole model
   return sections;
 }
 

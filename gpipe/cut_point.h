@@ -36,7 +36,9 @@ namespace gpipe {
 // sections (and skips, stash/pop, inside a section); register a copy of a shared weight and tie
 // it (GPipeOptions::tied_parameters). A buffer of a module without parameters directly under a
 // module that spans sections (a BatchNorm without affine weights under the root) is held by every
-// section as a constant: moved with it, not trained, not saved.
+// section as a constant: moved with it, not saved, and not seen by deferred batch norm (the
+// section that calls such a BatchNorm in training updates its own copy's statistics: give it
+// affine weights, or put it in a submodule with the layer before it, to make it a section's).
 //
 // How a section computes only its own part. C++ cannot enter forward() in its middle, so a
 // section runs the whole forward() of its own copy of the model (Cloneable's clone()), in which
@@ -49,7 +51,9 @@ namespace gpipe {
 // good, to a batch of one zero sample, which costs the code before the section at batch 1 (ops
 // that need a contiguous weight copy an expanded one, briefly). benchmarks/cut_points measures
 // both. A section's forwards run one at a time (a mutex): its copy's modes change during a
-// forward.
+// forward. Modes are the modules' own: cut() and a section's forward() leave every module's
+// mode as they found it (a BatchNorm in eval mode inside a training model stays frozen), and a
+// section's train() sets its copy's every module's, as Module::train does.
 //
 // What a forward() may not do (each refused with an error naming the cut point or the section):
 // call a cut point twice, pass one a tensor whose first dimension is not the batch, read a
@@ -86,7 +90,8 @@ using ModelForward = std::function<at::Tensor(torch::nn::Module&, const at::Tens
 
 /// How cut() cut a model, shared by its sections.
 struct CutPlan {
-  /// The model, of the user's type (a prototype: sections hold copies of it).
+  /// The model, of the user's type, while cut() runs (sections hold copies of it); null after,
+  /// so that no process keeps the whole model.
   std::shared_ptr<torch::nn::Module> model;
   /// Its forward().
   ModelForward forward;
@@ -109,8 +114,11 @@ struct CutPlan {
 /// tensors likewise.
 class SectionImpl : public torch::nn::Cloneable<SectionImpl> {
  public:
-  /// Section of intervals [first, last] of `plan`.
+  /// Section of intervals [first, last] of `plan` (whose model it copies).
   SectionImpl(std::shared_ptr<const CutPlan> plan, int64_t first, int64_t last);
+  /// The same, copying `source` (a section's copy of the model) instead of the plan's model.
+  SectionImpl(std::shared_ptr<const CutPlan> plan, int64_t first, int64_t last,
+              std::shared_ptr<torch::nn::Module> source);
   /// Makes its copy of the model (of the section it is cloned from, for a clone) and registers
   /// the tensors it owns; the others become placeholders.
   void reset() override;
@@ -123,6 +131,12 @@ class SectionImpl : public torch::nn::Cloneable<SectionImpl> {
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// Moves its tensors and placeholders.
   void to(torch::Device device, bool non_blocking = false) override;
+  /// Sets the mode of its copy's every module (as Module::train sets a module's submodules').
+  void train(bool on = true) override;
+  /// A section over a copy of this one's copy of the model (values, modes, requires_grad flags),
+  /// moved to `device` if given.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<c10::Device>& device = c10::nullopt) const override;
   /// The first interval (0: the model's start).
   int64_t first() const { return first_; }
   /// The last interval (the plan's cut_points: the model's end).
@@ -137,6 +151,7 @@ class SectionImpl : public torch::nn::Cloneable<SectionImpl> {
   // Its stretch with a placeholder batch of `placeholder_batch` zero samples before its start;
   // throws PrefixFailed when forward() fails there.
   at::Tensor run(const at::Tensor& input, int64_t placeholder_batch);
+  std::string who() const;  // "gpipe::Section 2" (or "2-3"), for errors
 
   struct Placeholder {
     at::Tensor tensor;  // the copy's tensor whose data is a placeholder
@@ -152,6 +167,7 @@ class SectionImpl : public torch::nn::Cloneable<SectionImpl> {
   std::vector<at::Tensor> constants_;
   std::shared_ptr<std::mutex> running_ = std::make_shared<std::mutex>();
   int64_t placeholder_batch_ = 0;  // 1 once forward() failed on an empty batch
+  c10::ScalarType input_dtype_ = c10::kFloat;  // the placeholder's: the sample's, cast by to()
 };
 
 /// A SectionImpl's holder (TORCH_MODULE).

@@ -4,6 +4,8 @@
 #include "gpipe/cut_point.h"
 
 #include <cmath>
+#include <functional>
+#include <utility>
 #include <set>
 #include <string>
 
@@ -32,6 +34,25 @@ at::Tensor mse(const Batch& out, const at::Tensor& y) {
   return nn::functional::mse_loss(out.tensor(), y);
 }
 
+// Trains `plain` and `pipe` side by side with Adam for `steps` steps on the batches `batch`(step)
+// gives, checking each step's loss against the plain module's.
+template <typename Plain>
+void train_beside(Plain& plain, GPipe& pipe, int steps,
+                  const std::function<std::pair<at::Tensor, at::Tensor>(int)>& batch) {
+  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < steps; ++step) {
+    const auto [x, y] = batch(step);
+    plain_adam.zero_grad();
+    pipe_adam.zero_grad();
+    const at::Tensor want = mse(Batch(plain->forward(x)), y);
+    want.backward();
+    CATCH_CHECK(std::abs(pipe->step(x, y, mse).item<double>() - want.item<double>()) <= 1e-12);
+    plain_adam.step();
+    pipe_adam.step();
+  }
+}
+
 CATCH_TEST_CASE("A module cut at its cut points trains as the module itself under every schedule",
                 "[cut_point][transparency]") {
   const std::string kind =
@@ -54,22 +75,12 @@ CATCH_TEST_CASE("A module cut at its cut points trains as the module itself unde
                            .chunks(two_per_rank ? 4 : 3)
                            .checkpoint(mode)
                            .schedule(PipelineSchedule::of(schedule_kind(kind), v)));
-  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
-  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
   CATCH_REQUIRE(pipe->parameters().size() == plain->parameters().size());
-  for (int step = 0; step < 3; ++step) {
+  train_beside(plain, pipe, 3, [](int step) {
     at::manual_seed(50 + step);
     const at::Tensor x = at::randn({7, 4}, at::kDouble);  // micro-batches of 3, 2, 2 (or 2s, 1)
-    const at::Tensor y = at::randn({7, 3}, at::kDouble);
-    plain_adam.zero_grad();
-    pipe_adam.zero_grad();
-    const at::Tensor want = mse(Batch(plain->forward(x)), y);
-    want.backward();
-    const at::Tensor got = pipe->step(x, y, mse);
-    CATCH_CHECK(std::abs(got.item<double>() - want.item<double>()) <= 1e-12);
-    plain_adam.step();
-    pipe_adam.step();
-  }
+    return std::make_pair(x, at::randn({7, 3}, at::kDouble));
+  });
   // The trained tensors, copied back into a model, are the plain model's.
   Net back = make_net();
   uncut(sections, *back);
@@ -133,6 +144,49 @@ CATCH_TEST_CASE("Deferred batch norm reaches a BatchNorm inside a section",
   CATCH_CHECK(max_diff(mean, at::zeros_like(mean)) > 1e-3);
 }
 
+CATCH_TEST_CASE(
+    "Cutting keeps every module's mode and a BatchNorm in eval mode inside a "
+    "training section stays frozen",
+    "[cut_point][batchnorm]") {
+  Net plain = make_net(true);
+  plain->norm->eval();  // frozen: its running statistics, not the batch's
+  Net net = copy_of(plain);
+  nn::Sequential sections = cut(net, sample());
+  CATCH_CHECK(net->is_training());
+  CATCH_CHECK(!net->norm->is_training());
+  const at::Tensor mean = plain->norm->running_mean.clone();
+  GPipe pipe(sections, GPipeOptions({2, 2}).chunks(3).schedule(ScheduleKind::k1F1B));
+  train_beside(plain, pipe, 2, [](int) {
+    const at::Tensor x = at::randn({6, 4}, at::kDouble);
+    return std::make_pair(x, at::randn({6, 3}, at::kDouble));
+  });
+  const auto section = std::dynamic_pointer_cast<SectionImpl>(pipe->partitions()[0]->ptr(1));
+  CATCH_REQUIRE(section != nullptr);
+  CATCH_CHECK(at::equal(section->named_buffers()["norm.running_mean"], mean));
+}
+
+CATCH_TEST_CASE("Sections cast to another dtype and cloned compute what the model computes",
+                "[cut_point]") {
+  Net net = make_net();
+  net->c->weight.requires_grad_(false);  // frozen
+  nn::Sequential sections = cut(net, sample());
+  const at::Tensor x = at::randn({5, 4}, at::kDouble);
+  at::NoGradGuard no_grad;
+  const at::Tensor want = net->forward(x);
+  // A clone of each section, then the clones cast to float32.
+  nn::Sequential clones;
+  for (size_t k = 0; k < sections->size(); ++k) {
+    clones->push_back(std::dynamic_pointer_cast<SectionImpl>(sections->ptr(k)->clone()));
+  }
+  CATCH_CHECK(max_diff(clones->forward(x), want) <= 1e-12);
+  CATCH_CHECK(!clones[2]->named_parameters()["c.weight"].requires_grad());
+  CATCH_CHECK(clones[2]->named_parameters()["c.bias"].requires_grad());
+  clones->to(at::kFloat);
+  net->to(at::kFloat);
+  CATCH_CHECK(max_diff(clones->forward(x.to(at::kFloat)).to(at::kDouble),
+                       net->forward(x.to(at::kFloat)).to(at::kDouble)) <= 1e-6);
+}
+
 // A token embedding before the first cut point and the output projection after the last, which
 // use one weight: one tensor (`shared`, the plain model), or two named as one (cut: Varuna's
 // shared weights, GPipeOptions::tied_parameters).
@@ -172,20 +226,10 @@ CATCH_TEST_CASE(
                            .chunks(2)
                            .schedule(ScheduleKind::k1F1B)
                            .tied_parameters({{"0.embed", "2.project"}}));
-  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
-  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
-  for (int step = 0; step < 3; ++step) {
+  train_beside(plain, pipe, 3, [](int) {
     const at::Tensor x = at::randn({6, 6}, at::kDouble);
-    const at::Tensor y = at::randn({6, 6}, at::kDouble);
-    plain_adam.zero_grad();
-    pipe_adam.zero_grad();
-    const at::Tensor want = mse(Batch(plain->forward(x)), y);
-    want.backward();
-    const at::Tensor got = pipe->step(x, y, mse);
-    CATCH_CHECK(std::abs(got.item<double>() - want.item<double>()) <= 1e-12);
-    plain_adam.step();
-    pipe_adam.step();
-  }
+    return std::make_pair(x, at::randn({6, 6}, at::kDouble));
+  });
   TiedNet back(false);
   uncut(sections, *back);
   CATCH_CHECK(max_diff(back->embed, plain->embed) <= 1e-10);
@@ -220,19 +264,10 @@ CATCH_TEST_CASE(
   ViewNet net(std::dynamic_pointer_cast<ViewNetImpl>(plain->clone()));
   GPipe pipe(cut(net, at::randn({4, 2, 4}, at::kDouble)),
              GPipeOptions({1, 1}).chunks(2).schedule(ScheduleKind::k1F1B));
-  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
-  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
-  for (int step = 0; step < 2; ++step) {
+  train_beside(plain, pipe, 2, [](int) {
     const at::Tensor x = at::randn({5, 2, 4}, at::kDouble);
-    const at::Tensor y = at::randn({5, 3}, at::kDouble);
-    plain_adam.zero_grad();
-    pipe_adam.zero_grad();
-    const at::Tensor want = mse(Batch(plain->forward(x)), y);
-    want.backward();
-    CATCH_CHECK(std::abs(pipe->step(x, y, mse).item<double>() - want.item<double>()) <= 1e-12);
-    plain_adam.step();
-    pipe_adam.step();
-  }
+    return std::make_pair(x, at::randn({5, 3}, at::kDouble));
+  });
 }
 
 // Misused models.
