@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ThreadSanitizer on the tests that use threads (concurrency_test, gpipe_test,
-# stage_backward_test): builds them with
+# stage_backward_test, cut_point_test: sections on the pipeline's threads): builds them with
 # CMake, -fsanitize=thread and warnings as errors, together with Abseil built from Debian's own
 # source package with the same flags, and runs them with the suppressions in tools/tsan.supp.
 # Abseil must be instrumented: absl::Mutex tells TSan about its locking only through annotations
@@ -45,6 +45,6 @@ echo "=== gpipe's threaded tests with -fsanitize=thread"
 # One intra-op thread: OpenMP's own synchronisation inside LibTorch is invisible to TSan.
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="suppressions=$root/tools/tsan.supp exitcode=66 halt_on_error=0 second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
-ONLY_TESTS="${ONLY_TESTS:-concurrency_test gpipe_test stage_backward_test}" bash tools/cmake_test.sh "$build/gpipe" \
+ONLY_TESTS="${ONLY_TESTS:-concurrency_test gpipe_test stage_backward_test cut_point_test}" bash tools/cmake_test.sh "$build/gpipe" \
   -DGPIPE_ABSL_SOURCE_DIR="$(ls -d "$src"/abseil-*/ | head -n 1)" -DCMAKE_CXX_FLAGS="$flags" \
   -DCMAKE_CXX_FLAGS_RELEASE=-DNDEBUG -DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread -DGPIPE_WERROR=ON
