@@ -72,12 +72,8 @@ CATCH_TEST_CASE(kCut, "[distributed][stage][cut_point]") {
   for (const char* kind : {"gpipe", "1f1b", "zb"}) {
     for (const char* merged : {"0", "1"}) {
       CATCH_CAPTURE(kind, merged);
-      const std::string folder = folder_for(std::string("cut_points_") + kind + merged);
-      const auto results = run_ranks(
-          kCut, 2, folder, {{"GPIPE_TEST_SCHEDULE", kind}, {"GPIPE_TEST_MERGED", merged}});
-      CATCH_INFO(gpipe_test::outputs(results));
-      for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
-      std::filesystem::remove_all(folder);
+      check_ranks_pass(kCut, std::string("cut_points_") + kind + merged,
+                       {{"GPIPE_TEST_SCHEDULE", kind}, {"GPIPE_TEST_MERGED", merged}});
     }
   }
 }

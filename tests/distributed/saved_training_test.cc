@@ -64,6 +64,18 @@ std::vector<at::Tensor> train_steps(PipelineStage& stage, const PipelineGroups& 
   return losses;
 }
 
+// Runs test `test` in `world` ranks with `env`, in folder_for(`name`), checks that every rank
+// exited with 0 (every check in the ranks held), and returns the folder: a later phase loads what
+// this one saved there.
+std::string run_phase(const char* test, int world, const std::string& name,
+                      const std::map<std::string, std::string>& env) {
+  const std::string folder = folder_for(name);
+  const auto results = run_ranks(test, world, folder, env);
+  CATCH_INFO(gpipe_test::outputs(results));
+  for (int r = 0; r < world; ++r) CATCH_CHECK(results[r].exit_code == 0);
+  return folder;
+}
+
 // A GradScaler that took clean steps and skipped one: scale 32, growth tracker 2, 1 skipped.
 GradScaler used_scaler() {
   GradScaler scaler(GradScalerOptions().init_scale(64).growth_interval(5));
@@ -190,11 +202,7 @@ CATCH_TEST_CASE(kOtherReplicas, "[distributed][stage][save]") {
   }
   const auto run = [](int world, const std::string& name,
                       const std::map<std::string, std::string>& env) {
-    const std::string folder = folder_for(name);
-    const auto results = run_ranks(kOtherReplicas, world, folder, env);
-    CATCH_INFO(gpipe_test::outputs(results));
-    for (int r = 0; r < world; ++r) CATCH_CHECK(results[r].exit_code == 0);
-    return folder;
+    return run_phase(kOtherReplicas, world, name, env);
   };
   const std::string four = run(4, "replicas_four", {});
   const std::string two = run(2, "replicas_two", {{"GPIPE_TEST_SAVED", four}});
@@ -286,11 +294,7 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
     return;
   }
   const auto run = [](const std::string& name, const std::map<std::string, std::string>& env) {
-    const std::string folder = folder_for(name);
-    const auto results = run_ranks(kResharded, 2, folder, env);
-    CATCH_INFO(gpipe_test::outputs(results));
-    for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
-    return folder;
+    return run_phase(kResharded, 2, name, env);
   };
   const std::string stages = run("resharded_stages", {{"GPIPE_TEST_PHASE", "save"}});
   // The stages' save in the plain Sequential, which trains on as the oracle.
@@ -429,11 +433,7 @@ CATCH_TEST_CASE(kReplicasResharded, "[distributed][save][resharding]") {
     return;
   }
   const auto run = [](const std::string& name, const std::map<std::string, std::string>& env) {
-    const std::string folder = folder_for(name);
-    const auto results = run_ranks(kReplicasResharded, 2, folder, env);
-    CATCH_INFO(gpipe_test::outputs(results));
-    for (int r = 0; r < 2; ++r) CATCH_CHECK(results[r].exit_code == 0);
-    return folder;
+    return run_phase(kReplicasResharded, 2, name, env);
   };
   const std::string replicas = run("replicas_resharded", {{"GPIPE_TEST_PHASE", "save"}});
   // In a GPipe of one process, which trains on as the oracle and saves.
