@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that only a GPU shows, in one run for a lent GPU machine: builds gpipe against the
 # PyTorch of python3 (CUDA), runs every test binary's [cuda] cases, then the reference's
-# benchmarks at full size on the GPUs present, each under a time limit.
+# benchmarks at full size on the GPUs present and benchmarks/cut_points, each under a time limit.
 #
 #   tools/gpu_check.sh OUT_DIR [PREFIX]
 #
@@ -30,6 +30,7 @@ python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.vers
 tests=$(grep -l '\[cuda\]' tests/*/*_test.cc | xargs -n 1 basename | sed 's/\.cc$//')
 benches="amoebanetd_memory resnet101_speed unet_memory amoebanetd_speed"
 [[ "${SKIP_BENCH:-0}" == 1 ]] && benches=""
+[[ -n "$benches" ]] && benches="$benches cut_points"
 extra=${EXTRA_TARGETS:-}
 stamp configure
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -75,6 +76,12 @@ if [[ -n "$benches" ]]; then
   run_bench resnet101_speed 150 --epochs=2 --dataset_size="${RESNET_SAMPLES:-10240}"
   run_bench unet_memory 90
   run_bench amoebanetd_speed 120 --epochs=2 --dataset_size="${AMOEBA_SAMPLES:-2560}"
+  # Cut points on the GPU: each section's forward against its own layers (docs/cut-points.md).
+  stamp "cut_points --device=cuda"
+  (cd "$build" && timeout -k 10 120 ./cut_points --device=cuda --repeats=100) \
+    > "$out/cut_points.log" 2>&1
+  echo "rc $?"
+  grep -a -v "^\s*$" "$out/cut_points.log" | tail -n 9
 fi
 stamp done
 echo "$passed passed, $failed failed"

@@ -91,6 +91,35 @@ CATCH_TEST_CASE("A module cut at its cut points trains as the module itself unde
   }
 }
 
+CATCH_TEST_CASE("On a GPU and the CPU a module cut at its cut points trains as the module itself",
+                "[cut_point][cuda]") {
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  CATCH_CAPTURE(static_cast<int>(mode));
+  const c10::Device gpu(at::kCUDA, 0);
+  Net plain = make_net();
+  Net net = copy_of(plain);
+  // Sections 0 and 1 (and the placeholders of their copies) on the GPU, 2 and 3 on the CPU.
+  GPipe pipe(cut(net, sample()), GPipeOptions({2, 2})
+                                     .devices({gpu, c10::Device(at::kCPU)})
+                                     .chunks(3)
+                                     .checkpoint(mode)
+                                     .schedule(ScheduleKind::k1F1B));
+  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor x = at::randn({7, 4}, at::kDouble);
+    const at::Tensor y = at::randn({7, 3}, at::kDouble);
+    plain_adam.zero_grad();
+    pipe_adam.zero_grad();
+    const at::Tensor want = mse(Batch(plain->forward(x)), y);
+    want.backward();
+    const at::Tensor got = pipe->step(x.to(gpu), y, mse);
+    CATCH_CHECK(std::abs(got.item<double>() - want.item<double>()) <= 1e-10);
+    plain_adam.step();
+    pipe_adam.step();
+  }
+}
+
 CATCH_TEST_CASE("Each section holds its own tensors and placeholders of one element for the rest",
                 "[cut_point]") {
   Net net = make_net();
