@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "gpipe/internal/resharding.h"
 
 namespace gpipe {
 namespace {
@@ -84,16 +85,11 @@ void restore(const Modes& modes) {
   for (const auto& [module, training] : modes) module->train(training);
 }
 
-std::string shape_text(at::IntArrayRef sizes) {
-  return absl::StrCat("[", absl::StrJoin(sizes, ", "), "]");
-}
-
-// A tensor's key in a CutPlan: its path, buffers with "buffer ".
+// Each tensor by its key in a CutPlan: its path, buffers with "buffer " (as saves name them:
+// internal::state_of).
 std::map<std::string, at::Tensor> tensors_by_path(const torch::nn::Module& model) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& item : model.named_parameters()) out.emplace(item.key(), item.value());
-  for (const auto& item : model.named_buffers()) out.emplace("buffer " + item.key(), item.value());
-  return out;
+  const auto state = internal::state_of(model);
+  return std::map<std::string, at::Tensor>(state.begin(), state.end());
 }
 
 // The path of a tensor key without "buffer ".
@@ -272,8 +268,7 @@ void check_sections(const CutPlan& plan, torch::nn::Sequential& sections,
   if (failed.empty()) {
     how = got.sizes() == want.sizes() && want.is_floating_point()
               ? absl::StrCat("largest difference ", (got - want).abs().max().item<double>())
-              : absl::StrCat("shape ", shape_text(got.sizes()), " against ",
-                             shape_text(want.sizes()));
+              : absl::StrCat("shape ", c10::str(got.sizes()), " against ", c10::str(want.sizes()));
   }
   TORCH_CHECK(same, kWho,
               ": the sections, run one after another on the sample, do not give the model's "
@@ -298,7 +293,7 @@ at::Tensor CutPointImpl::forward(const at::Tensor& input) {
                 "); call each CutPoint at most once per forward(), one registered per place");
     TORCH_CHECK(input.defined() && input.dim() >= 1 && input.size(0) == run->batch, kWho,
                 ": cut point ", index, " is given a tensor of shape ",
-                input.defined() ? shape_text(input.sizes()) : std::string("(undefined)"),
+                input.defined() ? c10::str(input.sizes()) : std::string("(undefined)"),
                 ", whose first dimension is not the batch (", run->batch,
                 "); a cut point takes one tensor whose first dimension is the batch");
     run->seen.push_back(this);
@@ -311,8 +306,8 @@ at::Tensor CutPointImpl::forward(const at::Tensor& input) {
   if (index == run->start) {
     TORCH_CHECK(
         input.sizes().slice(1) == run->input.sizes().slice(1), run->who, ": its input has shape ",
-        shape_text(run->input.sizes()), ", but forward() gives cut point ", index,
-        " a tensor of shape ", shape_text(input.sizes()), " for a placeholder batch of ",
+        c10::str(run->input.sizes()), ", but forward() gives cut point ", index,
+        " a tensor of shape ", c10::str(input.sizes()), " for a placeholder batch of ",
         input.size(0),
         "; a cut model takes inputs of the sample's shape but for the batch (Note [Cut points])");
     run->on_start();
@@ -352,9 +347,7 @@ void SectionImpl::reset() {
   for (const auto& [key, source_tensor] : tensors_by_path(*source)) {
     if (key.rfind("buffer ", 0) != 0) tensors.at(key).requires_grad_(source_tensor.requires_grad());
   }
-  std::set<std::string> owned;
-  for (int64_t s = first_; s <= last_; ++s)
-    owned.insert(plan_->owned[s].begin(), plan_->owned[s].end());
+  const std::set<std::string> owned = owned_keys();
   // The largest submodules whose tensors are all owned, then owned tensors outside them.
   std::vector<std::string> registered;
   const auto under_registered = [&registered](const std::string& path) {
@@ -362,7 +355,7 @@ void SectionImpl::reset() {
                        [&path](const std::string& m) { return inside(path, m); });
   };
   for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
-    if (under_registered(item.key()) && !registered.empty()) continue;
+    if (under_registered(item.key())) continue;
     bool any = false, all = true;
     for (const auto& [key, tensor] : tensors) {
       if (!inside(path_of(key), item.key())) continue;
@@ -393,11 +386,16 @@ void SectionImpl::reset() {
   place_others([](const at::Tensor& t) { return t; });
 }
 
-std::vector<std::pair<std::string, at::Tensor>> SectionImpl::owned_tensors() const {
+std::set<std::string> SectionImpl::owned_keys() const {
   std::set<std::string> owned;
   for (int64_t s = first_; s <= last_; ++s) {
     owned.insert(plan_->owned[s].begin(), plan_->owned[s].end());
   }
+  return owned;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> SectionImpl::owned_tensors() const {
+  const std::set<std::string> owned = owned_keys();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& [key, tensor] : tensors_by_path(*model_)) {
     if (owned.count(key) > 0) out.emplace_back(key, tensor);
@@ -526,7 +524,7 @@ torch::nn::Sequential cut_model(const std::shared_ptr<torch::nn::Module>& model,
   TORCH_CHECK(sample.defined() && sample.dim() >= 1 && sample.size(0) >= 2, kWho,
               ": the sample must be a batch of at least 2 samples (first dimension the batch), "
               "not of shape ",
-              sample.defined() ? shape_text(sample.sizes()) : std::string("(undefined)"));
+              sample.defined() ? c10::str(sample.sizes()) : std::string("(undefined)"));
   auto plan = std::make_shared<CutPlan>();
   plan->model = model;
   plan->forward = std::move(forward);
@@ -574,7 +572,7 @@ void uncut(const torch::nn::Sequential& sections, torch::nn::Module& model) {
       const auto it = mine.find(key);
       TORCH_CHECK(it != mine.end() && it->second.sizes() == tensor.sizes(),
                   "gpipe::uncut: the model has no tensor '", path_of(key), "' of shape ",
-                  shape_text(tensor.sizes()), "; give the model that was cut");
+                  c10::str(tensor.sizes()), "; give the model that was cut");
       copies.emplace_back(it->second, tensor);
     }
   }

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -152,6 +153,7 @@ class SectionImpl : public torch::nn::Cloneable<SectionImpl> {
   // throws PrefixFailed when forward() fails there.
   at::Tensor run(const at::Tensor& input, int64_t placeholder_batch);
   std::string who() const;  // "gpipe::Section 2" (or "2-3"), for errors
+  std::set<std::string> owned_keys() const;  // the plan's keys of its intervals' tensors
 
   struct Placeholder {
     at::Tensor tensor;  // the copy's tensor whose data is a placeholder

@@ -108,6 +108,13 @@ std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module
   return out;
 }
 
+bool same_tensor_names(const c10::IValue& names, const torch::nn::Module& module) {
+  std::set<std::string> saved, mine;
+  for (const c10::IValue& name : names.toListRef()) saved.insert(name.toStringRef());
+  for (const auto& item : state_of(module)) mine.insert(item.first);
+  return saved == mine;
+}
+
 LayerNames layer_names(const std::vector<PlacedLayer>& layers) {
   LayerNames out;
   for (const PlacedLayer& l : layers) {

@@ -4,7 +4,6 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
-#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -366,10 +365,7 @@ bool same_layout(const std::string& bytes, const torch::nn::Module& module) {
       layout.toStringRef() != "one process" || !archive.try_read(internal::kNames, names)) {
     return !archive.try_read(internal::kLayerNames, names);
   }
-  std::set<std::string> saved, mine;
-  for (const c10::IValue& name : names.toListRef()) saved.insert(name.toStringRef());
-  for (const auto& item : internal::state_of(module)) mine.insert(item.first);
-  return saved == mine || internal::layer_names(module).empty();
+  return internal::same_tensor_names(names, module) || internal::layer_names(module).empty();
 }
 
 // Loads a save of another layout: the file at `path`, or the files of the save committed in the

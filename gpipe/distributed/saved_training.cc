@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
-#include <set>
 #include <sstream>
 #include <system_error>
 #include <vector>
@@ -415,10 +414,7 @@ bool same_names(const std::string& dir, const Manifest& manifest, const std::str
   } catch (const std::exception&) {
     return true;
   }
-  std::set<std::string> saved, mine;
-  for (const c10::IValue& name : names.toListRef()) saved.insert(name.toStringRef());
-  for (const auto& item : gpipe::internal::state_of(module)) mine.insert(item.first);
-  return saved == mine;
+  return gpipe::internal::same_tensor_names(names, module);
 }
 
 int64_t load(const std::string& dir, const Grid& grid, torch::nn::Module& module,

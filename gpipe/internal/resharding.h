@@ -54,6 +54,10 @@ using LayerNames = std::unordered_map<std::string, std::string>;
 // never mix).
 std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module& module);
 
+// Whether `names` (a save file's kNames list) are exactly `module`'s tensors' names (state_of):
+// then the file was saved from the same layout and loads exactly.
+bool same_tensor_names(const c10::IValue& names, const torch::nn::Module& module);
+
 LayerNames layer_names(const std::vector<PlacedLayer>& layers);
 // Of a Sequential or a GPipe; empty for any other module (its layout is not known).
 LayerNames layer_names(const torch::nn::Module& module);

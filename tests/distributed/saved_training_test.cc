@@ -343,6 +343,17 @@ CATCH_TEST_CASE(kResharded, "[distributed][stage][save][resharding]") {
   fs::remove(file);
 }
 
+// Trains 3 steps from `first` on, this rank (of 2 replicas) on its half of each batch, with mse.
+void train_replicas(DataParallel& model, torch::optim::Optimizer& opt, int first) {
+  const int rank = test_rank();
+  for (int step = first; step < first + 3; ++step) {
+    auto [x, y] = batch(step);
+    opt.zero_grad();
+    mse(Batch(model->forward(x.chunk(2)[rank])), y.chunk(2)[rank]).backward();
+    opt.step();
+  }
+}
+
 constexpr const char* kReplicas =
     "the replicas of a DataParallel resumed from save_training take the saved run's next steps "
     "bit for bit and get the GradScaler's state back";
@@ -350,30 +361,21 @@ constexpr const char* kReplicas =
 CATCH_TEST_CASE(kReplicas, "[distributed][save]") {
   if (test_rank() >= 0) {
     const std::string dir = gpipe_test::test_folder() + "/save";
-    const int rank = test_rank();
-    const auto train = [rank](DataParallel& model, torch::optim::Optimizer& opt, int first) {
-      for (int step = first; step < first + 3; ++step) {
-        auto [x, y] = batch(step);
-        opt.zero_grad();
-        mse(Batch(model->forward(x.chunk(2)[rank])), y.chunk(2)[rank]).backward();
-        opt.step();
-      }
-    };
     const auto pipe = [](int seed) {
       return GPipe(make_model(seed), GPipeOptions({3, 3}).chunks(2));
     };
     DataParallel model(pipe(7), join());
     torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    train(model, sgd, 0);
+    train_replicas(model, sgd, 0);
     const GradScaler scaler = used_scaler();
     save_training(dir, *model, &sgd, 3, &scaler);
-    train(model, sgd, 3);
+    train_replicas(model, sgd, 3);
     DataParallel resumed(pipe(8), join());
     torch::optim::SGD sgd2(resumed->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     GradScaler loaded;
     CATCH_CHECK(load_training(dir, *resumed, &sgd2, &loaded) == 3);
     check_used_scaler(loaded);
-    train(resumed, sgd2, 3);
+    train_replicas(resumed, sgd2, 3);
     check_equal(resumed->parameters(), model->parameters());
     return;
   }
@@ -405,20 +407,11 @@ nn::Sequential flat_layers(const std::shared_ptr<nn::Module>& model) {
 CATCH_TEST_CASE(kReplicasResharded, "[distributed][save][resharding]") {
   if (test_rank() >= 0) {
     const std::string phase = std::getenv("GPIPE_TEST_PHASE");
-    const int rank = test_rank();
-    const auto train = [rank](DataParallel& model, torch::optim::Optimizer& opt, int first) {
-      for (int step = first; step < first + 3; ++step) {
-        auto [x, y] = batch(step);
-        opt.zero_grad();
-        mse(Batch(model->forward(x.chunk(2)[rank])), y.chunk(2)[rank]).backward();
-        opt.step();
-      }
-    };
     const std::string dir = gpipe_test::test_folder() + "/save";
     if (phase == "save") {
       DataParallel model(make_model(7, 8), join());
       torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
-      train(model, adam, 0);
+      train_replicas(model, adam, 0);
       save_training(dir, *model, &adam, 3);
       return;
     }
@@ -427,7 +420,7 @@ CATCH_TEST_CASE(kReplicasResharded, "[distributed][save][resharding]") {
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
     CATCH_CHECK(load_training(std::getenv("GPIPE_TEST_SAVED"), *model, &adam) == from);
     check_layers(flat_layers(model->module()), adam_oracle(from), range(0, 8), 1e-12);
-    train(model, adam, from);
+    train_replicas(model, adam, from);
     check_layers(flat_layers(model->module()), adam_oracle(from + 3), range(0, 8), 1e-10);
     save_training(dir, *model, &adam, from + 3);
     return;
