@@ -3,7 +3,10 @@
 // mode as the model itself does; each section holds only its own tensors; misuse is refused.
 #include "gpipe/cut_point.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <utility>
 #include <set>
@@ -16,6 +19,7 @@
 #include <torch/optim/adam.h>
 
 #include "gpipe/gpipe.h"
+#include "gpipe/saved_training.h"
 #include "tests/gpipe/cut_model.h"
 #include "tests/gpipe/test_util.h"
 
@@ -263,6 +267,63 @@ CATCH_TEST_CASE(
   uncut(sections, *back);
   CATCH_CHECK(max_diff(back->embed, plain->embed) <= 1e-10);
   CATCH_CHECK(max_diff(back->mid->weight, plain->mid->weight) <= 1e-10);
+}
+
+CATCH_TEST_CASE(
+    "A cut module accumulates gradients over two steps and resumes from a save as "
+    "the module itself",
+    "[cut_point][save]") {
+  Net plain = make_net();
+  Net net = copy_of(plain);
+  const auto options = GPipeOptions({2, 2}).chunks(3).schedule(ScheduleKind::k1F1B);
+  GPipe pipe(cut(net, sample()), options);
+  torch::optim::Adam plain_adam(plain->parameters(), torch::optim::AdamOptions(0.01));
+  torch::optim::Adam pipe_adam(pipe->parameters(), torch::optim::AdamOptions(0.01));
+  const auto data = [](int k) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + k);
+    return std::make_pair(at::randn({7, 4}, gen, at::kDouble), at::randn({7, 3}, gen, at::kDouble));
+  };
+  // Two optimizer steps, each over two batches' gradients.
+  for (int step = 0; step < 2; ++step) {
+    plain_adam.zero_grad();
+    pipe_adam.zero_grad();
+    for (int k = 2 * step; k < 2 * step + 2; ++k) {
+      const auto [x, y] = data(k);
+      const at::Tensor want = mse(Batch(plain->forward(x)), y);
+      want.backward();
+      CATCH_CHECK(std::abs(pipe->step(x, y, mse).item<double>() - want.item<double>()) <= 1e-12);
+    }
+    plain_adam.step();
+    pipe_adam.step();
+  }
+  // Saved, loaded into a new cut of another model, and one more step there.
+  const std::string file = (std::filesystem::temp_directory_path() /
+                            ("gpipe_cut_point_" + std::to_string(::getpid()) + ".pt"))
+                               .string();
+  save_training(file, *pipe, &pipe_adam, 2);
+  at::manual_seed(77);
+  Net other(false);
+  other->to(at::kDouble);
+  GPipe resumed(cut(other, sample()), options);
+  torch::optim::Adam resumed_adam(resumed->parameters(), torch::optim::AdamOptions(0.01));
+  CATCH_CHECK(load_training(file, *resumed, &resumed_adam) == 2);
+  std::filesystem::remove(file);
+  const auto [x, y] = data(4);
+  plain_adam.zero_grad();
+  resumed_adam.zero_grad();
+  const at::Tensor want = mse(Batch(plain->forward(x)), y);
+  want.backward();
+  CATCH_CHECK(std::abs(resumed->step(x, y, mse).item<double>() - want.item<double>()) <= 1e-12);
+  plain_adam.step();
+  resumed_adam.step();
+  const auto sections = resumed->partitions();
+  Net back = make_net();
+  for (const nn::Sequential& part : sections) uncut(part, *back);
+  const auto expected = plain->named_parameters();
+  for (const auto& item : back->named_parameters()) {
+    CATCH_CAPTURE(item.key());
+    CATCH_CHECK(max_diff(item.value(), expected[item.key()]) <= 1e-10);
+  }
 }
 
 // Its forward() begins with a view that an empty batch cannot run (-1 is ambiguous for zero
