@@ -100,6 +100,8 @@ int plan_main(int64_t batch) {
   const gpipe::OptimizerKind kind = optimizer == "sgd"        ? gpipe::OptimizerKind::kSGD
                                     : optimizer == "momentum" ? gpipe::OptimizerKind::kMomentum
                                                               : gpipe::OptimizerKind::kAdam;
+  const gpipe::PlanOptions plan_options =
+      gpipe::PlanOptions().memory_limit(absl::GetFlag(FLAGS_memory_limit)).optimizer(kind);
   gpipe::PipelineProfile profile;
   if (!absl::GetFlag(FLAGS_profile_in).empty()) {
     std::ifstream in(absl::GetFlag(FLAGS_profile_in));
@@ -110,18 +112,21 @@ int plan_main(int64_t batch) {
     gpipe::models::NamedModel named =
         gpipe::models::make_model(absl::GetFlag(FLAGS_model), model_input());
     const at::Tensor sample = sample_of(named, batch);
+    // The smallest micro-batch a candidate can have (the most chunks the planner tries), not 1:
+    // a model with batch norm over 1x1 maps cannot train on one sample (AmoebaNet-D at 28x28).
+    const std::vector<int64_t> chunks = plan_options.chunks();
+    const int64_t most = *std::max_element(chunks.begin(), chunks.end());
     profile = gpipe::profile_pipeline(
         named.model, sample, devices,
         gpipe::PipelineProfileOptions()
             .timeout(std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout)))
-            .threads(absl::GetFlag(FLAGS_threads)));
+            .threads(absl::GetFlag(FLAGS_threads))
+            .min_batch(std::max<int64_t>((batch + most - 1) / most, 1)));
   }
   if (!absl::GetFlag(FLAGS_profile_out).empty()) {
     gpipe::write_file(absl::GetFlag(FLAGS_profile_out), profile.to_json());
   }
-  const std::vector<gpipe::PipelinePlan> plans = gpipe::plan(
-      profile,
-      gpipe::PlanOptions().memory_limit(absl::GetFlag(FLAGS_memory_limit)).optimizer(kind));
+  const std::vector<gpipe::PipelinePlan> plans = gpipe::plan(profile, plan_options);
   if (!absl::GetFlag(FLAGS_plan_out).empty()) {
     gpipe::write_file(absl::GetFlag(FLAGS_plan_out), plans.front().to_json() + "\n");
   }

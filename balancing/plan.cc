@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,8 @@
 #include "balancing/internal/detail.h"
 #include "balancing/partition.h"
 #include "gpipe/schedule.h"
+#include "gpipe/schedule_search.h"
+#include "gpipe/schedule_text.h"
 #include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 
@@ -40,6 +43,9 @@ constexpr double kTurnUs = 2000;
 // How long the calibration times the layers alone in each round (at least one pass).
 constexpr std::chrono::milliseconds kFreshProfile{300};
 constexpr double kWakeupUs = 750;
+// The simulations local improvement may run in each search of a searched plan (Note [Searched
+// plans]): two searches per zero-bubble candidate without checkpointing.
+constexpr int64_t kSearchBudget = 1000;
 
 // The devices named by `object`'s "devices".
 std::vector<c10::Device> parse_devices(const json& object, const std::string& who) {
@@ -387,14 +393,15 @@ GPipeOptions PipelinePlan::options() const {
       .devices(devices)
       .chunks(chunks)
       .checkpoint(checkpoint)
-      .schedule(PipelineSchedule::of(schedule, virtual_stages));
+      .schedule(schedule_text.empty() ? PipelineSchedule::of(schedule, virtual_stages)
+                                      : PipelineSchedule::text(schedule_text));
 }
 
 std::string PipelinePlan::describe() const {
   std::string out = absl::StrFormat(
-      "balance {%s}, %d micro-batches, checkpoint %s, schedule %s",
-      absl::StrJoin(balance, ", "), chunks, checkpoint_name(checkpoint),
-      schedule_kind_name(schedule));
+      "balance {%s}, %d micro-batches, checkpoint %s, schedule %s", absl::StrJoin(balance, ", "),
+      chunks, checkpoint_name(checkpoint),
+      schedule_text.empty() ? schedule_kind_name(schedule) : std::string("searched"));
   if (virtual_stages > 1) absl::StrAppend(&out, " (", virtual_stages, " stages per worker)");
   if (step_us > 0) {
     absl::StrAppendFormat(&out, ": %.2f ms, peak %s MiB", step_us / 1000,
@@ -410,9 +417,10 @@ std::string PipelinePlan::to_json() const {
          {"devices", device_names(devices)},
          {"chunks", chunks},
          {"checkpoint", checkpoint_name(checkpoint)},
-         {"schedule", schedule_kind_name(schedule)},
+         {"schedule", schedule_text.empty() ? schedule_kind_name(schedule) : "searched"},
          {"virtual_stages", virtual_stages},
          {"threads", threads}};
+  if (!schedule_text.empty()) j["schedule_text"] = schedule_text;
   if (step_us > 0) {
     j["predicted"] = {{"step_us", step_us},
                       {"peak_bytes", peak_bytes},
@@ -429,7 +437,14 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   p.devices = parse_devices(j, who);
   p.chunks = json_field<int64_t>(j, "chunks", who);
   p.checkpoint = checkpoint_from_name(json_field<std::string>(j, "checkpoint", who));
-  p.schedule = schedule_kind(json_field<std::string>(j, "schedule", who));
+  const std::string schedule = json_field<std::string>(j, "schedule", who);
+  if (schedule == "searched") {
+    // (Note [Searched plans]: F, I and W, one stage per worker.)
+    p.schedule = ScheduleKind::kZeroBubble;
+    p.schedule_text = json_field<std::string>(j, "schedule_text", who);
+  } else {
+    p.schedule = schedule_kind(schedule);
+  }
   p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
   p.threads = json_field<int64_t>(j, "threads", who);
   TORCH_CHECK(!p.balance.empty() && p.balance.size() == p.devices.size(), who, ": ",
@@ -450,6 +465,22 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
               ": virtual_stages is ", p.virtual_stages, " but the schedule is ",
               schedule_kind_name(p.schedule), "; virtual stages are for the interleaved schedules "
               "(interleaved, zb1p)");
+  if (!p.schedule_text.empty()) {
+    Schedule searched;
+    try {
+      searched = parse_schedule(p.schedule_text);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who,
+                  ": \"schedule_text\" is not a schedule: ", e.what_without_backtrace());
+    }
+    TORCH_CHECK(searched.microbatches == p.chunks, who, ": the searched schedule runs ",
+                searched.microbatches, " micro-batches but \"chunks\" is ", p.chunks);
+    TORCH_CHECK(searched.ranks.size() == p.balance.size() && p.virtual_stages == 1, who,
+                ": the searched schedule has ", searched.ranks.size(),
+                " worker(s) but \"balance\" ", p.balance.size(),
+                " partitions (and virtual_stages must be 1); a searched "
+                "schedule has one partition per worker");
+  }
   if (j.contains("predicted")) {
     p.step_us = json_field<double>(j["predicted"], "step_us", who);
     p.peak_bytes = json_field<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
@@ -623,13 +654,77 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   const int64_t lanes = stages / std::max<int64_t>(1, plan.virtual_stages);
   // (A plan of another schedule with virtual stages is refused here, not simulated on too few
   // lanes.)
-  const Schedule schedule =
-      make_schedule(plan.schedule, lanes, plan.chunks, std::max<int64_t>(1, plan.virtual_stages));
+  const Schedule schedule = plan.schedule_text.empty()
+                                ? make_schedule(plan.schedule, lanes, plan.chunks,
+                                                std::max<int64_t>(1, plan.virtual_stages))
+                                : parse_schedule(plan.schedule_text);
   PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, optimizer));
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
   return sim;
 }
+
+namespace {
+
+int64_t peak_of(const PipelinePlan& p) {
+  return *std::max_element(p.peak_bytes.begin(), p.peak_bytes.end());
+}
+
+bool same_shape(const PipelinePlan& a, const PipelinePlan& b) {
+  return a.balance == b.balance && a.devices == b.devices && a.chunks == b.chunks &&
+         a.checkpoint == b.checkpoint;
+}
+
+// The searched plan of a zero-bubble candidate `zb` without checkpointing (Note [Searched
+// plans]), when one is faster than every generated candidate of its shape in `all` that fits.
+std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
+                                          const PlanOptions& options, const PipelinePlan& zb,
+                                          const std::vector<PipelinePlan>& all) {
+  const int64_t n = static_cast<int64_t>(zb.balance.size());
+  const int64_t m = zb.chunks;
+  const auto fits = [&](const PipelinePlan& p) {
+    return options.memory_limit() == 0 || peak_of(p) <= options.memory_limit();
+  };
+  ScheduleSearchOptions search;
+  for (const StageCost& c : pipeline_costs(profile, zb, options.optimizer()).stages) {
+    // (The search takes positive times: a stage without parameters has no W to speak of.)
+    search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
+                                  std::max(c.backward_weight_us, 1e-3), c.copy_us});
+  }
+  search.budget = kSearchBudget;
+  std::optional<PipelinePlan> best;
+  for (int64_t in_flight : {std::min(n, m), m}) {
+    search.max_in_flight.assign(static_cast<size_t>(n), in_flight);
+    PipelinePlan p = zb;
+    p.schedule_text = schedule_text(search_schedule(m, search).schedule);
+    predict(profile, p, options.optimizer());
+    if (fits(p) && (!best || p.step_us < best->step_us)) best = std::move(p);
+    if (in_flight == m) break;
+  }
+  if (!best) return std::nullopt;
+  for (const PipelinePlan& g : all) {
+    if (same_shape(g, *best) && fits(g) && g.step_us <= best->step_us) return std::nullopt;
+  }
+  return best;
+}
+
+// Adds the searched plans of `all`'s zero-bubble candidates without checkpointing.
+void add_searched_plans(const PipelineProfile& profile, const PlanOptions& options,
+                        std::vector<PipelinePlan>& all) {
+  std::vector<PipelinePlan> found;
+  for (const PipelinePlan& p : all) {
+    if (p.schedule != ScheduleKind::kZeroBubble || p.checkpoint != Checkpoint::kNever ||
+        p.balance.size() < 2) {
+      continue;
+    }
+    if (std::optional<PipelinePlan> s = searched_plan(profile, options, p, all)) {
+      found.push_back(std::move(*s));
+    }
+  }
+  for (PipelinePlan& p : found) all.push_back(std::move(p));
+}
+
+}  // namespace
 
 std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions& options) {
   const char* who = "gpipe::plan";
@@ -692,9 +787,8 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
   }
   TORCH_CHECK(!all.empty(), who, ": no candidate: check PlanOptions' chunks and schedules (",
               layers, " layers, a mini-batch of ", profile.batch, ")");
-  auto peak = [](const PipelinePlan& p) {
-    return *std::max_element(p.peak_bytes.begin(), p.peak_bytes.end());
-  };
+  add_searched_plans(profile, options, all);
+  const auto peak = peak_of;
   std::vector<PipelinePlan> fit;
   for (const PipelinePlan& p : all) {
     if (options.memory_limit() == 0 || peak(p) <= options.memory_limit()) fit.push_back(p);

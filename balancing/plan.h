@@ -63,6 +63,19 @@ namespace gpipe {
 // How close this comes is measured by benchmarks/plan_accuracy (docs/balancing.md says where it is
 // wrong).
 
+// Note [Searched plans]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Beside each zero-bubble candidate without checkpointing (each micro-batch's actions are then F,
+// I and W, what search_schedule orders), plan() searches a schedule (Note [Searching a schedule])
+// on the candidate's own stage costs: each stage's forward, input-gradient and weight-gradient
+// times at the candidate's micro-batch size and its copy to the next stage. It searches twice:
+// within ZB-H1's in-flight micro-batches (n per worker) and within all m. Each schedule found is
+// predicted as every candidate is (simulate_pipeline over parse_schedule of its text, which adds
+// what the search's model leaves out: workers taking turns on shared cores, hand-overs, memory).
+// The faster one that fits the memory limit becomes a plan (PipelinePlan::schedule_text) only
+// when it is faster than every generated candidate of the same balance, micro-batches and
+// checkpointing that fits: a searched plan is never one that a generated schedule matches.
+
 /// The optimizer a plan trains with: its state per parameter.
 enum class OptimizerKind { kSGD, kMomentum, kAdam };
 
@@ -186,6 +199,10 @@ struct PipelinePlan {
   ScheduleKind schedule = ScheduleKind::kGPipe;
   /// Stages per worker: more than 1 only with the interleaved schedule.
   int64_t virtual_stages = 1;
+  /// A searched schedule (Note [Searched plans]) as text (Note [Schedule text]), which step()
+  /// runs instead of `schedule`'s generated one; empty for a generated schedule. `schedule` is
+  /// then kZeroBubble: the search's actions are F, I and W.
+  std::string schedule_text;
   /// Intra-op threads of each CPU worker.
   int64_t threads = 1;
   /// Predicted: the step's time (forward and backward of every micro-batch), microseconds.
@@ -198,7 +215,8 @@ struct PipelinePlan {
   ///
   ///   gpipe::GPipe pipe(model, best.options());
   GPipeOptions options() const;
-  /// "balance {3, 2}, 8 micro-batches, checkpoint except_last, schedule 1f1b: 12.3 ms, 45.6 MiB".
+  /// "balance {3, 2}, 8 micro-batches, checkpoint except_last, schedule 1f1b: 12.3 ms, 45.6 MiB"
+  /// ("schedule searched" for a searched one).
   std::string describe() const;
   /// The plan as JSON text (a plan file, the trainers' --plan), which from_json reads back.
   std::string to_json() const;

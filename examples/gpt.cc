@@ -399,9 +399,7 @@ int run() {
                   .chunks(chunks)
                   .checkpoint(training::parse_checkpoint(checkpoint))
                   .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
-                  .schedule(gpipe::PipelineSchedule::of(schedule_kind(schedule),
-                                                        shape.virtual_stages,
-                                                        shape.microbatch_group)));
+                  .schedule(training::schedule_of(shape)));
   model->record_timeline(!absl::GetFlag(FLAGS_svg).empty());
   int64_t parameters = 0;
   for (const at::Tensor& p : model->parameters()) parameters += p.numel();
@@ -444,7 +442,10 @@ int run() {
   double loss_sum = 0;
   int64_t loss_count = 0;
   double validation = 0;
+  // The training steps' own time (data, step, optimizer; validation left out), for --plan.
+  double train_seconds = 0;
   for (int64_t step = 1; step <= steps; ++step) {
+    const double step_start = seconds();
     set_learning_rate(optimizer, lr, step, steps);
     auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
     make_ragged(ids, targets, generator);
@@ -472,6 +473,7 @@ int run() {
     scaler.update();
     loss_sum += loss.item<double>();
     ++loss_count;
+    train_seconds += seconds() - step_start;
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       validation = validate(model, corpus.validation, length, batch, amp, amp_device, amp_dtype);
       std::printf("step %5lld  %6.1f s  %7.0f bytes/s  train %.3f  validation %.3f bits per "
@@ -490,6 +492,12 @@ int run() {
     }
   }
   if (!absl::GetFlag(FLAGS_svg).empty()) model->write_timeline_svg(absl::GetFlag(FLAGS_svg));
+  if (shape.predicted_step_ms > 0) {
+    std::printf(
+        "plan: %.1f ms per step predicted; the steps took %.1f ms each with data and "
+        "optimizer (validation left out)\n",
+        shape.predicted_step_ms, 1000 * train_seconds / std::max<int64_t>(steps, 1));
+  }
   std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
   for (const char* prompt : {"Q: ", "The ", "A "}) {
     std::printf("---\n%s\n", generate(model, prompt, absl::GetFlag(FLAGS_sample_bytes), length,

@@ -83,12 +83,20 @@ PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
   shape.devices = plan.devices;
   shape.chunks = plan.chunks;
   shape.checkpoint = checkpoint_name(plan.checkpoint);
-  shape.schedule = schedule_kind_name(plan.schedule);
+  shape.schedule = plan.schedule_text.empty() ? schedule_kind_name(plan.schedule) : "searched";
+  shape.schedule_text = plan.schedule_text;
+  shape.predicted_step_ms = plan.step_us / 1000;
   shape.virtual_stages = plan.virtual_stages;
   shape.threads = plan.threads;
   shape.balance = plan.balance;
   shape.balance_from = "--plan";
   return shape;
+}
+
+PipelineSchedule schedule_of(const PipelineShape& shape) {
+  if (!shape.schedule_text.empty()) return PipelineSchedule::text(shape.schedule_text);
+  return PipelineSchedule::of(schedule_kind(shape.schedule), shape.virtual_stages,
+                              shape.microbatch_group);
 }
 
 void check_plan_fits(const std::vector<int64_t>& balance, int64_t layers,

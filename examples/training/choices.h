@@ -46,7 +46,16 @@ struct PipelineShape {
   std::vector<int64_t> balance;
   /// Where the balance comes from, for the trainers' summaries: --balance's value or "--plan".
   std::string balance_from = "auto";
+  /// A plan's searched schedule as text (PipelinePlan::schedule_text; `schedule` is then
+  /// "searched"); empty otherwise.
+  std::string schedule_text;
+  /// A plan's predicted step time, milliseconds; 0 without a plan or a prediction.
+  double predicted_step_ms = 0;
 };
+
+/// What step() runs for `shape`: its searched schedule's text, or its schedule kind with its
+/// virtual stages and micro-batch group.
+PipelineSchedule schedule_of(const PipelineShape& shape);
 
 /// `flags` with the plan in --plan's file (//balancing:balance --plan --plan_out=<file>) in their
 /// place when `plan_path` is not empty. Throws c10::Error naming the file when it cannot be read

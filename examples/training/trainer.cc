@@ -403,8 +403,7 @@ int train(const TrainerModel& trainer) {
   const gpipe::PipelineSchedule chosen =
       schedule == "auto"
           ? searched_schedule(model, balance, sample, chunks, devices.front(), searched)
-          : gpipe::PipelineSchedule::of(schedule_kind(schedule), shape.virtual_stages,
-                                        shape.microbatch_group);
+          : schedule_of(shape);
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
@@ -488,6 +487,8 @@ int train(const TrainerModel& trainer) {
   const auto run_start = std::chrono::steady_clock::now();
   double last_accuracy = 0;
   double last_throughput = 0;
+  // The last epoch's time per step: the step and what the loop adds (data, optimizer, logging).
+  double last_step_ms = 0;
   std::vector<TimelineEvent> last_forward;
   const double lr = absl::GetFlag(FLAGS_lr);
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
@@ -556,6 +557,7 @@ int train(const TrainerModel& trainer) {
     progress.finish();
     const double train_seconds = progress.seconds();
     last_throughput = (step - skipped) * batch_size / train_seconds;
+    last_step_ms = 1000 * train_seconds / std::max<int64_t>(step - skipped, 1);
     last_forward = pipe->last_timeline();
     if (epoch == epochs) {
       if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
@@ -622,6 +624,12 @@ int train(const TrainerModel& trainer) {
         "searched schedule: the last step took %.1f ms on its timeline, %.1f ms "
         "predicted\n",
         step_ms(last_forward), searched.simulation.makespan);
+  }
+  if (shape.predicted_step_ms > 0) {
+    std::printf(
+        "plan: %.1f ms per step predicted; the last step took %.1f ms on its timeline, "
+        "and the last epoch %.1f ms per step with data, optimizer and logging\n",
+        shape.predicted_step_ms, step_ms(last_forward), last_step_ms);
   }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());

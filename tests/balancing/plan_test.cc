@@ -15,6 +15,8 @@
 #include "balancing/plan.h"
 #include "benchmarks/memory_meter.h"
 #include "gpipe/schedule_check.h"
+#include "gpipe/schedule_search.h"
+#include "gpipe/schedule_text.h"
 
 namespace gpipe {
 namespace testing {
@@ -368,6 +370,82 @@ CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the
   CATCH_CHECK(plan(profile, PlanOptions().top(5)).size() == 5);
 }
 
+// `synthetic` with layer k's times scaled by 1, 2, 3, 1, 2, 3, ... and its weight gradient a
+// quarter of its input gradient: stages of unequal costs, where a searched order can beat the
+// generated ones (Note [Searched plans]).
+PipelineProfile uneven(int64_t layers, int64_t devices) {
+  PipelineProfile p = synthetic(layers, devices);
+  for (LayerProfile& lp : p.sizes) {
+    for (size_t k = 0; k < lp.layers.size(); ++k) {
+      LayerStats& l = lp.layers[k];
+      const double scale = 1.0 + static_cast<double>(k % 3);
+      l.forward_us *= scale;
+      l.forward_nograd_us *= scale;
+      l.backward_input_us *= 1.6 * scale;
+      l.backward_weight_us *= 0.4 * scale;
+      l.backward_us = l.backward_input_us + l.backward_weight_us;
+    }
+  }
+  return p;
+}
+
+CATCH_TEST_CASE(
+    "A searched plan is faster than every generated plan of its shape and survives "
+    "JSON",
+    "[balancing][plan][search]") {
+  const PipelineProfile profile = uneven(7, 3);
+  const std::vector<PipelinePlan> all = plan(profile, PlanOptions().top(100000));
+  std::vector<PipelinePlan> searched;
+  for (const PipelinePlan& p : all) {
+    if (!p.schedule_text.empty()) searched.push_back(p);
+  }
+  CATCH_REQUIRE(!searched.empty());
+  for (const PipelinePlan& s : searched) {
+    CATCH_CAPTURE(s.describe());
+    CATCH_CHECK(s.checkpoint == Checkpoint::kNever);
+    CATCH_CHECK(s.schedule == ScheduleKind::kZeroBubble);
+    CATCH_CHECK(s.balance.size() >= 2);
+    CATCH_CHECK(s.describe().find("schedule searched") != std::string::npos);
+    int64_t rivals = 0;
+    for (const PipelinePlan& g : all) {
+      if (!g.schedule_text.empty() || g.balance != s.balance || g.chunks != s.chunks ||
+          g.checkpoint != s.checkpoint) {
+        continue;
+      }
+      ++rivals;
+      CATCH_CHECK(s.step_us < g.step_us);
+    }
+    CATCH_CHECK(rivals >= 3);  // gpipe, 1f1b and zb at least
+    // Its numbers are its text's simulation; the text survives JSON.
+    PipelinePlan again = s;
+    predict(profile, again);
+    CATCH_CHECK(again.step_us == s.step_us);
+    const PipelinePlan back = PipelinePlan::from_json(s.to_json());
+    CATCH_CHECK(back.schedule_text == s.schedule_text);
+    CATCH_CHECK(back.describe() == s.describe());
+  }
+  // Under a memory limit, searched plans fit it too.
+  const int64_t limit = peak_of(searched.front());
+  for (const PipelinePlan& p : plan(profile, PlanOptions().top(100000).memory_limit(limit))) {
+    CATCH_CHECK(peak_of(p) <= limit);
+  }
+  // A searched plan's JSON must carry a text that fits its partitions and micro-batches.
+  std::string json = searched.front().to_json();
+  const size_t at = json.find("\"schedule_text\"");
+  CATCH_REQUIRE(at != std::string::npos);
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(json.substr(0, json.rfind(',', at)) + "\n}"),
+                          gpipe_test::contains("no \"schedule_text\""));
+  PipelinePlan other = searched.front();
+  other.chunks += 1;
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(other.to_json()),
+                          gpipe_test::contains("the searched schedule runs") &&
+                              gpipe_test::contains("micro-batches but \"chunks\" is"));
+  other = searched.front();
+  other.schedule_text = "0F0 0X0\n";
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(other.to_json()),
+                          gpipe_test::contains("\"schedule_text\" is not a schedule"));
+}
+
 CATCH_TEST_CASE("The planner refuses clearly when nothing fits, and says what would help",
                 "[balancing][plan][errors]") {
   // Parameters of 1 MB per layer: 8 layers, momentum (3x), on at most two devices.
@@ -504,6 +582,48 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
     pipe_opt.zero_grad();
     // The plain model's loss over the micro-batches as the schedule weighs them: with
     // cross-entropy's mean and equal micro-batches, the mean over the mini-batch either way.
+    loss(Batch(plain->forward(x)), y).backward();
+    pipe->step(x, y, loss);
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
+    plain_opt.step();
+    pipe_opt.step();
+  }
+}
+
+CATCH_TEST_CASE("A searched plan's options run its schedule and train as the plain model",
+                "[balancing][plan][search][transparency]") {
+  // Stage 1 twice as slow with a light W: the search's order is not zero bubble's.
+  ScheduleSearchOptions search;
+  search.stage_costs = {{1, 1, 1, 0}, {2, 3, 0.5, 0}};
+  search.max_in_flight = {4, 4};
+  const Schedule found = search_schedule(4, search).schedule;
+  CATCH_REQUIRE(found.ranks != make_schedule(ScheduleKind::kZeroBubble, 2, 4).ranks);
+  PipelinePlan p;
+  p.balance = {4, 3};
+  p.devices = {at::kCPU, at::kCPU};
+  p.chunks = 4;
+  p.checkpoint = Checkpoint::kNever;
+  p.schedule = ScheduleKind::kZeroBubble;
+  p.schedule_text = schedule_text(found);
+  at::manual_seed(0);
+  nn::Sequential plain = mlp(32, 3);
+  nn::Sequential copy = mlp(32, 3);
+  for (size_t k = 0; k < plain->parameters().size(); ++k) {
+    torch::NoGradGuard no_grad;
+    copy->parameters()[k].copy_(plain->parameters()[k]);
+  }
+  GPipe pipe(copy, PipelinePlan::from_json(p.to_json()).options());
+  CATCH_CHECK(pipe->schedule(4).ranks == found.ranks);
+  const at::Tensor x = at::randn({16, 32});
+  const at::Tensor y = at::randint(4, {16});
+  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipe_opt(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto loss = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.tensor(), target);
+  };
+  for (int step = 0; step < 3; ++step) {
+    plain_opt.zero_grad();
+    pipe_opt.zero_grad();
     loss(Batch(plain->forward(x)), y).backward();
     pipe->step(x, y, loss);
     check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
