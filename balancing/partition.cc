@@ -12,7 +12,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-void check_costs(absl::Span<const double> costs, int64_t partitions, const char* what) {
+void check_partition_costs(absl::Span<const double> costs, int64_t partitions, const char* what) {
   TORCH_CHECK(partitions >= 1, "block partition: partitions must be at least 1, got ",
               partitions);
   TORCH_CHECK(static_cast<int64_t>(costs.size()) >= partitions, "block partition: cannot split ",
@@ -55,7 +55,7 @@ double bottleneck(absl::Span<const double> costs, absl::Span<const int64_t> bala
 }
 
 std::vector<int64_t> block_partition(absl::Span<const double> costs, int64_t partitions) {
-  check_costs(costs, partitions, "the cost");
+  check_partition_costs(costs, partitions, "the cost");
   const int64_t n = static_cast<int64_t>(costs.size());
   const int64_t k = partitions;
   const std::vector<double> s = prefix_sums(costs);
@@ -128,10 +128,10 @@ std::vector<int64_t> block_partition_with_memory(absl::Span<const double> times,
                                                  absl::Span<const double> memory,
                                                  absl::Span<const double> capacities) {
   const int64_t k = static_cast<int64_t>(capacities.size());
-  check_costs(times, k, "the time");
+  check_partition_costs(times, k, "the time");
   TORCH_CHECK(memory.size() == times.size(), "block partition: ", times.size(), " times but ",
               memory.size(), " memory sizes; give one of each per layer");
-  check_costs(memory, k, "the memory");
+  check_partition_costs(memory, k, "the memory");
   const int64_t n = static_cast<int64_t>(times.size());
   const std::vector<double> t = prefix_sums(times);
   const std::vector<double> m = prefix_sums(memory);

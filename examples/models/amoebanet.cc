@@ -41,15 +41,15 @@ const std::vector<std::pair<int64_t, Op>>& reduction_operations() {
 }
 const std::vector<int64_t> kReductionConcat = {4, 5, 6};
 
-nn::Conv2d conv(int64_t in, int64_t out, torch::ExpandingArray<2> kernel,
-                torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding) {
+nn::Conv2d conv2d(int64_t in, int64_t out, torch::ExpandingArray<2> kernel,
+                  torch::ExpandingArray<2> stride, torch::ExpandingArray<2> padding) {
   return nn::Conv2d(
       nn::Conv2dOptions(in, out, kernel).stride(stride).padding(padding).bias(false));
 }
 
 // ReLU, a 1x1 convolution and batch norm.
 nn::Sequential relu_conv_bn(int64_t in, int64_t out) {
-  return nn::Sequential(nn::ReLU(), conv(in, out, 1, 1, 0), nn::BatchNorm2d(out));
+  return nn::Sequential(nn::ReLU(), conv2d(in, out, 1, 1, 0), nn::BatchNorm2d(out));
 }
 
 nn::Sequential make_op(Op op, int64_t c, int64_t stride) {
@@ -67,17 +67,17 @@ nn::Sequential make_op(Op op, int64_t c, int64_t stride) {
       return nn::Sequential(
           nn::MaxPool2d(nn::MaxPool2dOptions(2).stride(stride).padding(0).ceil_mode(true)));
     case Op::kConv1x1:
-      return nn::Sequential(nn::ReLU(), conv(c, c, 1, stride, 0), nn::BatchNorm2d(c));
+      return nn::Sequential(nn::ReLU(), conv2d(c, c, 1, stride, 0), nn::BatchNorm2d(c));
     case Op::kConv3x3:
-      return nn::Sequential(nn::ReLU(), conv(c, c / 4, 1, 1, 0), nn::BatchNorm2d(c / 4),
-                            nn::ReLU(), conv(c / 4, c / 4, 3, stride, 1), nn::BatchNorm2d(c / 4),
-                            nn::ReLU(), conv(c / 4, c, 1, 1, 0), nn::BatchNorm2d(c));
+      return nn::Sequential(nn::ReLU(), conv2d(c, c / 4, 1, 1, 0), nn::BatchNorm2d(c / 4),
+                            nn::ReLU(), conv2d(c / 4, c / 4, 3, stride, 1), nn::BatchNorm2d(c / 4),
+                            nn::ReLU(), conv2d(c / 4, c, 1, 1, 0), nn::BatchNorm2d(c));
     case Op::kConv1x7_7x1:
       return nn::Sequential(
-          nn::ReLU(), conv(c, c / 4, 1, 1, 0), nn::BatchNorm2d(c / 4),
-          nn::ReLU(), conv(c / 4, c / 4, {1, 7}, {1, stride}, {0, 3}), nn::BatchNorm2d(c / 4),
-          nn::ReLU(), conv(c / 4, c / 4, {7, 1}, {stride, 1}, {3, 0}), nn::BatchNorm2d(c / 4),
-          nn::ReLU(), conv(c / 4, c, 1, 1, 0), nn::BatchNorm2d(c));
+          nn::ReLU(), conv2d(c, c / 4, 1, 1, 0), nn::BatchNorm2d(c / 4), nn::ReLU(),
+          conv2d(c / 4, c / 4, {1, 7}, {1, stride}, {0, 3}), nn::BatchNorm2d(c / 4), nn::ReLU(),
+          conv2d(c / 4, c / 4, {7, 1}, {stride, 1}, {3, 0}), nn::BatchNorm2d(c / 4), nn::ReLU(),
+          conv2d(c / 4, c, 1, 1, 0), nn::BatchNorm2d(c));
   }
   TORCH_CHECK(false, "amoebanet: unknown operation");
 }
@@ -85,8 +85,8 @@ nn::Sequential make_op(Op op, int64_t c, int64_t stride) {
 }  // namespace
 
 void FactorizedReduceImpl::reset() {
-  conv1 = register_module("conv1", conv(in, out / 2, 1, 2, 0));
-  conv2 = register_module("conv2", conv(in, out / 2, 1, 2, 0));
+  conv1 = register_module("conv1", conv2d(in, out / 2, 1, 2, 0));
+  conv2 = register_module("conv2", conv2d(in, out / 2, 1, 2, 0));
   bn = register_module("bn", nn::BatchNorm2d(out));
 }
 
@@ -99,7 +99,7 @@ at::Tensor FactorizedReduceImpl::forward(const at::Tensor& input) {
 }
 
 void AmoebaStemImpl::reset() {
-  conv = register_module("conv", models::conv(in_channels, channels, 3, 2, 1));
+  conv = register_module("conv", models::conv2d(in_channels, channels, 3, 2, 1));
   bn = register_module("bn", nn::BatchNorm2d(channels));
 }
 
