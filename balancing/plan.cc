@@ -43,6 +43,8 @@ constexpr double kTurnUs = 2000;
 // How long the calibration times the layers alone in each round (at least one pass).
 constexpr std::chrono::milliseconds kFreshProfile{300};
 constexpr double kWakeupUs = 750;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The simulations local improvement may run in each search of a searched plan (Note [Searched
 // plans]): two searches per zero-bubble candidate without checkpointing.
 constexpr int64_t kSearchBudget = 1000;
@@ -442,8 +444,17 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     // (Note [Searched plans]: F, I and W, one stage per worker.)
     p.schedule = ScheduleKind::kZeroBubble;
     p.schedule_text = json_field<std::string>(j, "schedule_text", who);
+    TORCH_CHECK(!p.schedule_text.empty(), who,
+                ": the schedule is \"searched\" but its "
+                "\"schedule_text\" is empty; make the plan again with balance --plan");
   } else {
     p.schedule = schedule_kind(schedule);
+    TORCH_CHECK(!j.contains("schedule_text"), who,
+                ": \"schedule_text\" is given but the "
+                "schedule is ",
+                schedule,
+                "; a schedule's text goes with \"schedule\": "
+                "\"searched\"");
   }
   p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
   p.threads = json_field<int64_t>(j, "threads", who);
@@ -475,6 +486,17 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     }
     TORCH_CHECK(searched.microbatches == p.chunks, who, ": the searched schedule runs ",
                 searched.microbatches, " micro-batches but \"chunks\" is ", p.chunks);
+    TORCH_CHECK(!has_communication(searched), who,
+                ": the searched schedule has sends or "
+                "receives; a plan's text lists F, I, W (and B) only");
+    bool in_order = searched.stages == static_cast<int64_t>(p.balance.size());
+    for (int64_t s = 0; in_order && s < searched.stages; ++s)
+      in_order = searched.stage_ranks[s] == s;
+    TORCH_CHECK(in_order, who, ": the searched schedule runs ", searched.stages, " stage(s) on ",
+                searched.ranks.size(), " worker(s), not one per partition in order (",
+                p.balance.size(),
+                " in \"balance\"); a searched schedule puts partition s on "
+                "worker s");
     TORCH_CHECK(searched.ranks.size() == p.balance.size() && p.virtual_stages == 1, who,
                 ": the searched schedule has ", searched.ranks.size(),
                 " worker(s) but \"balance\" ", p.balance.size(),
@@ -695,8 +717,11 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
   std::optional<PipelinePlan> best;
   for (int64_t in_flight : {std::min(n, m), m}) {
     search.max_in_flight.assign(static_cast<size_t>(n), in_flight);
+    const SearchedSchedule found = search_schedule(m, search);
+    // (A generated seed that nothing beat is that schedule's own candidate already.)
+    if (found.origin == found.best_generated_name) continue;
     PipelinePlan p = zb;
-    p.schedule_text = schedule_text(search_schedule(m, search).schedule);
+    p.schedule_text = schedule_text(found.schedule);
     predict(profile, p, options.optimizer());
     if (fits(p) && (!best || p.step_us < best->step_us)) best = std::move(p);
     if (in_flight == m) break;
@@ -756,6 +781,8 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
       for (int64_t m : options.chunks()) {
         TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
         if (m > profile.batch || (interleaved && m % n != 0)) continue;
+        // (Note [Searched plans]: only counts the mini-batch splits into.)
+        if (ceil_div(profile.batch, ceil_div(profile.batch, m)) != m) continue;
         const int64_t b = (profile.batch + m - 1) / m;
         for (Checkpoint mode : options.checkpoints()) {
           const bool ck = checkpoint_stop(mode, m) > 0;
@@ -787,7 +814,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
   }
   TORCH_CHECK(!all.empty(), who, ": no candidate: check PlanOptions' chunks and schedules (",
               layers, " layers, a mini-batch of ", profile.batch, ")");
-  add_searched_plans(profile, options, all);
+  if (options.search()) add_searched_plans(profile, options, all);
   const auto peak = peak_of;
   std::vector<PipelinePlan> fit;
   for (const PipelinePlan& p : all) {

@@ -73,8 +73,15 @@ namespace gpipe {
 // predicted as every candidate is (simulate_pipeline over parse_schedule of its text, which adds
 // what the search's model leaves out: workers taking turns on shared cores, hand-overs, memory).
 // The faster one that fits the memory limit becomes a plan (PipelinePlan::schedule_text) only
-// when it is faster than every generated candidate of the same balance, micro-batches and
-// checkpointing that fits: a searched plan is never one that a generated schedule matches.
+// when the search found an order of its own (not one of its generated seeds) and it is faster
+// than every generated candidate of the same balance, micro-batches and checkpointing that fits:
+// a searched plan is never one that a generated schedule matches. PlanOptions::search(false)
+// leaves the search out.
+//
+// Every candidate's micro-batch count m is one the mini-batch really splits into: the engine
+// splits B samples into pieces of ceil(B / m), so an m with ceil(B / ceil(B / m)) != m (24 of
+// 128: 22 pieces) is left out (its generated schedules would run the smaller count, and a
+// searched text written for m would not run at all).
 
 /// The optimizer a plan trains with: its state per parameter.
 enum class OptimizerKind { kSGD, kMomentum, kAdam };
@@ -102,6 +109,8 @@ struct PlanOptions {
   TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kMomentum;
   /// How many plans plan() returns.
   TORCH_ARG(int64_t, top) = 5;
+  /// Whether to search schedules beside the zero-bubble candidates (Note [Searched plans]).
+  TORCH_ARG(bool, search) = true;
 };
 
 /// How to profile for planning.

@@ -40,6 +40,7 @@
 #include "examples/models/amoebanet.h"
 #include "examples/models/resnet.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/schedule_text.h"
 #include "gpipe/trace.h"
 #include "gpipe/worker.h"
 
@@ -230,8 +231,11 @@ void print_detail(const gpipe::PipelineProfile& profile, const gpipe::PipelinePl
                                           : s.backward_us));
   }
   const int64_t v = std::max<int64_t>(1, plan.virtual_stages);
-  const gpipe::Schedule schedule = gpipe::make_schedule(
-      plan.schedule, static_cast<int64_t>(plan.balance.size()) / v, plan.chunks, v);
+  const gpipe::Schedule schedule =
+      plan.schedule_text.empty()
+          ? gpipe::make_schedule(plan.schedule, static_cast<int64_t>(plan.balance.size()) / v,
+                                 plan.chunks, v)
+          : gpipe::parse_schedule(plan.schedule_text);
   gpipe::PipelineCosts sharing = costs;
   sharing.cores.clear();
   const double predicted_ms = sim.step_us / 1000;
@@ -302,6 +306,7 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
                                  .chunks({c.chunks})
                                  .checkpoints({c.checkpoint})
                                  .schedules({c.schedule})
+                                 .search(false)  // each row measures its named schedule
                                  .top(1))
             .front();
     gpipe::PipelinePlan predicted = plan;

@@ -1,33 +1,38 @@
-"""Unity sources: a library's .cc files compiled in groups, each group one translation unit.
+"""Unity sources: a library's .cc files compiled in groups, each group one translation unit."""
 
-Note [Unity builds]
-~~~~~~~~~~~~~~~~~~~
-Most of a gpipe file's compile time is LibTorch's headers: parsing them and instantiating and
-optimising the same inline templates (at::Tensor's methods, c10's containers) in every file. On
-the project's 2-core machine eight of gpipe's files took 67 s compiled one by one (134 CPU-s, two
-at a time) and 25 s as one file that includes the eight (docs/building.md, "Build weight"). So
-each library compiles its sources in groups of GPIPE_UNITY_BATCH files (sorted by name): a
-generated `<name>_unity_<k>.cc` includes each file of group k, and the files themselves are the
-library's `textual_hdrs`. CMake does the same with its UNITY_BUILD property (CMakeLists.txt).
-
-What it asks of the sources: the file-local names of one group share one anonymous namespace, so
-a file's helpers (anonymous namespaces, `static`) must not take another file's names in its
-group: the same signature twice is a compile error, and two overloads of one name would meet
-silently. When this was introduced no group had a file-local function or type defined in two of
-its files (two such pairs, of different arities, were renamed). Macros, using-declarations and
-namespace aliases carry on into the group's next files: they must agree (`using
-torch::autograd::Node;` in three files, `namespace nn = torch::nn;` in three, is the same
-declaration again). An edit recompiles the file's group, not the library, nor the files of other
-targets (Bazel prunes their inputs to the headers they include).
-"""
+# Note [Unity builds]
+# ~~~~~~~~~~~~~~~~~~~
+# Most of a gpipe file's compile time is LibTorch's headers: parsing them and instantiating and
+# optimising the same inline templates (at::Tensor's methods, c10's containers) in every file. On
+# the project's 2-core machine eight of gpipe's files took 67 s compiled one by one (134 CPU-s, two
+# at a time) and 25 s as one file that includes the eight (docs/building.md, "Build weight"). So
+# each library compiles its sources in groups of GPIPE_UNITY_BATCH files (sorted by name): a
+# generated `<name>_unity_<k>.cc` includes each file of group k, and the files themselves are the
+# library's `textual_hdrs`. CMake does the same with its UNITY_BUILD property (CMakeLists.txt).
+#
+# What it asks of the sources: the file-local names of one group share one anonymous namespace, so
+# a file's helpers (anonymous namespaces, `static`) must not take another file's names in its
+# group: the same signature twice is a compile error, and two overloads of one name would meet
+# silently. When this was introduced no group had a file-local function or type defined in two of
+# its files (two such pairs, of different arities, were renamed). Macros, using-declarations and
+# namespace aliases carry on into the group's next files: they must agree (`using
+# torch::autograd::Node;` in three files, `namespace nn = torch::nn;` in three, is the same
+# declaration again). An edit recompiles the file's group, not the library, nor the files of other
+# targets (Bazel prunes their inputs to the headers they include).
+#
+# A file must still include what it uses, but a group hides a missing include of any file after
+# its first. `bazel build --define=gpipe_unity=off //...` (and CMake's -DGPIPE_UNITY_BUILD=OFF)
+# compile file by file, which checks it; tools/check_includes.sh checks each library file alone
+# (g++ -fsyntax-only), as CI does.
 
 # Files per generated translation unit.
 GPIPE_UNITY_BATCH = 8
 
-def unity_sources(name, srcs, batch = GPIPE_UNITY_BATCH):
-    """Writes one `<name>_unity_<k>.cc` per `batch` files of `srcs` (sorted) and returns them.
+def unity_sources(name, srcs, batch = GPIPE_UNITY_BATCH, tags = []):
+    """Writes one `<name>_unity_<k>.cc` per `batch` files of `srcs` (sorted); returns them.
 
-    Give the returned files as the library's `srcs` and `srcs` as its `textual_hdrs`.
+    With --define=gpipe_unity=off it returns `srcs` themselves. Give the result as the library's
+    `srcs` and unity_headers(srcs) as its `textual_hdrs`.
     """
     package = native.package_name()
     files = sorted(srcs)
@@ -42,6 +47,17 @@ def unity_sources(name, srcs, batch = GPIPE_UNITY_BATCH):
             outs = [gen],
             cmd = "printf '%%s\\n' %s > $@" % " ".join(["'%s'" % line for line in lines]),
             visibility = ["//visibility:private"],
+            tags = tags,
         )
         out.append(gen)
-    return out
+    return select({
+        "//gpipe:unity_off": srcs,
+        "//conditions:default": out,
+    })
+
+def unity_headers(srcs):
+    """The library's `textual_hdrs`: `srcs` in unity builds, nothing without them."""
+    return select({
+        "//gpipe:unity_off": [],
+        "//conditions:default": srcs,
+    })

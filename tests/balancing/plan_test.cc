@@ -345,6 +345,11 @@ CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the
   const std::vector<PipelinePlan> free = plan(profile, PlanOptions().top(1000));
   CATCH_REQUIRE(free.size() > 20);
   for (size_t k = 1; k < free.size(); ++k) CATCH_CHECK(free[k - 1].step_us <= free[k].step_us);
+  // Only micro-batch counts the mini-batch of 32 splits into (12 makes 11 pieces, 24 makes 16).
+  for (const PipelinePlan& p : free) {
+    const int64_t rows = (32 + p.chunks - 1) / p.chunks;
+    CATCH_CHECK((32 + rows - 1) / rows == p.chunks);
+  }
   // Two cores and equal layers: the fastest splits the model in two.
   CATCH_CHECK(free.front().balance.size() == 2);
   // Each plan's numbers are its own simulation's.
@@ -441,9 +446,26 @@ CATCH_TEST_CASE(
                           gpipe_test::contains("the searched schedule runs") &&
                               gpipe_test::contains("micro-batches but \"chunks\" is"));
   other = searched.front();
+  other.schedule_text = "";
+  std::string empty_text = other.to_json();
+  CATCH_REQUIRE(empty_text.find("\"searched\"") == std::string::npos);  // written as zb
+  const size_t kind_at = empty_text.find("\"zb\"");
+  CATCH_REQUIRE(kind_at != std::string::npos);
+  CATCH_CHECK_THROWS_WITH(
+      PipelinePlan::from_json(
+          empty_text.replace(kind_at, 4, "\"searched\", \"schedule_text\": \"\"")),
+      gpipe_test::contains("the schedule is \"searched\" but its \"schedule_text\" is empty"));
+  CATCH_CHECK_THROWS_WITH(
+      PipelinePlan::from_json(json.replace(json.find("\"searched\""), 10, "\"zb\"")),
+      gpipe_test::contains("\"schedule_text\" is given but the schedule is zb"));
+  other = searched.front();
   other.schedule_text = "0F0 0X0\n";
   CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(other.to_json()),
                           gpipe_test::contains("\"schedule_text\" is not a schedule"));
+  // Without the search, no plan is searched.
+  for (const PipelinePlan& p : plan(profile, PlanOptions().top(100000).search(false))) {
+    CATCH_CHECK(p.schedule_text.empty());
+  }
 }
 
 CATCH_TEST_CASE("The planner refuses clearly when nothing fits, and says what would help",
