@@ -8,7 +8,8 @@
 # at a time) and 25 s as one file that includes the eight (docs/building.md, "Build weight"). So
 # each library compiles its sources in groups of GPIPE_UNITY_BATCH files (sorted by name): a
 # generated `<name>_unity_<k>.cc` includes each file of group k, and the files themselves are the
-# library's `textual_hdrs`. CMake does the same with its UNITY_BUILD property (CMakeLists.txt).
+# library's `textual_hdrs`. CMake does the same with -DGPIPE_UNITY_BUILD=ON (its UNITY_BUILD
+# property; off by default there, CMakeLists.txt says why).
 #
 # What it asks of the sources: the file-local names of one group share one anonymous namespace, so
 # a file's helpers (anonymous namespaces, `static`) must not take another file's names in its
@@ -22,8 +23,9 @@
 #
 # A file must still include what it uses, but a group hides a missing include of any file after
 # its first. `bazel build --define=gpipe_unity=off //...` (and CMake's -DGPIPE_UNITY_BUILD=OFF)
-# compile file by file, which checks it; tools/check_includes.sh checks each library file alone
-# (g++ -fsyntax-only), as CI does.
+# compile file by file, which checks it, as CI's Debian 13 build does (CMake's default is file by
+# file: docs/building.md says why); tools/check_includes.sh checks each library file alone
+# (g++ -fsyntax-only).
 
 # Files per generated translation unit.
 GPIPE_UNITY_BATCH = 8

@@ -548,6 +548,26 @@ nn::Sequential mlp(int64_t width, int64_t layers) {
   return seq;
 }
 
+// Three SGD steps (momentum) of `plain` and of `pipe`, a pipeline of a copy of it, on (x, y): the
+// same gradients at each. The plain model's loss over the micro-batches as the schedule weighs
+// them: with cross-entropy's mean and equal micro-batches, the mean over the mini-batch either way.
+void train_as_plain(nn::Sequential& plain, GPipe& pipe, const at::Tensor& x, const at::Tensor& y) {
+  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD pipe_opt(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto loss = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.tensor(), target);
+  };
+  for (int step = 0; step < 3; ++step) {
+    plain_opt.zero_grad();
+    pipe_opt.zero_grad();
+    loss(Batch(plain->forward(x)), y).backward();
+    pipe->step(x, y, loss);
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
+    plain_opt.step();
+    pipe_opt.step();
+  }
+}
+
 CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the plain model",
                 "[balancing][plan][transparency]") {
   at::manual_seed(0);
@@ -594,22 +614,7 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
     copy->parameters()[k].copy_(plain->parameters()[k]);
   }
   GPipe pipe(copy, best.options());
-  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::SGD pipe_opt(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto loss = [](const Batch& out, const at::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out.tensor(), target);
-  };
-  for (int step = 0; step < 3; ++step) {
-    plain_opt.zero_grad();
-    pipe_opt.zero_grad();
-    // The plain model's loss over the micro-batches as the schedule weighs them: with
-    // cross-entropy's mean and equal micro-batches, the mean over the mini-batch either way.
-    loss(Batch(plain->forward(x)), y).backward();
-    pipe->step(x, y, loss);
-    check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
-    plain_opt.step();
-    pipe_opt.step();
-  }
+  train_as_plain(plain, pipe, x, y);
 }
 
 CATCH_TEST_CASE("A searched plan's options run its schedule and train as the plain model",
@@ -638,20 +643,7 @@ CATCH_TEST_CASE("A searched plan's options run its schedule and train as the pla
   CATCH_CHECK(pipe->schedule(4).ranks == found.ranks);
   const at::Tensor x = at::randn({16, 32});
   const at::Tensor y = at::randint(4, {16});
-  torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  torch::optim::SGD pipe_opt(pipe->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto loss = [](const Batch& out, const at::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out.tensor(), target);
-  };
-  for (int step = 0; step < 3; ++step) {
-    plain_opt.zero_grad();
-    pipe_opt.zero_grad();
-    loss(Batch(plain->forward(x)), y).backward();
-    pipe->step(x, y, loss);
-    check_same_grads(plain->parameters(), pipe->parameters(), 1e-5);
-    plain_opt.step();
-    pipe_opt.step();
-  }
+  train_as_plain(plain, pipe, x, y);
 }
 
 CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of what it allocates",
