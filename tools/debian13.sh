@@ -192,7 +192,10 @@ for v in $variants; do
   # CI's AddressSanitizer + UndefinedBehaviorSanitizer run of every test (at -O1): one build
   # serves both, where a separate sanitized build took CI another 15 min.
   # (The programs are left out: Bazel compiles them, and here they cost about 8 minutes.)
+  # File by file (-DGPIPE_UNITY_BUILD=OFF, also when a kept build folder cached ON): CMakeLists.txt
+  # says why.
   args="-DCMAKE_CXX_STANDARD=20 -DGPIPE_SANITIZE=address,undefined -DGPIPE_PROGRAMS=OFF"
+  args+=" -DGPIPE_UNITY_BUILD=OFF"
   torch_pkg=libtorch-dev
   [[ "$v" == cuda ]] && torch_pkg=libtorch-cuda-dev
   echo "=== Debian 13, $v: $(in_root "$root" dpkg-query -W -f='${Package} ${Version}' "$torch_pkg"), $(in_root "$root" g++ --version | head -n 1)"
