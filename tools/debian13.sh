@@ -192,8 +192,8 @@ for v in $variants; do
   # CI's AddressSanitizer + UndefinedBehaviorSanitizer run of every test (at -O1): one build
   # serves both, where a separate sanitized build took CI another 15 min.
   # (The programs are left out: Bazel compiles them, and here they cost about 8 minutes.)
-  # File by file (-DGPIPE_UNITY_BUILD=OFF, also when a kept build folder cached ON): CMakeLists.txt
-  # says why.
+  # File by file (-DGPIPE_UNITY_BUILD=OFF, also when a kept build folder cached ON): this build
+  # also checks that each library file includes what it uses.
   args="-DCMAKE_CXX_STANDARD=20 -DGPIPE_SANITIZE=address,undefined -DGPIPE_PROGRAMS=OFF"
   args+=" -DGPIPE_UNITY_BUILD=OFF"
   torch_pkg=libtorch-dev
