@@ -692,6 +692,11 @@ int64_t peak_of(const PipelinePlan& p) {
   return *std::max_element(p.peak_bytes.begin(), p.peak_bytes.end());
 }
 
+// Whether `p` fits PlanOptions::memory_limit (0: no limit).
+bool fits_limit(const PlanOptions& options, const PipelinePlan& p) {
+  return options.memory_limit() == 0 || peak_of(p) <= options.memory_limit();
+}
+
 bool same_shape(const PipelinePlan& a, const PipelinePlan& b) {
   return a.balance == b.balance && a.devices == b.devices && a.chunks == b.chunks &&
          a.checkpoint == b.checkpoint;
@@ -704,9 +709,6 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
                                           const std::vector<PipelinePlan>& all) {
   const int64_t n = static_cast<int64_t>(zb.balance.size());
   const int64_t m = zb.chunks;
-  const auto fits = [&](const PipelinePlan& p) {
-    return options.memory_limit() == 0 || peak_of(p) <= options.memory_limit();
-  };
   ScheduleSearchOptions search;
   for (const StageCost& c : pipeline_costs(profile, zb, options.optimizer()).stages) {
     // (The search takes positive times: a stage without parameters has no W to speak of.)
@@ -715,7 +717,9 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
   }
   search.budget = kSearchBudget;
   std::optional<PipelinePlan> best;
-  for (int64_t in_flight : {std::min(n, m), m}) {
+  // ZB-H1's limit, then none (once where they are the same).
+  const std::vector<int64_t> limits = n < m ? std::vector<int64_t>{n, m} : std::vector<int64_t>{m};
+  for (int64_t in_flight : limits) {
     search.max_in_flight.assign(static_cast<size_t>(n), in_flight);
     const SearchedSchedule found = search_schedule(m, search);
     // (A generated seed that nothing beat is that schedule's own candidate already.)
@@ -723,12 +727,13 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
     PipelinePlan p = zb;
     p.schedule_text = schedule_text(found.schedule);
     predict(profile, p, options.optimizer());
-    if (fits(p) && (!best || p.step_us < best->step_us)) best = std::move(p);
-    if (in_flight == m) break;
+    if (fits_limit(options, p) && (!best || p.step_us < best->step_us)) best = std::move(p);
   }
   if (!best) return std::nullopt;
   for (const PipelinePlan& g : all) {
-    if (same_shape(g, *best) && fits(g) && g.step_us <= best->step_us) return std::nullopt;
+    if (same_shape(g, *best) && fits_limit(options, g) && g.step_us <= best->step_us) {
+      return std::nullopt;
+    }
   }
   return best;
 }
@@ -782,8 +787,8 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
         TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
         if (m > profile.batch || (interleaved && m % n != 0)) continue;
         // (Note [Searched plans]: only counts the mini-batch splits into.)
-        if (ceil_div(profile.batch, ceil_div(profile.batch, m)) != m) continue;
-        const int64_t b = (profile.batch + m - 1) / m;
+        const int64_t b = ceil_div(profile.batch, m);
+        if (ceil_div(profile.batch, b) != m) continue;
         for (Checkpoint mode : options.checkpoints()) {
           const bool ck = checkpoint_stop(mode, m) > 0;
           std::vector<double> time(layers), size(layers);
@@ -815,22 +820,21 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
   TORCH_CHECK(!all.empty(), who, ": no candidate: check PlanOptions' chunks and schedules (",
               layers, " layers, a mini-batch of ", profile.batch, ")");
   if (options.search()) add_searched_plans(profile, options, all);
-  const auto peak = peak_of;
   std::vector<PipelinePlan> fit;
   for (const PipelinePlan& p : all) {
-    if (options.memory_limit() == 0 || peak(p) <= options.memory_limit()) fit.push_back(p);
+    if (fits_limit(options, p)) fit.push_back(p);
   }
   if (fit.empty()) {
     const PipelinePlan& least = *std::min_element(
         all.begin(), all.end(),
-        [&](const PipelinePlan& a, const PipelinePlan& b) { return peak(a) < peak(b); });
+        [&](const PipelinePlan& a, const PipelinePlan& b) { return peak_of(a) < peak_of(b); });
     const PipelineCosts costs = pipeline_costs(profile, least, options.optimizer());
     const int64_t fixed = *std::max_element(costs.static_bytes.begin(), costs.static_bytes.end());
     const bool params = fixed > options.memory_limit();
     TORCH_CHECK(false, who, ": no plan fits in ", options.memory_limit(), " bytes (",
                 absl::StrFormat("%.1f", mib(options.memory_limit())), " MiB) per device on ",
-                profile.devices.size(), " device(s): the least memory any needs is ", peak(least),
-                " bytes (", least.describe(), "), of which ", fixed,
+                profile.devices.size(), " device(s): the least memory any needs is ",
+                peak_of(least), " bytes (", least.describe(), "), of which ", fixed,
                 " bytes are parameters, gradients, optimizer state, buffers and the input. ",
                 params ? "Those alone exceed the limit: give more devices (each then holds fewer "
                          "layers), a lighter optimizer, or a larger limit"
@@ -839,7 +843,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
                          "a larger limit");
   }
   std::stable_sort(fit.begin(), fit.end(), [&](const PipelinePlan& a, const PipelinePlan& b) {
-    return a.step_us != b.step_us ? a.step_us < b.step_us : peak(a) < peak(b);
+    return a.step_us != b.step_us ? a.step_us < b.step_us : peak_of(a) < peak_of(b);
   });
   if (static_cast<int64_t>(fit.size()) > options.top()) fit.resize(options.top());
   return fit;
