@@ -1,5 +1,4 @@
 // The rings of a stage's links and the records in them; see SharedLinks in shared_memory.h.
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +8,8 @@
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
 #include <random>
 
 #include <ATen/ops/tensor.h>
@@ -115,7 +116,7 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
                  "agreeing on shared memory between stages");
   token = where[0][2].item<int64_t>();
   const auto name = [&](char kind, int from, int to, int64_t channel) {
-    return absl::StrFormat("/gpipe-%x-%c%d-%d-%d", token, kind, from, to, channel);
+    return absl::StrFormat("gpipe-%x-%c%d-%d-%d", token, kind, from, to, channel);
   };
   // Whether every rank succeeded so far: an all-gather of each one's answer.
   const auto every_rank = [&](bool mine, const char* what) {
@@ -128,11 +129,17 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
     return failed;
   };
   std::string error;
+  // Watched from before its rings are looked up (Note [Rings without names]), one per peer.
+  std::map<int, std::shared_ptr<const PeerProcess>> peers;
   for (const Spec& spec : links) {
     if (where[spec.peer][0].item<int64_t>() != where[rank][0].item<int64_t>()) continue;
     SharedLink& link = links_[{spec.downstream, spec.channel}];
     link.peer = spec.peer;
-    link.peer_pid = static_cast<pid_t>(where[spec.peer][1].item<int64_t>());
+    std::shared_ptr<const PeerProcess>& peer = peers[spec.peer];
+    if (!peer) {
+      peer = std::make_shared<PeerProcess>(static_cast<pid_t>(where[spec.peer][1].item<int64_t>()));
+    }
+    link.peer_process = peer;
     link.timeout = timeout_of(group);
     if (!error.empty()) continue;
     try {
@@ -149,13 +156,8 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
       const bool downstream = key.first;
       try {
         rings_.push_back(SharedRing::open(
-            name(downstream ? 'g' : 'a', link.peer, rank, key.second)));
+            *link.peer_process, name(downstream ? 'g' : 'a', link.peer, rank, key.second)));
         link.in = rings_.back().get();
-        TORCH_CHECK(link.in->writer() == link.peer_pid &&
-                        (kill(link.peer_pid, 0) == 0 || errno != ESRCH),
-                    "gpipe::distributed: rank ", link.peer, " (pid ", link.peer_pid, ") shares "
-                    "/dev/shm with rank ", rank, " but not its process ids (another PID "
-                    "namespace?)");
       } catch (const std::exception& e) {
         error = message_of(e);
         break;

@@ -2,7 +2,9 @@
 #include "gpipe/distributed/internal/shared_memory.h"
 
 #include <fcntl.h>
+#include <dirent.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -44,8 +47,8 @@ int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; 
 
 std::atomic<int64_t> message_limit{-1};  // internal::set_shared_message_limit
 
-// Whether process `pid` has exited: gone, or a zombie that its parent has not waited for yet.
-bool exited(pid_t pid) {
+// Whether process `pid` has exited (PeerProcess::exited without a pidfd).
+bool pid_exited(pid_t pid) {
   if (kill(pid, 0) != 0) return errno == ESRCH;
   std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
   std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
@@ -58,6 +61,36 @@ std::string system_error(const char* call, const std::string& name, int error) {
   return absl::StrCat(call, "(\"", name, "\"): ", std::strerror(error));
 }
 
+// The most bytes a ring may take (Note [Rings without names]): a quarter of the host's memory, or
+// of the cgroup's memory.max where that is lower.
+int64_t ring_limit() {
+  int64_t memory = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  std::ifstream cgroup("/sys/fs/cgroup/memory.max");  // "max" or a number (cgroup v2)
+  int64_t most = 0;
+  if (cgroup >> most && most > 0) memory = std::min(memory, most);
+  return memory / 4;
+}
+
+// The number of the writer's open file whose link reads "/memfd:<label> (deleted)", or -1.
+int find_memfd(pid_t writer, const std::string& label) {
+  const std::string folder = absl::StrCat("/proc/", writer, "/fd");
+  DIR* dir = opendir(folder.c_str());
+  if (dir == nullptr) return -1;
+  const std::string wanted = absl::StrCat("/memfd:", label, " (deleted)");
+  int found = -1;
+  while (const dirent* entry = readdir(dir)) {
+    char target[512];
+    const std::string path = absl::StrCat(folder, "/", entry->d_name);
+    const ssize_t n = readlink(path.c_str(), target, sizeof(target));
+    if (n > 0 && std::string(target, static_cast<size_t>(n)) == wanted) {
+      found = std::atoi(entry->d_name);
+      break;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
 // Waits for `word` to change from `seen` (a futex shared between processes), at most 10 ms; before
 // that, gives up as `wait` says (checked every 16th call: about every 160 ms).
 class Waiter {
@@ -67,15 +100,19 @@ class Waiter {
   void pause(std::atomic<uint32_t>& word, uint32_t seen) {
     if (wait_.cancellation) wait_.cancellation->check();
     if (++polls_ % 16 == 0) {
-      TORCH_CHECK(wait_.peer <= 0 || !exited(wait_.peer),
-                  "gpipe::distributed: waiting for ", wait_.what, " in shared memory, but the "
-                  "other process (pid ", wait_.peer, ") has exited; every rank of a pipeline must "
+      TORCH_CHECK(wait_.peer == nullptr || !wait_.peer->exited(),
+                  "gpipe::distributed: waiting for ", wait_.what,
+                  " in shared memory, but the "
+                  "other process (pid ",
+                  peer_pid(),
+                  ") has exited; every rank of a pipeline must "
                   "take the same steps (a rank that died says why in its own output)");
       const auto waited =
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start_);
-      TORCH_CHECK(waited < wait_.timeout, "gpipe::distributed: waited ", waited.count(),
-                  " ms for ", wait_.what, " in shared memory, past the group's timeout (",
-                  wait_.timeout.count(), " ms); the other process (pid ", wait_.peer, ") did "
+      TORCH_CHECK(waited < wait_.timeout, "gpipe::distributed: waited ", waited.count(), " ms for ",
+                  wait_.what, " in shared memory, past the group's timeout (",
+                  wait_.timeout.count(), " ms); the other process (pid ", peer_pid(),
+                  ") did "
                   "not get there: is it stopped, or does it take other steps?");
     }
     timespec ten_ms{0, 10 * 1000 * 1000};
@@ -83,6 +120,8 @@ class Waiter {
   }
 
  private:
+  pid_t peer_pid() const { return wait_.peer ? wait_.peer->pid() : 0; }
+
   const RingWait& wait_;
   Clock::time_point start_;
   int64_t polls_ = 0;
@@ -108,9 +147,26 @@ struct SharedRing::Control {
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "atomics shared between processes");
 
-SharedRing::SharedRing(std::string name, bool owner, void* base, int64_t mapped)
-    : name_(std::move(name)),
-      owner_(owner),
+PeerProcess::PeerProcess(pid_t pid) : pid_(pid) {
+#ifdef SYS_pidfd_open
+  pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  gone_ = pidfd_ < 0 && errno == ESRCH;
+#endif
+}
+
+PeerProcess::~PeerProcess() {
+  if (pidfd_ >= 0) close(pidfd_);
+}
+
+bool PeerProcess::exited() const {
+  if (gone_) return true;
+  if (pidfd_ < 0) return pid_exited(pid_);
+  pollfd watch{pidfd_, POLLIN, 0};  // readable once the process has exited, zombie or reaped
+  return poll(&watch, 1, 0) > 0 && (watch.revents & POLLIN) != 0;
+}
+
+SharedRing::SharedRing(int fd, void* base, int64_t mapped)
+    : fd_(fd),
       base_(base),
       mapped_(mapped),
       control_(static_cast<Control*>(base)),
@@ -119,67 +175,82 @@ SharedRing::SharedRing(std::string name, bool owner, void* base, int64_t mapped)
   static_assert(sizeof(Control) <= kControlBytes, "the control block is one page");
 }
 
-std::unique_ptr<SharedRing> SharedRing::create(const std::string& name, int64_t bytes) {
+std::unique_ptr<SharedRing> SharedRing::create(const std::string& label, int64_t bytes) {
   static_assert(kMinSharedRing >= 4 * kKeptFree, "room for messages beside kKeptFree");
   TORCH_CHECK(bytes >= kMinSharedRing, "gpipe::distributed: a shared-memory ring needs at least ",
               kMinSharedRing, " bytes, got ", bytes);
   const int64_t mapped = kControlBytes + aligned(bytes);
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  TORCH_CHECK(mapped <= ring_limit(), "gpipe::distributed: cannot make a shared-memory ring of ",
+              mapped, " bytes: more than a quarter of this host's memory (", 4 * ring_limit(),
+              " bytes, or the cgroup's memory.max); PipelineStageOptions::shared_memory sets the "
+              "size of a ring");
+  const int fd = memfd_create(label.c_str(), MFD_CLOEXEC);
   TORCH_CHECK(fd >= 0, "gpipe::distributed: cannot make a shared-memory ring: ",
-              system_error("shm_open", name, errno));
-  // Allocated now: a full /dev/shm refuses it here, not with SIGBUS at a later write.
+              system_error("memfd_create", label, errno));
+  // Allocated now: a host without the memory refuses it here, not at a later write.
   const int error = posix_fallocate(fd, 0, mapped);
   void* base = error == 0 ? mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                           : MAP_FAILED;
   const int map_error = errno;
-  close(fd);
-  if (base == MAP_FAILED) shm_unlink(name.c_str());
+  if (base == MAP_FAILED) close(fd);
   TORCH_CHECK(error == 0, "gpipe::distributed: cannot make a shared-memory ring of ", mapped,
-              " bytes: ", system_error("posix_fallocate", name, error), " (is /dev/shm large "
-              "enough? PipelineStageOptions::shared_memory sets the size of a ring)");
+              " bytes: ", system_error("posix_fallocate", label, error),
+              " (PipelineStageOptions::shared_memory sets the size of a ring)");
   TORCH_CHECK(base != MAP_FAILED, "gpipe::distributed: cannot map a shared-memory ring: ",
-              system_error("mmap", name, map_error));
+              system_error("mmap", label, map_error));
   auto* control = new (base) Control();
   control->room = mapped - kControlBytes;
   control->writer = getpid();
   control->written.store(0);
   control->read.store(0);
   control->magic = kMagic;
-  return std::unique_ptr<SharedRing>(new SharedRing(name, true, base, mapped));
+  return std::unique_ptr<SharedRing>(new SharedRing(fd, base, mapped));
 }
 
-std::unique_ptr<SharedRing> SharedRing::open(const std::string& name) {
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const std::string& label) {
+  const int number = find_memfd(writer.pid(), label);
+  TORCH_CHECK(number >= 0, "gpipe::distributed: cannot open shared-memory ring ", label,
+              ": it is "
+              "not among the open files of process ",
+              writer.pid(), " (/proc/", writer.pid(),
+              "/fd); does this process see the other one's files (the same PID namespace and "
+              "user, /proc without hidepid)?");
+  const std::string path = absl::StrCat("/proc/", writer.pid(), "/fd/", number);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "gpipe::distributed: cannot open a shared-memory ring: ",
-              system_error("shm_open", name, errno), " (does /dev/shm differ between the "
-              "processes, as in two containers?)");
-  shm_unlink(name.c_str());  // both processes have it now: nothing is left behind
+              system_error("open", path, errno));
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int error = errno;
     close(fd);
     TORCH_CHECK(false, "gpipe::distributed: cannot open a shared-memory ring: ",
-                system_error("fstat", name, error));
+                system_error("fstat", path, error));
   }
   if (st.st_size <= kControlBytes) {
     close(fd);
-    TORCH_CHECK(false, "gpipe::distributed: ", name, " holds ", st.st_size, " bytes, not a gpipe "
+    TORCH_CHECK(false, "gpipe::distributed: ", label, " holds ", st.st_size,
+                " bytes, not a gpipe "
                 "ring");
   }
   void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
   close(fd);
   TORCH_CHECK(base != MAP_FAILED, "gpipe::distributed: cannot map a shared-memory ring: ",
-              system_error("mmap", name, error));
-  auto ring = std::unique_ptr<SharedRing>(new SharedRing(name, false, base, st.st_size));
+              system_error("mmap", path, error));
+  auto ring = std::unique_ptr<SharedRing>(new SharedRing(-1, base, st.st_size));
   TORCH_CHECK(ring->control_->magic == kMagic && ring->control_->room == ring->room_,
-              "gpipe::distributed: ", name, " is not a gpipe ring of ", ring->room_, " bytes");
+              "gpipe::distributed: ", label, " is not a gpipe ring of ", ring->room_, " bytes");
+  // (Note [Rings without names]: the pidfd, older than this look, is the ring's writer.)
+  TORCH_CHECK(!writer.exited(), "gpipe::distributed: process ", writer.pid(),
+              ", which made "
+              "shared-memory ring ",
+              label, ", has exited");
   return ring;
 }
 
 SharedRing::~SharedRing() {
   munmap(base_, mapped_);
-  if (owner_) shm_unlink(name_.c_str());  // not opened (the reader removes it): gone either way
+  if (fd_ >= 0) close(fd_);
 }
 
 int64_t SharedRing::max_message() const { return room_ / 2 - kRecordHeader; }

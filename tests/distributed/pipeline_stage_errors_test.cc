@@ -61,14 +61,14 @@ CATCH_TEST_CASE(kDeadStage, "[distributed][stage][errors]") {
 }
 
 constexpr const char* kNoRoom =
-    "stages whose rings do not fit in /dev/shm warn and train over Gloo to the plain model";
+    "stages whose rings cannot be made warn and train over Gloo to the plain model";
 
 CATCH_TEST_CASE(kNoRoom, "[distributed][stage][errors]") {
   if (test_rank() >= 0) {
     train_stage(PipelineStageOptions(kBalance).chunks(kChunks));
     return;
   }
-  // 1 TiB a ring: more than /dev/shm holds (tmpfs refuses it at once, allocating nothing).
+  // 1 TiB a ring: more than a quarter of the host's memory (refused at once, allocating nothing).
   check_stages(kNoRoom, folder_for("no_room"),
                {{"GPIPE_TEST_SHARED_MEMORY", std::to_string(int64_t{1} << 40)},
                 {"GPIPE_TEST_SHARED_FAILS", "1"}},

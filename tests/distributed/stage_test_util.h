@@ -217,7 +217,7 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   if (const char* limit = std::getenv("GPIPE_TEST_SHARED_LIMIT")) {
     internal::set_shared_message_limit(std::stoll(limit));
   }
-  // GPIPE_TEST_SHARED_FAILS: rings that cannot be made (larger than /dev/shm), which each rank
+  // GPIPE_TEST_SHARED_FAILS: rings that cannot be made (too large for the host), which each rank
   // says in a warning.
   const bool fails = std::getenv("GPIPE_TEST_SHARED_FAILS") != nullptr;
   std::optional<gpipe::testing::CaptureWarnings> warnings;

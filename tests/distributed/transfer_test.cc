@@ -3,6 +3,7 @@
 // micro-batches larger than any before (which travel as two messages) still train to the plain
 // model. Between stages on one host, rings of shared memory (Note [Shared memory between stages
 // on one host] in gpipe/distributed/internal/shared_memory.h): order, wrapping, room, and giving up.
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -219,20 +221,29 @@ CATCH_TEST_CASE(kGrowing, "[distributed][transfer]") {
   std::filesystem::remove_all(folder);
 }
 
-// A ring of the smallest size, named in /dev/shm uniquely to this process and test: its writer
-// and its reader (which removed the name).
+// A ring of the smallest size, labelled uniquely to this process and test: its writer and its
+// reader.
 struct TestRing {
   std::string name;
   std::unique_ptr<internal::SharedRing> writer, reader;
 };
 TestRing test_ring(const char* what) {
-  const std::string name = "/gpipe-test-" + std::to_string(getpid()) + "-" + what;
+  const std::string name = "gpipe-test-" + std::to_string(getpid()) + "-" + what;
   auto writer = internal::SharedRing::create(name, internal::kMinSharedRing);
-  return {name, std::move(writer), internal::SharedRing::open(name)};
+  const internal::PeerProcess self(getpid());
+  return {name, std::move(writer), internal::SharedRing::open(self, name)};
+}
+
+// Whether /dev/shm holds a file whose name contains `label`.
+bool in_dev_shm(const std::string& label) {
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    if (entry.path().filename().string().find(label) != std::string::npos) return true;
+  }
+  return false;
 }
 
 // A wait on no other process, for a minute at most.
-const internal::RingWait kMinute{"test messages", 0, std::chrono::minutes(1), nullptr};
+const internal::RingWait kMinute{"test messages", nullptr, std::chrono::minutes(1), nullptr};
 
 CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrapping around its "
                 "end, and leaves no name behind",
@@ -240,7 +251,7 @@ CATCH_TEST_CASE("a shared-memory ring passes messages of any size in order, wrap
   TestRing ring = test_ring("order");
   internal::SharedRing* writer = ring.writer.get();
   internal::SharedRing* reader = ring.reader.get();
-  CATCH_CHECK_FALSE(std::filesystem::exists("/dev/shm" + ring.name));
+  CATCH_CHECK_FALSE(in_dev_shm(ring.name));
   CATCH_CHECK(writer->writer() == getpid());
   CATCH_CHECK(writer->max_message() == internal::kMinSharedRing / 2 - 64);
   const internal::RingWait& wait = kMinute;
@@ -389,8 +400,8 @@ CATCH_TEST_CASE("shared-memory records of random sizes and bytes are read within
   std::mt19937_64 random(20261129);
   int64_t read = 0, refused = 0;
   std::vector<std::string> wrong;
-  const internal::RingWait wait{"activations from rank 0 on rank 1", 0, std::chrono::minutes(1),
-                                nullptr};
+  const internal::RingWait wait{"activations from rank 0 on rank 1", nullptr,
+                                std::chrono::minutes(1), nullptr};
   for (int64_t n = 0; n < 2000; ++n) {
     TestRing ring = test_ring("fuzz");
     const int64_t length = static_cast<int64_t>(random() % 5000);
@@ -471,12 +482,13 @@ CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancel
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     cancellation.cancel("stage 1 of 2 failed: a layer threw");
   });
-  const internal::RingWait cancelled{"activations", 0, std::chrono::minutes(1), &cancellation};
+  const internal::RingWait cancelled{"activations", nullptr, std::chrono::minutes(1),
+                                     &cancellation};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, cancelled),
                           gpipe_test::contains("stage 1 of 2 failed: a layer threw"));
   cancel.join();
   // The group's timeout.
-  const internal::RingWait timed{"activations from rank 0", 0, std::chrono::milliseconds(100),
+  const internal::RingWait timed{"activations from rank 0", nullptr, std::chrono::milliseconds(100),
                                  nullptr};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, timed),
                           gpipe_test::contains("for activations from rank 0 in shared memory, "
@@ -486,7 +498,8 @@ CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancel
   const pid_t child = fork();
   if (child == 0) _exit(0);
   CATCH_REQUIRE(child > 0);
-  const internal::RingWait gone{"gradients", child, std::chrono::minutes(1), nullptr};
+  const internal::PeerProcess child_process(child);
+  const internal::RingWait gone{"gradients", &child_process, std::chrono::minutes(1), nullptr};
   CATCH_CHECK_THROWS_WITH(reader->next(&n, gone),
                           gpipe_test::contains("other process (pid " + std::to_string(child) +
                                                ") has exited"));
@@ -496,6 +509,108 @@ CATCH_TEST_CASE("a wait in a shared-memory ring gives up when the step is cancel
   while (writer->reserve(30000, /*block=*/false, timed) != nullptr) writer->commit();
   CATCH_CHECK_THROWS_WITH(writer->reserve(100000, /*block=*/true, timed),
                           gpipe_test::contains("past the group's timeout"));
+}
+
+CATCH_TEST_CASE(
+    "a shared-memory ring whose writer is killed leaves nothing behind whether or not "
+    "its reader had opened it",
+    "[distributed][transfer][shared_memory][faults]") {
+  const std::string label = "gpipe-test-" + std::to_string(getpid()) + "-killed-";
+  int ready[2];
+  CATCH_REQUIRE(pipe(ready) == 0);
+  const pid_t child = fork();
+  if (child == 0) {  // makes two rings, says so, and waits to be killed
+    auto opened = internal::SharedRing::create(label + "opened", internal::kMinSharedRing);
+    auto unopened = internal::SharedRing::create(label + "unopened", internal::kMinSharedRing);
+    uint8_t* out = opened->reserve(5, /*block=*/true, kMinute);
+    std::memcpy(out, "hello", 5);
+    opened->commit();
+    const char byte = 1;
+    if (write(ready[1], &byte, 1) != 1) _exit(1);
+    for (;;) pause();
+  }
+  CATCH_REQUIRE(child > 0);
+  char byte = 0;
+  CATCH_REQUIRE(read(ready[0], &byte, 1) == 1);
+  close(ready[0]);
+  close(ready[1]);
+  const internal::PeerProcess writer(child);
+  auto reader = internal::SharedRing::open(writer, label + "opened");
+  CATCH_CHECK(reader->writer() == child);
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  // Neither ring left a name (the old rings in /dev/shm kept the unopened one's for good).
+  CATCH_CHECK_FALSE(in_dev_shm(label));
+  // The opened one is still the reader's until it lets go; the writer's exit is heard.
+  int64_t n = 0;
+  const internal::RingWait wait{"activations", &writer, std::chrono::minutes(1), nullptr};
+  const uint8_t* in = reader->next(&n, wait);
+  CATCH_CHECK(std::string(reinterpret_cast<const char*>(in), static_cast<size_t>(n)) == "hello");
+  reader->release();
+  CATCH_CHECK_THROWS_WITH(reader->next(&n, wait),
+                          gpipe_test::contains("(pid " + std::to_string(child) + ") has exited"));
+  // And the other one went with its writer.
+  CATCH_CHECK_THROWS_WITH(
+      internal::SharedRing::open(writer, label + "unopened"),
+      gpipe_test::contains("is not among the open files of process " + std::to_string(child)));
+}
+
+CATCH_TEST_CASE("a shared-memory ring is opened only from its writer's own files",
+                "[distributed][transfer][shared_memory][errors]") {
+  const std::string label = "gpipe-test-" + std::to_string(getpid()) + "-owned";
+  auto writer = internal::SharedRing::create(label, internal::kMinSharedRing);
+  const internal::PeerProcess self(getpid());
+  CATCH_CHECK_THROWS_WITH(
+      internal::SharedRing::open(self, label + "-other"),
+      gpipe_test::contains("cannot open shared-memory ring " + label +
+                           "-other: it is not among the open files of process " +
+                           std::to_string(getpid())));
+  const internal::PeerProcess parent(getppid());
+  CATCH_CHECK_THROWS_WITH(internal::SharedRing::open(parent, label),
+                          gpipe_test::contains("not among the open files"));
+  // A ring beyond a quarter of the host's memory is refused before anything is allocated.
+  CATCH_CHECK_THROWS_WITH(internal::SharedRing::create(label + "-huge", int64_t{1} << 50),
+                          gpipe_test::contains("more than a quarter of this host's memory"));
+}
+
+// Makes the next process this one forks get pid `pid` (Linux's ns_last_pid, as CRIU restores
+// processes); false where it cannot (not root, or another process took it first).
+pid_t fork_as(pid_t pid) {
+  std::ofstream last("/proc/sys/kernel/ns_last_pid");
+  if (!(last << (pid - 1) << std::flush)) return -1;
+  return fork();
+}
+
+CATCH_TEST_CASE("a peer process that exited reads as exited even when a new process has its pid",
+                "[distributed][transfer][shared_memory][faults]") {
+  // The pid check that this replaced (kill(pid, 0)) saw the new process and waited on.
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    const pid_t first = fork();
+    if (first == 0) _exit(0);
+    CATCH_REQUIRE(first > 0);
+    const internal::PeerProcess watched(first);
+    int status = 0;
+    waitpid(first, &status, 0);
+    CATCH_CHECK(watched.exited());
+    const pid_t second = fork_as(first);
+    if (second == 0) {
+      pause();
+      _exit(0);
+    }
+    if (second < 0 && attempt == 0) {
+      CATCH_WARN("not tried: this process cannot choose the next pid (ns_last_pid needs root)");
+      return;
+    }
+    if (second < 0) continue;
+    // While the new process holds the pid, the number alone says "alive"; the watch does not.
+    const bool reused = second == first && kill(first, 0) == 0;
+    if (reused) CATCH_CHECK(watched.exited());
+    kill(second, SIGKILL);
+    waitpid(second, &status, 0);
+    if (reused) return;
+  }
+  CATCH_WARN("not tried: the pid was taken by other processes 20 times");
 }
 
 }  // namespace

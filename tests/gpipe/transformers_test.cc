@@ -247,6 +247,79 @@ CATCH_TEST_CASE("After a step that fails in backward, a weight tied across a CPU
   check_same_grads(each_once(plain->parameters()), model->parameters(), 1e-10);
 }
 
+CATCH_TEST_CASE(
+    "After a step that fails in backward, a weight tied by name across CPU "
+    "partitions takes the plain model's gradients in the next step",
+    "[tied][errors]") {
+  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
+  CATCH_CAPTURE(schedule_kind_name(kind));
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  GPipe model(tied_model(/*shared=*/false), GPipeOptions({2, 3})
+                                                .devices({at::kCPU, at::kCPU})
+                                                .chunks(3)
+                                                .schedule(kind)
+                                                .tied_parameters({{"0.weight", "4.weight"}}));
+  CATCH_REQUIRE(model->has_tied_copies());
+  auto mse = [](const Batch& out, const at::Tensor& y) { return (out[0] - y).pow(2).mean(); };
+  // The input's gradient hook throws after every partition's backward, the copy's gradient made.
+  const at::Tensor bad = at::randn({6, kVocab}, at::kDouble).requires_grad_(true);
+  bad.register_hook(
+      [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("the input's hook fails"); });
+  CATCH_CHECK_THROWS_WITH(model->step(bad, at::randn({6, kVocab}, at::kDouble), mse),
+                          gpipe_test::contains("the input's hook fails"));
+  const std::vector<at::Tensor> params = model->parameters();
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05));
+  opt.zero_grad();  // reaches the owner only: the copy's gradient must not survive the failure
+  const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+  const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
+  mse(Batch(plain->forward(x)), y).backward();
+  model->step(x, y, mse);
+  check_same_grads(each_once(plain->parameters()), params, 1e-10);
+}
+
+CATCH_TEST_CASE(
+    "Two steps accumulated into one optimizer step give a tied weight the plain "
+    "model's summed gradients, found or named",
+    "[tied][accumulation]") {
+  const bool named = GENERATE(false, true);
+  const Run run = GENERATE(Run::kForward, Run::kStepGPipe, Run::kStep1F1B);
+  CATCH_CAPTURE(named, static_cast<int>(run));
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  GPipeOptions options = GPipeOptions({2, 2, 1}).devices({at::kCPU, at::kCPU, at::kCPU}).chunks(3);
+  if (named) options.tied_parameters({{"0.weight", "4.weight"}});
+  if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
+  GPipe model(tied_model(/*shared=*/!named), options);
+  CATCH_CHECK(model->has_tied_copies() == named);
+  const std::vector<at::Tensor> plain_params = each_once(plain->parameters());
+  auto opt1 = make_optimizer(/*adam=*/true, plain_params);
+  auto opt2 = make_optimizer(/*adam=*/true, model->parameters());
+  const auto loss_fn = [](const Batch& out, const at::Tensor& y) {
+    return (out.tensor() - y).pow(2).mean();
+  };
+  for (int step = 0; step < 3; ++step) {
+    CATCH_INFO("step " << step);
+    opt1->zero_grad();
+    opt2->zero_grad();
+    for (int part = 0; part < 2; ++part) {  // two mini-batches, one optimizer step
+      const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+      const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
+      (plain->forward(x) - y).pow(2).mean().backward();
+      if (run == Run::kForward) {
+        (model->forward(x) - y).pow(2).mean().backward();
+      } else {
+        model->step(x, y, loss_fn);
+      }
+    }
+    check_same_grads(plain_params, model->parameters(), 1e-10);
+    opt1->step();
+    opt2->step();
+    const auto mine = model->parameters();
+    for (size_t k = 0; k < plain_params.size(); ++k) {
+      CATCH_CHECK(max_diff(plain_params[k], mine[k]) <= 1e-10);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe

@@ -1,6 +1,6 @@
 // Shared memory between the stages of a pipeline on one host (internal, not API): for each
-// direction of each link, a ring of messages in a file of /dev/shm that the computing threads of
-// the two processes write and read themselves (Note [Shared memory between stages on one host]).
+// direction of each link, a ring of messages in shared memory that the computing threads of the
+// two processes write and read themselves (Note [Shared memory between stages on one host]).
 #pragma once
 
 #include <sys/types.h>
@@ -26,6 +26,26 @@ namespace internal {
 
 class Cancellation;  // fault.h
 
+/// Another process on this host, watched for its exit (Note [Rings without names]): through a
+/// pidfd where the kernel has them, which a later process with the same pid does not fool.
+class PeerProcess {
+ public:
+  /// Watches process `pid` from now on (a pid that is already gone reads as exited).
+  explicit PeerProcess(pid_t pid);
+  ~PeerProcess();
+  PeerProcess(const PeerProcess&) = delete;
+  PeerProcess& operator=(const PeerProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  /// Whether it has exited: gone, or a zombie that its parent has not waited for yet.
+  bool exited() const;
+
+ private:
+  pid_t pid_;
+  int pidfd_ = -1;     // -1: no pidfd (an older kernel); the pid is asked
+  bool gone_ = false;  // already gone when watched
+};
+
 // Note [Shared memory between stages on one host]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Over Gloo a micro-batch's hop between processes costs more than its bytes: the sender's courier
@@ -35,24 +55,40 @@ class Cancellation;  // fault.h
 // were the posting of a send: docs/journal/2026-11-26-benchmarks.md, "measured in rounds, and
 // micro-batch groups"), and the interleaved schedule hops v times as often.
 // Stages on one host skip all of it: each direction of each link (activations one way, their
-// gradients the other) is a ring of messages in a file of /dev/shm that both processes map. The
-// computing thread that sends writes its message into the ring (the one copy that packing made
-// before) and wakes the reader through a futex in the ring; the computing thread that receives
-// waits there and copies the message out. No thread, socket or Gloo in between.
+// gradients the other) is a ring of messages in shared memory that both processes map (Note
+// [Rings without names]). The computing thread that sends writes its message into the ring (the
+// one copy that packing made before) and wakes the reader through a futex in the ring; the
+// computing thread that receives waits there and copies the message out. No thread, socket or
+// Gloo in between.
 //
 // The rings are made with the stage: the ranks tell each other their host (its name, boot id and
-// PID namespace: a wait must be able to see whether the other process is alive), each makes the
-// rings it writes, and after a collective each opens the rings it reads and removes their names,
-// so that nothing is left in /dev/shm when a process dies. The stages use them only if every
-// rank made and opened all of its rings; otherwise (no /dev/shm, or too little room there: Docker
-// gives a container 64 MiB) every link stays on Gloo, and the rank that could not says why in a
-// warning. The ring's memory is allocated when it is made, so a full /dev/shm refuses it then
-// instead of killing a process (SIGBUS) later. A message larger than half a ring, or one that
-// finds no room in it, goes over Gloo as before, announced by a small record in the ring so the
-// reader keeps the order (an eighth of each ring is kept for those records: thousands of them,
-// and only then does such a record wait for room). A wait in a ring gives up with the step's
-// cancellation (Note [Failing fast across processes] in fault.h), when the writing or reading
-// process is gone, or at the group's timeout.
+// PID namespace) and their process ids, each makes the rings it writes, and after a collective
+// each opens the rings it reads. The stages use them only if every rank made and opened all of
+// its rings; otherwise every link stays on Gloo, and the rank that could not says why in a
+// warning. A message larger than half a ring, or one that finds no room in it, goes over Gloo as
+// before, announced by a small record in the ring so the reader keeps the order (an eighth of each
+// ring is kept for those records: thousands of them, and only then does such a record wait for
+// room). A wait in a ring gives up with the step's cancellation (Note [Failing fast across
+// processes] in fault.h), when the writing or reading process is gone, or at the group's timeout.
+//
+// Note [Rings without names]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A ring is a memfd (memfd_create): memory with a label, no name in any file system. The reader
+// finds it among the writer's open files (/proc/<pid>/fd, whose links read "/memfd:<label>") and
+// opens it there; the label holds the stage's random token and the link. So nothing is ever left
+// behind: when both processes are gone, so is the ring, whenever they die (a ring in /dev/shm
+// stayed there if its writer was killed before the reader had opened it and removed its name).
+// It also takes no room in /dev/shm, whose 64 MiB in a Docker container refused the rings; its
+// pages are allocated when it is made, against the host's memory (a ring larger than a quarter of
+// it, or of the cgroup's memory.max, is refused at once), so a host without the memory refuses
+// it then instead of killing a process later.
+// Whether the other process is alive, which each wait asks, is a pidfd (pidfd_open, Linux 5.3):
+// opened before the ring is looked up, and held, so a new process that reuses the pid cannot
+// pass for the peer as it could for kill(pid, 0). The ring found after the pidfd was opened, with
+// the peer still alive after, shows that the pidfd is the ring's writer. Where a kernel has no
+// pidfd, the pid is asked as before. A reader that cannot see the writer's files (another PID
+// namespace, /proc mounted with hidepid, another user) cannot open the ring: every link then
+// stays on Gloo, with the warning.
 
 /// The smallest ring (PipelineStageOptions::shared_memory): 256 KiB.
 constexpr int64_t kMinSharedRing = int64_t{256} << 10;
@@ -60,7 +96,7 @@ constexpr int64_t kMinSharedRing = int64_t{256} << 10;
 /// What a wait in a ring is for, and when it gives up.
 struct RingWait {
   absl::string_view what;  // "activations from rank 0", for errors (outlives the wait)
-  pid_t peer = 0;    // the other process: the wait fails when it is gone
+  const PeerProcess* peer = nullptr;  // the other process: the wait fails when it is gone
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   const Cancellation* cancellation = nullptr;  // checked while waiting (may be null)
 };
@@ -69,12 +105,12 @@ struct RingWait {
 /// One thread writes and one thread reads at a time.
 class SharedRing {
  public:
-  /// Makes ring `name` (a /dev/shm name, "/gpipe-...") with `bytes` of room, for writing. Throws
-  /// c10::Error with the system's reason when it cannot.
-  static std::unique_ptr<SharedRing> create(const std::string& name, int64_t bytes);
-  /// Opens ring `name`, made by another process, for reading, and removes its name. Throws
-  /// c10::Error when it cannot.
-  static std::unique_ptr<SharedRing> open(const std::string& name);
+  /// Makes a ring labelled `label` ("gpipe-...", Note [Rings without names]) with `bytes` of room,
+  /// for writing. Throws c10::Error with the system's reason when it cannot.
+  static std::unique_ptr<SharedRing> create(const std::string& label, int64_t bytes);
+  /// Opens ring `label`, made by process `writer` (this one too), for reading. Throws c10::Error
+  /// when it cannot: not among the writer's open files, or the writer has exited.
+  static std::unique_ptr<SharedRing> open(const PeerProcess& writer, const std::string& label);
   ~SharedRing();
   SharedRing(const SharedRing&) = delete;
   SharedRing& operator=(const SharedRing&) = delete;
@@ -96,10 +132,9 @@ class SharedRing {
 
  private:
   struct Control;
-  SharedRing(std::string name, bool owner, void* base, int64_t mapped);
+  SharedRing(int fd, void* base, int64_t mapped);
 
-  std::string name_;
-  bool owner_;  // made it: removes the name if still there
+  int fd_;  // the writer's memfd, open while the ring lives (the reader opens it); -1: the reader
   void* base_;
   int64_t mapped_;
   Control* control_;
@@ -113,12 +148,12 @@ struct SharedLink {
   SharedRing* out = nullptr;
   SharedRing* in = nullptr;
   int peer = 0;
-  pid_t peer_pid = 0;
+  std::shared_ptr<const PeerProcess> peer_process;
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 
   /// A wait for `what` from or to this link's peer, given up by `cancellation` too.
   RingWait wait(absl::string_view what, const Cancellation* cancellation) const {
-    return {what, peer_pid, timeout, cancellation};
+    return {what, peer_process.get(), timeout, cancellation};
   }
 
   /// Writes `microbatch`'s record into `out`: `header` (if defined: activations) and `tensors`
