@@ -338,6 +338,8 @@ std::vector<std::vector<int64_t>> PipelineStageImpl::tied_stages() const {
   return tied_stages_->holders();
 }
 
+void PipelineStageImpl::check_ties() const { tied_stages_->check_equal(group_, local_); }
+
 int64_t PipelineStageImpl::partitions() const { return static_cast<int64_t>(partitions_.size()); }
 
 int64_t PipelineStageImpl::shared_memory_links() const { return shared_ ? shared_->size() : 0; }

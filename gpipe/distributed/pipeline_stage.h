@@ -363,6 +363,11 @@ class PipelineStageImpl : public torch::nn::Module {
   /// The stages holding each tie that spans stages, in the ties' order (Note [Ties across
   /// stages]).
   std::vector<std::vector<int64_t>> tied_stages() const;
+  /// Checks that each tie spanning stages has one value on every stage holding it, as Note [Ties
+  /// across stages] keeps it: a collective over the pipeline's group (every stage calls it).
+  /// Throws c10::Error on every stage, naming the tie and its stages, where a stage's optimizer
+  /// stepped it otherwise. save_training checks before it writes.
+  void check_ties() const;
 
   /// Every stage's timeline of the last step, on one clock (the processes must share a host):
   /// partitions numbered across the whole pipeline (stage s's first partition follows the

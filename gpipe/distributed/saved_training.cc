@@ -497,6 +497,7 @@ int64_t saved_step(const std::string& dir) {
 void save_training(const std::string& dir, const PipelineStageImpl& stage,
                    const torch::optim::Optimizer* optimizer, int64_t step,
                    const GradScaler* scaler) {
+  stage.check_ties();  // Note [Ties across stages]: a parted tie is refused, not saved
   save(dir, stage_grid(stage), stage, optimizer, step, scaler);
 }
 

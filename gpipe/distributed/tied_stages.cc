@@ -2,11 +2,16 @@
 #include "gpipe/distributed/internal/tied_stages.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <set>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
+#include "absl/strings/str_join.h"
 
 #include "gpipe/distributed/replication.h"
 
@@ -22,6 +27,7 @@ TiedStages::TiedStages(const std::vector<Tie>& ties, const std::vector<int64_t>&
     for (int64_t layer : ties[k].layers) stages.insert(stage_of_layer[layer]);
     if (stages.size() < 2) continue;
     Entry e;
+    e.name = ties[k].names.front();
     e.stages.assign(stages.begin(), stages.end());
     e.owner = owners[k];
     e.like = shapes[k];
@@ -58,6 +64,36 @@ void TiedStages::broadcast(const ProcessGroup& group, c10::Device local) const {
     check_collective(group, "the broadcast of a tied parameter from the first stage holding it",
                      [&] { group->broadcast(one, options)->wait(); });
     if (e.owner.defined() && !one[0].is_same(e.owner)) e.owner.detach().copy_(one[0]);
+  }
+}
+
+void TiedStages::check_equal(const ProcessGroup& group, c10::Device local) const {
+  at::NoGradGuard no_grad;
+  for (const Entry& e : entries_) {
+    const c10::Device wire =
+        wire_device(group, e.owner.defined() && e.owner.is_cuda() ? e.owner.device() : local);
+    // [value, -value] where this stage holds the tie, -inf elsewhere: the maximum of both halves
+    // is the holders' maximum and minus their minimum.
+    const at::Tensor mine =
+        e.owner.defined()
+            ? at::cat({e.owner.detach().reshape(-1), e.owner.detach().reshape(-1).neg()}).to(wire)
+            : at::full({2 * e.like.numel()}, -std::numeric_limits<double>::infinity(),
+                       e.like.options().device(wire));
+    std::vector<at::Tensor> both{mine};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    check_collective(group, "the check of a tied parameter across the stages holding it",
+                     [&] { group->allreduce(both, options)->wait(); });
+    const int64_t n = e.like.numel();
+    const double apart =
+        n == 0 ? 0.0
+               : (both[0].narrow(0, 0, n) + both[0].narrow(0, n, n)).abs().max().item<double>();
+    TORCH_CHECK(apart == 0, "gpipe::distributed: tied parameter ", e.name,
+                " differs between "
+                "the stages holding it (",
+                absl::StrJoin(e.stages, ", "), ") by up to ", apart,
+                "; every stage's optimizer must step it alike (the same optimizer, learning "
+                "rate, weight decay and clipping on each: Note [Ties across stages])");
   }
 }
 

@@ -10,8 +10,10 @@
 
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
 
 #include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/saved_training.h"
 #include "gpipe/grad_scaler.h"
 #include "tests/gpipe/tied_model.h"
 
@@ -203,6 +205,42 @@ CATCH_TEST_CASE(kTiedStages, "[distributed][stage][tied]") {
   std::filesystem::remove_all(folder);
 }
 
+constexpr const char* kPartedTie =
+    "a tie that one stage's optimizer steps otherwise is refused by save_training on every stage";
+
+CATCH_TEST_CASE(kPartedTie, "[distributed][stage][tied][saving][errors]") {
+  if (test_rank() < 0) {
+    check_ranks_pass(kPartedTie, "parted_tie");
+    return;
+  }
+  PipelineStage stage(tied_test::tied_model(/*shared=*/true),
+                      PipelineStageOptions({2, 3}).chunks(2), join());
+  CATCH_REQUIRE(stage->tied_stages() == std::vector<std::vector<int64_t>>{{0, 1}});
+  const std::string dir = gpipe_test::test_folder() + "/saves";
+  // The same optimizer on both stages: the tie stays one, and saves.
+  const auto train = [&](double first_lr, int steps) {
+    torch::optim::SGD sgd(stage->parameters(),
+                          torch::optim::SGDOptions(stage->is_first() ? first_lr : 0.05));
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = tied_batch(step);
+      sgd.zero_grad();
+      stage->step(stage->is_first() ? Batch(x) : no_input(), y, mse);
+      sgd.step();
+    }
+  };
+  train(0.05, 2);
+  stage->check_ties();
+  save_training(dir, *stage, nullptr, 2);
+  // The first stage with another learning rate: its tie parts from the last stage's.
+  train(0.2, 1);
+  const auto parted = gpipe_test::contains(
+      "tied parameter 0.weight differs between the stages "
+      "holding it (0, 1) by up to ");
+  CATCH_CHECK_THROWS_WITH(stage->check_ties(), parted);
+  CATCH_CHECK_THROWS_WITH(save_training(dir, *stage, nullptr, 3), parted);
+  // Nothing was written for the refused step: the last save is still the one to load.
+  CATCH_CHECK(load_training(dir, *stage, nullptr) == 2);
+}
 
 constexpr const char* kSkipEverywhere =
     "an inf in the last stage's gradients skips the step on every stage and backs the scale off";

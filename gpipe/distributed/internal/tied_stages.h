@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -40,6 +41,12 @@ namespace internal {
 // inside step(): an optimizer stepping one stage's parameters() after step() returns sees the
 // summed gradient.
 //
+// Nothing sends a tie again after construction, so a stage whose optimizer steps it otherwise
+// (another learning rate, weight decay or clipping) would part it from the others silently.
+// check_equal() (PipelineStage::check_ties, called by save_training before it writes) finds that:
+// an all-reduce of each tie's maximum and of its minimum over its holders, equal everywhere when
+// the holders agree.
+//
 // Only the step's own gradients are summed. Gradients accumulated over several steps before the
 // optimizer's (gradient accumulation) already hold the earlier steps' sums on every stage:
 // summing the whole gradient again would count them once per stage. So begin_step() sets each
@@ -64,6 +71,9 @@ class TiedStages {
   std::vector<at::Tensor> held_below(int64_t stage) const;
   /// Every holder takes the value of the lowest stage holding the tie (a collective over `group`).
   void broadcast(const ProcessGroup& group, c10::Device local) const;
+  /// Throws c10::Error, on every stage, where a tie's holders hold different values (a
+  /// collective over `group`: Note [Ties across stages]).
+  void check_equal(const ProcessGroup& group, c10::Device local) const;
   /// Before a step's backward: sets the owners' gradients aside (Note [Ties across stages]).
   void begin_step();
   /// Sums the step's gradients of the ties over `group` (a collective), calling `check` while it
@@ -73,6 +83,7 @@ class TiedStages {
 
  private:
   struct Entry {
+    std::string name;             // its first place's
     std::vector<int64_t> stages;  // ascending
     at::Tensor owner;             // undefined where this stage holds none
     at::Tensor like;              // shape and dtype
