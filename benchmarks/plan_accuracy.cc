@@ -480,6 +480,9 @@ int main(int argc, char** argv) {
                   100 * median_of(memory_errors),
                   100 * *std::max_element(memory_errors.begin(), memory_errors.end()));
     }
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "plan_accuracy: %s\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "plan_accuracy: %s\n", e.what());
     return 1;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -88,7 +89,7 @@ std::vector<c10::Device> two_devices() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const std::vector<c10::Device> devices = two_devices();
   at::manual_seed(0);
@@ -125,4 +126,13 @@ int main(int argc, char** argv) {
                 want.item<double>());
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's backtrace
+    std::fprintf(stderr, "custom_module: %s\n", e.what_without_backtrace());
+    return 2;
+  }
 }

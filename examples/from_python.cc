@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/serialization/import.h>
@@ -64,7 +65,7 @@ std::vector<c10::Device> two_devices() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const std::vector<int64_t> input = shape(absl::GetFlag(FLAGS_input));
   const std::vector<int64_t> target = shape(absl::GetFlag(FLAGS_target));
@@ -101,4 +102,13 @@ int main(int argc, char** argv) {
           .c_str(),
       absl::GetFlag(FLAGS_out).c_str());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's backtrace
+    std::fprintf(stderr, "from_python: %s\n", e.what_without_backtrace());
+    return 2;
+  }
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -36,7 +37,7 @@ std::vector<c10::Device> two_devices() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int steps = absl::GetFlag(FLAGS_steps);
   const std::string svg = absl::GetFlag(FLAGS_svg);
@@ -75,4 +76,13 @@ int main(int argc, char** argv) {
   std::printf("balance {%s} on %s and %s\n", absl::StrJoin(balance, ", ").c_str(),
               devices[0].str().c_str(), devices[1].str().c_str());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's backtrace
+    std::fprintf(stderr, "getting_started: %s\n", e.what_without_backtrace());
+    return 2;
+  }
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/activation.h>
@@ -50,7 +51,7 @@ gpipe::Checkpoint parse_checkpoint(const std::string& name) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int partitions = absl::GetFlag(FLAGS_partitions);
   const int width = absl::GetFlag(FLAGS_width);
@@ -101,4 +102,13 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's backtrace
+    std::fprintf(stderr, "train_mlp: %s\n", e.what_without_backtrace());
+    return 2;
+  }
 }

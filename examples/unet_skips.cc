@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/adam.h>
@@ -23,7 +24,7 @@ ABSL_FLAG(bool, timeline, true, "print the schedule of the last step");
 
 namespace nn = torch::nn;
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   at::manual_seed(0);
   nn::Sequential model = gpipe::models::unet();
@@ -68,4 +69,13 @@ int main(int argc, char** argv) {
                 gpipe::render_timeline(pipe->last_timeline()).c_str());
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {  // the message, without LibTorch's backtrace
+    std::fprintf(stderr, "unet_skips: %s\n", e.what_without_backtrace());
+    return 2;
+  }
 }

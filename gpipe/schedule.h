@@ -1,6 +1,6 @@
-// Pipeline schedules as data: the clock-cycle ticks the engine runs today, and, for each worker
-// (a device's thread or a process), the ordered actions of GPipe, 1F1B, interleaved 1F1B and
-// zero-bubble schedules.
+// Pipeline schedules as data: for each worker (a device's thread or a process), the ordered
+// actions of GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H1), ZBV, interleaved zero-bubble
+// (ZB1P) and DualPipeV schedules, and GPipe's clock-cycle ticks.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Checks that every code block marked in the docs is still the text of the source it quotes.
+"""Checks that every C++ code block in the docs is marked and still the text of the source it
+quotes, so that every block compiles (fragments are quoted from docs/snippets.cc).
 
-A block is marked by a line `<!-- snippet: PATH [TAG] -->` right before it; the source's text is
-what lies between two `// [TAG]` lines in PATH. A source may also hold variants of a snippet, a
+A block is marked by a line `<!-- snippet: PATH [TAG] -->` right before it (indented as the block
+is, inside a list item); the source's text is what lies between two `// [TAG]` lines in PATH,
+compared with the block's text less its indentation. A ```cpp block without a mark fails. A source may also hold variants of a snippet, a
 line `// snippet-variant: [B] is [A] with "x" -> "y", "u" -> "v"` saying that the text between
 its `// [B]` lines is [A]'s with those replacements (the README's quick start on the CPU).
 Usage: tools/check_doc_snippets.py README.md docs/*.md
@@ -12,7 +14,8 @@ import pathlib
 import re
 import sys
 
-MARK = re.compile(r"<!-- snippet: (\S+) \[(\w+)\] -->\n```cpp\n(.*?)```", re.S)
+MARK = re.compile(r"^([ \t]*)<!-- snippet: (\S+) \[(\w+)\] -->\n\1```cpp\n(.*?)```", re.S | re.M)
+BLOCK = re.compile(r"^([ \t]*)```cpp\n", re.M)
 VARIANT = re.compile(r"// snippet-variant: \[(\w+)\] is \[(\w+)\] with (.*)\n")
 REPLACEMENT = re.compile(r'"([^"]*)" -> "([^"]*)"')
 
@@ -48,7 +51,15 @@ def main(paths):
     sources = set()
     for path in paths:
         text = pathlib.Path(path).read_text()
-        for source, tag, block in MARK.findall(text):
+        marked = len(MARK.findall(text))
+        blocks = len(BLOCK.findall(text))
+        if blocks != marked:
+            print(f"{path}: {blocks - marked} C++ block(s) without a `<!-- snippet: PATH [TAG] -->` "
+                  f"line: quote each from a compiled source (fragments: docs/snippets.cc)")
+            bad += blocks - marked
+        for indent, source, tag, block in MARK.findall(text):
+            block = "".join(line[len(indent):] if line.startswith(indent) else line
+                            for line in block.splitlines(keepends=True))
             source_text = (root / source).read_text()
             sources.add(source)
             checked += 1
