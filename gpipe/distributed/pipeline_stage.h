@@ -171,7 +171,7 @@ struct PipelineStageOptions : PipelineOptions<PipelineStageOptions> {
   ///   PipelineStageOptions({3, 4}).local_balance({2, 2}).devices({"cuda:0", "cuda:1"})
   TORCH_ARG(std::vector<int64_t>, local_balance);
   /// The bytes of each ring of shared memory between this stage and a neighbour in another
-  /// process on the same host (one ring per direction of each link, in /dev/shm), through which
+  /// process on the same host (one ring per direction of each link, a memfd), through which
   /// the computing threads pass activations and gradients themselves instead of over the process
   /// group (Note [Shared memory between stages on one host] in internal/shared_memory.h); 0: every
   /// link over the process group. Used with Gloo only. A micro-batch larger than half a ring, or
@@ -328,7 +328,7 @@ class PipelineStageImpl : public torch::nn::Module {
   const PipelineStageOptions& options() const { return options_; }
   /// How many of this stage's links to its neighbours pass through shared memory (Note [Shared
   /// memory between stages on one host]): those to stages on this host, with shared_memory set
-  /// and /dev/shm usable by every rank; the others go over the process group.
+  /// and rings that every rank could make and open; the others go over the process group.
   int64_t shared_memory_links() const;
 
   /// Switches recording on or off for the next steps (off by default): each step then records

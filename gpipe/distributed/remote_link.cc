@@ -132,30 +132,48 @@ bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
   return true;
 }
 
+void check_microbatch(const SharedLink::Record& record, int64_t expected, int rank, int peer) {
+  TORCH_CHECK(record.microbatch == expected, "gpipe::distributed: on rank ", rank, ", from rank ",
+              peer, ": activations of micro-batch ", record.microbatch,
+              " arrived in shared "
+              "memory where micro-batch ",
+              expected, " was next; do all ranks run the same gpipe?");
+}
+
+ActivationReceiver::Received activations_of(const SharedLink::Record& record, int64_t expected,
+                                            int rank, int peer) {
+  check_microbatch(record, expected, rank, peer);
+  TORCH_CHECK(record.bytes >= kHeaderBytes, "gpipe::distributed: on rank ", rank, ", from rank ",
+              peer, ": a record of ", record.bytes,
+              " bytes in shared memory, shorter than an "
+              "activation header (",
+              kHeaderBytes, "); do all ranks run the same gpipe?");
+  ActivationReceiver::Received r;
+  uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
+  r.header =
+      BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank, peer);
+  const int64_t expected_bytes = kHeaderBytes + packed_data_bytes(r.header);
+  TORCH_CHECK(expected_bytes <= record.bytes, "gpipe::distributed: on rank ", rank, ", from rank ",
+              peer, ": a record of ", record.bytes,
+              " bytes in shared memory is shorter than its "
+              "header says (",
+              expected_bytes, "); do all ranks run the same gpipe?");
+  r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
+  unpack_into(record.data + kHeaderBytes, r.tensors);
+  return r;
+}
+
 gpipe::internal::Activation RemoteUpstream::receive() {
   ActivationReceiver::Received r;
   if (shared_) {
     const int rank = wire_.group->getRank();
     const RingWait wait = shared_->wait(waiting_for_activations_, wire_.cancellation.get());
     const SharedLink::Record record = shared_->read(wait);
-    TORCH_INTERNAL_ASSERT(record.microbatch == received_, "micro-batch ", record.microbatch,
-                          " arrived for ", received_);
     if (!record.over_group) {
-      TORCH_CHECK(record.bytes >= kHeaderBytes, "gpipe::distributed: on rank ", rank,
-                  ", from rank ", peer_, ": a record of ", record.bytes, " bytes in shared "
-                  "memory, shorter than an activation header (", kHeaderBytes, "); do all ranks "
-                  "run the same gpipe?");
-      uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
-      r.header = BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank,
-                                     peer_);
-      const int64_t expected = kHeaderBytes + packed_data_bytes(r.header);
-      TORCH_CHECK(expected <= record.bytes, "gpipe::distributed: on rank ", rank, ", from rank ",
-                  peer_, ": a record of ", record.bytes, " bytes in shared memory is shorter "
-                  "than its header says (", expected, "); do all ranks run the same gpipe?");
-      r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
-      unpack_into(record.data + kHeaderBytes, r.tensors);
+      r = activations_of(record, received_, rank, peer_);
       shared_->release();
     } else {
+      check_microbatch(record, received_, rank, peer_);
       shared_->release();
       const char* what = "receiving activations from the previous stage";
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::kLong);
@@ -368,8 +386,10 @@ std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) 
       const RingWait wait = shared_->wait(waiting_for_gradients_, wire_.cancellation.get());
       const SharedLink::Record record = shared_->read(wait);
       auto it = buffers_.find(record.microbatch);
-      TORCH_INTERNAL_ASSERT(it != buffers_.end(), "gradients of micro-batch ", record.microbatch,
-                            " arrived unasked");
+      TORCH_CHECK(it != buffers_.end(), "gpipe::distributed: on rank ", wire_.group->getRank(),
+                  ", from rank ", peer_, ": gradients of micro-batch ", record.microbatch,
+                  " arrived in shared memory, which this stage did not send or has them already; "
+                  "do all ranks run the same gpipe?");
       if (!record.over_group) {
         TORCH_CHECK(packed_bytes(it->second) <= record.bytes, "gpipe::distributed: on rank ",
                     wire_.group->getRank(), ", from rank ", peer_, ": gradients of ",

@@ -32,6 +32,7 @@
 #include <torch/optim/sgd.h>
 
 #include "gpipe/distributed/internal/fault.h"
+#include "gpipe/distributed/internal/remote_link.h"
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/internal/shared_memory.h"
 #include "gpipe/distributed/internal/transfer.h"
@@ -306,7 +307,9 @@ CATCH_TEST_CASE("a shared-memory record whose size is not one the writer makes i
 // Note [Fuzzing what a peer sends]: valid activation headers of random batches, mutated at
 // random places to values at the edges (negative, zero, the limits, huge, dtype numbers that are
 // none or not carried), and headers of random words; records of random sizes and bytes in a
-// shared-memory ring. Each must be read (and then unpack into tensors of what it says) or refused
+// shared-memory ring; and valid activation records in a ring, mutated at random (the micro-batch,
+// the length, header words, data bytes) and decoded as a stage decodes them (activations_of).
+// Each must be read (and then unpack into tensors of what it says) or refused
 // with a c10::Error naming where it came from; nothing else (no other exception, and no crash or
 // undefined behaviour: CI runs this under ASan and UBSan with LibTorch 2.6).
 
@@ -436,6 +439,80 @@ CATCH_TEST_CASE("shared-memory records of random sizes and bytes are read within
   CATCH_CHECK(wrong.empty());
   CATCH_CHECK(read > 100);
   CATCH_CHECK(refused > 100);
+}
+
+CATCH_TEST_CASE(
+    "shared-memory records of activations from a peer, valid ones mutated at random "
+    "bytes, are decoded or refused with an error naming the ranks, never anything else",
+    "[distributed][transfer][shared_memory][errors][fuzz]") {
+  std::mt19937_64 random(20261130);
+  int64_t read = 0, refused = 0;
+  std::vector<std::string> wrong;
+  TestRing ring = test_ring("record_fuzz");
+  internal::SharedLink link;
+  link.out = ring.writer.get();
+  link.in = ring.reader.get();
+  for (int64_t n = 0; n < 100000; ++n) {
+    // A valid record, as a stage writes it: micro-batch n's header and tensors of random bytes.
+    const at::Tensor encoded = random_header(random);
+    std::vector<at::Tensor> tensors =
+        internal::BatchHeader::decode(encoded, 1, 0).empty_tensors(c10::Device(c10::kCPU));
+    for (at::Tensor& t : tensors) {
+      uint8_t* bytes = static_cast<uint8_t*>(t.data_ptr());
+      for (size_t k = 0; k < t.nbytes(); ++k) bytes[k] = static_cast<uint8_t>(random());
+    }
+    CATCH_REQUIRE(link.write(n, encoded, tensors, kMinute));
+    internal::SharedLink::Record record = link.read(kMinute);
+    // What a peer could have written instead: the prefix's micro-batch, the record's length
+    // (within what the ring holds), header words, data bytes.
+    uint8_t* data = const_cast<uint8_t*>(record.data);
+    for (uint64_t m = random() % 5; m > 0; --m) {
+      switch (random() % 4) {
+        case 0:
+          record.microbatch = random() % 2 == 0 ? n + 1 : edge_value(random);
+          break;
+        case 1:
+          record.bytes = static_cast<int64_t>(random() % static_cast<uint64_t>(record.bytes + 1));
+          break;
+        case 2: {
+          const int64_t word = static_cast<int64_t>(random() % 40);  // where the entries are
+          const int64_t value = edge_value(random);
+          std::memcpy(data + 8 * word, &value, sizeof(value));
+          break;
+        }
+        default:
+          if (record.bytes > 0)
+            data[random() % static_cast<uint64_t>(record.bytes)] = static_cast<uint8_t>(random());
+      }
+    }
+    try {
+      const internal::ActivationReceiver::Received r = internal::activations_of(record, n, 1, 0);
+      // Taken only when it is the micro-batch due and holds every byte its header says.
+      if (record.microbatch != n)
+        wrong.push_back("micro-batch " + std::to_string(record.microbatch));
+      if (internal::kHeaderBytes + internal::packed_data_bytes(r.header) > record.bytes) {
+        wrong.push_back("a record shorter than its header says, taken");
+      }
+      for (size_t k = 0; k < r.tensors.size(); ++k) {
+        if (r.tensors[k].sizes() != c10::IntArrayRef(r.header.entries[k].sizes) ||
+            r.tensors[k].scalar_type() != r.header.entries[k].dtype) {
+          wrong.push_back("an unpacked tensor differs from its header's entry");
+        }
+      }
+      ++read;
+    } catch (const c10::Error& e) {
+      const std::string message = e.what_without_backtrace();
+      if (message.find("on rank 1, from rank 0") == std::string::npos) wrong.push_back(message);
+      ++refused;
+    } catch (const std::exception& e) {
+      wrong.push_back(std::string("not a c10::Error: ") + e.what());
+    }
+    link.release();
+  }
+  CATCH_INFO((wrong.empty() ? std::string() : wrong.front()));
+  CATCH_CHECK(wrong.empty());
+  CATCH_CHECK(read > 10000);
+  CATCH_CHECK(refused > 10000);
 }
 
 CATCH_TEST_CASE("a full shared-memory ring refuses a message without waiting and keeps room for "

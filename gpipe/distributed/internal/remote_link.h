@@ -60,6 +60,17 @@ std::vector<PairTurn> pair_turns(ScheduleKind kind, int64_t stages, int64_t m, i
 /// The pair's turns for a step of `m` micro-batches.
 using TurnsOf = std::function<std::vector<PairTurn>(int64_t m)>;
 
+/// Throws c10::Error naming both ranks unless `record` (from rank `peer`, on rank `rank`) holds
+/// micro-batch `expected`.
+void check_microbatch(const SharedLink::Record& record, int64_t expected, int rank, int peer);
+
+/// The activations of micro-batch `expected` in a shared-memory record from rank `peer` that holds
+/// them (not over_group), on rank `rank`: the header decoded and checked, the tensors unpacked (on
+/// the CPU). Throws c10::Error naming both ranks for anything malformed: a peer's bytes are
+/// checked before they are used (Note [Fuzzing what a peer sends] in transfer_test.cc).
+ActivationReceiver::Received activations_of(const SharedLink::Record& record, int64_t expected,
+                                            int rank, int peer);
+
 /// The activations from stage `peer` (the one before), received ahead on a thread of their own;
 /// their gradients go back to it.
 class RemoteUpstream final : public gpipe::internal::Upstream {
