@@ -43,7 +43,8 @@ std::vector<c10::Device> two_devices() {
 }
 
 // The same model and steps with a stage in each of two processes (docs/getting-started.md, step
-// 5): every process builds the same model and data from the same seed.
+// 5): every process builds the same model and data from the same seed (each draws the same
+// random numbers in the same order: the model's, the teacher's, then each step's inputs).
 int train_across_processes(int steps) {
 #if GPIPE_WITH_DISTRIBUTED
   at::manual_seed(0);

@@ -6,10 +6,12 @@
 //   bazel run -c opt //examples:gpt                       # about 4 minutes on 2 cores
 //   bazel run -c opt //examples:gpt -- --data=text:/path/to/book.txt --schedule=1f1b
 //   torchrun --no_python --nproc_per_node=2 bazel-bin/examples/gpt --distributed  # 2 stages
+//   bazel run -c opt //examples:gpt -- --save=/tmp/gpt --save_every=100   # then --resume=/tmp/gpt
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,16 +33,19 @@
 #include "examples/models/gpt.h"
 #include "examples/models/registry.h"
 #include "examples/training/choices.h"
+#include "examples/training/saves.h"
 #include "examples/training/text.h"
 #include "gpipe/clip_grad.h"
 #include "gpipe/gpipe.h"
 #include "gpipe/grad_scaler.h"
 #include "gpipe/loss.h"
+#include "gpipe/saved_training.h"
 #include "gpipe/thread_state.h"
 #include "gpipe/worker.h"
 #if GPIPE_WITH_DISTRIBUTED
 #include "gpipe/distributed/pipeline_stage.h"
 #include "gpipe/distributed/replication.h"
+#include "gpipe/distributed/saved_training.h"
 #endif
 
 ABSL_FLAG(std::string, data, "fortunes",
@@ -87,6 +92,15 @@ ABSL_FLAG(bool, ragged, false,
           "training sequences of random lengths from a quarter of --sequence to --sequence, "
           "padded: the loss averages over the real tokens only, under every schedule");
 ABSL_FLAG(std::string, svg, "", "draw the last step's schedule here (SVG)");
+ABSL_FLAG(std::string, save, "",
+          "save the training (parameters, optimizer, step) in <this>/latest every --save_every "
+          "steps and at the end (gpipe::save_training; with --distributed, a file per stage)");
+ABSL_FLAG(int64_t, save_every, 0, "with --save: save every this many steps (0: at the end only)");
+ABSL_FLAG(std::string, resume, "",
+          "resume the training saved in this folder (a save, or a --save folder, whose newest "
+          "complete save it takes) from the step after the save's: the same model, --steps and "
+          "batch flags; the layout (--partitions, --distributed) may differ (under torchrun "
+          "--max-restarts, a restarted run resumes from --save by itself)");
 ABSL_FLAG(bool, distributed, false,
           "one pipeline stage per process on the CPU under torchrun (--partitions stages, "
           "WORLD_SIZE / partitions replicas, each drawing its own sequences); the tie between "
@@ -164,6 +178,22 @@ void make_ragged(at::Tensor& ids, at::Tensor& targets, at::Generator generator) 
   const at::Tensor padding = at::arange(length).unsqueeze(0).ge(lengths.unsqueeze(1));
   ids = ids.masked_fill(padding, 0);
   targets = targets.masked_fill(padding, kPadding);
+}
+
+// The training data's position after `steps` steps: each step's windows drawn again (and
+// dropped), so that a resumed run trains on the sequences the saved run would have.
+void skip_windows(const training::TextCorpus& corpus, int64_t steps, int64_t batch, int64_t length,
+                  at::Generator generator) {
+  for (int64_t step = 1; step <= steps; ++step) {
+    auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
+    make_ragged(ids, targets, generator);
+  }
+}
+
+// Whether step `step` of `steps` ends with a save into --save.
+bool saves_after(int64_t step, int64_t steps) {
+  const int64_t every = absl::GetFlag(FLAGS_save_every);
+  return !absl::GetFlag(FLAGS_save).empty() && ((every > 0 && step % every == 0) || step == steps);
 }
 
 // What --clip_grad_norm and --ragged change, if anything, for the run's header.
@@ -293,12 +323,24 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   auto generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 1 +
                                                             1000 * groups.replica);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
+  // Every process finds the same save: they read the same folders, and none is saving now.
+  const std::string resume =
+      training::save_to_resume(absl::GetFlag(FLAGS_save), absl::GetFlag(FLAGS_resume));
+  int64_t done = 0;
+  if (!resume.empty()) {
+    done = dist::load_training(resume, *stage, &optimizer);
+    skip_windows(corpus, done, batch, length, generator);
+    if (leader) {
+      std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
+    }
+  }
+  const int rank = dist::options_from_env().rank();
   const auto start = std::chrono::steady_clock::now();
   const auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   double validation = 0;
-  for (int64_t step = 1; step <= steps; ++step) {
+  for (int64_t step = done + 1; step <= steps; ++step) {
     set_learning_rate(optimizer, lr, step, steps);
     auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
     make_ragged(ids, targets, generator);
@@ -308,7 +350,11 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
     if (absl::GetFlag(FLAGS_clip_grad_norm) > 0) {
       stage->clip_grad_norm(absl::GetFlag(FLAGS_clip_grad_norm));
     }
+    training::kill_if_asked(rank, step);  // with the step's gradients, before its update
     optimizer.step();
+    if (saves_after(step, steps)) {
+      dist::save_training(absl::GetFlag(FLAGS_save) + "/latest", *stage, &optimizer, step);
+    }
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       const auto [vids, vnext] = training::consecutive_windows(
           corpus.validation, 0, validation_windows(corpus.validation, length), length);
@@ -324,6 +370,8 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
       }
     }
   }
+  std::printf("stage %d replica %d parameters: %s\n", groups.stage, groups.replica,
+              training::parameters_digest(*stage).c_str());
   if (leader) {
     std::printf("summary: %d stages x %d replicas: validation %.3f bits per byte after %lld "
                 "steps in %.0f s (unigram entropy %.3f, bigram %.3f)\n",
@@ -439,12 +487,22 @@ int run() {
   const auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  // The scaler's state is saved when it scales (float16 on CUDA), so that other runs' saves load.
+  GradScaler* const scaler_or_null = scaler.is_enabled() ? &scaler : nullptr;
+  const std::string resume =
+      training::save_to_resume(absl::GetFlag(FLAGS_save), absl::GetFlag(FLAGS_resume));
+  int64_t done = 0;
+  if (!resume.empty()) {
+    done = load_training(resume, *model, &optimizer, scaler_or_null);
+    skip_windows(corpus, done, batch, length, generator);
+    std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
+  }
   double loss_sum = 0;
   int64_t loss_count = 0;
   double validation = 0;
   // The training steps' own time (data, step, optimizer; validation left out), for --plan.
   double train_seconds = 0;
-  for (int64_t step = 1; step <= steps; ++step) {
+  for (int64_t step = done + 1; step <= steps; ++step) {
     const double step_start = seconds();
     set_learning_rate(optimizer, lr, step, steps);
     auto [ids, targets] = training::random_windows(corpus.train, batch, length, generator);
@@ -469,23 +527,30 @@ int run() {
       scaler.unscale(model->parameters());  // the norm of the true gradients
       clip_grad_norm(model->parameters(), absl::GetFlag(FLAGS_clip_grad_norm));
     }
+    training::kill_if_asked(0, step);  // with the step's gradients, before its update
     scaler.step(optimizer, model->parameters());
     scaler.update();
+    if (saves_after(step, steps)) {
+      const std::string folder = absl::GetFlag(FLAGS_save) + "/latest";
+      std::filesystem::create_directories(folder);
+      save_training(folder + "/model.pt", *model, &optimizer, step, scaler_or_null);
+    }
     loss_sum += loss.item<double>();
     ++loss_count;
     train_seconds += seconds() - step_start;
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       validation = validate(model, corpus.validation, length, batch, amp, amp_device, amp_dtype);
-      std::printf("step %5lld  %6.1f s  %7.0f bytes/s  train %.3f  validation %.3f bits per "
-                  "byte%s\n",
-                  static_cast<long long>(step), seconds(),
-                  static_cast<double>(step * batch * length) / seconds(),
-                  loss_sum / loss_count / std::log(2.0), validation / std::log(2.0),
-                  scaler.is_enabled() ? absl::StrFormat("  (loss scale %g, %lld steps skipped)",
-                                                        scaler.scale_value(),
-                                                        static_cast<long long>(scaler.skipped()))
-                                            .c_str()
-                                      : "");
+      std::printf(
+          "step %5lld  %6.1f s  %7.0f bytes/s  train %.3f  validation %.3f bits per "
+          "byte%s\n",
+          static_cast<long long>(step), seconds(),
+          static_cast<double>((step - done) * batch * length) / seconds(),
+          loss_sum / loss_count / std::log(2.0), validation / std::log(2.0),
+          scaler.is_enabled()
+              ? absl::StrFormat("  (loss scale %g, %lld steps skipped)", scaler.scale_value(),
+                                static_cast<long long>(scaler.skipped()))
+                    .c_str()
+              : "");
       std::fflush(stdout);
       loss_sum = 0;
       loss_count = 0;
@@ -504,10 +569,12 @@ int run() {
                                        absl::GetFlag(FLAGS_temperature), generator)
                                   .c_str());
   }
-  std::printf("---\nsummary: validation %.3f bits per byte after %lld steps in %.0f s "
-              "(unigram entropy %.3f, bigram %.3f)\n",
-              validation / std::log(2.0), static_cast<long long>(steps), seconds(), unigram,
-              bigram);
+  std::printf("---\nparameters: %s (a checksum of the trained parameters and buffers)\n",
+              training::parameters_digest(*model).c_str());
+  std::printf(
+      "summary: validation %.3f bits per byte after %lld steps in %.0f s "
+      "(unigram entropy %.3f, bigram %.3f)\n",
+      validation / std::log(2.0), static_cast<long long>(steps), seconds(), unigram, bigram);
   return 0;
 }
 

@@ -15,7 +15,8 @@ import re
 import sys
 
 MARK = re.compile(r"^([ \t]*)<!-- snippet: (\S+) \[(\w+)\] -->\n\1```cpp\n(.*?)```", re.S | re.M)
-BLOCK = re.compile(r"^([ \t]*)```cpp\n", re.M)
+# Any C++ block: ``` or ~~~ fences, cpp, c++, cc or cxx, inside a list or a quote too.
+BLOCK = re.compile(r"^[ \t>]*(```|~~~)[ \t]*(cpp|c\+\+|cc|cxx)\b", re.M)
 VARIANT = re.compile(r"// snippet-variant: \[(\w+)\] is \[(\w+)\] with (.*)\n")
 REPLACEMENT = re.compile(r'"([^"]*)" -> "([^"]*)"')
 

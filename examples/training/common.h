@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "examples/training/choices.h"
 #include "examples/training/data.h"
+#include "examples/training/saves.h"
 #include "gpipe/gpipe.h"
 
 namespace gpipe {
@@ -37,21 +38,9 @@ inline void set_cosine_lr(torch::optim::Adam& optimizer, double lr, int64_t step
   }
 }
 
-/// The save to resume from (a file or a folder, for load_training): in a process that torchrun
-/// restarted (TORCHELASTIC_RESTART_COUNT > 0), the newest complete save in --save, if it holds
-/// one; else --resume's when given (a save, or a folder of saves such as --save's, whose newest
-/// complete save it takes). A save of either trainer, of any layout. Empty: start afresh.
-/// Throws c10::Error when --resume holds no complete save.
+/// The save to resume from, given --save and --resume (save_to_resume in saves.h). A save of
+/// either trainer, of any layout.
 std::string save_to_resume();
-
-/// The trainers' fault injection: with GPIPE_TRAINER_KILL="<rank>@<step>", the process of that
-/// global rank kills itself with SIGKILL in the middle of that training step (counted from 1
-/// over the run), unless torchrun restarted it (TORCHELASTIC_RESTART_COUNT > 0).
-void kill_if_asked(int rank, int64_t step);
-
-/// The parameters and buffers of `module` as one checksum (16 hexadecimal digits): FNV-1a over
-/// their bytes in order, to compare two runs' results bit for bit.
-std::string parameters_digest(const torch::nn::Module& module);
 
 inline std::string duration(double seconds) {
   const int64_t s = static_cast<int64_t>(seconds + 0.5);

@@ -129,6 +129,15 @@ SharedLinks::SharedLinks(const ProcessGroup& group, c10::Device local,
     return failed;
   };
   std::string error;
+  int64_t local_links = 0;
+  for (const Spec& spec : links) {
+    if (where[spec.peer][0].item<int64_t>() == where[rank][0].item<int64_t>()) ++local_links;
+  }
+  try {
+    SharedRing::check_room(local_links, ring_bytes);
+  } catch (const std::exception& e) {  // every rank goes on to the next collective
+    error = message_of(e);
+  }
   // Watched from before its rings are looked up (Note [Rings without names]), one per peer.
   std::map<int, std::shared_ptr<const PeerProcess>> peers;
   for (const Spec& spec : links) {

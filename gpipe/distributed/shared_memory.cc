@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -61,15 +62,42 @@ std::string system_error(const char* call, const std::string& name, int error) {
   return absl::StrCat(call, "(\"", name, "\"): ", std::strerror(error));
 }
 
-// The most bytes a ring may take (Note [Rings without names]): a quarter of the host's memory, or
-// of the cgroup's memory.max where that is lower.
-int64_t ring_limit() {
-  int64_t memory = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  std::ifstream cgroup("/sys/fs/cgroup/memory.max");  // "max" or a number (cgroup v2)
-  int64_t most = 0;
-  if (cgroup >> most && most > 0) memory = std::min(memory, most);
-  return memory / 4;
+// The bytes this process may still take (Note [Rings without names]): the host's MemAvailable
+// (or its memory where /proc/meminfo says nothing), or less where its cgroup, or an ancestor of
+// it, leaves less room below its memory.max (cgroup v2).
+int64_t available_memory() {
+  int64_t available = std::numeric_limits<int64_t>::max();
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib && std::getline(meminfo, unit)) {
+    if (key == "MemAvailable:") available = kib * 1024;
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  if (available == std::numeric_limits<int64_t>::max() && pages > 0 && page > 0) {
+    available = static_cast<int64_t>(pages) * page;
+  }
+  std::ifstream cgroups("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cgroups, line)) {
+    if (line.rfind("0::", 0) != 0) continue;  // cgroup v2's one line
+    std::string path = line.substr(3);
+    for (;;) {
+      const std::string folder = "/sys/fs/cgroup" + (path == "/" ? std::string() : path);
+      std::ifstream max_file(folder + "/memory.max"), current_file(folder + "/memory.current");
+      int64_t max = 0, current = 0;  // ("max", no limit, reads as no number)
+      if (max_file >> max && current_file >> current) {
+        available = std::min(available, std::max<int64_t>(0, max - current));
+      }
+      if (path.size() <= 1) break;
+      path = path.substr(0, std::max<size_t>(1, path.rfind('/')));
+    }
+  }
+  return available;
 }
+
+int64_t mapped_bytes(int64_t ring_bytes) { return kControlBytes + aligned(ring_bytes); }
 
 // The number of the writer's open file whose link reads "/memfd:<label> (deleted)", or -1.
 int find_memfd(pid_t writer, const std::string& label) {
@@ -179,11 +207,8 @@ std::unique_ptr<SharedRing> SharedRing::create(const std::string& label, int64_t
   static_assert(kMinSharedRing >= 4 * kKeptFree, "room for messages beside kKeptFree");
   TORCH_CHECK(bytes >= kMinSharedRing, "gpipe::distributed: a shared-memory ring needs at least ",
               kMinSharedRing, " bytes, got ", bytes);
-  const int64_t mapped = kControlBytes + aligned(bytes);
-  TORCH_CHECK(mapped <= ring_limit(), "gpipe::distributed: cannot make a shared-memory ring of ",
-              mapped, " bytes: more than a quarter of this host's memory (", 4 * ring_limit(),
-              " bytes, or the cgroup's memory.max); PipelineStageOptions::shared_memory sets the "
-              "size of a ring");
+  const int64_t mapped = mapped_bytes(bytes);
+  check_room(1, bytes);
   const int fd = memfd_create(label.c_str(), MFD_CLOEXEC);
   TORCH_CHECK(fd >= 0, "gpipe::distributed: cannot make a shared-memory ring: ",
               system_error("memfd_create", label, errno));
@@ -251,6 +276,19 @@ std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const st
 SharedRing::~SharedRing() {
   munmap(base_, mapped_);
   if (fd_ >= 0) close(fd_);
+}
+
+void SharedRing::check_room(int64_t rings, int64_t bytes) {
+  const int64_t total = rings * mapped_bytes(bytes);
+  const int64_t available = available_memory();
+  TORCH_CHECK(total <= available / 8, "gpipe::distributed: cannot make ", rings,
+              " shared-memory ring(s) of ", bytes, " bytes: ", total,
+              " bytes in all, more than "
+              "an eighth of the memory this process may still take (",
+              available,
+              " bytes: the "
+              "host's MemAvailable, or its cgroup's room below memory.max); "
+              "PipelineStageOptions::shared_memory sets the size of a ring");
 }
 
 int64_t SharedRing::max_message() const { return room_ / 2 - kRecordHeader; }

@@ -7,13 +7,13 @@
 #include <set>
 
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 
 #include "absl/strings/str_join.h"
 
 #include "gpipe/distributed/replication.h"
+#include "gpipe/internal/atomic_file.h"
 
 namespace gpipe {
 namespace distributed {
@@ -68,32 +68,37 @@ void TiedStages::broadcast(const ProcessGroup& group, c10::Device local) const {
 }
 
 void TiedStages::check_equal(const ProcessGroup& group, c10::Device local) const {
-  at::NoGradGuard no_grad;
-  for (const Entry& e : entries_) {
-    const c10::Device wire =
-        wire_device(group, e.owner.defined() && e.owner.is_cuda() ? e.owner.device() : local);
-    // [value, -value] where this stage holds the tie, -inf elsewhere: the maximum of both halves
-    // is the holders' maximum and minus their minimum.
-    const at::Tensor mine =
-        e.owner.defined()
-            ? at::cat({e.owner.detach().reshape(-1), e.owner.detach().reshape(-1).neg()}).to(wire)
-            : at::full({2 * e.like.numel()}, -std::numeric_limits<double>::infinity(),
-                       e.like.options().device(wire));
-    std::vector<at::Tensor> both{mine};
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::MAX;
-    check_collective(group, "the check of a tied parameter across the stages holding it",
-                     [&] { group->allreduce(both, options)->wait(); });
-    const int64_t n = e.like.numel();
-    const double apart =
-        n == 0 ? 0.0
-               : (both[0].narrow(0, 0, n) + both[0].narrow(0, n, n)).abs().max().item<double>();
-    TORCH_CHECK(apart == 0, "gpipe::distributed: tied parameter ", e.name,
-                " differs between "
-                "the stages holding it (",
-                absl::StrJoin(e.stages, ", "), ") by up to ", apart,
-                "; every stage's optimizer must step it alike (the same optimizer, learning "
-                "rate, weight decay and clipping on each: Note [Ties across stages])");
+  if (entries_.empty()) return;
+  // Per tie, [h, -h] where this stage holds it (h: its bytes' FNV-1a, 62 bits, so that -h is an
+  // int64 too) and the least int64 twice elsewhere: the maximum over the stages of both words is
+  // the holders' greatest h and minus their least, equal when the holders agree. Exact for any
+  // dtype, inf and NaN alike, and two words per tie on the wire.
+  const int64_t n = static_cast<int64_t>(entries_.size());
+  at::Tensor words = at::full({2 * n}, std::numeric_limits<int64_t>::min(), at::kLong);
+  int64_t* w = words.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    const at::Tensor& owner = entries_[static_cast<size_t>(k)].owner;
+    if (!owner.defined()) continue;
+    const at::Tensor bytes = owner.detach().to(c10::kCPU).contiguous();
+    const auto h =
+        static_cast<int64_t>(gpipe::internal::checksum(bytes.data_ptr(), bytes.nbytes()) >> 2);
+    w[2 * k] = h;
+    w[2 * k + 1] = -h;
+  }
+  std::vector<at::Tensor> both{words.to(wire_device(group, local))};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  check_collective(group, "the check of tied parameters across the stages holding them",
+                   [&] { group->allreduce(both, options)->wait(); });
+  const at::Tensor reduced = both[0].to(c10::kCPU);
+  const int64_t* r = reduced.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) {
+    const Entry& e = entries_[static_cast<size_t>(k)];
+    TORCH_CHECK(r[2 * k] == -r[2 * k + 1], "gpipe::distributed: tied parameter ", e.name,
+                " differs between the stages holding it (", absl::StrJoin(e.stages, ", "),
+                "); every stage's optimizer must step it alike (the same optimizer, learning "
+                "rate and weight decay on each, and stage->clip_grad_norm, which counts it once: "
+                "Note [Ties across stages])");
   }
 }
 

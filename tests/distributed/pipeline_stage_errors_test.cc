@@ -68,7 +68,7 @@ CATCH_TEST_CASE(kNoRoom, "[distributed][stage][errors]") {
     train_stage(PipelineStageOptions(kBalance).chunks(kChunks));
     return;
   }
-  // 1 TiB a ring: more than a quarter of the host's memory (refused at once, allocating nothing).
+  // 1 TiB a ring: more than an eighth of the memory left (refused at once, allocating nothing).
   check_stages(kNoRoom, folder_for("no_room"),
                {{"GPIPE_TEST_SHARED_MEMORY", std::to_string(int64_t{1} << 40)},
                 {"GPIPE_TEST_SHARED_FAILS", "1"}},

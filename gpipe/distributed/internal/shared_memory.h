@@ -78,10 +78,12 @@ class PeerProcess {
 // opens it there; the label holds the stage's random token and the link. So nothing is ever left
 // behind: when both processes are gone, so is the ring, whenever they die (a ring in /dev/shm
 // stayed there if its writer was killed before the reader had opened it and removed its name).
-// It also takes no room in /dev/shm, whose 64 MiB in a Docker container refused the rings; its
-// pages are allocated when it is made, against the host's memory (a ring larger than a quarter of
-// it, or of the cgroup's memory.max, is refused at once), so a host without the memory refuses
-// it then instead of killing a process later.
+// It also takes no room in /dev/shm, whose 64 MiB in a Docker container refused the rings. Its
+// pages are allocated when it is made, and nothing but the host's memory bounds them: so before
+// a stage makes its rings, all of them together must fit in an eighth of what the process may
+// still take (MemAvailable, or less where its cgroup or an ancestor leaves less room below
+// memory.max), else every link stays on Gloo (an eighth: a host's ranks each make their own, and
+// their rings are a few MiB each by default, far below that).
 // Whether the other process is alive, which each wait asks, is a pidfd (pidfd_open, Linux 5.3):
 // opened before the ring is looked up, and held, so a new process that reuses the pid cannot
 // pass for the peer as it could for kill(pid, 0). The ring found after the pidfd was opened, with
@@ -108,6 +110,9 @@ class SharedRing {
   /// Makes a ring labelled `label` ("gpipe-...", Note [Rings without names]) with `bytes` of room,
   /// for writing. Throws c10::Error with the system's reason when it cannot.
   static std::unique_ptr<SharedRing> create(const std::string& label, int64_t bytes);
+  /// Throws c10::Error unless `rings` rings of `bytes` each fit in an eighth of the memory this
+  /// process may still take (Note [Rings without names]), before anything is allocated.
+  static void check_room(int64_t rings, int64_t bytes);
   /// Opens ring `label`, made by process `writer` (this one too), for reading. Throws c10::Error
   /// when it cannot: not among the writer's open files, or the writer has exited.
   static std::unique_ptr<SharedRing> open(const PeerProcess& writer, const std::string& label);

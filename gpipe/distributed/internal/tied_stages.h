@@ -44,8 +44,8 @@ namespace internal {
 // Nothing sends a tie again after construction, so a stage whose optimizer steps it otherwise
 // (another learning rate, weight decay or clipping) would part it from the others silently.
 // check_equal() (PipelineStage::check_ties, called by save_training before it writes) finds that:
-// an all-reduce of each tie's maximum and of its minimum over its holders, equal everywhere when
-// the holders agree.
+// one all-reduce of each holder's checksum of the tie's bytes (its maximum and minus its
+// minimum), equal when the holders agree.
 //
 // Only the step's own gradients are summed. Gradients accumulated over several steps before the
 // optimizer's (gradient accumulation) already hold the earlier steps' sums on every stage:
