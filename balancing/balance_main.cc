@@ -52,6 +52,12 @@ ABSL_FLAG(std::string, devices, "cpu,cpu",
           "with --plan: the devices a pipeline may use, one per partition (repeats allowed)");
 ABSL_FLAG(int64_t, memory_limit, 0, "with --plan: bytes per device a plan may take (0: no limit)");
 ABSL_FLAG(std::string, optimizer, "momentum", "with --plan: sgd, momentum or adam");
+ABSL_FLAG(bool, master_weights, false,
+          "with --plan: training keeps float32 master weights of the float16 and bfloat16 "
+          "parameters (Note [Training memory] in balancing/memory.h)");
+ABSL_FLAG(std::string, autocast, "",
+          "with --plan: the forward runs under autocast to this dtype, float16 or bfloat16 (its "
+          "weight cache counts); empty: no autocast");
 ABSL_FLAG(int64_t, threads, 0,
           "with --plan: intra-op threads per CPU worker (0: the cores divided among the devices)");
 ABSL_FLAG(std::string, plan_out, "", "with --plan: write the best plan here (JSON), for the "
@@ -100,8 +106,16 @@ int plan_main(int64_t batch) {
   const gpipe::OptimizerKind kind = optimizer == "sgd"        ? gpipe::OptimizerKind::kSGD
                                     : optimizer == "momentum" ? gpipe::OptimizerKind::kMomentum
                                                               : gpipe::OptimizerKind::kAdam;
-  const gpipe::PlanOptions plan_options =
-      gpipe::PlanOptions().memory_limit(absl::GetFlag(FLAGS_memory_limit)).optimizer(kind);
+  gpipe::PlanOptions plan_options = gpipe::PlanOptions()
+                                        .memory_limit(absl::GetFlag(FLAGS_memory_limit))
+                                        .optimizer(kind)
+                                        .master_weights(absl::GetFlag(FLAGS_master_weights));
+  const std::string autocast = absl::GetFlag(FLAGS_autocast);
+  TORCH_CHECK(autocast.empty() || autocast == "float16" || autocast == "bfloat16",
+              "--autocast must be float16, bfloat16 or empty, got '", autocast, "'");
+  if (!autocast.empty()) {
+    plan_options.autocast(autocast == "float16" ? at::kHalf : at::kBFloat16);
+  }
   gpipe::PipelineProfile profile;
   if (!absl::GetFlag(FLAGS_profile_in).empty()) {
     std::ifstream in(absl::GetFlag(FLAGS_profile_in));

@@ -68,15 +68,6 @@ std::vector<std::string> device_names(const std::vector<c10::Device>& devices) {
   return out;
 }
 
-double optimizer_state(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kSGD: return 0;
-    case OptimizerKind::kMomentum: return 1;
-    case OptimizerKind::kAdam: return 2;
-  }
-  return 1;
-}
-
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
 }  // namespace
@@ -592,9 +583,9 @@ void set_workspace(const std::vector<LayerStats>& ls, const std::vector<int64_t>
 
 // Stage s's costs over its layers `ls` at micro-batch size b, all but its lane and device; adds
 // its parameters' and buffers' bytes to `params` and `buffers`.
-StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, int64_t s,
-                     int64_t b, const std::vector<LayerStats>& ls, int64_t& params,
-                     int64_t& buffers) {
+StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, int64_t s, int64_t b,
+                     const std::vector<LayerStats>& ls, const ParameterMemory& memory,
+                     int64_t& state_bytes) {
   StageCost c;
   const std::vector<int64_t> kept = kept_per_layer(ls);
   set_workspace(ls, kept, c);
@@ -608,8 +599,7 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
     c.backward_weight_us += l.backward_weight_us;
     c.held_bytes += kept[k];
     grads_at_outputs += l.output_bytes;
-    params += l.param_bytes;
-    buffers += l.buffer_bytes;
+    state_bytes += parameter_state_bytes(l, memory);  // Note [Training memory]
     if (k == 0 && s > 0 && plan.devices[s] != plan.devices[s - 1]) {
       // The input copied from the previous device stays until the backward.
       c.held_bytes += l.input_bytes;
@@ -637,12 +627,18 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
 
 PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
                              OptimizerKind optimizer) {
+  ParameterMemory memory;
+  memory.optimizer = optimizer;
+  return pipeline_costs(profile, plan, memory);
+}
+
+PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                             const ParameterMemory& memory) {
   check_plan_fits(profile, plan, "gpipe::pipeline_costs");
   const int64_t stages = static_cast<int64_t>(plan.balance.size());
   const int64_t lanes = stages / plan.virtual_stages;
   const std::vector<c10::Device> places = distinct_devices(plan.devices);
   const int64_t b = (profile.batch + plan.chunks - 1) / plan.chunks;
-  const double state = 2 + optimizer_state(optimizer);
 
   PipelineCosts costs;
   costs.checkpoint_stop = checkpoint_stop(plan.checkpoint, plan.chunks);
@@ -657,13 +653,11 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   for (int64_t s = 0; s < stages; ++s) {
     std::vector<LayerStats> ls;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) ls.push_back(profile.layer(k, b));
-    int64_t params = 0;
-    int64_t buffers = 0;
-    StageCost c = stage_cost(profile, plan, s, b, ls, params, buffers);
+    int64_t state_bytes = 0;
+    StageCost c = stage_cost(profile, plan, s, b, ls, memory, state_bytes);
     c.lane = s % lanes;
     c.device = place(plan.devices[s]);
-    costs.static_bytes[c.device] +=
-        static_cast<int64_t>(std::llround(state * static_cast<double>(params))) + buffers;
+    costs.static_bytes[c.device] += state_bytes;
     costs.stages.push_back(c);
     first += plan.balance[s];
   }
@@ -672,6 +666,13 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
 
 PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer) {
+  ParameterMemory memory;
+  memory.optimizer = optimizer;
+  return predict(profile, plan, memory);
+}
+
+PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
+                           const ParameterMemory& memory) {
   const int64_t stages = static_cast<int64_t>(plan.balance.size());
   const int64_t lanes = stages / std::max<int64_t>(1, plan.virtual_stages);
   // (A plan of another schedule with virtual stages is refused here, not simulated on too few
@@ -680,7 +681,7 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                                 ? make_schedule(plan.schedule, lanes, plan.chunks,
                                                 std::max<int64_t>(1, plan.virtual_stages))
                                 : parse_schedule(plan.schedule_text);
-  PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, optimizer));
+  PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, memory));
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
   return sim;
@@ -710,7 +711,7 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
   const int64_t n = static_cast<int64_t>(zb.balance.size());
   const int64_t m = zb.chunks;
   ScheduleSearchOptions search;
-  for (const StageCost& c : pipeline_costs(profile, zb, options.optimizer()).stages) {
+  for (const StageCost& c : pipeline_costs(profile, zb, options.parameter_memory()).stages) {
     // (The search takes positive times: a stage without parameters has no W to speak of.)
     search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
                                   std::max(c.backward_weight_us, 1e-3), c.copy_us});
@@ -726,7 +727,7 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
     if (found.origin == found.best_generated_name) continue;
     PipelinePlan p = zb;
     p.schedule_text = schedule_text(found.schedule);
-    predict(profile, p, options.optimizer());
+    predict(profile, p, options.parameter_memory());
     if (fits_limit(options, p) && (!best || p.step_us < best->step_us)) best = std::move(p);
   }
   if (!best) return std::nullopt;
@@ -765,7 +766,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
               options.virtual_stages());
   TORCH_CHECK(options.memory_limit() >= 0, who, ": memory_limit must not be negative");
   const int64_t layers = profile.layers();
-  const double state = 2 + optimizer_state(options.optimizer());
+  const ParameterMemory memory = options.parameter_memory();
   std::vector<PipelinePlan> all;
   std::vector<int64_t> counts = options.partitions();
   const int64_t most = static_cast<int64_t>(profile.devices.size());
@@ -796,7 +797,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
             const LayerStats l = profile.layer(k, b);
             time[k] = (ck ? l.forward_nograd_us + l.forward_us : l.forward_us) + l.backward_us;
             size[k] = static_cast<double>(ck ? l.output_bytes : l.held_bytes * m) +
-                      state * static_cast<double>(l.param_bytes);
+                      static_cast<double>(parameter_state_bytes(l, memory));
           }
           std::vector<std::vector<int64_t>> balances{block_partition(time, stages)};
           std::vector<int64_t> by_size = block_partition(size, stages);
@@ -810,7 +811,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
             p.schedule = kind;
             p.virtual_stages = v;
             p.threads = profile.threads;
-            predict(profile, p, options.optimizer());
+            predict(profile, p, options.parameter_memory());
             all.push_back(std::move(p));
           }
         }
@@ -828,7 +829,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
     const PipelinePlan& least = *std::min_element(
         all.begin(), all.end(),
         [&](const PipelinePlan& a, const PipelinePlan& b) { return peak_of(a) < peak_of(b); });
-    const PipelineCosts costs = pipeline_costs(profile, least, options.optimizer());
+    const PipelineCosts costs = pipeline_costs(profile, least, options.parameter_memory());
     const int64_t fixed = *std::max_element(costs.static_bytes.begin(), costs.static_bytes.end());
     const bool params = fixed > options.memory_limit();
     TORCH_CHECK(false, who, ": no plan fits in ", options.memory_limit(), " bytes (",

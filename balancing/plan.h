@@ -13,6 +13,7 @@
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include "balancing/memory.h"
 #include "balancing/profile.h"
 #include "balancing/simulate.h"
 #include "gpipe/gpipe.h"
@@ -31,10 +32,10 @@ namespace gpipe {
 //   plan without the devices present.
 // - The candidates: for 1 up to the number of devices partitions n (the first n devices), each
 //   schedule (interleaved with PlanOptions::virtual_stages stages per worker, from two workers on
-//   and where the micro-batches are a multiple of n), micro-batch counts m from PlanOptions::chunks,
-//   each checkpoint mode, and two balances: the one of least bottleneck time (forward, backward,
-//   and the recomputation where checkpointed, at the micro-batch size) and the one of least
-//   bottleneck memory.
+//   and where the micro-batches are a multiple of n), micro-batch counts m from
+//   PlanOptions::chunks, each checkpoint mode, and two balances: the one of least bottleneck time
+//   (forward, backward, and the recomputation where checkpointed, at the micro-batch size) and the
+//   one of least bottleneck memory.
 // - Calibration: layers timed one at a time miss what the engine adds around them (a micro-batch's
 //   graph and its backward call, the loss per micro-batch, caches that activations of other
 //   micro-batches have since filled). So the profile also runs the whole model as one partition,
@@ -51,11 +52,11 @@ namespace gpipe {
 //   its layers'; what it keeps of a micro-batch is what each layer saved beyond its output, plus
 //   the outputs that the layer itself or the next one keeps (saves_output, saves_input: a Linear
 //   keeps its input, a Tanh its output, a ReLU's input is its mask), plus the stage's output (the
-//   backward's root); parameters cost 2 + the optimizer's state (SGD 0, momentum 1, Adam 2) times
-//   their bytes; a CPU gives the capacity cpu_capacity measured: cores / threads workers of
-//   the model's own training passes at once, against one alone (hyperthreads and memory
-//   bandwidth make it less than cores / threads; on the project's 2-vCPU VM it measured 1.4 to
-//   2.0 for two).
+//   backward's root); parameters, their gradients, master weights and the optimizer's moments
+//   by dtype as Note [Training memory] in memory.h counts them; a CPU gives the capacity
+//   cpu_capacity measured: cores / threads workers of the model's own training passes at once,
+//   against one alone (hyperthreads and memory bandwidth make it less than cores / threads; on
+//   the project's 2-vCPU VM it measured 1.4 to 2.0 for two).
 // - Plans are ranked by predicted step time; those over PlanOptions::memory_limit on any device
 //   are left out. When none fits, plan() says by how much the least hungry misses, and whether
 //   the static bytes alone (more devices would help) or the activations (smaller micro-batches)
@@ -83,9 +84,6 @@ namespace gpipe {
 // 128: 22 pieces) is left out (its generated schedules would run the smaller count, and a
 // searched text written for m would not run at all).
 
-/// The optimizer a plan trains with: its state per parameter.
-enum class OptimizerKind { kSGD, kMomentum, kAdam };
-
 /// How to plan.
 ///
 ///   gpipe::PlanOptions().memory_limit(int64_t{2} << 30).optimizer(gpipe::OptimizerKind::kAdam)
@@ -107,6 +105,16 @@ struct PlanOptions {
   TORCH_ARG(int64_t, memory_limit) = 0;
   /// The optimizer's state per parameter.
   TORCH_ARG(OptimizerKind, optimizer) = OptimizerKind::kMomentum;
+  /// Whether training keeps float32 master weights of the float16 and bfloat16 parameters, and
+  /// steps those (Note [Training memory] in memory.h).
+  TORCH_ARG(bool, master_weights) = false;
+  /// The dtype the forward runs under autocast with, if it does: its weight cache holds each
+  /// float32 parameter at that dtype (Note [Training memory]).
+  TORCH_ARG(c10::optional<c10::ScalarType>, autocast) = c10::nullopt;
+
+ public:
+  /// What the options say of the parameters' memory.
+  ParameterMemory parameter_memory() const { return {optimizer_, master_weights_, autocast_}; }
   /// How many plans plan() returns.
   TORCH_ARG(int64_t, top) = 5;
   /// Whether to search schedules beside the zero-bubble candidates (Note [Searched plans]).
@@ -235,12 +243,18 @@ struct PipelinePlan {
 };
 
 /// The simulation inputs of `plan` (its balance, devices, chunks, checkpoint, schedule and
-/// threads) over `profile`.
+/// threads) over `profile`, the parameters trained as `memory` says.
+PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                             const ParameterMemory& memory);
+/// The same with float32 parameters, no master weights and no autocast.
 PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,
                              OptimizerKind optimizer);
 
 /// Simulates `plan` over `profile` and fills its step_us and peak_bytes; returns the simulation
 /// (for its timeline).
+PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
+                           const ParameterMemory& memory);
+/// The same with float32 parameters, no master weights and no autocast.
 PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer = OptimizerKind::kMomentum);
 

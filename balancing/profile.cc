@@ -144,8 +144,7 @@ LayerProfile unmeasured_profile(const torch::nn::Sequential& module, c10::Device
     const auto& child = children[k];
     stats.name = child.key();
     stats.type = child.value()->name();
-    for (const auto& p : child.value()->parameters()) stats.param_bytes += p.nbytes();
-    for (const auto& b : child.value()->buffers()) stats.buffer_bytes += b.nbytes();
+    count_parameters(*child.value(), stats);
   }
   return profile;
 }
@@ -487,6 +486,24 @@ double handoff_us(int rounds) {
   return median(times);
 }
 
+void count_parameters(const torch::nn::Module& layer, LayerStats& stats) {
+  stats.param_bytes = stats.trainable_param_bytes = stats.buffer_bytes = 0;
+  stats.narrow_param_elements = stats.narrow_param_bytes = stats.float32_param_elements = 0;
+  for (const at::Tensor& p : layer.parameters()) {
+    const auto bytes = static_cast<int64_t>(p.nbytes());
+    stats.param_bytes += bytes;
+    if (!p.requires_grad()) continue;
+    stats.trainable_param_bytes += bytes;
+    if (p.scalar_type() == at::kFloat) stats.float32_param_elements += p.numel();
+    if (p.is_floating_point() && p.element_size() < 4) {
+      stats.narrow_param_elements += p.numel();
+      stats.narrow_param_bytes += bytes;
+    }
+  }
+  for (const at::Tensor& b : layer.buffers())
+    stats.buffer_bytes += static_cast<int64_t>(b.nbytes());
+}
+
 std::string LayerProfile::table() const {
   std::string out = absl::StrFormat("%-6s %-10s %-34s %11s %11s %12s %12s %12s %12s\n", "layer",
                                     "name", "type", "forward us", "backward us", "held bytes",
@@ -520,6 +537,10 @@ nlohmann::json layers_json(const std::vector<LayerStats>& layers) {
                     {"forward_peak_bytes", s.forward_peak_bytes},
                     {"backward_peak_bytes", s.backward_peak_bytes},
                     {"param_bytes", s.param_bytes},
+                    {"trainable_param_bytes", s.trainable_param_bytes},
+                    {"narrow_param_elements", s.narrow_param_elements},
+                    {"narrow_param_bytes", s.narrow_param_bytes},
+                    {"float32_param_elements", s.float32_param_elements},
                     {"buffer_bytes", s.buffer_bytes},
                     {"input_bytes", s.input_bytes},
                     {"output_bytes", s.output_bytes}});
@@ -570,6 +591,14 @@ LayerProfile layer_profile_from_json(const nlohmann::json& j, const std::string&
     s.forward_peak_bytes = json_field<int64_t>(row, "forward_peak_bytes", at);
     s.backward_peak_bytes = json_field<int64_t>(row, "backward_peak_bytes", at);
     s.param_bytes = json_field<int64_t>(row, "param_bytes", at);
+    // (Profiles written before these: every parameter trainable and float32.)
+    const auto or_else = [&row, &at](const char* key, int64_t otherwise) {
+      return row.contains(key) ? json_field<int64_t>(row, key, at) : otherwise;
+    };
+    s.trainable_param_bytes = or_else("trainable_param_bytes", s.param_bytes);
+    s.narrow_param_elements = or_else("narrow_param_elements", 0);
+    s.narrow_param_bytes = or_else("narrow_param_bytes", 0);
+    s.float32_param_elements = or_else("float32_param_elements", s.param_bytes / 4);
     s.buffer_bytes = json_field<int64_t>(row, "buffer_bytes", at);
     s.input_bytes = json_field<int64_t>(row, "input_bytes", at);
     s.output_bytes = json_field<int64_t>(row, "output_bytes", at);

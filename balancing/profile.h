@@ -62,6 +62,16 @@ struct LayerStats {
   int64_t backward_peak_bytes = 0;
   /// The bytes of its parameters.
   int64_t param_bytes = 0;
+  /// Of those, the bytes of the parameters that require grad: those with a gradient and optimizer
+  /// state (Note [Training memory] in memory.h).
+  int64_t trainable_param_bytes = 0;
+  /// The elements and bytes of the trainable floating-point parameters narrower than float32
+  /// (float16, bfloat16): those that float32 master weights copy.
+  int64_t narrow_param_elements = 0;
+  /// The bytes of those (see narrow_param_elements).
+  int64_t narrow_param_bytes = 0;
+  /// The elements of the trainable float32 parameters: those that autocast's weight cache copies.
+  int64_t float32_param_elements = 0;
   /// The bytes of its buffers (BatchNorm's running statistics, ...).
   int64_t buffer_bytes = 0;
   /// The bytes of its input at the profile's batch (every tensor of a tuple).
@@ -69,6 +79,11 @@ struct LayerStats {
   /// The bytes of its output at the profile's batch (every tensor of a tuple).
   int64_t output_bytes = 0;
 };
+
+/// Fills `stats`' parameter and buffer sizes (param_bytes, trainable_param_bytes,
+/// narrow_param_elements and _bytes, float32_param_elements, buffer_bytes) from `layer`'s tensors,
+/// as profile_layers does for each layer.
+void count_parameters(const torch::nn::Module& layer, LayerStats& stats);
 
 /// A per-layer profile.
 struct LayerProfile {

@@ -1,0 +1,32 @@
+// What training keeps per parameter; see memory.h.
+#include "balancing/memory.h"
+
+namespace gpipe {
+
+int64_t optimizer_moments(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSGD:
+      return 0;
+    case OptimizerKind::kMomentum:
+      return 1;
+    case OptimizerKind::kAdam:
+      return 2;
+  }
+  return 0;
+}
+
+int64_t parameter_state_bytes(const LayerStats& layer, const ParameterMemory& memory) {
+  // A float32 master of each narrow parameter, and the master's float32 gradient.
+  const int64_t masters = memory.master_weights ? 4 * layer.narrow_param_elements : 0;
+  // A moment per element of what the optimizer steps: the parameter, or its float32 master.
+  const int64_t moment = layer.trainable_param_bytes +
+                         (memory.master_weights ? masters - layer.narrow_param_bytes : 0);
+  const int64_t cache =
+      memory.autocast && *memory.autocast != at::kFloat
+          ? layer.float32_param_elements * static_cast<int64_t>(c10::elementSize(*memory.autocast))
+          : 0;
+  return layer.param_bytes + layer.trainable_param_bytes + 2 * masters +
+         optimizer_moments(memory.optimizer) * moment + cache + layer.buffer_bytes;
+}
+
+}  // namespace gpipe
