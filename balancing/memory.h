@@ -40,6 +40,7 @@ enum class OptimizerKind { kSGD, kMomentum, kAdam };
 ///
 ///   gpipe::ParameterMemory{gpipe::OptimizerKind::kAdam, /*master_weights=*/true, at::kBFloat16}
 struct ParameterMemory {
+  /// The optimizer: its moments per parameter.
   OptimizerKind optimizer = OptimizerKind::kMomentum;
   /// Whether float32 master weights are kept for (and stepped instead of) the parameters narrower
   /// than float32.

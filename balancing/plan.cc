@@ -156,7 +156,9 @@ std::string PipelineProfile::to_json() const {
          {"cores", cores},
          {"threads", threads},
          {"cpu_capacity", cpu_capacity},
-         {"handoff_us", handoff_us}};
+         {"handoff_us", handoff_us},
+         {"device_context_bytes", device_context_bytes},
+         {"allocator_reserve", allocator_reserve}};
   j["sizes"] = json::array();
   for (const LayerProfile& p : sizes) j["sizes"].push_back(internal::layer_profile_json(p));
   j["calibration"] = json::array();
@@ -184,6 +186,15 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
   p.threads = json_field<int64_t>(j, "threads", who);
   p.cpu_capacity = json_field<double>(j, "cpu_capacity", who);
   p.handoff_us = json_field<double>(j, "handoff_us", who);
+  // (Profiles written before Note [Device overhead]: none.)
+  if (j.contains("device_context_bytes")) {
+    p.device_context_bytes = json_field<int64_t>(j, "device_context_bytes", who);
+    p.allocator_reserve = json_field<double>(j, "allocator_reserve", who);
+  }
+  TORCH_CHECK(p.device_context_bytes >= 0 && p.allocator_reserve >= 1, who,
+              ": device_context_bytes must not be negative and allocator_reserve must be at least "
+              "1, got ",
+              p.device_context_bytes, " and ", p.allocator_reserve);
   TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
               ": devices must not be empty and batch, cores and threads must be positive");
   for (const json& s : json_field<json>(j, "sizes", who)) {
@@ -329,6 +340,22 @@ void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at:
 
 }  // namespace
 
+namespace {
+
+// Note [Device overhead]: what `device` holds beyond its tensors, measured after profiling.
+void measure_device_overhead(c10::Device device, PipelineProfile& p) {
+  if (!device.is_cuda()) return;
+  internal::synchronize(device);
+  const internal::DeviceMemoryUse use = internal::device_memory_use(device);
+  p.device_context_bytes = std::max<int64_t>(0, use.used - use.reserved);
+  if (use.peak_allocated > 0) {
+    p.allocator_reserve = std::max(
+        1.0, static_cast<double>(use.peak_reserved) / static_cast<double>(use.peak_allocated));
+  }
+}
+
+}  // namespace
+
 PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::Tensor& sample,
                                  const std::vector<c10::Device>& devices,
                                  const PipelineProfileOptions& options) {
@@ -353,6 +380,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   // end, so the middle one goes there).
   const int64_t middle = std::llround(std::sqrt(static_cast<double>(low * high)));
   // Each CPU worker runs with `threads` intra-op threads (LibTorch's and OpenBLAS's): profile so.
+  internal::reset_peak_memory(devices.front());  // Note [Device overhead]
   const int before = at::get_num_threads();
   set_intra_op_threads(static_cast<int>(p.threads));
   try {
@@ -378,6 +406,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   p.copies = profile_copies(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) calibrate(p, model, sample, low, middle);
+  measure_device_overhead(devices.front(), p);
   return p;
 }
 
@@ -684,6 +713,14 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, memory));
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
+  // Note [Device overhead]: each GPU's context and its allocator's reserve.
+  const std::vector<c10::Device> places = distinct_devices(plan.devices);
+  for (size_t d = 0; d < places.size() && d < plan.peak_bytes.size(); ++d) {
+    if (!places[d].is_cuda()) continue;
+    plan.peak_bytes[d] = profile.device_context_bytes +
+                         static_cast<int64_t>(std::ceil(profile.allocator_reserve *
+                                                        static_cast<double>(plan.peak_bytes[d])));
+  }
   return sim;
 }
 

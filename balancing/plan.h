@@ -64,6 +64,17 @@ namespace gpipe {
 // How close this comes is measured by benchmarks/plan_accuracy (docs/balancing.md says where it is
 // wrong).
 
+// Note [Device overhead]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A GPU holds more than the tensors the simulation counts: its CUDA context, the libraries'
+// handles and kernels (outside LibTorch's caching allocator), and the allocator's reserve, the
+// blocks it keeps beyond those in use (rounding, splitting, freed blocks kept for reuse).
+// profile_pipeline measures both on the first device when it is a GPU, after profiling: the
+// driver's bytes in use less the allocator's reserved ones, and the allocator's peak reserved over
+// its peak allocated since the profile began. A plan's peak on each GPU is then that context plus
+// the simulated peak times that ratio: what memory_limit is compared with. Every GPU of a plan is
+// taken to be like the first (the same model of GPU); the CPU has neither (0 and 1).
+
 // Note [Searched plans]
 // ~~~~~~~~~~~~~~~~~~~~~
 // Beside each zero-bubble candidate without checkpointing (each micro-batch's actions are then F,
@@ -161,6 +172,13 @@ struct PipelineProfile {
   double cpu_capacity = 0;
   /// A hand-over between two workers' threads (handoff_us), microseconds.
   double handoff_us = 0;
+  /// What a CUDA device holds beyond the tensors the simulation counts (Note [Device overhead]),
+  /// measured on the first device when it is a GPU: the bytes in use outside the caching
+  /// allocator (the CUDA context, libraries' handles and kernels), and the allocator's most
+  /// reserved over its most allocated while profiling (at least 1). 0 and 1 on the CPU.
+  int64_t device_context_bytes = 0;
+  /// See device_context_bytes.
+  double allocator_reserve = 1;
   /// The engine against the layers alone: for micro-batches of `batch` samples, a whole-model
   /// step in one partition measured over its simulation (Note [Planning]); empty: none (1).
   /// `split`: what the backward split in two (zero bubble's I and W) costs beyond `ratio`, from a

@@ -288,6 +288,39 @@ int64_t peak_memory_allocated(c10::Device device) {
 #endif
 }
 
+DeviceMemoryUse device_memory_use(c10::Device device) {
+  DeviceMemoryUse use;
+  if (!device.is_cuda()) {
+    return use;
+  }
+#ifdef GPIPE_WITH_CUDA
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  size_t free = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  use.used = static_cast<int64_t>(total - free);
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  use.reserved = stats.reserved_bytes[0].current;  // entry 0: every pool (see memory_allocated)
+  use.peak_reserved = stats.reserved_bytes[0].peak;
+  use.peak_allocated = stats.allocated_bytes[0].peak;
+#else
+  no_cuda(device);
+#endif
+  return use;
+}
+
+void reset_peak_memory(c10::Device device) {
+  if (!device.is_cuda()) {
+    return;
+  }
+#ifdef GPIPE_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
+                                                                     : c10::cuda::current_device());
+#else
+  no_cuda(device);
+#endif
+}
+
 #ifdef GPIPE_WITH_CUDA
 // A CUDA event with timing enabled (the event pool's are made without: cheaper to record and
 // wait for). Made on the device of its stream and destroyed there.

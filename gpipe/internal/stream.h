@@ -74,6 +74,20 @@ int64_t memory_allocated(c10::Device device);
 /// (or since its peak statistics were reset), or -1 where the allocator does not track them (CPU).
 int64_t peak_memory_allocated(c10::Device device);
 
+/// What a CUDA device's memory holds, in bytes: all that is in use on it (the driver's count,
+/// other processes included), what LibTorch's caching allocator reserves now, and the most it has
+/// reserved and allocated since its peak statistics were reset. All -1 on the CPU.
+struct DeviceMemoryUse {
+  int64_t used = -1;
+  int64_t reserved = -1;
+  int64_t peak_reserved = -1;
+  int64_t peak_allocated = -1;
+};
+DeviceMemoryUse device_memory_use(c10::Device device);
+
+/// Resets the caching allocator's peak statistics of `device` (CUDA; no-op on CPU).
+void reset_peak_memory(c10::Device device);
+
 /// A point in a CUDA stream's work whose time on the device can be read once the device has
 /// reached it: a CUDA event with timing. Made by mark_stream; used by the timeline (timeline.h).
 struct StreamMark;

@@ -5,6 +5,10 @@
 #include "tests/catch.h"
 #include "tests/gpipe/test_util.h"
 
+#include <cmath>
+#include <utility>
+#include <vector>
+
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -227,6 +231,65 @@ CATCH_TEST_CASE(
     predict(narrow, again, with);
     CATCH_CHECK(again.peak_bytes == planned.peak_bytes);
   }
+}
+
+CATCH_TEST_CASE(
+    "a plan's peak on each GPU is the device's context plus the simulated peak times "
+    "the allocator's reserve and a CPU's is the simulated peak",
+    "[balancing][memory][plan]") {
+  at::manual_seed(0);
+  nn::Sequential model = small_model();
+  PipelineProfile profile = profile_pipeline(
+      model, at::randn({32, 16}), {at::kCPU, at::kCPU},
+      PipelineProfileOptions().timeout(std::chrono::milliseconds(10)).calibrate(false));
+  CATCH_CHECK(profile.device_context_bytes == 0);  // measured on a CPU: none
+  CATCH_CHECK(profile.allocator_reserve == 1);
+  // The same layers as if profiled on two GPUs (the simulation takes any device), with copies
+  // between them and to the CPU.
+  profile.devices = {c10::Device("cuda:0"), c10::Device("cuda:1"), c10::Device(c10::kCPU)};
+  for (const auto& [from, to] : std::vector<std::pair<const char*, const char*>>{
+           {"cuda:0", "cuda:1"}, {"cuda:1", "cuda:0"}, {"cuda:1", "cpu"}, {"cpu", "cuda:1"}}) {
+    CopyStats c;
+    c.from = c10::Device(from);
+    c.to = c10::Device(to);
+    c.latency_us = 10;
+    c.bytes_per_us = 1000;
+    profile.copies.push_back(c);
+  }
+  PipelinePlan p;
+  p.balance = {1, 2, 1};
+  p.devices = {c10::Device("cuda:0"), c10::Device("cuda:1"), c10::Device(c10::kCPU)};
+  p.chunks = 2;
+  PipelinePlan bare = p;
+  predict(profile, bare);
+  profile.device_context_bytes = 500 << 20;
+  profile.allocator_reserve = 1.25;
+  predict(profile, p);
+  CATCH_REQUIRE(p.peak_bytes.size() == 3);
+  for (size_t d = 0; d < 2; ++d) {
+    CATCH_CHECK(p.peak_bytes[d] ==
+                (500 << 20) + static_cast<int64_t>(std::ceil(1.25 * bare.peak_bytes[d])));
+  }
+  CATCH_CHECK(p.peak_bytes[2] == bare.peak_bytes[2]);
+  // It travels in the profile's JSON.
+  const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
+  CATCH_CHECK(back.device_context_bytes == 500 << 20);
+  CATCH_CHECK(back.allocator_reserve == 1.25);
+  profile.allocator_reserve = 0.5;
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(profile.to_json()),
+                          gpipe_test::contains("allocator_reserve must be at least 1, got"));
+}
+
+CATCH_TEST_CASE("profiling on a GPU measures its context and its allocator's reserve",
+                "[balancing][memory][cuda]") {
+  at::manual_seed(0);
+  const PipelineProfile profile =
+      profile_pipeline(small_model(), at::randn({64, 16}), {c10::Device("cuda:0")},
+                       PipelineProfileOptions().timeout(std::chrono::milliseconds(20)));
+  // A CUDA context alone takes hundreds of MiB; the allocator reserves at least what it gives.
+  CATCH_CHECK(profile.device_context_bytes > (int64_t{64} << 20));
+  CATCH_CHECK(profile.allocator_reserve >= 1);
+  CATCH_CHECK(profile.allocator_reserve < 1000);
 }
 
 CATCH_TEST_CASE(
