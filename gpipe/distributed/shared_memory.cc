@@ -100,9 +100,11 @@ int64_t available_memory() {
 int64_t mapped_bytes(int64_t ring_bytes) { return kControlBytes + aligned(ring_bytes); }
 
 // The number of the writer's open file whose link reads "/memfd:<label> (deleted)", or -1.
-int find_memfd(pid_t writer, const std::string& label) {
+// Sets `error` to opendir's errno where the folder cannot be read.
+int find_memfd(pid_t writer, const std::string& label, int& error) {
   const std::string folder = absl::StrCat("/proc/", writer, "/fd");
   DIR* dir = opendir(folder.c_str());
+  error = dir == nullptr ? errno : 0;
   if (dir == nullptr) return -1;
   const std::string wanted = absl::StrCat("/memfd:", label, " (deleted)");
   int found = -1;
@@ -233,13 +235,17 @@ std::unique_ptr<SharedRing> SharedRing::create(const std::string& label, int64_t
 }
 
 std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const std::string& label) {
-  const int number = find_memfd(writer.pid(), label);
+  int unreadable = 0;
+  const int number = find_memfd(writer.pid(), label, unreadable);
+  TORCH_CHECK(unreadable == 0, "gpipe::distributed: cannot open shared-memory ring ", label, ": ",
+              system_error("opendir", absl::StrCat("/proc/", writer.pid(), "/fd"), unreadable),
+              " (is the other process gone, another user's, or in another PID namespace, or is "
+              "/proc mounted with hidepid?)");
   TORCH_CHECK(number >= 0, "gpipe::distributed: cannot open shared-memory ring ", label,
-              ": it is "
-              "not among the open files of process ",
-              writer.pid(), " (/proc/", writer.pid(),
-              "/fd); does this process see the other one's files (the same PID namespace and "
-              "user, /proc without hidepid)?");
+              ": it is not among the open files of process ", writer.pid(), " (/proc/",
+              writer.pid(),
+              "/fd); does this process see the other one's files (the same PID "
+              "namespace and user, /proc without hidepid)?");
   const std::string path = absl::StrCat("/proc/", writer.pid(), "/fd/", number);
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   TORCH_CHECK(fd >= 0, "gpipe::distributed: cannot open a shared-memory ring: ",

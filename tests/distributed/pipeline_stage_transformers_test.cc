@@ -210,14 +210,26 @@ constexpr const char* kPartedTie =
 
 CATCH_TEST_CASE(kPartedTie, "[distributed][stage][tied][saving][errors]") {
   if (test_rank() < 0) {
-    check_ranks_pass(kPartedTie, "parted_tie");
+    // Two stages, both holding the tie; three, the middle one without it.
+    const int stages = GENERATE(2, 3);
+    CATCH_CAPTURE(stages);
+    const std::string folder = folder_for("parted_tie_" + std::to_string(stages));
+    const auto results =
+        run_ranks(kPartedTie, stages, folder, {{"GPIPE_TEST_STAGES", std::to_string(stages)}});
+    CATCH_INFO(gpipe_test::outputs(results));
+    for (const auto& r : results) CATCH_CHECK(r.exit_code == 0);
+    std::filesystem::remove_all(folder);
     return;
   }
+  const int stages = std::stoi(env_or("GPIPE_TEST_STAGES", "2"));
+  const std::vector<int64_t> balance =
+      stages == 2 ? std::vector<int64_t>{2, 3} : std::vector<int64_t>{2, 2, 1};
   PipelineStage stage(tied_test::tied_model(/*shared=*/true),
-                      PipelineStageOptions({2, 3}).chunks(2), join());
-  CATCH_REQUIRE(stage->tied_stages() == std::vector<std::vector<int64_t>>{{0, 1}});
+                      PipelineStageOptions(balance).chunks(2), join());
+  CATCH_REQUIRE(stage->tied_stages() ==
+                std::vector<std::vector<int64_t>>{{0, static_cast<int64_t>(stages) - 1}});
   const std::string dir = gpipe_test::test_folder() + "/saves";
-  // The same optimizer on both stages: the tie stays one, and saves.
+  // The same optimizer on every stage: the tie stays one, and saves.
   const auto train = [&](double first_lr, int steps) {
     torch::optim::SGD sgd(stage->parameters(),
                           torch::optim::SGDOptions(stage->is_first() ? first_lr : 0.05));
@@ -234,8 +246,8 @@ CATCH_TEST_CASE(kPartedTie, "[distributed][stage][tied][saving][errors]") {
   // The first stage with another learning rate: its tie parts from the last stage's.
   train(0.2, 1);
   const auto parted = gpipe_test::contains(
-      "tied parameter 0.weight differs between the stages holding it (0, 1); every stage's "
-      "optimizer must step it alike");
+      "tied parameter 0.weight differs between the stages holding it (0, " +
+      std::to_string(stages - 1) + "); every stage's optimizer must step it alike");
   CATCH_CHECK_THROWS_WITH(stage->check_ties(), parted);
   CATCH_CHECK_THROWS_WITH(save_training(dir, *stage, nullptr, 3), parted);
   // Nothing was written for the refused step: the last save is still the one to load.
