@@ -36,6 +36,15 @@ nn::Sequential small_model() {
   return seq;
 }
 
+// A quick profile of small_model() on two CPU workers, mini-batches of 32 (times only roughly:
+// the memory is what these tests read).
+PipelineProfile small_profile() {
+  at::manual_seed(0);
+  return profile_pipeline(
+      small_model(), at::randn({32, 16}), {at::kCPU, at::kCPU},
+      PipelineProfileOptions().timeout(std::chrono::milliseconds(10)).calibrate(false));
+}
+
 // The model's parameter state as the planner counts it: each layer's, added up.
 int64_t counted(const nn::Sequential& model, const ParameterMemory& memory) {
   int64_t total = 0;
@@ -175,11 +184,7 @@ CATCH_TEST_CASE(
     "a plan's predicted peak grows by the parameter state that master weights add, "
     "device by device",
     "[balancing][memory][plan]") {
-  at::manual_seed(0);
-  nn::Sequential model = small_model();
-  const PipelineProfile profile = profile_pipeline(
-      model, at::randn({32, 16}), {at::kCPU, at::kCPU},
-      PipelineProfileOptions().timeout(std::chrono::milliseconds(10)).calibrate(false));
+  const PipelineProfile profile = small_profile();
   // The same profile as if its Linear layers were bfloat16: half the bytes, all narrow.
   PipelineProfile narrow = profile;
   for (LayerProfile& size : narrow.sizes) {
@@ -237,11 +242,7 @@ CATCH_TEST_CASE(
     "a plan's peak on each GPU is the device's context plus the simulated peak times "
     "the allocator's reserve and a CPU's is the simulated peak",
     "[balancing][memory][plan]") {
-  at::manual_seed(0);
-  nn::Sequential model = small_model();
-  PipelineProfile profile = profile_pipeline(
-      model, at::randn({32, 16}), {at::kCPU, at::kCPU},
-      PipelineProfileOptions().timeout(std::chrono::milliseconds(10)).calibrate(false));
+  PipelineProfile profile = small_profile();
   CATCH_CHECK(profile.device_context_bytes == 0);  // measured on a CPU: none
   CATCH_CHECK(profile.allocator_reserve == 1);
   // The same layers as if profiled on two GPUs (the simulation takes any device), with copies
