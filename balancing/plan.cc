@@ -342,9 +342,8 @@ void calibrate(PipelineProfile& p, const torch::nn::Sequential& model, const at:
 
 namespace {
 
-// Note [Device overhead]: what `device` holds beyond its tensors, measured after profiling.
+// Note [Device overhead]: what GPU `device` holds beyond its tensors, measured after profiling.
 void measure_device_overhead(c10::Device device, PipelineProfile& p) {
-  if (!device.is_cuda()) return;
   internal::synchronize(device);
   const internal::DeviceMemoryUse use = internal::device_memory_use(device);
   p.device_context_bytes = std::max<int64_t>(0, use.used - use.reserved);
@@ -380,7 +379,10 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   // end, so the middle one goes there).
   const int64_t middle = std::llround(std::sqrt(static_cast<double>(low * high)));
   // Each CPU worker runs with `threads` intra-op threads (LibTorch's and OpenBLAS's): profile so.
-  internal::reset_peak_memory(devices.front());  // Note [Device overhead]
+  // Note [Device overhead]: measured on the first GPU among the devices, if any.
+  const auto gpu = std::find_if(devices.begin(), devices.end(),
+                                [](const c10::Device& d) { return d.is_cuda(); });
+  if (gpu != devices.end()) internal::reset_peak_memory(*gpu);
   const int before = at::get_num_threads();
   set_intra_op_threads(static_cast<int>(p.threads));
   try {
@@ -406,7 +408,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   p.copies = profile_copies(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) calibrate(p, model, sample, low, middle);
-  measure_device_overhead(devices.front(), p);
+  if (gpu != devices.end()) measure_device_overhead(*gpu, p);
   return p;
 }
 

@@ -69,9 +69,11 @@ namespace gpipe {
 // A GPU holds more than the tensors the simulation counts: its CUDA context, the libraries'
 // handles and kernels (outside LibTorch's caching allocator), and the allocator's reserve, the
 // blocks it keeps beyond those in use (rounding, splitting, freed blocks kept for reuse).
-// profile_pipeline measures both on the first device when it is a GPU, after profiling: the
-// driver's bytes in use less the allocator's reserved ones, and the allocator's peak reserved over
-// its peak allocated since the profile began. A plan's peak on each GPU is then that context plus
+// profile_pipeline measures both on the first GPU among its devices, after profiling: the
+// driver's bytes in use less the allocator's reserved ones (other processes' memory on that GPU
+// counts too), and the allocator's peak reserved over its peak allocated since the profile began
+// (the layers are profiled on the first device: with a CPU first, the GPU's reserve is of copies
+// only). A plan's peak on each GPU is then that context plus
 // the simulated peak times that ratio: what memory_limit is compared with. Every GPU of a plan is
 // taken to be like the first (the same model of GPU); the CPU has neither (0 and 1).
 
@@ -173,7 +175,7 @@ struct PipelineProfile {
   /// A hand-over between two workers' threads (handoff_us), microseconds.
   double handoff_us = 0;
   /// What a CUDA device holds beyond the tensors the simulation counts (Note [Device overhead]),
-  /// measured on the first device when it is a GPU: the bytes in use outside the caching
+  /// measured on the first GPU among the devices: the bytes in use outside the caching
   /// allocator (the CUDA context, libraries' handles and kernels), and the allocator's most
   /// reserved over its most allocated while profiling (at least 1). 0 and 1 on the CPU.
   int64_t device_context_bytes = 0;

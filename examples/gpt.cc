@@ -430,7 +430,11 @@ int run() {
               absl::GetFlag(FLAGS_model), "'");
   TORCH_CHECK(length >= 1 && length <= named.sample_shape[0], "--sequence must be in 1 .. ",
               named.sample_shape[0], " (the context), got ", length);
-  const auto [sample, unused] = training::random_windows(corpus.train, batch, length, generator);
+  // (From a generator of its own: the training windows' stream is the same as --distributed's
+  // replica 0, so a save resumed in either layout goes on with the same sequences.)
+  auto sample_generator = at::make_generator<at::CPUGeneratorImpl>(absl::GetFlag(FLAGS_seed) + 2);
+  const auto [sample, unused] =
+      training::random_windows(corpus.train, batch, length, sample_generator);
   if (!shape.balance.empty()) {
     training::check_plan_fits(shape.balance, static_cast<int64_t>(named.model->size()),
                               absl::GetFlag(FLAGS_model));
@@ -561,7 +565,7 @@ int run() {
     std::printf(
         "plan: %.1f ms per step predicted; the steps took %.1f ms each with data and "
         "optimizer (validation left out)\n",
-        shape.predicted_step_ms, 1000 * train_seconds / std::max<int64_t>(steps, 1));
+        shape.predicted_step_ms, 1000 * train_seconds / std::max<int64_t>(steps - done, 1));
   }
   std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
   for (const char* prompt : {"Q: ", "The ", "A "}) {

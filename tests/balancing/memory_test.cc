@@ -231,7 +231,9 @@ CATCH_TEST_CASE(
                                   .optimizer(OptimizerKind::kAdam)
                                   .master_weights(true)
                                   .search(false);
-  for (const PipelinePlan& planned : plan(narrow, options)) {
+  const std::vector<PipelinePlan> plans = plan(narrow, options);
+  CATCH_REQUIRE(!plans.empty());
+  for (const PipelinePlan& planned : plans) {
     PipelinePlan again = planned;
     predict(narrow, again, with);
     CATCH_CHECK(again.peak_bytes == planned.peak_bytes);
