@@ -355,6 +355,18 @@ void measure_device_overhead(c10::Device device, PipelineProfile& p) {
 
 }  // namespace
 
+std::vector<int64_t> with_device_overhead(const PipelineProfile& profile,
+                                          const std::vector<c10::Device>& devices,
+                                          std::vector<int64_t> bytes) {
+  for (size_t d = 0; d < devices.size() && d < bytes.size(); ++d) {
+    if (!devices[d].is_cuda()) continue;
+    bytes[d] =
+        profile.device_context_bytes +
+        static_cast<int64_t>(std::ceil(profile.allocator_reserve * static_cast<double>(bytes[d])));
+  }
+  return bytes;
+}
+
 PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::Tensor& sample,
                                  const std::vector<c10::Device>& devices,
                                  const PipelineProfileOptions& options) {
@@ -715,14 +727,7 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   PipelineSimulation sim = simulate_pipeline(schedule, pipeline_costs(profile, plan, memory));
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
-  // Note [Device overhead]: each GPU's context and its allocator's reserve.
-  const std::vector<c10::Device> places = distinct_devices(plan.devices);
-  for (size_t d = 0; d < places.size() && d < plan.peak_bytes.size(); ++d) {
-    if (!places[d].is_cuda()) continue;
-    plan.peak_bytes[d] = profile.device_context_bytes +
-                         static_cast<int64_t>(std::ceil(profile.allocator_reserve *
-                                                        static_cast<double>(plan.peak_bytes[d])));
-  }
+  plan.peak_bytes = with_device_overhead(profile, distinct_devices(plan.devices), sim.peak_bytes);
   return sim;
 }
 
@@ -869,13 +874,17 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
         all.begin(), all.end(),
         [&](const PipelinePlan& a, const PipelinePlan& b) { return peak_of(a) < peak_of(b); });
     const PipelineCosts costs = pipeline_costs(profile, least, options.parameter_memory());
-    const int64_t fixed = *std::max_element(costs.static_bytes.begin(), costs.static_bytes.end());
+    // (On a GPU with its context and reserve: Note [Device overhead].)
+    const std::vector<int64_t> static_bytes =
+        with_device_overhead(profile, distinct_devices(least.devices), costs.static_bytes);
+    const int64_t fixed = *std::max_element(static_bytes.begin(), static_bytes.end());
     const bool params = fixed > options.memory_limit();
     TORCH_CHECK(false, who, ": no plan fits in ", options.memory_limit(), " bytes (",
                 absl::StrFormat("%.1f", mib(options.memory_limit())), " MiB) per device on ",
                 profile.devices.size(), " device(s): the least memory any needs is ",
                 peak_of(least), " bytes (", least.describe(), "), of which ", fixed,
-                " bytes are parameters, gradients, optimizer state, buffers and the input. ",
+                " bytes are parameters, gradients, optimizer state, buffers and the input (with "
+                "a GPU's context and its allocator's reserve). ",
                 params ? "Those alone exceed the limit: give more devices (each then holds fewer "
                          "layers), a lighter optimizer, or a larger limit"
                        : "The activations are the excess: give a smaller mini-batch (smaller "

@@ -262,6 +262,13 @@ struct PipelinePlan {
   static PipelinePlan from_json(const std::string& text);
 };
 
+/// `bytes` of tensors per device (`devices`, in the same order), each GPU's with its context and
+/// its allocator's reserve added as `profile` measured them (Note [Device overhead]); the CPU's
+/// as they are.
+std::vector<int64_t> with_device_overhead(const PipelineProfile& profile,
+                                          const std::vector<c10::Device>& devices,
+                                          std::vector<int64_t> bytes);
+
 /// The simulation inputs of `plan` (its balance, devices, chunks, checkpoint, schedule and
 /// threads) over `profile`, the parameters trained as `memory` says.
 PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan& plan,

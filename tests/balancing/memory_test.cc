@@ -274,6 +274,16 @@ CATCH_TEST_CASE(
                 (500 << 20) + static_cast<int64_t>(std::ceil(1.25 * bare.peak_bytes[d])));
   }
   CATCH_CHECK(p.peak_bytes[2] == bare.peak_bytes[2]);
+  // With a limit below the GPUs' contexts no plan fits, and the parameters' side (with the
+  // context) is named as the excess, not the activations.
+  CATCH_CHECK_THROWS_WITH(plan(profile, PlanOptions()
+                                            .partitions({2})
+                                            .chunks({2})
+                                            .schedules({ScheduleKind::kGPipe})
+                                            .memory_limit(int64_t{100} << 20)
+                                            .search(false)),
+                          gpipe_test::contains("(with a GPU's context and its allocator's "
+                                               "reserve). Those alone exceed the limit"));
   // It travels in the profile's JSON.
   const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
   CATCH_CHECK(back.device_context_bytes == 500 << 20);
