@@ -329,6 +329,8 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
   int64_t done = 0;
   if (!resume.empty()) {
     done = dist::load_training(resume, *stage, &optimizer);
+    TORCH_CHECK(done < steps, "--resume: ", resume, " is a save of step ", done, " and --steps is ",
+                steps, ": nothing is left to train; give more --steps");
     skip_windows(corpus, done, batch, length, generator);
     if (leader) {
       std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
@@ -498,6 +500,8 @@ int run() {
   int64_t done = 0;
   if (!resume.empty()) {
     done = load_training(resume, *model, &optimizer, scaler_or_null);
+    TORCH_CHECK(done < steps, "--resume: ", resume, " is a save of step ", done, " and --steps is ",
+                steps, ": nothing is left to train; give more --steps");
     skip_windows(corpus, done, batch, length, generator);
     std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
   }
