@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -190,6 +191,25 @@ void skip_windows(const training::TextCorpus& corpus, int64_t steps, int64_t bat
   }
 }
 
+// The step a run goes on after: that of the save to resume (--resume's, or --save's in a process
+// torchrun restarted), loaded by `load` (which returns its step), with the training data moved
+// there; 0 without one. `report`: say so.
+int64_t resume_training(const std::function<int64_t(const std::string&)>& load,
+                        const training::TextCorpus& corpus, int64_t steps, int64_t batch,
+                        int64_t length, at::Generator generator, bool report) {
+  const std::string resume =
+      training::save_to_resume(absl::GetFlag(FLAGS_save), absl::GetFlag(FLAGS_resume));
+  if (resume.empty()) return 0;
+  const int64_t done = load(resume);
+  TORCH_CHECK(done < steps, "--resume: ", resume, " is a save of step ", done, " and --steps is ",
+              steps, ": nothing is left to train; give more --steps");
+  skip_windows(corpus, done, batch, length, generator);
+  if (report) {
+    std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
+  }
+  return done;
+}
+
 // Whether step `step` of `steps` ends with a save into --save.
 bool saves_after(int64_t step, int64_t steps) {
   const int64_t every = absl::GetFlag(FLAGS_save_every);
@@ -324,18 +344,9 @@ int run_distributed(const training::TextCorpus& corpus, double unigram, double b
                                                             1000 * groups.replica);
   const int64_t steps = absl::GetFlag(FLAGS_steps);
   // Every process finds the same save: they read the same folders, and none is saving now.
-  const std::string resume =
-      training::save_to_resume(absl::GetFlag(FLAGS_save), absl::GetFlag(FLAGS_resume));
-  int64_t done = 0;
-  if (!resume.empty()) {
-    done = dist::load_training(resume, *stage, &optimizer);
-    TORCH_CHECK(done < steps, "--resume: ", resume, " is a save of step ", done, " and --steps is ",
-                steps, ": nothing is left to train; give more --steps");
-    skip_windows(corpus, done, batch, length, generator);
-    if (leader) {
-      std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
-    }
-  }
+  const int64_t done = resume_training(
+      [&](const std::string& save) { return dist::load_training(save, *stage, &optimizer); },
+      corpus, steps, batch, length, generator, leader);
   const int rank = dist::options_from_env().rank();
   const auto start = std::chrono::steady_clock::now();
   const auto seconds = [&] {
@@ -495,16 +506,11 @@ int run() {
   };
   // The scaler's state is saved when it scales (float16 on CUDA), so that other runs' saves load.
   GradScaler* const scaler_or_null = scaler.is_enabled() ? &scaler : nullptr;
-  const std::string resume =
-      training::save_to_resume(absl::GetFlag(FLAGS_save), absl::GetFlag(FLAGS_resume));
-  int64_t done = 0;
-  if (!resume.empty()) {
-    done = load_training(resume, *model, &optimizer, scaler_or_null);
-    TORCH_CHECK(done < steps, "--resume: ", resume, " is a save of step ", done, " and --steps is ",
-                steps, ": nothing is left to train; give more --steps");
-    skip_windows(corpus, done, batch, length, generator);
-    std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(done));
-  }
+  const int64_t done = resume_training(
+      [&](const std::string& save) {
+        return load_training(save, *model, &optimizer, scaler_or_null);
+      },
+      corpus, steps, batch, length, generator, /*report=*/true);
   double loss_sum = 0;
   int64_t loss_count = 0;
   double validation = 0;

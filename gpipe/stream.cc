@@ -40,6 +40,12 @@ c10::Stream cpu_stream(const c10::Device& device) {
 c10::DeviceIndex cuda_index(const c10::Device& device) {
   return device.has_index() ? device.index() : static_cast<c10::DeviceIndex>(-1);
 }
+
+// The index of `device`, the calling thread's current device for a plain "cuda": for the
+// functions that take no -1 (the allocator's statistics) and for a state kept across threads.
+c10::DeviceIndex resolved_index(const c10::Device& device) {
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
 #endif
 
 // Note [Event pool]
@@ -267,7 +273,7 @@ int64_t memory_allocated(c10::Device device) {
     return -1;
   }
 #ifdef GPIPE_WITH_CUDA
-  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const int index = resolved_index(device);
   // Entry 0 of the statistics arrays is the aggregate over all pools (StatType::AGGREGATE), in
   // every LibTorch version; the enum itself moved between namespaces in 2.x.
   return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].current;
@@ -281,7 +287,7 @@ int64_t peak_memory_allocated(c10::Device device) {
     return -1;
   }
 #ifdef GPIPE_WITH_CUDA
-  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const int index = resolved_index(device);
   return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].peak;
 #else
   no_cuda(device);
@@ -294,7 +300,7 @@ DeviceMemoryUse device_memory_use(c10::Device device) {
     return use;
   }
 #ifdef GPIPE_WITH_CUDA
-  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const int index = resolved_index(device);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
   size_t free = 0, total = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
@@ -314,8 +320,7 @@ void reset_peak_memory(c10::Device device) {
     return;
   }
 #ifdef GPIPE_WITH_CUDA
-  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
-                                                                     : c10::cuda::current_device());
+  c10::cuda::CUDACachingAllocator::resetPeakStats(resolved_index(device));
 #else
   no_cuda(device);
 #endif
@@ -398,8 +403,7 @@ RngState get_rng_state(c10::Device device) {
   // "cuda" is resolved to the current device now, so that set_rng_state restores the same
   // generator even on a thread whose current device is another one (a recomputation runs on the
   // autograd engine's thread).
-  state.device = c10::Device(c10::kCUDA, device.has_index() ? device.index()
-                                                            : c10::cuda::current_device());
+  state.device = c10::Device(c10::kCUDA, resolved_index(device));
   at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(state.device.index());
   std::lock_guard<std::mutex> lock(gen.mutex());
   state.cuda = gen.get_state();

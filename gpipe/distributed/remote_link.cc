@@ -134,30 +134,25 @@ bool RemoteUpstream::sends_before(int64_t next, int64_t m) {
 
 void check_microbatch(const SharedLink::Record& record, int64_t expected, int rank, int peer) {
   TORCH_CHECK(record.microbatch == expected, "gpipe::distributed: on rank ", rank, ", from rank ",
-              peer, ": activations of micro-batch ", record.microbatch,
-              " arrived in shared "
-              "memory where micro-batch ",
-              expected, " was next; do all ranks run the same gpipe?");
+              peer, ": activations of micro-batch ", record.microbatch, " arrived in shared "
+              "memory where micro-batch ", expected, " was next; do all ranks run the same "
+              "gpipe?");
 }
 
 ActivationReceiver::Received activations_of(const SharedLink::Record& record, int64_t expected,
                                             int rank, int peer) {
   check_microbatch(record, expected, rank, peer);
   TORCH_CHECK(record.bytes >= kHeaderBytes, "gpipe::distributed: on rank ", rank, ", from rank ",
-              peer, ": a record of ", record.bytes,
-              " bytes in shared memory, shorter than an "
-              "activation header (",
-              kHeaderBytes, "); do all ranks run the same gpipe?");
+              peer, ": a record of ", record.bytes, " bytes in shared memory, shorter than an "
+              "activation header (", kHeaderBytes, "); do all ranks run the same gpipe?");
   ActivationReceiver::Received r;
   uint8_t* header = const_cast<uint8_t*>(record.data);  // read only
   r.header =
       BatchHeader::decode(at::from_blob(header, {BatchHeader::size()}, at::kLong), rank, peer);
   const int64_t expected_bytes = kHeaderBytes + packed_data_bytes(r.header);
   TORCH_CHECK(expected_bytes <= record.bytes, "gpipe::distributed: on rank ", rank, ", from rank ",
-              peer, ": a record of ", record.bytes,
-              " bytes in shared memory is shorter than its "
-              "header says (",
-              expected_bytes, "); do all ranks run the same gpipe?");
+              peer, ": a record of ", record.bytes, " bytes in shared memory is shorter than its "
+              "header says (", expected_bytes, "); do all ranks run the same gpipe?");
   r.tensors = r.header.empty_tensors(c10::Device(c10::kCPU));
   unpack_into(record.data + kHeaderBytes, r.tensors);
   return r;

@@ -131,18 +131,14 @@ class Waiter {
     if (wait_.cancellation) wait_.cancellation->check();
     if (++polls_ % 16 == 0) {
       TORCH_CHECK(wait_.peer == nullptr || !wait_.peer->exited(),
-                  "gpipe::distributed: waiting for ", wait_.what,
-                  " in shared memory, but the "
-                  "other process (pid ",
-                  peer_pid(),
-                  ") has exited; every rank of a pipeline must "
+                  "gpipe::distributed: waiting for ", wait_.what, " in shared memory, but the "
+                  "other process (pid ", peer_pid(), ") has exited; every rank of a pipeline must "
                   "take the same steps (a rank that died says why in its own output)");
       const auto waited =
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start_);
       TORCH_CHECK(waited < wait_.timeout, "gpipe::distributed: waited ", waited.count(), " ms for ",
                   wait_.what, " in shared memory, past the group's timeout (",
-                  wait_.timeout.count(), " ms); the other process (pid ", peer_pid(),
-                  ") did "
+                  wait_.timeout.count(), " ms); the other process (pid ", peer_pid(), ") did "
                   "not get there: is it stopped, or does it take other steps?");
     }
     timespec ten_ms{0, 10 * 1000 * 1000};
@@ -243,8 +239,7 @@ std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const st
               "/proc mounted with hidepid?)");
   TORCH_CHECK(number >= 0, "gpipe::distributed: cannot open shared-memory ring ", label,
               ": it is not among the open files of process ", writer.pid(), " (/proc/",
-              writer.pid(),
-              "/fd); does this process see the other one's files (the same PID "
+              writer.pid(), "/fd); does this process see the other one's files (the same PID "
               "namespace and user, /proc without hidepid)?");
   const std::string path = absl::StrCat("/proc/", writer.pid(), "/fd/", number);
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -259,8 +254,7 @@ std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const st
   }
   if (st.st_size <= kControlBytes) {
     close(fd);
-    TORCH_CHECK(false, "gpipe::distributed: ", label, " holds ", st.st_size,
-                " bytes, not a gpipe "
+    TORCH_CHECK(false, "gpipe::distributed: ", label, " holds ", st.st_size, " bytes, not a gpipe "
                 "ring");
   }
   void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -273,9 +267,7 @@ std::unique_ptr<SharedRing> SharedRing::open(const PeerProcess& writer, const st
               "gpipe::distributed: ", label, " is not a gpipe ring of ", ring->room_, " bytes");
   // (Note [Rings without names]: the pidfd, older than this look, is the ring's writer.)
   TORCH_CHECK(!writer.exited(), "gpipe::distributed: process ", writer.pid(),
-              ", which made "
-              "shared-memory ring ",
-              label, ", has exited");
+              ", which made shared-memory ring ", label, ", has exited");
   return ring;
 }
 
@@ -288,11 +280,8 @@ void SharedRing::check_room(int64_t rings, int64_t bytes) {
   const int64_t total = rings * mapped_bytes(bytes);
   const int64_t available = available_memory();
   TORCH_CHECK(total <= available / 8, "gpipe::distributed: cannot make ", rings,
-              " shared-memory ring(s) of ", bytes, " bytes: ", total,
-              " bytes in all, more than "
-              "an eighth of the memory this process may still take (",
-              available,
-              " bytes: the "
+              " shared-memory ring(s) of ", bytes, " bytes: ", total, " bytes in all, more than "
+              "an eighth of the memory this process may still take (", available, " bytes: the "
               "host's MemAvailable, or its cgroup's room below memory.max); "
               "PipelineStageOptions::shared_memory sets the size of a ring");
 }
