@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -49,15 +50,21 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // plans]): two searches per zero-bubble candidate without checkpointing.
 constexpr int64_t kSearchBudget = 1000;
 
+c10::Device parse_device(const std::string& name, const std::string& who) {
+  std::optional<c10::Device> device;
+  try {
+    device.emplace(name);
+  } catch (const c10::Error&) {
+  }
+  TORCH_CHECK(device.has_value(), who, ": '", name, "' is not a device (cpu, cuda:0, ...)");
+  return *device;
+}
+
 // The devices named by `object`'s "devices".
 std::vector<c10::Device> parse_devices(const json& object, const std::string& who) {
   std::vector<c10::Device> out;
   for (const std::string& name : json_field<std::vector<std::string>>(object, "devices", who)) {
-    try {
-      out.emplace_back(name);
-    } catch (const c10::Error&) {
-      TORCH_CHECK(false, who, ": '", name, "' is not a device (cpu, cuda:0, ...)");
-    }
+    out.push_back(parse_device(name, who));
   }
   return out;
 }
@@ -70,11 +77,53 @@ std::vector<std::string> device_names(const std::vector<c10::Device>& devices) {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 
-}  // namespace
+json calibration_json(const PipelineProfile::Calibration& c) {
+  return {{"batch", c.batch}, {"ratio", c.ratio}, {"split", c.split}};
+}
 
-LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
-  TORCH_CHECK(!sizes.empty() && k >= 0 && k < layers(), "PipelineProfile::layer: no layer ", k,
-              " in a profile of ", layers());
+// `object`'s "calibration".
+std::vector<PipelineProfile::Calibration> calibration_from_json(const json& object,
+                                                                const std::string& who) {
+  std::vector<PipelineProfile::Calibration> out;
+  for (const json& c : json_field<json>(object, "calibration", who)) {
+    PipelineProfile::Calibration k;
+    k.batch = json_field<int64_t>(c, "batch", who);
+    k.ratio = json_field<double>(c, "ratio", who);
+    // (Profiles saved before the split was calibrated: I and W scaled as the rest.)
+    k.split = c.contains("split") ? json_field<double>(c, "split", who) : 1.0;
+    TORCH_CHECK(k.batch > 0 && k.ratio > 0 && k.split > 0, who,
+                ": a calibration needs a positive batch, ratio and split");
+    out.push_back(k);
+  }
+  return out;
+}
+
+// `object`'s "sizes": layer profiles of the same layers.
+std::vector<LayerProfile> sizes_from_json(const json& object, const std::string& who) {
+  std::vector<LayerProfile> out;
+  for (const json& s : json_field<json>(object, "sizes", who)) {
+    out.push_back(internal::layer_profile_from_json(s, who));
+  }
+  TORCH_CHECK(!out.empty(), who, ": \"sizes\" holds no profile");
+  for (const LayerProfile& s : out) {
+    TORCH_CHECK(s.layers.size() == out[0].layers.size() && s.batch > 0, who,
+                ": the profiles in \"sizes\" must have the same layers and a positive batch");
+  }
+  return out;
+}
+
+// The kind of `device` among the profile's other kinds (Note [Placement]); null for the first
+// device's kind, and for a kind not profiled (planned as the first).
+const PipelineProfile::DeviceKind* kind_of(const PipelineProfile& p, c10::Device device) {
+  if (p.devices.empty() || device.type() == p.devices.front().type()) return nullptr;
+  for (const PipelineProfile::DeviceKind& k : p.other_kinds) {
+    if (k.device.type() == device.type()) return &k;
+  }
+  return nullptr;
+}
+
+// Layer k of `sizes` (profiles ascending in micro-batch size) at a micro-batch of `batch`.
+LayerStats interpolated_layer(const std::vector<LayerProfile>& sizes, int64_t k, int64_t batch) {
   // The two profiled sizes around `batch` (the nearest two beyond them).
   size_t upper = 1;
   while (upper + 1 < sizes.size() && sizes[upper].batch < batch) ++upper;
@@ -110,6 +159,19 @@ LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
   return s;
 }
 
+}  // namespace
+
+LayerStats PipelineProfile::layer(int64_t k, int64_t batch) const {
+  return layer(k, batch, devices.empty() ? c10::Device(c10::kCPU) : devices.front());
+}
+
+LayerStats PipelineProfile::layer(int64_t k, int64_t batch, c10::Device device) const {
+  TORCH_CHECK(!sizes.empty() && k >= 0 && k < layers(), "PipelineProfile::layer: no layer ", k,
+              " in a profile of ", layers());
+  const DeviceKind* kind = kind_of(*this, device);
+  return interpolated_layer(kind != nullptr ? kind->sizes : sizes, k, batch);
+}
+
 namespace {
 
 // `field` of the calibrations at micro-batches of `batch`: linear in log size between the two
@@ -136,8 +198,21 @@ double PipelineProfile::time_scale(int64_t batch) const {
   return interpolate(calibration, batch, &Calibration::ratio);
 }
 
+double PipelineProfile::time_scale(int64_t batch, c10::Device device) const {
+  const DeviceKind* kind = kind_of(*this, device);
+  return kind != nullptr ? interpolate(kind->calibration, batch, &Calibration::ratio)
+                         : time_scale(batch);
+}
+
 double PipelineProfile::split_scale(int64_t batch) const {
   return time_scale(batch) * interpolate(calibration, batch, &Calibration::split);
+}
+
+double PipelineProfile::split_scale(int64_t batch, c10::Device device) const {
+  const DeviceKind* kind = kind_of(*this, device);
+  return kind != nullptr ? time_scale(batch, device) *
+                               interpolate(kind->calibration, batch, &Calibration::split)
+                         : split_scale(batch);
 }
 
 double PipelineProfile::copy_us(c10::Device from, c10::Device to, int64_t bytes) const {
@@ -162,8 +237,13 @@ std::string PipelineProfile::to_json() const {
   j["sizes"] = json::array();
   for (const LayerProfile& p : sizes) j["sizes"].push_back(internal::layer_profile_json(p));
   j["calibration"] = json::array();
-  for (const Calibration& c : calibration) {
-    j["calibration"].push_back({{"batch", c.batch}, {"ratio", c.ratio}, {"split", c.split}});
+  for (const Calibration& c : calibration) j["calibration"].push_back(calibration_json(c));
+  j["other_kinds"] = json::array();
+  for (const DeviceKind& k : other_kinds) {
+    json kind{{"device", k.device.str()}, {"sizes", json::array()}, {"calibration", json::array()}};
+    for (const LayerProfile& p : k.sizes) kind["sizes"].push_back(internal::layer_profile_json(p));
+    for (const Calibration& c : k.calibration) kind["calibration"].push_back(calibration_json(c));
+    j["other_kinds"].push_back(kind);
   }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
@@ -197,23 +277,23 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
               p.device_context_bytes, " and ", p.allocator_reserve);
   TORCH_CHECK(!p.devices.empty() && p.batch > 0 && p.cores > 0 && p.threads > 0, who,
               ": devices must not be empty and batch, cores and threads must be positive");
-  for (const json& s : json_field<json>(j, "sizes", who)) {
-    p.sizes.push_back(internal::layer_profile_from_json(s, who));
-  }
-  TORCH_CHECK(!p.sizes.empty(), who, ": \"sizes\" holds no profile");
-  for (const LayerProfile& s : p.sizes) {
-    TORCH_CHECK(s.layers.size() == p.sizes[0].layers.size() && s.batch > 0, who,
-                ": the profiles in \"sizes\" must have the same layers and a positive batch");
-  }
-  for (const json& c : json_field<json>(j, "calibration", who)) {
-    Calibration k;
-    k.batch = json_field<int64_t>(c, "batch", who);
-    k.ratio = json_field<double>(c, "ratio", who);
-    // (Profiles saved before the split was calibrated: I and W scaled as the rest.)
-    k.split = c.contains("split") ? json_field<double>(c, "split", who) : 1.0;
-    TORCH_CHECK(k.batch > 0 && k.ratio > 0 && k.split > 0, who,
-                ": a calibration needs a positive batch, ratio and split");
-    p.calibration.push_back(k);
+  p.sizes = sizes_from_json(j, who);
+  p.calibration = calibration_from_json(j, who);
+  // (Profiles written before Note [Placement]: no other kinds.)
+  if (j.contains("other_kinds")) {
+    for (const json& k : json_field<json>(j, "other_kinds", who)) {
+      DeviceKind kind;
+      kind.device = parse_device(json_field<std::string>(k, "device", who), who);
+      kind.sizes = sizes_from_json(k, who);
+      kind.calibration = calibration_from_json(k, who);
+      TORCH_CHECK(kind.device.type() != p.devices.front().type() &&
+                      kind.sizes.size() == p.sizes.size() &&
+                      kind.sizes[0].layers.size() == p.sizes[0].layers.size(),
+                  who, ": the other kind ", kind.device,
+                  " must be unlike the first device and have as many sizes and layers as "
+                  "\"sizes\" (", p.sizes.size(), " and ", p.layers(), ")");
+      p.other_kinds.push_back(std::move(kind));
+    }
   }
   for (const json& c : json_field<json>(j, "copies", who)) {
     CopyStats s;
@@ -404,6 +484,17 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
           model, sample.narrow(0, 0, b),
           ProfileOptions().timeout(options.timeout()).device(devices.front())));
     }
+    // Note [Placement]: the layers on the first device of each other kind, at the same sizes.
+    for (const c10::Device& d : devices) {
+      if (d.type() == devices.front().type() || kind_of(p, d) != nullptr) continue;
+      PipelineProfile::DeviceKind kind;
+      kind.device = d;
+      for (const LayerProfile& at : p.sizes) {
+        kind.sizes.push_back(profile_layers(model, sample.narrow(0, 0, at.batch),
+                                            ProfileOptions().timeout(options.timeout()).device(d)));
+      }
+      p.other_kinds.push_back(std::move(kind));
+    }
     // With CPU partitions: what their workers give together.
     const int64_t workers = std::min<int64_t>(
         static_cast<int64_t>(std::count(devices.begin(), devices.end(), c10::Device(c10::kCPU))),
@@ -419,7 +510,18 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
-  if (options.calibrate()) calibrate(p, model, sample, low, middle);
+  if (options.calibrate()) {
+    calibrate(p, model, sample, low, middle);
+    for (PipelineProfile::DeviceKind& kind : p.other_kinds) {
+      // (The same on a profile of that kind alone.)
+      PipelineProfile alone = p;
+      alone.devices = {kind.device};
+      alone.sizes = kind.sizes;
+      alone.other_kinds.clear();
+      calibrate(alone, model, sample, low, middle);
+      kind.calibration = alone.calibration;
+    }
+  }
   if (gpu != devices.end()) measure_device_overhead(*gpu, p);
   return p;
 }
@@ -649,13 +751,14 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
       c.checkpointed_bytes += l.input_bytes;
     }
   }
-  // Note [Planning]'s calibration at this micro-batch size.
-  const double scale = profile.time_scale(b);
+  // Note [Planning]'s calibration at this micro-batch size, on the stage's kind of device.
+  const double scale = profile.time_scale(b, plan.devices[s]);
+  const double split = profile.split_scale(b, plan.devices[s]);
   c.forward_us *= scale;
   c.forward_nograd_us *= scale;
   c.backward_us *= scale;
-  c.backward_input_us *= profile.split_scale(b);
-  c.backward_weight_us *= profile.split_scale(b);
+  c.backward_input_us *= split;
+  c.backward_weight_us *= split;
   c.recompute_us = c.forward_us;
   const LayerStats& last = ls.back();
   c.checkpointed_bytes += last.output_bytes;
@@ -695,7 +798,9 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   int64_t first = 0;
   for (int64_t s = 0; s < stages; ++s) {
     std::vector<LayerStats> ls;
-    for (int64_t k = first; k < first + plan.balance[s]; ++k) ls.push_back(profile.layer(k, b));
+    for (int64_t k = first; k < first + plan.balance[s]; ++k) {
+      ls.push_back(profile.layer(k, b, plan.devices[s]));
+    }
     int64_t state_bytes = 0;
     StageCost c = stage_cost(profile, plan, s, b, ls, memory, state_bytes);
     c.lane = s % lanes;
@@ -731,6 +836,34 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   return sim;
 }
 
+PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& plan,
+                         int64_t max_in_flight, const ParameterMemory& memory,
+                         SearchedSchedule* found) {
+  const int64_t n = static_cast<int64_t>(plan.balance.size());
+  TORCH_CHECK(n >= 1 && plan.virtual_stages <= 1 && plan.devices.size() == plan.balance.size(),
+              "gpipe::search_plan: the plan must have one device per partition and one partition "
+              "per worker (virtual_stages 1); it has ", plan.balance.size(), " partition(s), ",
+              plan.devices.size(), " device(s) and virtual_stages ", plan.virtual_stages);
+  TORCH_CHECK(max_in_flight >= 1, "gpipe::search_plan: max_in_flight must be at least 1, got ",
+              max_in_flight);
+  PipelinePlan searched = plan;
+  searched.schedule = ScheduleKind::kZeroBubble;
+  searched.schedule_text.clear();
+  ScheduleSearchOptions search;
+  for (const StageCost& c : pipeline_costs(profile, searched, memory).stages) {
+    // (The search takes positive times: a stage without parameters has no W to speak of.)
+    search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
+                                  std::max(c.backward_weight_us, 1e-3), c.copy_us});
+  }
+  search.budget = kSearchBudget;
+  search.max_in_flight.assign(static_cast<size_t>(n), max_in_flight);
+  SearchedSchedule result = search_schedule(plan.chunks, search);
+  searched.schedule_text = schedule_text(result.schedule);
+  predict(profile, searched, memory);
+  if (found != nullptr) *found = std::move(result);
+  return searched;
+}
+
 namespace {
 
 int64_t peak_of(const PipelinePlan& p) {
@@ -754,24 +887,14 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
                                           const std::vector<PipelinePlan>& all) {
   const int64_t n = static_cast<int64_t>(zb.balance.size());
   const int64_t m = zb.chunks;
-  ScheduleSearchOptions search;
-  for (const StageCost& c : pipeline_costs(profile, zb, options.parameter_memory()).stages) {
-    // (The search takes positive times: a stage without parameters has no W to speak of.)
-    search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
-                                  std::max(c.backward_weight_us, 1e-3), c.copy_us});
-  }
-  search.budget = kSearchBudget;
   std::optional<PipelinePlan> best;
   // ZB-H1's limit, then none (once where they are the same).
   const std::vector<int64_t> limits = n < m ? std::vector<int64_t>{n, m} : std::vector<int64_t>{m};
   for (int64_t in_flight : limits) {
-    search.max_in_flight.assign(static_cast<size_t>(n), in_flight);
-    const SearchedSchedule found = search_schedule(m, search);
+    SearchedSchedule found;
+    PipelinePlan p = search_plan(profile, zb, in_flight, options.parameter_memory(), &found);
     // (A generated seed that nothing beat is that schedule's own candidate already.)
     if (found.origin == found.best_generated_name) continue;
-    PipelinePlan p = zb;
-    p.schedule_text = schedule_text(found.schedule);
-    predict(profile, p, options.parameter_memory());
     if (fits_limit(options, p) && (!best || p.step_us < best->step_us)) best = std::move(p);
   }
   if (!best) return std::nullopt;
@@ -799,6 +922,157 @@ void add_searched_plans(const PipelineProfile& profile, const PlanOptions& optio
   for (PipelinePlan& p : found) all.push_back(std::move(p));
 }
 
+
+// Note [Placement]: each placement of n workers on `devices`, as the workers' devices: every
+// sequence of kinds the devices allow, each kind's devices taken in their order.
+std::vector<std::vector<c10::Device>> placements(const std::vector<c10::Device>& devices,
+                                                 int64_t n) {
+  std::vector<std::vector<c10::Device>> kinds;  // by kind, in the order of their first device
+  for (const c10::Device& d : devices) {
+    auto same = std::find_if(kinds.begin(), kinds.end(), [&](const std::vector<c10::Device>& k) {
+      return k.front().type() == d.type();
+    });
+    if (same == kinds.end()) {
+      kinds.push_back({d});
+    } else {
+      same->push_back(d);
+    }
+  }
+  std::vector<std::vector<c10::Device>> out;
+  std::vector<size_t> used(kinds.size(), 0);
+  std::vector<c10::Device> workers;
+  std::function<void()> extend = [&] {
+    if (static_cast<int64_t>(workers.size()) == n) {
+      out.push_back(workers);
+      return;
+    }
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (used[k] == kinds[k].size()) continue;
+      workers.push_back(kinds[k][used[k]++]);
+      extend();
+      --used[k];
+      workers.pop_back();
+    }
+  };
+  extend();
+  return out;
+}
+
+// The balance of least bottleneck time when stage s's layer k takes time[s][k] (Note [Placement]):
+// over the cut points, best[s][j] is the least bottleneck of the first j layers in stages 0..s.
+std::vector<int64_t> partition_by_stage_times(const std::vector<std::vector<double>>& time) {
+  const size_t stages = time.size(), layers = time.front().size();
+  std::vector<std::vector<double>> prefix(stages, std::vector<double>(layers + 1, 0));
+  for (size_t s = 0; s < stages; ++s) {
+    for (size_t k = 0; k < layers; ++k) prefix[s][k + 1] = prefix[s][k] + time[s][k];
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages, std::vector<double>(layers + 1, inf));
+  std::vector<std::vector<size_t>> cut(stages, std::vector<size_t>(layers + 1, 0));
+  for (size_t j = 1; j <= layers; ++j) best[0][j] = prefix[0][j];
+  for (size_t s = 1; s < stages; ++s) {
+    for (size_t j = s + 1; j <= layers; ++j) {
+      for (size_t i = s; i < j; ++i) {
+        const double bottleneck = std::max(best[s - 1][i], prefix[s][j] - prefix[s][i]);
+        if (bottleneck < best[s][j]) {
+          best[s][j] = bottleneck;
+          cut[s][j] = i;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> balance(stages);
+  size_t end = layers;
+  for (size_t s = stages; s-- > 0;) {
+    const size_t start = s == 0 ? 0 : cut[s][end];
+    balance[s] = static_cast<int64_t>(end - start);
+    end = start;
+  }
+  return balance;
+}
+
+// The balances a candidate tries (Note [Planning]): of least bottleneck time (each layer's time on
+// the device of the stage holding it, Note [Placement]) and of least bottleneck memory.
+std::vector<std::vector<int64_t>> candidate_balances(const PipelineProfile& profile,
+                                                     const ParameterMemory& memory,
+                                                     const std::vector<c10::Device>& stage_devices,
+                                                     int64_t b, int64_t m, bool checkpointed) {
+  const int64_t layers = profile.layers();
+  const size_t stages = stage_devices.size();
+  std::vector<std::vector<double>> time(stages, std::vector<double>(layers));
+  std::vector<double> size(layers);
+  const bool one_kind =
+      std::all_of(stage_devices.begin(), stage_devices.end(),
+                  [&](const c10::Device& d) { return d.type() == stage_devices.front().type(); });
+  for (size_t s = 0; s < stages; ++s) {
+    const c10::Device d = stage_devices[s];
+    if (s > 0 && d == stage_devices[s - 1]) {
+      time[s] = time[s - 1];
+      continue;
+    }
+    // (Devices of one kind share one calibration: their balance needs none.)
+    const double scale = one_kind ? 1.0 : profile.time_scale(b, d);
+    for (int64_t k = 0; k < layers; ++k) {
+      const LayerStats l = profile.layer(k, b, d);
+      time[s][k] = scale * ((checkpointed ? l.forward_nograd_us + l.forward_us : l.forward_us) +
+                            l.backward_us);
+    }
+  }
+  for (int64_t k = 0; k < layers; ++k) {
+    const LayerStats l = profile.layer(k, b, stage_devices.front());
+    size[k] = static_cast<double>(checkpointed ? l.output_bytes : l.held_bytes * m) +
+              static_cast<double>(parameter_state_bytes(l, memory));
+  }
+  std::vector<std::vector<int64_t>> balances{
+      one_kind ? block_partition(time.front(), static_cast<int64_t>(stages))
+               : partition_by_stage_times(time)};
+  std::vector<int64_t> by_size = block_partition(size, static_cast<int64_t>(stages));
+  if (by_size != balances.front()) balances.push_back(by_size);
+  return balances;
+}
+
+// Adds to `all` the candidates of n workers on `workers` (Note [Planning]), predicted.
+void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
+                    const std::vector<c10::Device>& workers, std::vector<PipelinePlan>& all) {
+  const char* who = "gpipe::plan";
+  const int64_t n = static_cast<int64_t>(workers.size());
+  for (ScheduleKind kind : options.schedules()) {
+    TORCH_CHECK(!v_shaped(kind), who, ": the ", schedule_kind_name(kind), " schedule's V-shaped "
+                "placement is not modelled by the planner yet; leave it out of schedules");
+    const bool interleaved = takes_virtual_stages(kind);
+    if (interleaved && n < 2) continue;
+    const int64_t v = interleaved ? options.virtual_stages() : 1;
+    const int64_t stages = n * v;
+    if (stages > profile.layers()) continue;
+    std::vector<c10::Device> stage_devices;
+    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[s % n]);
+    for (int64_t m : options.chunks()) {
+      TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
+      if (m > profile.batch || (interleaved && m % n != 0)) continue;
+      // (Note [Searched plans]: only counts the mini-batch splits into.)
+      const int64_t b = ceil_div(profile.batch, m);
+      if (ceil_div(profile.batch, b) != m) continue;
+      for (Checkpoint mode : options.checkpoints()) {
+        const bool checkpointed = checkpoint_stop(mode, m) > 0;
+        for (const std::vector<int64_t>& balance :
+             candidate_balances(profile, options.parameter_memory(), stage_devices, b, m,
+                                checkpointed)) {
+          PipelinePlan p;
+          p.balance = balance;
+          p.devices = stage_devices;
+          p.chunks = m;
+          p.checkpoint = mode;
+          p.schedule = kind;
+          p.virtual_stages = v;
+          p.threads = profile.threads;
+          predict(profile, p, options.parameter_memory());
+          all.push_back(std::move(p));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions& options) {
@@ -810,7 +1084,6 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
               options.virtual_stages());
   TORCH_CHECK(options.memory_limit() >= 0, who, ": memory_limit must not be negative");
   const int64_t layers = profile.layers();
-  const ParameterMemory memory = options.parameter_memory();
   std::vector<PipelinePlan> all;
   std::vector<int64_t> counts = options.partitions();
   const int64_t most = static_cast<int64_t>(profile.devices.size());
@@ -820,46 +1093,8 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
   for (int64_t n : counts) {
     TORCH_CHECK(n >= 1 && n <= most, who, ": cannot plan ", n, " partitions on ", most,
                 " device(s); give between 1 and ", most, " (one device per partition)");
-    for (ScheduleKind kind : options.schedules()) {
-      TORCH_CHECK(!v_shaped(kind), who, ": the ", schedule_kind_name(kind), " schedule's V-shaped "
-                  "placement is not modelled by the planner yet; leave it out of schedules");
-      const bool interleaved = takes_virtual_stages(kind);
-      if (interleaved && n < 2) continue;
-      const int64_t v = interleaved ? options.virtual_stages() : 1;
-      const int64_t stages = n * v;
-      if (stages > layers) continue;
-      for (int64_t m : options.chunks()) {
-        TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
-        if (m > profile.batch || (interleaved && m % n != 0)) continue;
-        // (Note [Searched plans]: only counts the mini-batch splits into.)
-        const int64_t b = ceil_div(profile.batch, m);
-        if (ceil_div(profile.batch, b) != m) continue;
-        for (Checkpoint mode : options.checkpoints()) {
-          const bool ck = checkpoint_stop(mode, m) > 0;
-          std::vector<double> time(layers), size(layers);
-          for (int64_t k = 0; k < layers; ++k) {
-            const LayerStats l = profile.layer(k, b);
-            time[k] = (ck ? l.forward_nograd_us + l.forward_us : l.forward_us) + l.backward_us;
-            size[k] = static_cast<double>(ck ? l.output_bytes : l.held_bytes * m) +
-                      static_cast<double>(parameter_state_bytes(l, memory));
-          }
-          std::vector<std::vector<int64_t>> balances{block_partition(time, stages)};
-          std::vector<int64_t> by_size = block_partition(size, stages);
-          if (by_size != balances.front()) balances.push_back(by_size);
-          for (const std::vector<int64_t>& balance : balances) {
-            PipelinePlan p;
-            p.balance = balance;
-            for (int64_t s = 0; s < stages; ++s) p.devices.push_back(profile.devices[s % n]);
-            p.chunks = m;
-            p.checkpoint = mode;
-            p.schedule = kind;
-            p.virtual_stages = v;
-            p.threads = profile.threads;
-            predict(profile, p, options.parameter_memory());
-            all.push_back(std::move(p));
-          }
-        }
-      }
+    for (const std::vector<c10::Device>& workers : placements(profile.devices, n)) {
+      add_candidates(profile, options, workers, all);
     }
   }
   TORCH_CHECK(!all.empty(), who, ": no candidate: check PlanOptions' chunks and schedules (",

@@ -17,6 +17,7 @@
 #include "balancing/profile.h"
 #include "balancing/simulate.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/schedule_search.h"
 
 namespace gpipe {
 
@@ -30,12 +31,12 @@ namespace gpipe {
 //   profiled sizes around it (a fixed cost per call plus a cost per sample), so no candidate is
 //   profiled again. It is saved as JSON, so a script can
 //   plan without the devices present.
-// - The candidates: for 1 up to the number of devices partitions n (the first n devices), each
-//   schedule (interleaved with PlanOptions::virtual_stages stages per worker, from two workers on
-//   and where the micro-batches are a multiple of n), micro-batch counts m from
-//   PlanOptions::chunks, each checkpoint mode, and two balances: the one of least bottleneck time
-//   (forward, backward, and the recomputation where checkpointed, at the micro-batch size) and the
-//   one of least bottleneck memory.
+// - The candidates: for 1 up to the number of devices partitions n, on each placement of n
+//   workers (Note [Placement]), each schedule (interleaved with PlanOptions::virtual_stages stages
+//   per worker, from two workers on and where the micro-batches are a multiple of n), micro-batch
+//   counts m from PlanOptions::chunks, each checkpoint mode, and two balances: the one of least
+//   bottleneck time (forward, backward, and the recomputation where checkpointed, at the
+//   micro-batch size) and the one of least bottleneck memory.
 // - Calibration: layers timed one at a time miss what the engine adds around them (a micro-batch's
 //   graph and its backward call, the loss per micro-batch, caches that activations of other
 //   micro-batches have since filled). So the profile also runs the whole model as one partition,
@@ -72,10 +73,23 @@ namespace gpipe {
 // profile_pipeline measures both on the first GPU among its devices, after profiling: the
 // driver's bytes in use less the allocator's reserved ones (other processes' memory on that GPU
 // counts too), and the allocator's peak reserved over its peak allocated since the profile began
-// (the layers are profiled on the first device: with a CPU first, the GPU's reserve is of copies
-// only). A plan's peak on each GPU is then that context plus
+// (the layers are profiled on the first GPU too, Note [Placement]). A plan's peak on each GPU is then that context plus
 // the simulated peak times that ratio: what memory_limit is compared with. Every GPU of a plan is
 // taken to be like the first (the same model of GPU); the CPU has neither (0 and 1).
+
+// Note [Placement]
+// ~~~~~~~~~~~~~~~~
+// Which device each worker gets is chosen, not taken in the order given. profile_pipeline profiles
+// the layers (and calibrates) on the first device and on the first device of every other kind
+// among the devices (a CPU beside GPUs: PipelineProfile::other_kinds), so a stage's times are
+// those of its own kind of device. For n workers, plan() tries every sequence of kinds the devices
+// allow, each kind's devices taken in their order: on {cuda:0, cpu}, two workers as {cuda:0, cpu}
+// and as {cpu, cuda:0}, one on either; on devices of one kind, the first n as before. Where the
+// workers' kinds differ, the balance of least bottleneck time weighs each layer by its time on
+// the device of the stage that would hold it (an exact dynamic programme over the cut points).
+// Devices of one kind are taken to be alike (the same model of GPU, as Note [Device overhead]
+// assumes); copies are measured per pair of devices, but the order of a kind's devices is not
+// searched (NVLink topology is not).
 
 // Note [Searched plans]
 // ~~~~~~~~~~~~~~~~~~~~~
@@ -195,15 +209,36 @@ struct PipelineProfile {
   };
   /// One entry per micro-batch size calibrated; empty: not calibrated (a ratio of 1).
   std::vector<Calibration> calibration;
-  /// The calibration's ratio at micro-batches of `batch` (interpolated; 1 without one).
+  /// The layers and the calibration on a kind of device unlike the first's (Note [Placement]).
+  struct DeviceKind {
+    /// The device profiled: the first of its kind among `devices`.
+    c10::Device device = c10::Device(c10::kCPU);
+    /// Its layers at the sizes of PipelineProfile::sizes.
+    std::vector<LayerProfile> sizes;
+    /// Its calibration, as PipelineProfile::calibration.
+    std::vector<Calibration> calibration;
+  };
+  /// One entry per kind of device (CPU, CUDA) among `devices` other than the first's: empty for
+  /// devices of one kind, and in profiles written before Note [Placement] (every device is then
+  /// planned as the first).
+  std::vector<DeviceKind> other_kinds;
+  /// The calibration's ratio at micro-batches of `batch` (interpolated; 1 without one) on the
+  /// first device.
   double time_scale(int64_t batch) const;
+  /// The same on `device`: its kind's calibration.
+  double time_scale(int64_t batch, c10::Device device) const;
   /// The scale of I and W at micro-batches of `batch`: time_scale x the interpolated split.
   double split_scale(int64_t batch) const;
+  /// The same on `device`: its kind's calibration.
+  double split_scale(int64_t batch, c10::Device device) const;
 
   /// The number of layers profiled (0 without a profile).
   int64_t layers() const { return sizes.empty() ? 0 : static_cast<int64_t>(sizes[0].layers.size()); }
-  /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]).
+  /// Layer k's measurements at a micro-batch of `batch` samples (interpolated; Note [Planning]) on
+  /// the first device.
   LayerStats layer(int64_t k, int64_t batch) const;
+  /// The same on `device`: as profiled on its kind of device (Note [Placement]).
+  LayerStats layer(int64_t k, int64_t batch, c10::Device device) const;
   /// What copying `bytes` from `from` to `to` costs (0 on one device).
   double copy_us(c10::Device from, c10::Device to, int64_t bytes) const;
 
@@ -284,6 +319,20 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
 /// The same with float32 parameters, no master weights and no autocast.
 PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer = OptimizerKind::kMomentum);
+
+/// `plan` (one partition per worker) with a schedule searched on its own stage costs over
+/// `profile` (Note [Searched plans]: each stage's F, I and W at the plan's micro-batch size and
+/// its copy), each worker holding at most `max_in_flight` micro-batches, then predicted on the
+/// planner's model (its step_us and peak_bytes). `found`, if given, gets what the search found
+/// (its own simulation, and the best generated schedule's).
+///
+///   gpipe::PipelinePlan zb = gpipe::plan(profile, gpipe::PlanOptions().partitions({2}).chunks({16})
+///       .schedules({gpipe::ScheduleKind::kZeroBubble}).checkpoints({gpipe::Checkpoint::kNever})
+///       .search(false).top(1)).front();
+///   gpipe::PipelinePlan searched = gpipe::search_plan(profile, zb, 2);
+PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& plan,
+                         int64_t max_in_flight, const ParameterMemory& memory = {},
+                         SearchedSchedule* found = nullptr);
 
 /// The best plans (fastest first) for `profile` that fit options.memory_limit(), at most
 /// options.top(). Throws c10::Error when none fits, saying by how much the least hungry misses

@@ -220,34 +220,51 @@ double step_ms(const std::vector<TimelineEvent>& events) {
   return end <= start ? 0 : (end - start) / 1000;
 }
 
-// --schedule=auto (Note [Searching a schedule]): each partition's F, I and W, summed over its
-// layers' profile at the micro-batch's size on `device`, transfers left out (one process), each
-// worker holding at most what ZB-H1 holds (n micro-batches); the schedule found runs as text.
-// `found` gets what the search found, in milliseconds.
+// The median of `values` (0 for none).
+double median_of(std::vector<double> values) {
+  if (values.empty()) return 0;
+  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
+// --schedule=auto (Note [Searched plans] in balancing/plan.h): the planner's profile of the model
+// at the run's micro-batch size on `devices` (calibrated against whole-model steps, the CPU's
+// workers sharing its cores), a schedule searched on the partitions' F, I and W from it, each
+// worker holding at most what ZB-H1 holds (n micro-batches), then predicted as the planner
+// predicts any plan. The search's result runs as text when its prediction beats the generated
+// zero-bubble schedule's, which runs otherwise. `searched` gets the plan that runs (its step_us
+// the prediction), `found` what the search found.
 gpipe::PipelineSchedule searched_schedule(const torch::nn::Sequential& model,
                                           const std::vector<int64_t>& balance,
                                           const at::Tensor& sample, int64_t chunks,
-                                          c10::Device device, gpipe::SearchedSchedule& found) {
-  const int64_t rows = std::max<int64_t>(sample.size(0) / chunks, 1);
-  const gpipe::LayerProfile profile = gpipe::profile_layers(
-      model, sample.slice(0, 0, rows),
-      gpipe::ProfileOptions().device(device).timeout(std::chrono::milliseconds(500)));
-  gpipe::ScheduleSearchOptions options;
-  size_t layer = 0;
-  for (int64_t b : balance) {
-    // (The search takes positive times: a partition without parameters has no W to speak of.)
-    gpipe::ActionCosts c{1e-6, 1e-6, 1e-6, 0};
-    for (int64_t k = 0; k < b; ++k, ++layer) {
-      c.forward += profile.layers[layer].forward_us / 1000;
-      c.backward_input += profile.layers[layer].backward_input_us / 1000;
-      c.backward_weight += profile.layers[layer].backward_weight_us / 1000;
-    }
-    options.stage_costs.push_back(c);
-  }
+                                          gpipe::Checkpoint checkpoint,
+                                          const std::vector<c10::Device>& devices,
+                                          gpipe::PipelinePlan& searched,
+                                          gpipe::SearchedSchedule& found) {
+  const int64_t rows = (sample.size(0) + chunks - 1) / chunks;
+  const gpipe::PipelineProfile profile = gpipe::profile_pipeline(
+      model, sample, devices,
+      gpipe::PipelineProfileOptions()
+          .timeout(std::chrono::milliseconds(500))
+          .threads(at::get_num_threads())
+          .min_batch(rows)
+          .max_batch(rows));
+  gpipe::PipelinePlan zb;
+  zb.balance = balance;
+  zb.devices = devices;
+  zb.chunks = chunks;
+  zb.checkpoint = checkpoint;
+  zb.schedule = gpipe::ScheduleKind::kZeroBubble;
+  zb.threads = profile.threads;
+  const gpipe::ParameterMemory adam{gpipe::OptimizerKind::kAdam, false, c10::nullopt};
+  gpipe::predict(profile, zb, adam);
   const int64_t n = static_cast<int64_t>(balance.size());
-  options.max_in_flight.assign(static_cast<size_t>(n), std::min(n, chunks));
-  found = gpipe::search_schedule(chunks, options);
-  return gpipe::PipelineSchedule::text(gpipe::schedule_text(found.schedule));
+  searched = gpipe::search_plan(profile, zb, std::min(n, chunks), adam, &found);
+  if (searched.step_us >= zb.step_us) searched = zb;
+  return searched.schedule_text.empty()
+             ? gpipe::PipelineSchedule::of(gpipe::ScheduleKind::kZeroBubble)
+             : gpipe::PipelineSchedule::text(searched.schedule_text);
 }
 
 }  // namespace
@@ -320,10 +337,12 @@ int train(const TrainerModel& trainer) {
   // partitions, each with a thread of its own (Note [Threads of forward()]).
   const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
   gpipe::SearchedSchedule searched;
+  gpipe::PipelinePlan auto_plan;
   const gpipe::PipelineSchedule chosen =
-      schedule == "auto"
-          ? searched_schedule(model, balance, sample, chunks, devices.front(), searched)
-          : schedule_of(shape);
+      schedule == "auto" ? searched_schedule(model, balance, sample, chunks,
+                                             parse_checkpoint(checkpoint), devices, auto_plan,
+                                             searched)
+                         : schedule_of(shape);
   GPipe pipe(model, GPipeOptions(balance)
                         .devices(devices)
                         .chunks(chunks)
@@ -369,11 +388,13 @@ int train(const TrainerModel& trainer) {
               absl::GetFlag(FLAGS_amp) ? (on_cpu ? ", autocast bfloat16" : ", autocast float16")
                                        : "");
   if (schedule == "auto") {
-    std::printf(
-        "searched schedule: %s; %.1f ms per step simulated on the profiled times (the "
-        "best generated that fits: %s, %.1f ms)\n",
-        searched.origin.c_str(), searched.simulation.makespan, searched.best_generated_name.c_str(),
-        searched.best_generated.makespan);
+    std::printf("searched schedule: %s (the search's own model: %.1f ms; the best generated "
+                "there, %s: %.1f ms); runs %s, %.1f ms per step predicted by the planner\n",
+                searched.origin.c_str(), searched.simulation.makespan / 1000,
+                searched.best_generated_name.c_str(), searched.best_generated.makespan / 1000,
+                auto_plan.schedule_text.empty() ? "zb (the search found nothing faster)"
+                                                : "the searched schedule",
+                auto_plan.step_us / 1000);
   }
 
   torch::optim::Adam optimizer(pipe->parameters(), torch::optim::AdamOptions(absl::GetFlag(FLAGS_lr)));
@@ -410,6 +431,7 @@ int train(const TrainerModel& trainer) {
   // The last epoch's time per step: the step and what the loop adds (data, optimizer, logging).
   double last_step_ms = 0;
   std::vector<TimelineEvent> last_forward;
+  std::vector<double> spans;  // each step's span on its timeline, this epoch's steps
   const double lr = absl::GetFlag(FLAGS_lr);
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   int64_t global_step = 0;
@@ -438,6 +460,7 @@ int train(const TrainerModel& trainer) {
     Progress progress(epoch, (steps - skipped) * batch_size);
     int64_t step = 0;
     double loss_sum = 0;
+    spans.clear();
     auto loader = train_loader(epoch);
     for (auto& batch : *loader) {
       if (step == steps) break;
@@ -463,6 +486,7 @@ int train(const TrainerModel& trainer) {
       }
       if (!use_step) scaler.scale(loss).backward();
       kill_if_asked(0, global_step + 1);  // with the step's gradients, before its update
+      spans.push_back(step_ms(pipe->last_timeline()));
       set_cosine_lr(optimizer, lr, global_step, total_steps);
       scaler.step(optimizer, pipe->parameters());  // skipped when a gradient overflowed
       scaler.update();
@@ -541,15 +565,16 @@ int train(const TrainerModel& trainer) {
               bubble.c_str(), last_throughput, last_accuracy, duration(total).c_str());
   if (schedule == "auto") {
     std::printf(
-        "searched schedule: the last step took %.1f ms on its timeline, %.1f ms "
-        "predicted\n",
-        step_ms(last_forward), searched.simulation.makespan);
+        "searched schedule: the last epoch's steps took %.1f ms on their timelines (the median; "
+        "the last %.1f ms), %.1f ms predicted\n",
+        median_of(spans), step_ms(last_forward), auto_plan.step_us / 1000);
   }
   if (shape.predicted_step_ms > 0) {
     std::printf(
-        "plan: %.1f ms per step predicted; the last step took %.1f ms on its timeline, "
-        "and the last epoch %.1f ms per step with data, optimizer and logging\n",
-        shape.predicted_step_ms, step_ms(last_forward), last_step_ms);
+        "plan: %.1f ms per step predicted; the last epoch's steps took %.1f ms on their "
+        "timelines (the median; the last %.1f ms), and %.1f ms per step with data, optimizer "
+        "and logging\n",
+        shape.predicted_step_ms, median_of(spans), step_ms(last_forward), last_step_ms);
   }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());

@@ -248,16 +248,18 @@ CATCH_TEST_CASE(
   CATCH_CHECK(profile.device_context_bytes == 0);  // measured on a CPU: none
   CATCH_CHECK(profile.allocator_reserve == 1);
   // The same layers as if profiled on two GPUs (the simulation takes any device), with copies
-  // between them and to the CPU.
+  // between every two devices, as profile_copies measures them.
   profile.devices = {c10::Device("cuda:0"), c10::Device("cuda:1"), c10::Device(c10::kCPU)};
-  for (const auto& [from, to] : std::vector<std::pair<const char*, const char*>>{
-           {"cuda:0", "cuda:1"}, {"cuda:1", "cuda:0"}, {"cuda:1", "cpu"}, {"cpu", "cuda:1"}}) {
-    CopyStats c;
-    c.from = c10::Device(from);
-    c.to = c10::Device(to);
-    c.latency_us = 10;
-    c.bytes_per_us = 1000;
-    profile.copies.push_back(c);
+  for (const c10::Device& from : profile.devices) {
+    for (const c10::Device& to : profile.devices) {
+      if (from == to) continue;
+      CopyStats c;
+      c.from = from;
+      c.to = to;
+      c.latency_us = 10;
+      c.bytes_per_us = 1000;
+      profile.copies.push_back(c);
+    }
   }
   PipelinePlan p;
   p.balance = {1, 2, 1};

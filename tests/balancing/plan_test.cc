@@ -5,8 +5,11 @@
 // bytes a pipeline really allocates.
 #include "tests/gpipe/test_util.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
+#include <set>
 
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -617,6 +620,52 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
   train_as_plain(plain, pipe, x, y);
 }
 
+CATCH_TEST_CASE("search_plan searches on a plan's own costs within its limit and predicts the result",
+                "[balancing][plan][search]") {
+  PipelineProfile profile = uneven(7, 3);
+  profile.handoff_us = 50;  // what the planner's model has and the search's has not
+  const PipelinePlan zb = plan(profile, PlanOptions()
+                                            .partitions({3})
+                                            .chunks({8})
+                                            .schedules({ScheduleKind::kZeroBubble})
+                                            .checkpoints({Checkpoint::kNever})
+                                            .search(false)
+                                            .top(1))
+                              .front();
+  const int64_t limit = GENERATE(int64_t{2}, int64_t{3}, int64_t{8});
+  CATCH_CAPTURE(limit);
+  SearchedSchedule found;
+  const PipelinePlan s = search_plan(profile, zb, limit, {}, &found);
+  CATCH_CHECK(s.balance == zb.balance);
+  CATCH_CHECK(s.chunks == 8);
+  CATCH_REQUIRE(!s.schedule_text.empty());
+  const Schedule text = parse_schedule(s.schedule_text);
+  CATCH_CHECK(text.ranks == found.schedule.ranks);
+  // Within the limit, and never longer than the best generated schedule there.
+  for (int64_t held : found.simulation.peak_in_flight) CATCH_CHECK(held <= limit);
+  if (limit >= 3) {  // (1F1B holds 3 on its first rank: no generated schedule fits 2)
+    CATCH_CHECK(found.best_generated_name != "");
+    CATCH_CHECK(found.simulation.makespan <= found.best_generated.makespan);
+  }
+  // Its numbers are the planner's prediction of its text, not the search's own simulation.
+  PipelinePlan again = zb;
+  again.schedule_text = s.schedule_text;
+  predict(profile, again);
+  CATCH_CHECK(s.step_us == again.step_us);
+  CATCH_CHECK(s.peak_bytes == again.peak_bytes);
+  CATCH_CHECK(s.step_us > found.simulation.makespan);
+  // Each stage's costs are the plan's: the search's first F on rank 0 lasts stage 0's forward.
+  const PipelineCosts costs = pipeline_costs(profile, zb, OptimizerKind::kMomentum);
+  CATCH_CHECK(found.simulation.actions[0].front().end - found.simulation.actions[0].front().start ==
+              gpipe_test::Approx(costs.stages[0].forward_us));
+  PipelinePlan interleaved = zb;
+  interleaved.virtual_stages = 2;
+  CATCH_CHECK_THROWS_WITH(search_plan(profile, interleaved, limit),
+                          gpipe_test::contains("virtual_stages 2"));
+  CATCH_CHECK_THROWS_WITH(search_plan(profile, zb, 0),
+                          gpipe_test::contains("max_in_flight must be at least 1, got 0"));
+}
+
 CATCH_TEST_CASE("A searched plan's options run its schedule and train as the plain model",
                 "[balancing][plan][search][transparency]") {
   // Stage 1 twice as slow with a light W: the search's order is not zero bubble's.
@@ -689,6 +738,158 @@ CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of wha
   CATCH_CHECK(static_cast<double>(costs.static_bytes.front()) < 0.85 * static_cast<double>(peak));
 }
 
+// `synthetic` on a CPU and `gpus` GPUs (no GPU needed: a profile is data), the GPUs' layers
+// `speedup` times faster; copies between any two devices at 10 GB/s after 20 us.
+PipelineProfile cpu_and_gpus(int64_t layers, int64_t gpus, double speedup) {
+  PipelineProfile p = synthetic(layers, 1 + gpus);
+  p.devices = {c10::Device(c10::kCPU)};
+  for (int64_t g = 0; g < gpus; ++g) p.devices.emplace_back(c10::kCUDA, g);
+  PipelineProfile::DeviceKind gpu;
+  gpu.device = p.devices[1];
+  gpu.sizes = p.sizes;
+  for (LayerProfile& lp : gpu.sizes) {
+    lp.device = gpu.device;
+    for (LayerStats& l : lp.layers) {
+      for (double* t : {&l.forward_us, &l.forward_nograd_us, &l.backward_us,
+                        &l.backward_input_us, &l.backward_weight_us}) {
+        *t /= speedup;
+      }
+    }
+  }
+  p.other_kinds = {gpu};
+  for (const c10::Device& from : p.devices) {
+    for (const c10::Device& to : p.devices) {
+      if (from != to) p.copies.push_back({from, to, 20, 10000});
+    }
+  }
+  return p;
+}
+
+// Stage s's compute time (F + B) of `plan` at its micro-batch size, on its device.
+std::vector<double> stage_times(const PipelineProfile& profile, const std::vector<int64_t>& balance,
+                                const std::vector<c10::Device>& devices, int64_t b) {
+  std::vector<double> out;
+  int64_t first = 0;
+  for (size_t s = 0; s < balance.size(); ++s) {
+    double t = 0;
+    for (int64_t k = first; k < first + balance[s]; ++k) {
+      const LayerStats l = profile.layer(k, b, devices[s]);
+      t += l.forward_us + l.backward_us;
+    }
+    out.push_back(t);
+    first += balance[s];
+  }
+  return out;
+}
+
+CATCH_TEST_CASE("The planner tries every placement of kinds and balances by each device's times",
+                "[balancing][plan][placement]") {
+  const PipelineProfile profile = cpu_and_gpus(8, 2, 4.0);
+  const c10::Device cpu(c10::kCPU), gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
+  const std::vector<PipelinePlan> all =
+      plan(profile, PlanOptions().top(100000).search(false).schedules({ScheduleKind::kGPipe}));
+  std::set<std::vector<std::string>> seen;
+  for (const PipelinePlan& p : all) {
+    std::vector<std::string> names;
+    for (const c10::Device& d : p.devices) names.push_back(d.str());
+    seen.insert(names);
+  }
+  // Each sequence of kinds once, the GPUs in their order.
+  const std::set<std::vector<std::string>> expected{
+      {"cpu"},           {"cuda:0"},          {"cpu", "cuda:0"},          {"cuda:0", "cpu"},
+      {"cuda:0", "cuda:1"}, {"cpu", "cuda:0", "cuda:1"}, {"cuda:0", "cpu", "cuda:1"},
+      {"cuda:0", "cuda:1", "cpu"}};
+  CATCH_CHECK(seen == expected);
+  auto find = [&](const std::vector<c10::Device>& devices, int64_t m) {
+    std::vector<PipelinePlan> out;
+    for (const PipelinePlan& p : all) {
+      if (p.devices == devices && p.chunks == m && p.checkpoint == Checkpoint::kNever) {
+        out.push_back(p);
+      }
+    }
+    CATCH_REQUIRE(!out.empty());
+    return out;
+  };
+  // One worker: the GPU's layers are 4 times faster, and so is its step.
+  CATCH_CHECK(find({cpu}, 4).front().step_us ==
+              gpipe_test::Approx(4 * find({gpu0}, 4).front().step_us));
+  // Unlike workers: the balance of least bottleneck on each device's times is among the
+  // candidates (checked against every balance), and it is not the one of equal layers.
+  for (const std::vector<c10::Device>& devices :
+       std::vector<std::vector<c10::Device>>{{cpu, gpu0}, {gpu0, cpu}, {gpu0, cpu, gpu1}}) {
+    CATCH_CAPTURE(devices);
+    const int64_t b = 32 / 4;
+    double best = 1e300;
+    const int64_t n = static_cast<int64_t>(devices.size());
+    std::vector<int64_t> balance(n, 1);
+    std::function<void(int64_t, int64_t)> every = [&](int64_t s, int64_t left) {
+      if (s == n - 1) {
+        balance[s] = left;
+        const std::vector<double> t = stage_times(profile, balance, devices, b);
+        best = std::min(best, *std::max_element(t.begin(), t.end()));
+        return;
+      }
+      for (int64_t k = 1; k <= left - (n - 1 - s); ++k) {
+        balance[s] = k;
+        every(s + 1, left - k);
+      }
+    };
+    every(0, 8);
+    double got = 1e300;
+    for (const PipelinePlan& p : find(devices, 4)) {
+      const std::vector<double> t = stage_times(profile, p.balance, devices, b);
+      got = std::min(got, *std::max_element(t.begin(), t.end()));
+    }
+    CATCH_CHECK(got == gpipe_test::Approx(best));
+  }
+  // The CPU holds one layer of eight beside a GPU four times faster (1 against 7 / 4).
+  std::vector<std::vector<int64_t>> balances;
+  for (const PipelinePlan& p : find({cpu, gpu0}, 4)) balances.push_back(p.balance);
+  CATCH_CHECK(std::find(balances.begin(), balances.end(), std::vector<int64_t>{1, 7}) !=
+              balances.end());
+  // The fastest plan keeps the CPU out.
+  const PipelinePlan fastest = plan(profile, PlanOptions().search(false)).front();
+  CATCH_CAPTURE(fastest.describe());
+  CATCH_CHECK(std::find(fastest.devices.begin(), fastest.devices.end(), cpu) ==
+              fastest.devices.end());
+  // Devices of one kind: the first n, as before.
+  for (const PipelinePlan& p : plan(synthetic(6, 3), PlanOptions().top(100000).search(false))) {
+    CATCH_CHECK(p.devices.size() == p.balance.size());
+  }
+}
+
+CATCH_TEST_CASE("A profile's other kinds of device survive JSON and are checked",
+                "[balancing][plan][placement]") {
+  const PipelineProfile profile = cpu_and_gpus(6, 1, 3.0);
+  const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
+  CATCH_REQUIRE(back.other_kinds.size() == 1);
+  CATCH_CHECK(back.other_kinds[0].device == c10::Device(c10::kCUDA, 0));
+  const c10::Device gpu(c10::kCUDA, 0);
+  CATCH_CHECK(back.layer(2, 8, gpu).forward_us == gpipe_test::Approx(profile.layer(2, 8).forward_us / 3));
+  CATCH_CHECK(back.layer(2, 8).forward_us == gpipe_test::Approx(profile.layer(2, 8).forward_us));
+  PipelinePlan p;
+  p.balance = {2, 4};
+  p.devices = {c10::Device(c10::kCPU), gpu};
+  p.chunks = 4;
+  PipelinePlan q = p;
+  predict(profile, p);
+  predict(back, q);
+  CATCH_CHECK(p.step_us == gpipe_test::Approx(q.step_us));
+  // Without its other kinds (a profile written before them), the GPU is planned as the CPU.
+  PipelineProfile older = profile;
+  older.other_kinds.clear();
+  PipelinePlan r = PipelinePlan(p);
+  predict(older, r);
+  CATCH_CHECK(r.step_us > p.step_us);
+  std::string json = profile.to_json();
+  const std::string device = "\"device\": \"cuda:0\"";
+  const size_t at = json.find(device);
+  CATCH_REQUIRE(at != std::string::npos);
+  json.replace(at, device.size(), "\"device\": \"cpu\"");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(json),
+                          gpipe_test::contains("must be unlike the first device"));
+}
+
 CATCH_TEST_CASE("profile_copies measures both directions between a CPU and a GPU",
                 "[balancing][plan][cuda]") {
   const std::vector<CopyStats> copies =
@@ -700,6 +901,36 @@ CATCH_TEST_CASE("profile_copies measures both directions between a CPU and a GPU
     CATCH_CHECK(c.bytes_per_us > 100);  // over 100 MB/s on any PCIe or NVLink
     CATCH_CHECK(c.time_us(1 << 20) > c.latency_us);
   }
+}
+
+CATCH_TEST_CASE("profile_pipeline profiles and calibrates the layers on each kind of device",
+                "[balancing][plan][placement][cuda]") {
+  at::manual_seed(0);
+  const nn::Sequential model = mlp(256, 4);
+  const at::Tensor x = at::randn({64, 256});
+  const c10::Device gpu("cuda:0"), cpu(at::kCPU);
+  const PipelineProfile p = profile_pipeline(
+      model, x, {gpu, cpu},
+      PipelineProfileOptions().timeout(std::chrono::milliseconds(200)).min_batch(8));
+  CATCH_REQUIRE(p.other_kinds.size() == 1);
+  const PipelineProfile::DeviceKind& other = p.other_kinds[0];
+  CATCH_CHECK(other.device == cpu);
+  CATCH_REQUIRE(other.sizes.size() == p.sizes.size());
+  for (size_t k = 0; k < p.sizes.size(); ++k) {
+    CATCH_CHECK(other.sizes[k].batch == p.sizes[k].batch);
+    CATCH_CHECK(other.sizes[k].device == cpu);
+    CATCH_CHECK(p.sizes[k].device == gpu);
+  }
+  CATCH_CHECK(!p.calibration.empty());
+  CATCH_CHECK(!other.calibration.empty());
+  // Each stage is predicted on its own device's numbers, and both orders are planned.
+  CATCH_CHECK(p.layer(0, 64, cpu).forward_us != p.layer(0, 64, gpu).forward_us);
+  std::set<std::string> first;
+  for (const PipelinePlan& q :
+       plan(p, PlanOptions().partitions({2}).top(100000).search(false))) {
+    first.insert(q.devices.front().str());
+  }
+  CATCH_CHECK(first == std::set<std::string>{"cpu", "cuda:0"});
 }
 
 }  // namespace
