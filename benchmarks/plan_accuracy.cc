@@ -6,6 +6,7 @@
 // defaults' memory.
 //
 //   bazel run -c opt //benchmarks:plan_accuracy -- --json_out=/tmp/plan_accuracy.json
+//   plan_accuracy --devices=cuda:0,cpu --rounds=1   # on a GPU (tools/gpu_check.sh)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -41,6 +42,7 @@
 #include "examples/models/amoebanet.h"
 #include "examples/models/resnet.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/stream.h"
 #include "gpipe/schedule_text.h"
 #include "gpipe/trace.h"
 #include "gpipe/worker.h"
@@ -60,6 +62,11 @@ ABSL_FLAG(bool, detail, false,
           "print each partition's busy time per kind of work, predicted and measured");
 ABSL_FLAG(std::string, child, "",
           "(internal) run one model, one round, in this process and write its rows here");
+ABSL_FLAG(std::string, devices, "cpu,cpu,cpu",
+          "the devices the planner plans on (comma-separated; a configuration of more partitions "
+          "than devices is left out): on one GPU, cuda:0,cuda:0,cuda:0 puts every partition on it "
+          "and cuda:0,cpu lets the planner place two (Note [Placement]); on a GPU the measured "
+          "peak is its context plus the caching allocator's peak reserved");
 ABSL_FLAG(bool, compare_defaults, true,
           "also measure the planner's pick against the trainers' defaults (ResNet-8, AmoebaNet-D)");
 
@@ -172,10 +179,28 @@ std::string busy(const std::vector<gpipe::TimelineEvent>& events) {
   return out;
 }
 
+std::vector<c10::Device> devices_from_flag() {
+  std::vector<c10::Device> out;
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',')) {
+    out.emplace_back(std::string(name));
+  }
+  TORCH_CHECK(!out.empty(), "--devices: give at least one device");
+  return out;
+}
+
 // Trains `plan`'s pipeline for a few steps (SGD with momentum) and measures GPipe::step: the
-// median time and the largest peak of CPU tensor bytes over the timed steps.
-Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::Tensor& x,
-                 const at::Tensor& y, int repeats, const std::string& svg) {
+// median time and the largest peak over the timed steps on the plan's first device: CPU tensor
+// bytes, or on a GPU its context (the driver's bytes in use beyond the caching allocator's
+// reserve) plus the allocator's peak reserved, as the planner predicts it (Note [Device
+// overhead]).
+Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::Tensor& x_cpu,
+                 const at::Tensor& y_cpu, int repeats, const std::string& svg) {
+  const c10::Device first = plan.devices.front();
+  const at::Tensor x = x_cpu.to(first);
+  const at::Tensor y = y_cpu.to(plan.devices.back());
+  auto synchronize = [&] {
+    for (const c10::Device& d : plan.devices) gpipe::internal::synchronize(d);
+  };
   at::manual_seed(0);
   torch::nn::Sequential seq = model.make();
   // (Recording costs a little per task: only where the events are used.)
@@ -198,15 +223,23 @@ Measured measure(const Model& model, const gpipe::PipelinePlan& plan, const at::
   };
   for (int r = 0; r < repeats + 2; ++r) {
     optimizer.zero_grad();
+    synchronize();
     meter.reset_peak();
+    gpipe::internal::reset_peak_memory(first);
     const double cpu_before = cpu_ms();
     const auto start = std::chrono::steady_clock::now();
     pipe->step(x, y, loss);
+    synchronize();
     const double ms = gpipe_benchmarks::ms_since(start);
     if (r >= 2) {  // the first steps make the gradients and the optimizer's state
       m.cpu_ms += (cpu_ms() - cpu_before) / repeats;
       times.push_back(ms);
-      m.peak_bytes = std::max(m.peak_bytes, meter.peak());
+      int64_t peak = meter.peak();
+      if (first.is_cuda()) {
+        const gpipe::internal::DeviceMemoryUse use = gpipe::internal::device_memory_use(first);
+        peak = (use.used - use.reserved) + use.peak_reserved;
+      }
+      m.peak_bytes = std::max(m.peak_bytes, peak);
     }
     optimizer.step();
   }
@@ -274,7 +307,9 @@ double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 // returns the rows as JSON.
 nlohmann::json run_model(const std::string& name, bool compare, const std::string& svg_dir) {
   const int repeats = absl::GetFlag(FLAGS_repeats);
-  const std::vector<c10::Device> devices(3, c10::Device(c10::kCPU));
+  const std::vector<c10::Device> devices = devices_from_flag();
+  const bool all_cpu = std::all_of(devices.begin(), devices.end(),
+                                   [](const c10::Device& d) { return d.is_cpu(); });
   nlohmann::json rows = nlohmann::json::array();
   const Model model = find_model(name);
   at::manual_seed(0);
@@ -308,6 +343,7 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
   }
   int index = 0;
   for (const Config& c : configs_of(name)) {
+    if (c.partitions > static_cast<int64_t>(devices.size())) continue;
     gpipe::PipelinePlan plan =
         gpipe::plan(profile, gpipe::PlanOptions()
                                  .partitions({c.partitions})
@@ -345,7 +381,7 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
                     {"cpu_capacity", profile.cpu_capacity}});
     ++index;
   }
-  if (compare && name != "mlp") {
+  if (compare && all_cpu && name != "mlp") {
     // The trainers' defaults: 2 CPU partitions balanced by time, 4 micro-batches, checkpoint
     // except_last, GPipe's schedule; the planner within the memory they were measured to take,
     // with at most 2 partitions as they have.
@@ -394,6 +430,7 @@ nlohmann::json spawn(const std::string& self, const std::string& name, bool comp
                                 absl::StrCat("--repeats=", absl::GetFlag(FLAGS_repeats)),
                                 absl::StrCat("--timeout=", absl::GetFlag(FLAGS_timeout)),
                                 absl::StrCat("--cores=", absl::GetFlag(FLAGS_cores)),
+                                "--devices=" + absl::GetFlag(FLAGS_devices),
                                 absl::StrCat("--detail=", absl::GetFlag(FLAGS_detail)),
                                 "--svg_dir=" + absl::GetFlag(FLAGS_svg_dir)};
   std::vector<char*> argv;

@@ -30,7 +30,7 @@ python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.vers
 tests=$(grep -l '\[cuda\]' tests/*/*_test.cc | xargs -n 1 basename | sed 's/\.cc$//')
 benches="amoebanetd_memory resnet101_speed unet_memory amoebanetd_speed"
 [[ "${SKIP_BENCH:-0}" == 1 ]] && benches=""
-[[ -n "$benches" ]] && benches="$benches cut_points"
+[[ -n "$benches" ]] && benches="plan_accuracy $benches cut_points"
 extra=${EXTRA_TARGETS:-}
 stamp configure
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -72,6 +72,17 @@ run_bench() {  # name, seconds, arguments...
   grep -a -v "^\s*$" "$out/$name.log" | tail -n 14
 }
 if [[ -n "$benches" ]]; then
+  # The planner's predictions against measured steps on the GPU (issue 40): every partition on the
+  # one GPU, then the planner placing two on {cuda:0, cpu} (Note [Placement]).
+  for devices in cuda:0,cuda:0,cuda:0 cuda:0,cpu; do
+    stamp "plan_accuracy --devices=$devices"
+    (cd "$build" && timeout -k 10 240 ./plan_accuracy --devices="$devices" --rounds=1 \
+      --models=resnet8,amoebanet,mlp --timeout=0.5 --repeats=5 --compare_defaults=false \
+      --json_out="$(realpath "$out")/plan_accuracy_${devices//[:,]/_}.json") \
+      > "$out/plan_accuracy_${devices//[:,]/_}.log" 2>&1
+    echo "rc $?"
+    grep -a -E "^(resnet8|amoebanet|mlp) |configurations:" "$out/plan_accuracy_${devices//[:,]/_}.log" | tail -n 20
+  done
   run_bench amoebanetd_memory 120
   run_bench resnet101_speed 150 --epochs=2 --dataset_size="${RESNET_SAMPLES:-10240}"
   run_bench unet_memory 90
