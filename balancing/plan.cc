@@ -846,6 +846,13 @@ PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& pla
               plan.devices.size(), " device(s) and virtual_stages ", plan.virtual_stages);
   TORCH_CHECK(max_in_flight >= 1, "gpipe::search_plan: max_in_flight must be at least 1, got ",
               max_in_flight);
+  // (Note [Searched plans]: a text for m micro-batches runs only where the batch splits into m.)
+  const int64_t m = plan.chunks;
+  TORCH_CHECK(m >= 1 && m <= profile.batch &&
+                  ceil_div(profile.batch, ceil_div(profile.batch, m)) == m,
+              "gpipe::search_plan: a mini-batch of ", profile.batch, " does not split into ", m,
+              " micro-batches (the engine makes pieces of ceil(batch / chunks) samples); give a "
+              "count it splits into");
   PipelinePlan searched = plan;
   searched.schedule = ScheduleKind::kZeroBubble;
   searched.schedule_text.clear();
@@ -922,11 +929,14 @@ void add_searched_plans(const PipelineProfile& profile, const PlanOptions& optio
   for (PipelinePlan& p : found) all.push_back(std::move(p));
 }
 
-
-// Note [Placement]: each placement of n workers on `devices`, as the workers' devices: every
-// sequence of kinds the devices allow, each kind's devices taken in their order.
-std::vector<std::vector<c10::Device>> placements(const std::vector<c10::Device>& devices,
-                                                 int64_t n) {
+// Note [Placement]: each placement of n workers on the profile's devices, as the workers'
+// devices: every sequence of kinds the devices allow, each kind's devices taken in their order.
+// A profile without other kinds (one kind, or written before them) places the first n.
+std::vector<std::vector<c10::Device>> placements(const PipelineProfile& profile, int64_t n) {
+  const std::vector<c10::Device>& devices = profile.devices;
+  if (profile.other_kinds.empty()) {
+    return {std::vector<c10::Device>(devices.begin(), devices.begin() + n)};
+  }
   std::vector<std::vector<c10::Device>> kinds;  // by kind, in the order of their first device
   for (const c10::Device& d : devices) {
     auto same = std::find_if(kinds.begin(), kinds.end(), [&](const std::vector<c10::Device>& k) {
@@ -1001,9 +1011,11 @@ std::vector<std::vector<int64_t>> candidate_balances(const PipelineProfile& prof
   const size_t stages = stage_devices.size();
   std::vector<std::vector<double>> time(stages, std::vector<double>(layers));
   std::vector<double> size(layers);
-  const bool one_kind =
-      std::all_of(stage_devices.begin(), stage_devices.end(),
-                  [&](const c10::Device& d) { return d.type() == stage_devices.front().type(); });
+  // (Stages whose devices are profiled as one: their balance needs no device's numbers.)
+  const bool one_kind = std::all_of(
+      stage_devices.begin(), stage_devices.end(), [&](const c10::Device& d) {
+        return kind_of(profile, d) == kind_of(profile, stage_devices.front());
+      });
   for (size_t s = 0; s < stages; ++s) {
     const c10::Device d = stage_devices[s];
     if (s > 0 && d == stage_devices[s - 1]) {
@@ -1093,7 +1105,7 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
   for (int64_t n : counts) {
     TORCH_CHECK(n >= 1 && n <= most, who, ": cannot plan ", n, " partitions on ", most,
                 " device(s); give between 1 and ", most, " (one device per partition)");
-    for (const std::vector<c10::Device>& workers : placements(profile.devices, n)) {
+    for (const std::vector<c10::Device>& workers : placements(profile, n)) {
       add_candidates(profile, options, workers, all);
     }
   }

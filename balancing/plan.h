@@ -73,9 +73,10 @@ namespace gpipe {
 // profile_pipeline measures both on the first GPU among its devices, after profiling: the
 // driver's bytes in use less the allocator's reserved ones (other processes' memory on that GPU
 // counts too), and the allocator's peak reserved over its peak allocated since the profile began
-// (the layers are profiled on the first GPU too, Note [Placement]). A plan's peak on each GPU is then that context plus
-// the simulated peak times that ratio: what memory_limit is compared with. Every GPU of a plan is
-// taken to be like the first (the same model of GPU); the CPU has neither (0 and 1).
+// (the layers are profiled on the first GPU too, Note [Placement]). A plan's peak on each GPU is
+// then that context plus the simulated peak times that ratio: what memory_limit is compared with.
+// Every GPU of a plan is taken to be like the first (the same model of GPU); the CPU has neither
+// (0 and 1).
 
 // Note [Placement]
 // ~~~~~~~~~~~~~~~~
@@ -324,11 +325,14 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
 /// `profile` (Note [Searched plans]: each stage's F, I and W at the plan's micro-batch size and
 /// its copy), each worker holding at most `max_in_flight` micro-batches, then predicted on the
 /// planner's model (its step_us and peak_bytes). `found`, if given, gets what the search found
-/// (its own simulation, and the best generated schedule's).
+/// (its own simulation, and the best generated schedule's). The plan's chunks must be a count the
+/// mini-batch splits into (Note [Searched plans]). A checkpointed micro-batch is not split into I
+/// and W (as in the executor); the search's own model leaves its recomputation out, the
+/// prediction counts it.
 ///
-///   gpipe::PipelinePlan zb = gpipe::plan(profile, gpipe::PlanOptions().partitions({2}).chunks({16})
-///       .schedules({gpipe::ScheduleKind::kZeroBubble}).checkpoints({gpipe::Checkpoint::kNever})
-///       .search(false).top(1)).front();
+///   gpipe::PipelinePlan zb = gpipe::plan(profile, gpipe::PlanOptions()
+///       .partitions({2}).chunks({16}).schedules({gpipe::ScheduleKind::kZeroBubble})
+///       .checkpoints({gpipe::Checkpoint::kNever}).search(false).top(1)).front();
 ///   gpipe::PipelinePlan searched = gpipe::search_plan(profile, zb, 2);
 PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& plan,
                          int64_t max_in_flight, const ParameterMemory& memory = {},

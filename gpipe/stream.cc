@@ -326,6 +326,18 @@ void reset_peak_memory(c10::Device device) {
 #endif
 }
 
+void release_cached_memory(c10::Device device) {
+  if (!device.is_cuda()) {
+    return;
+  }
+#ifdef GPIPE_WITH_CUDA
+  synchronize(device);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+#else
+  no_cuda(device);
+#endif
+}
+
 #ifdef GPIPE_WITH_CUDA
 // A CUDA event with timing enabled (the event pool's are made without: cheaper to record and
 // wait for). Made on the device of its stream and destroyed there.

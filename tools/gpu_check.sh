@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [PREFIX]}
 prefix=${2:-}
 mkdir -p "$out"
+out=$(realpath "$out")  # (the benchmarks run from the build folder)
 # Debian's Abseil is found at build time through CMake; at run time through the loader's path.
 [[ -n "$prefix" ]] && export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 build=${BUILD:-build/gpu}

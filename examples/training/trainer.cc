@@ -392,7 +392,7 @@ int train(const TrainerModel& trainer) {
                 "there, %s: %.1f ms); runs %s, %.1f ms per step predicted by the planner\n",
                 searched.origin.c_str(), searched.simulation.makespan / 1000,
                 searched.best_generated_name.c_str(), searched.best_generated.makespan / 1000,
-                auto_plan.schedule_text.empty() ? "zb (the search found nothing faster)"
+                auto_plan.schedule_text.empty() ? "zb (the planner predicts nothing faster)"
                                                 : "the searched schedule",
                 auto_plan.step_us / 1000);
   }

@@ -88,6 +88,10 @@ DeviceMemoryUse device_memory_use(c10::Device device);
 /// Resets the caching allocator's peak statistics of `device` (CUDA; no-op on CPU).
 void reset_peak_memory(c10::Device device);
 
+/// Returns the caching allocator's unused blocks to the driver, after `device`'s work (CUDA; no-op
+/// on CPU): its reserve then starts from what is in use.
+void release_cached_memory(c10::Device device);
+
 /// A point in a CUDA stream's work whose time on the device can be read once the device has
 /// reached it: a CUDA event with timing. Made by mark_stream; used by the timeline (timeline.h).
 struct StreamMark;

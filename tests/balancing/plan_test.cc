@@ -664,6 +664,10 @@ CATCH_TEST_CASE("search_plan searches on a plan's own costs within its limit and
                           gpipe_test::contains("virtual_stages 2"));
   CATCH_CHECK_THROWS_WITH(search_plan(profile, zb, 0),
                           gpipe_test::contains("max_in_flight must be at least 1, got 0"));
+  PipelinePlan uneven_split = zb;
+  uneven_split.chunks = 24;  // 32 samples in pieces of 2: 16
+  CATCH_CHECK_THROWS_WITH(search_plan(profile, uneven_split, limit),
+                          gpipe_test::contains("a mini-batch of 32 does not split into 24"));
 }
 
 CATCH_TEST_CASE("A searched plan's options run its schedule and train as the plain model",
@@ -800,6 +804,11 @@ CATCH_TEST_CASE("The planner tries every placement of kinds and balances by each
       {"cuda:0", "cuda:1"}, {"cpu", "cuda:0", "cuda:1"}, {"cuda:0", "cpu", "cuda:1"},
       {"cuda:0", "cuda:1", "cpu"}};
   CATCH_CHECK(seen == expected);
+  // Each placement once: no two candidates alike.
+  std::set<std::string> candidates;
+  for (const PipelinePlan& p : all) {
+    CATCH_CHECK(candidates.insert(p.to_json()).second);
+  }
   auto find = [&](const std::vector<c10::Device>& devices, int64_t m) {
     std::vector<PipelinePlan> out;
     for (const PipelinePlan& p : all) {
@@ -852,9 +861,15 @@ CATCH_TEST_CASE("The planner tries every placement of kinds and balances by each
   CATCH_CAPTURE(fastest.describe());
   CATCH_CHECK(std::find(fastest.devices.begin(), fastest.devices.end(), cpu) ==
               fastest.devices.end());
-  // Devices of one kind: the first n, as before.
-  for (const PipelinePlan& p : plan(synthetic(6, 3), PlanOptions().top(100000).search(false))) {
-    CATCH_CHECK(p.devices.size() == p.balance.size());
+  // Devices of one kind, and a profile of several kinds without their numbers (written before
+  // them): the first n devices in their order, as before.
+  PipelineProfile older = profile;
+  older.other_kinds.clear();
+  for (const PipelineProfile& q : {synthetic(6, 3), older}) {
+    for (const PipelinePlan& p : plan(q, PlanOptions().top(100000).search(false))) {
+      const size_t n = p.devices.size() / static_cast<size_t>(p.virtual_stages);  // workers
+      for (size_t s = 0; s < p.devices.size(); ++s) CATCH_CHECK(p.devices[s] == q.devices[s % n]);
+    }
   }
 }
 
