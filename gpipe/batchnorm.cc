@@ -274,8 +274,15 @@ DeferredBatchNormRun::DeferredBatchNormRun(
   for (const auto& batch_norms : partitions) {
     batch_norms->reset_statistics();
     redirects_.push_back(batch_norms->redirect());
+    batch_norms->gathering_.store(true, std::memory_order_release);
+    gathering_.push_back(batch_norms);
   }
-  statistics_ = std::make_unique<DeferredStatisticsScope>();
+}
+
+DeferredBatchNormRun::~DeferredBatchNormRun() {
+  for (const auto& batch_norms : gathering_) {
+    batch_norms->gathering_.store(false, std::memory_order_release);
+  }
 }
 
 void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions,

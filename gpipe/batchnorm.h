@@ -3,6 +3,7 @@
 // updated once per mini-batch as if the layers had seen the whole mini-batch at once.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,12 +27,16 @@ namespace gpipe {
 //    normalises with the micro-batch's statistics, as BatchNorm does in training. A BatchNorm in
 //    eval mode inside a training model (a frozen BatchNorm, as in fine-tuning) is left alone: it
 //    normalises with its running statistics and is never updated, as in the plain model.
-//  - A thread-local at::RecordFunction callback, carried to the workers with the caller's thread
-//    state, sees each `aten::batch_norm` call, recognises the layer by its sink, and accumulates
-//    the input's per-channel count, mean and sum of squared deviations (computed in the input's
-//    precision, float at least, and combined in float64 by Chan's formula: only per-channel
-//    results are converted). The recomputation of a checkpointed micro-batch runs under a thread
-//    state captured before the callback was added, so no operator of a recomputation is observed.
+//  - A thread-local at::RecordFunction callback sees each `aten::batch_norm` call, recognises the
+//    layer by its sink, and accumulates the input's per-channel count, mean and sum of squared
+//    deviations (computed in the input's precision, float at least, and combined in float64 by
+//    Chan's formula: only per-channel results are converted). The executor adds it around each
+//    forward of a partition with BatchNorms while its run gathers (BatchNormLayers::gathering),
+//    and only there: a callback that needs its operators' inputs makes the dispatcher box the
+//    arguments of every operator it sees, which cost ResNet-8's step at micro-batches of 8 on
+//    the project's VM about 15% when it watched the whole step (backward, loss and partitions
+//    without BatchNorms too). A recomputation (is_recomputing()) adds none: no operator of a
+//    recomputation is observed.
 //  - At the end of the forward the members point at the registered buffers again, so between
 //    forwards the user's own Sequential, named_buffers(), torch::save and eval() all see the real
 //    running statistics. Then the buffers are updated once, exactly as BatchNorm would on the
@@ -103,6 +108,10 @@ class BatchNormLayers {
   /// Clears the deferred statistics of every layer.
   void reset_statistics();
 
+  /// Whether a DeferredBatchNormRun gathers these layers' statistics now: their partition's
+  /// forwards observe their batch_norm calls (DeferredStatisticsScope), its recomputations not.
+  bool gathering() const { return gathering_.load(std::memory_order_acquire); }
+
   /// What each layer accumulated since reset_statistics(), in layer order.
   std::vector<BatchNormStatistics> statistics() const;
 
@@ -113,11 +122,13 @@ class BatchNormLayers {
   void commit(const std::vector<BatchNormStatistics>* statistics = nullptr);
 
  private:
+  friend class DeferredBatchNormRun;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::atomic<bool> gathering_{false};
 };
 
-/// Registers the deferred-batch-norm statistics callback on the calling thread for its lifetime.
-/// Must be in place before the caller's thread state is captured for the workers.
+/// Registers the deferred-batch-norm statistics callback on the calling thread for its lifetime:
+/// the executor's forward of a partition whose BatchNormLayers are gathering.
 class DeferredStatisticsScope {
  public:
   DeferredStatisticsScope();
@@ -131,15 +142,18 @@ class DeferredStatisticsScope {
 
 /// Deferred batch norm over one run of some partitions (a GPipe's forward or step, a pipeline
 /// stage's step), when `on`: for its lifetime the training-mode BatchNorms of every partition
-/// write their updates to sinks and the callback gathers their statistics (cleared first);
+/// write their updates to sinks and gather their statistics (cleared first; gathering());
 /// commit_deferred() then updates the running statistics. Off, it does nothing.
 class DeferredBatchNormRun {
  public:
   DeferredBatchNormRun(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions, bool on);
+  ~DeferredBatchNormRun();
+  DeferredBatchNormRun(const DeferredBatchNormRun&) = delete;
+  DeferredBatchNormRun& operator=(const DeferredBatchNormRun&) = delete;
 
  private:
+  std::vector<std::shared_ptr<BatchNormLayers>> gathering_;
   std::vector<BatchNormLayers::Redirect> redirects_;
-  std::unique_ptr<DeferredStatisticsScope> statistics_;
 };
 
 /// Updates every partition's running statistics from what a DeferredBatchNormRun gathered, after

@@ -241,8 +241,8 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   spec.checkpoint_stop = [stop](int64_t) { return stop; };
   spec.run = internal::next_run_id();
   if (stop > 0) {
-    // Captured before the deferred-batch-norm callback is added: the recomputation observes no
-    // operator (Note [Deferred batch norm without replacing modules]).
+    // The caller's thread state, in which no deferred-statistics callback is ever added: the
+    // recomputation observes no operator (Note [Deferred batch norm without replacing modules]).
     spec.recompute_state = std::make_shared<const ThreadState>();
   }
   if (record_timeline_) spec.timeline = std::make_shared<Timeline>(devices_);

@@ -79,8 +79,8 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
     return training ? checkpoint_stop(mode, n) : int64_t{0};
   };
   spec.run = internal::next_run_id();
-  // Captured before the deferred-batch-norm callback is added: the recomputation observes no
-  // operator (Note [Deferred batch norm without replacing modules]).
+  // The caller's thread state, in which no deferred-statistics callback is ever added: the
+  // recomputation observes no operator (Note [Deferred batch norm without replacing modules]).
   spec.recompute_state = std::make_shared<const ThreadState>();
   if (record_timeline_) spec.timeline = std::make_shared<Timeline>(devices_);
   spec.skip_layout = &skip_layout_;

@@ -317,8 +317,8 @@ at::Tensor PipelineStageImpl::run_step(const Batch& input, const at::Tensor& tar
     return training ? checkpoint_stop(mode, m) : int64_t{0};
   };
   spec.run = gpipe::internal::next_run_id();
-  // Captured before the deferred statistics' callback is added: the recomputation observes no
-  // operator (Note [Deferred batch norm without replacing modules]).
+  // The caller's thread state, in which no deferred-statistics callback is ever added: the
+  // recomputation observes no operator (Note [Deferred batch norm without replacing modules]).
   spec.recompute_state = std::make_shared<const ThreadState>();
   spec.timeline = timeline_;
   spec.skip_layout = &skip_layout_;
