@@ -24,7 +24,7 @@ struct BatchNormLayers::Layer {
   at::Tensor* running_mean = nullptr;  // the layer's members, redirected to sinks at times
   at::Tensor* running_var = nullptr;
   at::Tensor* num_batches_tracked = nullptr;
-  const torch::nn::BatchNormOptions* options = nullptr;  // read at every commit
+  torch::nn::BatchNormOptions* options = nullptr;  // read at every commit
 
   // Redirection (Note [Recomputation leaves running statistics alone]).
   std::mutex redirect_mu;
@@ -35,8 +35,13 @@ struct BatchNormLayers::Layer {
   // Deferred statistics.
   absl::Mutex mu;
   BatchNormStatistics statistics ABSL_GUARDED_BY(mu);  // count 0 and undefined tensors: none yet
+  // While gathering, the module's own momentum (Note [Statistics from the sinks]); set only by
+  // the run's thread before and after the forwards (BatchNormLayers::set_gathering).
+  bool momentum_replaced = false;
+  c10::optional<double> user_momentum;
 
   void accumulate(const at::Tensor& input);
+  void accumulate_from_sinks(double n);
 };
 
 namespace {
@@ -52,6 +57,14 @@ bool same_kind(const at::Tensor& a, const at::Tensor& b) {
   return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() &&
          a.device() == b.device() && a.sizes() == b.sizes();
 }
+
+// What on_op leaves for on_op_end: the layer whose sinks hold the call's statistics, and the
+// values per channel (Note [Statistics from the sinks]).
+struct SinkReading : at::ObserverContext {
+  SinkReading(BatchNormLayers::Layer* layer, double n) : layer(layer), n(n) {}
+  BatchNormLayers::Layer* layer;
+  double n;
+};
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (is_recomputing() || std::strcmp(fn.name(), "aten::batch_norm") != 0) {
@@ -70,12 +83,30 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     }
     layer = it->second;
   }
+  const at::Tensor& input = inputs[0].toTensor();
+  // (batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...))
+  const bool momentum_one = inputs.size() > 6 && inputs[5].isBool() && inputs[5].toBool() &&
+                            inputs[6].isDouble() && inputs[6].toDouble() == 1.0;
+  if (layer->momentum_replaced && momentum_one && input.dim() >= 2 && input.size(1) > 0) {
+    return std::make_unique<SinkReading>(layer,
+                                         static_cast<double>(input.numel() / input.size(1)));
+  }
+  // Any other call on the sinks (a functional batch_norm with its own momentum): from its input.
   // The statistics are bookkeeping: no autograd, no autocast, no recursion into this callback.
   at::DisableRecordFunctionGuard no_recursion;
   at::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  layer->accumulate(inputs[0].toTensor());
+  layer->accumulate(input);
   return nullptr;
+}
+
+void on_op_end(const at::RecordFunction&, at::ObserverContext* context) {
+  auto* reading = dynamic_cast<SinkReading*>(context);
+  if (reading == nullptr) return;
+  at::DisableRecordFunctionGuard no_recursion;
+  at::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  reading->layer->accumulate_from_sinks(reading->n);
 }
 
 template <typename BatchNormImpl>
@@ -119,6 +150,16 @@ void BatchNormLayers::Layer::accumulate(const at::Tensor& input) {
   auto var_mean = at::var_mean(x, dims, /*unbiased=*/false);
   at::Tensor batch_mean = std::get<1>(var_mean).to(at::kDouble);
   at::Tensor batch_m2 = std::get<0>(var_mean).to(at::kDouble) * n;
+  absl::MutexLock lock(&mu);
+  statistics.merge(n, batch_mean, batch_m2);
+}
+
+void BatchNormLayers::Layer::accumulate_from_sinks(double n) {
+  // Momentum 1: the sinks hold this call's mean and unbiased variance, until the next call. Read
+  // them as copies (a float64 sink's to(kDouble) would be the sink itself).
+  at::Tensor batch_mean = sink_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor batch_m2 = sink_var.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true)
+                            .mul_(std::max(n - 1.0, 0.0));
   absl::MutexLock lock(&mu);
   statistics.merge(n, batch_mean, batch_m2);
 }
@@ -264,9 +305,26 @@ void BatchNormLayers::commit(const std::vector<BatchNormStatistics>* statistics)
 
 DeferredStatisticsScope::DeferredStatisticsScope()
     : handle_(at::addThreadLocalCallback(
-          at::RecordFunctionCallback(&on_op).needsInputs(true).scopes({at::RecordScope::FUNCTION}))) {}
+          at::RecordFunctionCallback(&on_op, &on_op_end)
+              .needsInputs(true)
+              .scopes({at::RecordScope::FUNCTION}))) {}
 
 DeferredStatisticsScope::~DeferredStatisticsScope() { at::removeCallback(handle_); }
+
+void BatchNormLayers::set_gathering(bool on) {
+  for (auto& owned : layers_) {
+    Layer& layer = *owned;
+    if (on && layer.module->is_training()) {
+      layer.user_momentum = layer.options->momentum();
+      layer.options->momentum(1.0);
+      layer.momentum_replaced = true;
+    } else if (!on && layer.momentum_replaced) {
+      layer.options->momentum(layer.user_momentum);
+      layer.momentum_replaced = false;
+    }
+  }
+  gathering_.store(on, std::memory_order_release);
+}
 
 DeferredBatchNormRun::DeferredBatchNormRun(
     const std::vector<std::shared_ptr<BatchNormLayers>>& partitions, bool on) {
@@ -274,15 +332,13 @@ DeferredBatchNormRun::DeferredBatchNormRun(
   for (const auto& batch_norms : partitions) {
     batch_norms->reset_statistics();
     redirects_.push_back(batch_norms->redirect());
-    batch_norms->gathering_.store(true, std::memory_order_release);
+    batch_norms->set_gathering(true);
     gathering_.push_back(batch_norms);
   }
 }
 
 DeferredBatchNormRun::~DeferredBatchNormRun() {
-  for (const auto& batch_norms : gathering_) {
-    batch_norms->gathering_.store(false, std::memory_order_release);
-  }
+  for (const auto& batch_norms : gathering_) batch_norms->set_gathering(false);
 }
 
 void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions,

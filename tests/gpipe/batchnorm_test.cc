@@ -65,6 +65,13 @@ nn::Sequential bn_model(c10::optional<double> momentum) {
       nn::Linear(6, 2));
 }
 
+c10::optional<double> momentum_of(TapImpl& tap) {
+  if (auto* bn = dynamic_cast<nn::BatchNorm2dImpl*>(tap.bn.ptr().get())) return bn->options.momentum();
+  auto* bn = dynamic_cast<nn::BatchNorm1dImpl*>(tap.bn.ptr().get());
+  CATCH_REQUIRE(bn != nullptr);
+  return bn->options.momentum();
+}
+
 std::vector<TapImpl*> taps(nn::Module& module) {
   std::vector<TapImpl*> out;
   for (const auto& m : module.modules()) {
@@ -104,6 +111,8 @@ CATCH_TEST_CASE("deferred batch norm's running statistics equal a full-batch Bat
     const at::Tensor x = at::randn({8, 3, 4, 4}, at::kDouble) * (step + 1) + step;
     model->forward(x).sum().backward();  // backward recomputes checkpointed micro-batches
     for (size_t b = 0; b < bns.size(); ++b) {
+      // The module's own momentum again (Note [Statistics from the sinks] replaces it in a run).
+      CATCH_CHECK(momentum_of(*bns[b]) == momentum);
       CATCH_REQUIRE(static_cast<int64_t>(bns[b]->seen.size()) == chunks);
       oracles[b].forward(at::cat(bns[b]->seen));
       const auto expected = oracles[b].ptr()->named_buffers();
@@ -172,6 +181,47 @@ CATCH_TEST_CASE("a failed step leaves deferred batch norm's statistics untouched
   plain->forward(x);
   CATCH_CHECK(max_diff(buffers["partitions.0.0.running_mean"], plain[0]->named_buffers()["running_mean"]) <= 1e-6);
   CATCH_CHECK(buffers["partitions.0.0.num_batches_tracked"].item<int64_t>() == 1);
+}
+
+// A layer that normalises with its BatchNorm's buffers through the functional call, with a
+// momentum of its own (not the module's forward).
+struct FunctionalBatchNormImpl : nn::Module {
+  FunctionalBatchNormImpl() { bn = register_module("bn", nn::BatchNorm2d(4)); }
+  at::Tensor forward(const at::Tensor& x) {
+    return nn::functional::batch_norm(
+        x, bn->running_mean, bn->running_var,
+        nn::functional::BatchNormFuncOptions().weight(bn->weight).bias(bn->bias).training(
+            is_training()).momentum(0.25));
+  }
+  nn::BatchNorm2d bn{nullptr};
+};
+TORCH_MODULE(FunctionalBatchNorm);
+
+CATCH_TEST_CASE("deferred batch norm gathers a functional batch_norm call on a layer's buffers "
+                "from its input",
+                "[batchnorm]") {
+  const int64_t chunks = GENERATE(1, 3);
+  CATCH_CAPTURE(chunks);
+  at::manual_seed(0);
+  nn::Sequential seq(nn::Conv2d(nn::Conv2dOptions(3, 4, 1)), FunctionalBatchNorm(),
+                     nn::Flatten(), nn::Linear(4 * 4 * 4, 2));
+  seq->to(at::kDouble);
+  GPipe model(seq, GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(chunks)
+                       .deferred_batch_norm(true));
+  model->train();
+  auto* layer = dynamic_cast<FunctionalBatchNormImpl*>(seq[1].get());
+  CATCH_REQUIRE(layer != nullptr);
+  // One update over the whole batch, committed as deferred updates are: with the layer's own
+  // momentum (Note [Deferred batch norm without replacing modules]).
+  nn::BatchNorm2d oracle = std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(layer->bn->clone());
+  const at::Tensor x = at::randn({6, 3, 4, 4}, at::kDouble);
+  const at::Tensor before = seq[0]->as<nn::Conv2d>()->forward(x).detach();
+  model->forward(x).sum().backward();
+  oracle->train();
+  oracle->forward(before);
+  // The buffers moved once, on the whole batch's statistics.
+  CATCH_CHECK(max_diff(layer->bn->running_mean, oracle->running_mean) <= 1e-12);
+  CATCH_CHECK(max_diff(layer->bn->running_var, oracle->running_var) <= 1e-12);
 }
 
 CATCH_TEST_CASE("deferred batch norm follows a dtype change", "[batchnorm]") {
