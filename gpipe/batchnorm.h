@@ -33,9 +33,9 @@ namespace gpipe {
 //    Chan's formula: only per-channel results are converted). The executor adds it around each
 //    forward of a partition with BatchNorms while its run gathers (BatchNormLayers::gathering),
 //    and only there: a callback that needs its operators' inputs makes the dispatcher box the
-//    arguments of every operator it sees, which cost ResNet-8's step at micro-batches of 8 on
-//    the project's VM about 15% when it watched the whole step (backward, loss and partitions
-//    without BatchNorms too). A recomputation (is_recomputing()) adds none: no operator of a
+//    arguments of every operator it sees (a cost per operator, which matters most where kernel
+//    launches dominate, as on a GPU), so the backward, the loss and partitions without
+//    BatchNorms go unwatched. A recomputation (is_recomputing()) adds none: no operator of a
 //    recomputation is observed.
 //  - At the end of the forward the members point at the registered buffers again, so between
 //    forwards the user's own Sequential, named_buffers(), torch::save and eval() all see the real
