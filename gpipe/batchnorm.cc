@@ -1,6 +1,7 @@
 // Batch norm in a pipeline; see the Notes in batchnorm.h.
 #include "gpipe/batchnorm.h"
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -14,6 +15,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "gpipe/checkpoint.h"
+#include "gpipe/internal/batchnorm_readings.h"
 
 namespace gpipe {
 
@@ -24,24 +26,24 @@ struct BatchNormLayers::Layer {
   at::Tensor* running_mean = nullptr;  // the layer's members, redirected to sinks at times
   at::Tensor* running_var = nullptr;
   at::Tensor* num_batches_tracked = nullptr;
-  torch::nn::BatchNormOptions* options = nullptr;  // read at every commit
+  const torch::nn::BatchNormOptions* options = nullptr;  // read at every commit
 
   // Redirection (Note [Recomputation leaves running statistics alone]).
   std::mutex redirect_mu;
   int redirects = 0;
+  // Recomputations running now, and started so far (Note [Statistics from the sinks]).
+  int recomputations = 0;
+  uint64_t recomputations_started = 0;
   at::Tensor saved_mean, saved_var, saved_count;  // the members while redirected
   at::Tensor sink_mean, sink_var, sink_count;
 
   // Deferred statistics.
   absl::Mutex mu;
   BatchNormStatistics statistics ABSL_GUARDED_BY(mu);  // count 0 and undefined tensors: none yet
-  // While gathering, the module's own momentum (Note [Statistics from the sinks]); set only by
-  // the run's thread before and after the forwards (BatchNormLayers::set_gathering).
-  bool momentum_replaced = false;
-  c10::optional<double> user_momentum;
-
   void accumulate(const at::Tensor& input);
-  void accumulate_from_sinks(double n);
+  // Note [Statistics from the sinks]: the recomputations started so far if none runs now.
+  c10::optional<uint64_t> quiet_since();
+  void accumulate_scaled(at::Tensor mean, at::Tensor var, double n, double momentum);
 };
 
 namespace {
@@ -58,13 +60,22 @@ bool same_kind(const at::Tensor& a, const at::Tensor& b) {
          a.device() == b.device() && a.sizes() == b.sizes();
 }
 
-// What on_op leaves for on_op_end: the layer whose sinks hold the call's statistics, and the
-// values per channel (Note [Statistics from the sinks]).
+// What on_op leaves for on_op_end (Note [Statistics from the sinks]): the layer whose sinks hold
+// the call's statistics times its momentum, the values per channel, and the input, to gather
+// from instead where a recomputation may have written the sinks meanwhile.
 struct SinkReading : at::ObserverContext {
-  SinkReading(BatchNormLayers::Layer* layer, double n) : layer(layer), n(n) {}
-  BatchNormLayers::Layer* layer;
-  double n;
+  BatchNormLayers::Layer* layer = nullptr;
+  at::Tensor input;
+  double n = 0;
+  double momentum = 0;
+  uint64_t recomputations = 0;
 };
+
+std::atomic<int64_t> readings{0};  // internal::sink_readings()
+
+bool float_at_least(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
+}
 
 std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
   if (is_recomputing() || std::strcmp(fn.name(), "aten::batch_norm") != 0) {
@@ -84,18 +95,34 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     layer = it->second;
   }
   const at::Tensor& input = inputs[0].toTensor();
-  // (batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...))
-  const bool momentum_one = inputs.size() > 6 && inputs[5].isBool() && inputs[5].toBool() &&
-                            inputs[6].isDouble() && inputs[6].toDouble() == 1.0;
-  if (layer->momentum_replaced && momentum_one && input.dim() >= 2 && input.size(1) > 0) {
-    return std::make_unique<SinkReading>(layer,
-                                         static_cast<double>(input.numel() / input.size(1)));
-  }
-  // Any other call on the sinks (a functional batch_norm with its own momentum): from its input.
   // The statistics are bookkeeping: no autograd, no autocast, no recursion into this callback.
   at::DisableRecordFunctionGuard no_recursion;
   at::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  // (batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...))
+  const bool updates_sinks =
+      inputs.size() > 6 && inputs[4].isTensor() &&
+      inputs[4].toTensor().unsafeGetTensorImpl() == layer->sink_var.unsafeGetTensorImpl() &&
+      inputs[5].isBool() && inputs[5].toBool() && inputs[6].isDouble() &&
+      inputs[6].toDouble() > 0 && inputs[6].toDouble() <= 1;
+  const c10::optional<uint64_t> quiet = layer->quiet_since();
+  if (updates_sinks && quiet && input.dim() >= 2 && input.size(1) > 0 &&
+      float_at_least(layer->sink_mean) && float_at_least(layer->sink_var)) {
+    auto reading = std::make_unique<SinkReading>();
+    reading->layer = layer;
+    reading->input = input;
+    reading->n = static_cast<double>(input.numel() / input.size(1));
+    reading->momentum = inputs[6].toDouble();
+    reading->recomputations = *quiet;
+    // From zero, the update leaves momentum x the call's statistics. (Through variable_data(),
+    // as the kernel's own update does, not bumping the version that earlier micro-batches'
+    // graphs saved the sinks at.)
+    layer->sink_mean.variable_data().zero_();
+    layer->sink_var.variable_data().zero_();
+    return reading;
+  }
+  // Any other call (another running variance, narrow sinks, a recomputation running): from its
+  // input.
   layer->accumulate(input);
   return nullptr;
 }
@@ -106,7 +133,17 @@ void on_op_end(const at::RecordFunction&, at::ObserverContext* context) {
   at::DisableRecordFunctionGuard no_recursion;
   at::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  reading->layer->accumulate_from_sinks(reading->n);
+  BatchNormLayers::Layer& layer = *reading->layer;
+  // Copies (a float64 sink's to(kDouble) would be the sink itself), read before the check.
+  at::Tensor mean = layer.sink_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor var = layer.sink_var.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+  if (layer.quiet_since() != c10::optional<uint64_t>(reading->recomputations)) {
+    // A recomputation began since on_op: the sinks may hold its update.
+    layer.accumulate(reading->input);
+    return;
+  }
+  layer.accumulate_scaled(std::move(mean), std::move(var), reading->n, reading->momentum);
+  readings.fetch_add(1, std::memory_order_relaxed);
 }
 
 template <typename BatchNormImpl>
@@ -154,14 +191,19 @@ void BatchNormLayers::Layer::accumulate(const at::Tensor& input) {
   statistics.merge(n, batch_mean, batch_m2);
 }
 
-void BatchNormLayers::Layer::accumulate_from_sinks(double n) {
-  // Momentum 1: the sinks hold this call's mean and unbiased variance, until the next call. Read
-  // them as copies (a float64 sink's to(kDouble) would be the sink itself).
-  at::Tensor batch_mean = sink_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
-  at::Tensor batch_m2 = sink_var.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true)
-                            .mul_(std::max(n - 1.0, 0.0));
+c10::optional<uint64_t> BatchNormLayers::Layer::quiet_since() {
+  std::lock_guard<std::mutex> lock(redirect_mu);
+  if (recomputations > 0) return c10::nullopt;
+  return recomputations_started;
+}
+
+void BatchNormLayers::Layer::accumulate_scaled(at::Tensor mean, at::Tensor var, double n,
+                                               double momentum) {
+  // The sinks went from zero to momentum x (the mean, the unbiased variance).
+  mean.div_(momentum);
+  at::Tensor m2 = var.mul_(std::max(n - 1.0, 0.0) / momentum);
   absl::MutexLock lock(&mu);
-  statistics.merge(n, batch_mean, batch_m2);
+  statistics.merge(n, mean, m2);
 }
 
 BatchNormLayers::BatchNormLayers(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
@@ -177,14 +219,19 @@ BatchNormLayers::BatchNormLayers(const std::vector<std::shared_ptr<torch::nn::Mo
 
 BatchNormLayers::~BatchNormLayers() = default;
 
-BatchNormLayers::Redirect BatchNormLayers::redirect() {
+BatchNormLayers::Redirect BatchNormLayers::redirect(bool recomputation) {
   Redirect redirect;
+  redirect.recomputation_ = recomputation;
   for (auto& owned : layers_) {
     Layer& layer = *owned;
     if (!layer.module->is_training()) {
       continue;  // an eval-mode BatchNorm updates nothing
     }
     std::lock_guard<std::mutex> lock(layer.redirect_mu);
+    if (recomputation) {
+      ++layer.recomputations;
+      ++layer.recomputations_started;
+    }
     if (layer.redirects++ == 0) {
       layer.saved_mean = *layer.running_mean;
       layer.saved_var = *layer.running_var;
@@ -217,6 +264,7 @@ BatchNormLayers::Redirect BatchNormLayers::redirect() {
 BatchNormLayers::Redirect::~Redirect() {
   for (Layer* layer : layers_) {
     std::lock_guard<std::mutex> lock(layer->redirect_mu);
+    if (recomputation_) --layer->recomputations;
     if (--layer->redirects == 0) {
       *layer->running_mean = std::move(layer->saved_mean);
       *layer->running_var = std::move(layer->saved_var);
@@ -311,34 +359,25 @@ DeferredStatisticsScope::DeferredStatisticsScope()
 
 DeferredStatisticsScope::~DeferredStatisticsScope() { at::removeCallback(handle_); }
 
-void BatchNormLayers::set_gathering(bool on) {
-  for (auto& owned : layers_) {
-    Layer& layer = *owned;
-    if (on && layer.module->is_training()) {
-      layer.user_momentum = layer.options->momentum();
-      layer.options->momentum(1.0);
-      layer.momentum_replaced = true;
-    } else if (!on && layer.momentum_replaced) {
-      layer.options->momentum(layer.user_momentum);
-      layer.momentum_replaced = false;
-    }
-  }
-  gathering_.store(on, std::memory_order_release);
-}
-
 DeferredBatchNormRun::DeferredBatchNormRun(
     const std::vector<std::shared_ptr<BatchNormLayers>>& partitions, bool on) {
   if (!on) return;
   for (const auto& batch_norms : partitions) {
     batch_norms->reset_statistics();
     redirects_.push_back(batch_norms->redirect());
-    batch_norms->set_gathering(true);
-    gathering_.push_back(batch_norms);
+  }
+  // (Once every redirection is in place: a constructor that throws leaves nothing gathering.)
+  for (size_t k = 0; k < partitions.size(); ++k) {
+    if (redirects_[k].empty()) continue;  // no BatchNorm in training mode: nothing to watch
+    partitions[k]->gathering_.store(true, std::memory_order_release);
+    gathering_.push_back(partitions[k]);
   }
 }
 
 DeferredBatchNormRun::~DeferredBatchNormRun() {
-  for (const auto& batch_norms : gathering_) batch_norms->set_gathering(false);
+  for (const auto& batch_norms : gathering_) {
+    batch_norms->gathering_.store(false, std::memory_order_release);
+  }
 }
 
 void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partitions,
@@ -364,4 +403,9 @@ void commit_deferred(const std::vector<std::shared_ptr<BatchNormLayers>>& partit
   }
 }
 
+namespace internal {
+
+int64_t sink_readings() { return readings.load(std::memory_order_relaxed); }
+
+}  // namespace internal
 }  // namespace gpipe

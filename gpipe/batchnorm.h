@@ -46,15 +46,17 @@ namespace gpipe {
 //
 // Note [Statistics from the sinks]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// While a run gathers, each training-mode BatchNorm's options say momentum 1 (its own is kept
-// and put back when the run ends, before the commit reads it). Its per-micro-batch update then
-// overwrites the sinks with exactly that call's batch mean and unbiased variance, which the
-// kernel computed anyway; the callback's end reads them (count n per channel from the input's
-// shape, m2 = variance x (n - 1)). So gathering costs two small copies per call, not another
-// pass over the activations (var_mean cost ResNet-8's step at micro-batches of 8 about 20% on the
-// project's VM), nor, with momentum unset, the module's item() of its count. A batch_norm call on
-// the sinks with another momentum (a functional call of the user's own) is still gathered from
-// its input. Meanwhile the module's options read momentum 1.
+// The kernel computes each call's batch mean and unbiased variance anyway, and its update of the
+// running statistics writes them into the sinks as momentum x statistic + (1 - momentum) x sink.
+// So the callback zeroes the sinks before the call and reads them after it, divided by the call's
+// momentum (its argument: the module's, or 1 / count with momentum unset): the statistics, to a
+// rounding or two, for two small fills and two small copies per call instead of another pass over
+// the activations (var_mean cost ResNet-8's step at micro-batches of 8 about 20% on the project's
+// VM). The sinks start every call from zero, so a non-finite call leaves nothing behind. The input
+// is gathered from as before where the sinks cannot say: float16 or bfloat16 sinks (too narrow),
+// a call with another running variance, and while a recomputation of the same layer runs on
+// another thread (a backward beside a forward: it writes the same sinks), or began between the
+// call's start and end (counted per layer under the redirection's lock).
 //
 // Note [Recomputation leaves running statistics alone]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -109,13 +111,18 @@ class BatchNormLayers {
    public:
     Redirect(Redirect&&) = default;
     ~Redirect();
+    /// Whether no layer was redirected (none in training mode).
+    bool empty() const { return layers_.empty(); }
 
    private:
     friend class BatchNormLayers;
     Redirect() = default;
     std::vector<Layer*> layers_;
+    bool recomputation_ = false;
   };
-  Redirect redirect();
+  /// `recomputation`: for a checkpointed micro-batch's recomputation, which a forward gathering
+  /// at the same time must not read from the sinks (Note [Statistics from the sinks]).
+  Redirect redirect(bool recomputation = false);
 
   /// Clears the deferred statistics of every layer.
   void reset_statistics();
@@ -135,9 +142,6 @@ class BatchNormLayers {
 
  private:
   friend class DeferredBatchNormRun;
-  // Starts or ends gathering: the training-mode layers' momentum 1 while on (Note [Statistics
-  // from the sinks]), their own again after.
-  void set_gathering(bool on);
   std::vector<std::unique_ptr<Layer>> layers_;
   std::atomic<bool> gathering_{false};
 };

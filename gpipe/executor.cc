@@ -174,8 +174,8 @@ void run_lanes(Step& st, const std::vector<std::vector<Action>>& lanes) {
     }
   }
   const CoreShare cores(std::count(on_cpu.begin(), on_cpu.end(), true));
-  // Lanes on workers run under this thread's state (grad mode, autocast, the deferred
-  // statistics' callback: Note [Thread-local state in workers]).
+  // Lanes on workers run under this thread's state (grad mode, autocast: Note [Thread-local
+  // state in workers]).
   const auto worker_state = std::make_unique<ThreadState>();
   const auto run = [&](size_t lane) {
     try {

@@ -144,7 +144,7 @@ void run_forward(Step& st, int64_t p, int64_t i) {
     TaskScope scope(task);
     if (batch_norms->size() > 0 && is_recomputing()) {
       // Note [Recomputation leaves running statistics alone] in batchnorm.h.
-      BatchNormLayers::Redirect redirect = batch_norms->redirect();
+      BatchNormLayers::Redirect redirect = batch_norms->redirect(/*recomputation=*/true);
       return run_partition(layers, b);
     }
     if (batch_norms->size() > 0 && batch_norms->gathering()) {

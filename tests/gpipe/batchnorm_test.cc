@@ -2,9 +2,11 @@
 // of the same BatchNorm run on the whole mini-batch, whatever the split into micro-batches.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/batchnorm_readings.h"
 #include "gpipe/internal/partition_threads.h"
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 
 namespace gpipe {
@@ -85,7 +87,7 @@ CATCH_TEST_CASE("deferred batch norm's running statistics equal a full-batch Bat
   const int64_t chunks = GENERATE(1, 2, 3, 4);
   const auto momentum = GENERATE(as<c10::optional<double>>{}, 0.1, c10::nullopt);
   const Checkpoint mode = GENERATE(Checkpoint::kNever, Checkpoint::kExceptLast, Checkpoint::kAlways);
-  // With threads, the statistics callback travels to the workers with the caller's state.
+  // With threads, each partition's forwards gather on its own worker.
   const bool threads = GENERATE(false, true);
   CATCH_CAPTURE(chunks, momentum.has_value(), static_cast<int>(mode), threads);
   nn::Sequential seq = build([momentum] { return bn_model(momentum); }, 11);
@@ -109,7 +111,11 @@ CATCH_TEST_CASE("deferred batch norm's running statistics equal a full-batch Bat
       tap->seen.clear();
     }
     const at::Tensor x = at::randn({8, 3, 4, 4}, at::kDouble) * (step + 1) + step;
+    const int64_t readings = gpipe::internal::sink_readings();
     model->forward(x).sum().backward();  // backward recomputes checkpointed micro-batches
+    // Every call read its statistics from the sinks (Note [Statistics from the sinks]): none
+    // ran beside a recomputation here.
+    CATCH_CHECK(gpipe::internal::sink_readings() - readings == 4 * chunks);
     for (size_t b = 0; b < bns.size(); ++b) {
       // The module's own momentum again (Note [Statistics from the sinks] replaces it in a run).
       CATCH_CHECK(momentum_of(*bns[b]) == momentum);
@@ -222,6 +228,37 @@ CATCH_TEST_CASE("deferred batch norm gathers a functional batch_norm call on a l
   // The buffers moved once, on the whole batch's statistics.
   CATCH_CHECK(max_diff(layer->bn->running_mean, oracle->running_mean) <= 1e-12);
   CATCH_CHECK(max_diff(layer->bn->running_var, oracle->running_var) <= 1e-12);
+}
+
+CATCH_TEST_CASE("a non-finite micro-batch leaves nothing behind for the next forward's statistics",
+                "[batchnorm]") {
+  at::manual_seed(0);
+  nn::Sequential seq(nn::Conv2d(nn::Conv2dOptions(3, 4, 1)), nn::BatchNorm2d(4), nn::Flatten(),
+                     nn::Linear(4 * 4 * 4, 2));
+  seq->to(at::kDouble);
+  GPipe model(seq, GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(2)
+                       .deferred_batch_norm(true));
+  model->train();
+  auto* bn = seq[1]->as<nn::BatchNorm2d>();
+  CATCH_REQUIRE(bn != nullptr);
+  at::Tensor bad = at::randn({4, 3, 4, 4}, at::kDouble);
+  bad[3].fill_(std::nan(""));  // in the second micro-batch
+  model->forward(bad);
+  CATCH_CHECK(!bn->running_mean.isfinite().all().item<bool>());  // as the plain BatchNorm's
+  {
+    // The user puts finite statistics back (say, from a checkpoint).
+    at::NoGradGuard no_grad;
+    bn->running_mean.zero_();
+    bn->running_var.fill_(1);
+  }
+  nn::BatchNorm2d oracle = std::dynamic_pointer_cast<nn::BatchNorm2dImpl>(bn->clone());
+  oracle->train();
+  const at::Tensor good = at::randn({4, 3, 4, 4}, at::kDouble);
+  const at::Tensor before = seq[0]->as<nn::Conv2d>()->forward(good).detach();
+  model->forward(good);
+  oracle->forward(before);
+  CATCH_CHECK(max_diff(bn->running_mean, oracle->running_mean) <= 1e-12);
+  CATCH_CHECK(max_diff(bn->running_var, oracle->running_var) <= 1e-12);
 }
 
 CATCH_TEST_CASE("deferred batch norm follows a dtype change", "[batchnorm]") {
