@@ -222,17 +222,14 @@ BatchNormLayers::~BatchNormLayers() = default;
 BatchNormLayers::Redirect BatchNormLayers::redirect(bool recomputation) {
   Redirect redirect;
   redirect.recomputation_ = recomputation;
+  redirect.layers_.reserve(layers_.size());  // (no allocation below once a layer is counted)
   for (auto& owned : layers_) {
     Layer& layer = *owned;
     if (!layer.module->is_training()) {
       continue;  // an eval-mode BatchNorm updates nothing
     }
     std::lock_guard<std::mutex> lock(layer.redirect_mu);
-    if (recomputation) {
-      ++layer.recomputations;
-      ++layer.recomputations_started;
-    }
-    if (layer.redirects++ == 0) {
+    if (layer.redirects == 0) {
       layer.saved_mean = *layer.running_mean;
       layer.saved_var = *layer.running_var;
       layer.saved_count = *layer.num_batches_tracked;
@@ -255,6 +252,13 @@ BatchNormLayers::Redirect BatchNormLayers::redirect(bool recomputation) {
       *layer.running_mean = layer.sink_mean;
       *layer.running_var = layer.sink_var;
       *layer.num_batches_tracked = layer.sink_count;
+    }
+    // Counted only once nothing can throw: a failure above (out of memory making the sinks)
+    // leaves this layer as it was, and `redirect` undoes the layers before it.
+    ++layer.redirects;
+    if (recomputation) {
+      ++layer.recomputations;
+      ++layer.recomputations_started;
     }
     redirect.layers_.push_back(&layer);
   }
@@ -369,8 +373,8 @@ DeferredBatchNormRun::DeferredBatchNormRun(
   // (Once every redirection is in place: a constructor that throws leaves nothing gathering.)
   for (size_t k = 0; k < partitions.size(); ++k) {
     if (redirects_[k].empty()) continue;  // no BatchNorm in training mode: nothing to watch
+    gathering_.push_back(partitions[k]);  // (before the flag: the destructor clears what is here)
     partitions[k]->gathering_.store(true, std::memory_order_release);
-    gathering_.push_back(partitions[k]);
   }
 }
 

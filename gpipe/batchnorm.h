@@ -56,7 +56,11 @@ namespace gpipe {
 // is gathered from as before where the sinks cannot say: float16 or bfloat16 sinks (too narrow),
 // a call with another running variance, and while a recomputation of the same layer runs on
 // another thread (a backward beside a forward: it writes the same sinks), or began between the
-// call's start and end (counted per layer under the redirection's lock).
+// call's start and end (counted per layer under the redirection's lock). On CUDA that host-side
+// check suffices because a partition's forwards and its recomputations queue their kernels on the
+// same stream (the partition's compute stream; autograd runs a checkpoint's node on the stream
+// its forward used): a recomputation's writes to the sinks cannot land between a call's zeroing
+// and its reading.
 //
 // Note [Recomputation leaves running statistics alone]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
