@@ -30,12 +30,14 @@ struct WorkImpl : nn::Cloneable<WorkImpl> {
 };
 TORCH_MODULE(Work);
 
-// Costs 3, 1, 1, 1: the slow layer alone balances the other three (3 against 3), and counting
-// layers instead of time would give {2, 2}. The next best split, 4 against 2, is a third slower,
-// and stays slower while the fixed cost of a layer (its call, the profiler's timing, a device's
-// synchronisation: the same for every layer) is under the work of one Linear.
+// Costs 6, 1, 1, 1: the slow layer alone (6 against 3), where counting layers instead of time
+// would give {2, 2} (7 against 2). {1, 3} stays the better split as long as the slow layer
+// measures more than twice a light one: a margin of 3x, which the layers' fixed costs (their call,
+// the profiler's timing: the same for every layer) and a busy machine under a sanitizer do not
+// close. (With costs 3, 1, 1, 1 the margin was 1.5x, and Debian 13's ASan build measured {2, 2}
+// once, on 2026-11-30.)
 nn::Sequential slow_first(int64_t width) {
-  return nn::Sequential(Work(3, width), Work(1, width), Work(1, width), Work(1, width));
+  return nn::Sequential(Work(6, width), Work(1, width), Work(1, width), Work(1, width));
 }
 
 nn::Sequential one_huge_layer() {
