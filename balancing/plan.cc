@@ -836,6 +836,32 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   return sim;
 }
 
+namespace {
+
+// Note [Searched plans]: the search on `plan`'s own stage costs, each worker holding at most
+// `max_in_flight` micro-batches; `searched` gets `plan` running what it found as text (not yet
+// predicted).
+SearchedSchedule search_costs(const PipelineProfile& profile, const PipelinePlan& plan,
+                              int64_t max_in_flight, const ParameterMemory& memory,
+                              PipelinePlan& searched) {
+  searched = plan;
+  searched.schedule = ScheduleKind::kZeroBubble;
+  searched.schedule_text.clear();
+  ScheduleSearchOptions search;
+  for (const StageCost& c : pipeline_costs(profile, searched, memory).stages) {
+    // (The search takes positive times: a stage without parameters has no W to speak of.)
+    search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
+                                  std::max(c.backward_weight_us, 1e-3), c.copy_us});
+  }
+  search.budget = kSearchBudget;
+  search.max_in_flight.assign(plan.balance.size(), max_in_flight);
+  SearchedSchedule result = search_schedule(plan.chunks, search);
+  searched.schedule_text = schedule_text(result.schedule);
+  return result;
+}
+
+}  // namespace
+
 PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& plan,
                          int64_t max_in_flight, const ParameterMemory& memory,
                          SearchedSchedule* found) {
@@ -853,19 +879,8 @@ PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& pla
               "gpipe::search_plan: a mini-batch of ", profile.batch, " does not split into ", m,
               " micro-batches (the engine makes pieces of ceil(batch / chunks) samples); give a "
               "count it splits into");
-  PipelinePlan searched = plan;
-  searched.schedule = ScheduleKind::kZeroBubble;
-  searched.schedule_text.clear();
-  ScheduleSearchOptions search;
-  for (const StageCost& c : pipeline_costs(profile, searched, memory).stages) {
-    // (The search takes positive times: a stage without parameters has no W to speak of.)
-    search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
-                                  std::max(c.backward_weight_us, 1e-3), c.copy_us});
-  }
-  search.budget = kSearchBudget;
-  search.max_in_flight.assign(static_cast<size_t>(n), max_in_flight);
-  SearchedSchedule result = search_schedule(plan.chunks, search);
-  searched.schedule_text = schedule_text(result.schedule);
+  PipelinePlan searched;
+  SearchedSchedule result = search_costs(profile, plan, max_in_flight, memory, searched);
   predict(profile, searched, memory);
   if (found != nullptr) *found = std::move(result);
   return searched;
@@ -898,10 +913,12 @@ std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
   // ZB-H1's limit, then none (once where they are the same).
   const std::vector<int64_t> limits = n < m ? std::vector<int64_t>{n, m} : std::vector<int64_t>{m};
   for (int64_t in_flight : limits) {
-    SearchedSchedule found;
-    PipelinePlan p = search_plan(profile, zb, in_flight, options.parameter_memory(), &found);
+    PipelinePlan p;
+    const SearchedSchedule found =
+        search_costs(profile, zb, in_flight, options.parameter_memory(), p);
     // (A generated seed that nothing beat is that schedule's own candidate already.)
     if (found.origin == found.best_generated_name) continue;
+    predict(profile, p, options.parameter_memory());
     if (fits_limit(options, p) && (!best || p.step_us < best->step_us)) best = std::move(p);
   }
   if (!best) return std::nullopt;
@@ -1009,31 +1026,28 @@ std::vector<std::vector<int64_t>> candidate_balances(const PipelineProfile& prof
                                                      int64_t b, int64_t m, bool checkpointed) {
   const int64_t layers = profile.layers();
   const size_t stages = stage_devices.size();
-  std::vector<std::vector<double>> time(stages, std::vector<double>(layers));
-  std::vector<double> size(layers);
-  // (Stages whose devices are profiled as one: their balance needs no device's numbers.)
+  // (Stages whose devices are profiled as one: one row of times, and no calibration needed.)
   const bool one_kind = std::all_of(
       stage_devices.begin(), stage_devices.end(), [&](const c10::Device& d) {
         return kind_of(profile, d) == kind_of(profile, stage_devices.front());
       });
-  for (size_t s = 0; s < stages; ++s) {
+  std::vector<std::vector<double>> time(one_kind ? 1 : stages, std::vector<double>(layers));
+  std::vector<double> size(layers);  // (the same on any device)
+  for (size_t s = 0; s < time.size(); ++s) {
     const c10::Device d = stage_devices[s];
     if (s > 0 && d == stage_devices[s - 1]) {
       time[s] = time[s - 1];
       continue;
     }
-    // (Devices of one kind share one calibration: their balance needs none.)
     const double scale = one_kind ? 1.0 : profile.time_scale(b, d);
     for (int64_t k = 0; k < layers; ++k) {
       const LayerStats l = profile.layer(k, b, d);
       time[s][k] = scale * ((checkpointed ? l.forward_nograd_us + l.forward_us : l.forward_us) +
                             l.backward_us);
+      if (s > 0) continue;
+      size[k] = static_cast<double>(checkpointed ? l.output_bytes : l.held_bytes * m) +
+                static_cast<double>(parameter_state_bytes(l, memory));
     }
-  }
-  for (int64_t k = 0; k < layers; ++k) {
-    const LayerStats l = profile.layer(k, b, stage_devices.front());
-    size[k] = static_cast<double>(checkpointed ? l.output_bytes : l.held_bytes * m) +
-              static_cast<double>(parameter_state_bytes(l, memory));
   }
   std::vector<std::vector<int64_t>> balances{
       one_kind ? block_partition(time.front(), static_cast<int64_t>(stages))

@@ -73,6 +73,13 @@ struct SinkReading : at::ObserverContext {
 
 std::atomic<int64_t> readings{0};  // internal::sink_readings()
 
+// The statistics are bookkeeping: no autograd, no autocast, no recursion into the callback.
+struct Bookkeeping {
+  at::DisableRecordFunctionGuard no_recursion;
+  at::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+};
+
 bool float_at_least(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
 }
@@ -95,17 +102,14 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
     layer = it->second;
   }
   const at::Tensor& input = inputs[0].toTensor();
-  // The statistics are bookkeeping: no autograd, no autocast, no recursion into this callback.
-  at::DisableRecordFunctionGuard no_recursion;
-  at::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const Bookkeeping bookkeeping;
   // (batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, ...))
   const bool updates_sinks =
       inputs.size() > 6 && inputs[4].isTensor() &&
       inputs[4].toTensor().unsafeGetTensorImpl() == layer->sink_var.unsafeGetTensorImpl() &&
       inputs[5].isBool() && inputs[5].toBool() && inputs[6].isDouble() &&
       inputs[6].toDouble() > 0 && inputs[6].toDouble() <= 1;
-  const c10::optional<uint64_t> quiet = layer->quiet_since();
+  const c10::optional<uint64_t> quiet = updates_sinks ? layer->quiet_since() : c10::nullopt;
   if (updates_sinks && quiet && input.dim() >= 2 && input.size(1) > 0 &&
       float_at_least(layer->sink_mean) && float_at_least(layer->sink_var)) {
     auto reading = std::make_unique<SinkReading>();
@@ -130,9 +134,7 @@ std::unique_ptr<at::ObserverContext> on_op(const at::RecordFunction& fn) {
 void on_op_end(const at::RecordFunction&, at::ObserverContext* context) {
   auto* reading = dynamic_cast<SinkReading*>(context);
   if (reading == nullptr) return;
-  at::DisableRecordFunctionGuard no_recursion;
-  at::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const Bookkeeping bookkeeping;
   BatchNormLayers::Layer& layer = *reading->layer;
   // Copies (a float64 sink's to(kDouble) would be the sink itself), read before the check.
   at::Tensor mean = layer.sink_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);

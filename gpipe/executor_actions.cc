@@ -147,11 +147,9 @@ void run_forward(Step& st, int64_t p, int64_t i) {
       BatchNormLayers::Redirect redirect = batch_norms->redirect(/*recomputation=*/true);
       return run_partition(layers, b);
     }
-    if (batch_norms->size() > 0 && batch_norms->gathering()) {
-      // Note [Deferred batch norm without replacing modules]: this forward's batch_norm calls.
-      const DeferredStatisticsScope observe;
-      return run_partition(layers, b, layer_outputs);
-    }
+    // Note [Deferred batch norm without replacing modules]: this forward's batch_norm calls.
+    std::optional<DeferredStatisticsScope> observe;
+    if (batch_norms->size() > 0 && batch_norms->gathering()) observe.emplace();
     return run_partition(layers, b, layer_outputs);
   };
   Batch out = compute(st, p, i, a.batch, run_layers);
