@@ -79,7 +79,7 @@ at::Tensor leaf_of(const at::Tensor& x) {
   if (!x.defined()) {
     return at::Tensor();
   }
-  at::Tensor leaf = x.detach();
+  at::Tensor leaf = internal::detached(x);
   leaf.set_requires_grad(x.requires_grad());
   return leaf;
 }
@@ -135,7 +135,9 @@ void recompute(State& st) {
   }
 }
 
-struct CheckpointBackward : Node {
+// Takes phonies (dependency.h): the dependency of the next micro-batch's backward on this one
+// (Note [Backward order] in executor.h), one input past the outputs and stashes, given nothing.
+struct CheckpointBackward : Node, internal::TakesPhonies {
   explicit CheckpointBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::CheckpointBackward"; }
   void release_variables() override { state.reset(); }
@@ -307,18 +309,16 @@ Batch Checkpointing::checkpoint() {
     const std::vector<bool>& needs = state_->entry().outputs;
     const bool needs_grad = k < needs.size() ? needs[k] : true;
     if (t.defined() && t.is_floating_point() && needs_grad) {
-      t = t.detach();
+      t = internal::detached(t);
       torch::autograd::set_history(t, node);
     } else {
-      if (t.defined()) {
-        t = t.detach();
-      }
+      t = internal::detached(t);
       node->add_input_metadata(Node::undefined_input());
     }
   }
   state_->outputs_count = out.size();
   for (auto& pending : state_->pending_stashes) {
-    at::Tensor t = std::get<1>(pending).detach();
+    at::Tensor t = internal::detached(std::get<1>(pending));
     torch::autograd::set_history(t, node);
     state_->stash_inputs.push_back(std::get<0>(pending));
     std::get<2>(pending)(std::move(t));
@@ -328,6 +328,9 @@ Batch Checkpointing::checkpoint() {
 }
 
 void Checkpointing::recompute(Batch& output) {
+  // Nothing to overlap without streams: CheckpointBackward recomputes (Note [Checkpoint and
+  // recompute] in checkpoint.h).
+  if (!internal::has_streams(state_->device)) return;
   const int64_t lane = output.lane();
   if (lane < 0 || !output[lane].requires_grad()) {
     return;
@@ -335,7 +338,7 @@ void Checkpointing::recompute(Batch& output) {
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(state_),
                                                  torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(output[lane]));
-  at::Tensor lane_tensor = output[lane].detach();
+  at::Tensor lane_tensor = internal::detached(output[lane]);
   torch::autograd::set_history(lane_tensor, node);
   output[lane] = std::move(lane_tensor);
 }

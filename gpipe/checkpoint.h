@@ -49,7 +49,11 @@ bool is_recomputing();
 // at the first forward (dropout masks are identical) and the caller's thread state (see Note
 // [Thread-local state in workers]); CheckpointBackward then runs backward through the recomputed
 // graph, which accumulates the parameters' gradients, and returns the inputs' gradients. When the
-// loss does not depend on the lane, CheckpointBackward recomputes by itself.
+// loss does not depend on the lane, CheckpointBackward recomputes by itself. On a device without
+// streams (the CPU) there is no copy to overlap, and the recomputation runs on the thread that
+// runs the backward either way: recompute() adds no node there, CheckpointBackward recomputes when
+// it runs, and the dependency on the next micro-batch (Note [Backward order] in executor.h) is one
+// more input of CheckpointBackward (TakesPhonies in dependency.h) — one node fewer per task.
 
 // Note [Autograd metadata of checkpointed micro-batches]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

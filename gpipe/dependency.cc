@@ -35,7 +35,22 @@ variable_list PassBackward::apply(variable_list&& grads) {
 }
 
 at::Tensor make_phony(const at::TensorOptions& options) {
-  return at::empty({0}, options.requires_grad(false));
+  // A fresh tensor object each time (Note [Phony]), made from one empty tensor per thread and
+  // kind without the dispatcher's empty(): a shallow copy with a version counter of its own.
+  thread_local at::Tensor empty;
+  if (!empty.defined() || empty.device() != options.device() ||
+      empty.dtype() != options.dtype() || empty.layout() != options.layout()) {
+    empty = at::empty({0}, options.requires_grad(false));
+  }
+  return at::Tensor(empty.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      c10::VariableVersion(0), /*allow_tensor_metadata_change=*/false));
+}
+
+at::Tensor detached(const at::Tensor& x) {
+  if (!x.defined()) return x;
+  const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+  return at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(),
+                                                  /*allow_tensor_metadata_change=*/false));
 }
 
 std::pair<at::Tensor, at::Tensor> fork(const at::Tensor& x) {
@@ -44,14 +59,16 @@ std::pair<at::Tensor, at::Tensor> fork(const at::Tensor& x) {
     return {x, std::move(phony)};
   }
   const torch::autograd::Edge edge = torch::autograd::impl::gradient_edge(x);
-  if (auto* pass = dynamic_cast<PassBackward*>(edge.function.get());
-      pass != nullptr && edge.input_nr == 0 && pass->num_inputs() == 1) {
+  Node* node_of_x = edge.function.get();
+  const auto* pass = dynamic_cast<PassBackward*>(node_of_x);
+  if ((pass != nullptr && edge.input_nr == 0 && pass->num_inputs() == 1) ||
+      dynamic_cast<TakesPhonies*>(node_of_x) != nullptr) {
     torch::autograd::set_history(phony, edge.function);
     return {x, std::move(phony)};
   }
   auto node = std::shared_ptr<ForkBackward>(new ForkBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
-  at::Tensor out = x.detach();
+  at::Tensor out = detached(x);
   torch::autograd::set_history(out, node);
   torch::autograd::set_history(phony, node);
   return {std::move(out), std::move(phony)};
@@ -63,7 +80,7 @@ at::Tensor join(const at::Tensor& x, const at::Tensor& phony) {
   }
   auto node = std::shared_ptr<JoinBackward>(new JoinBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x, phony));
-  at::Tensor out = x.detach();
+  at::Tensor out = detached(x);
   torch::autograd::set_history(out, node);
   return out;
 }

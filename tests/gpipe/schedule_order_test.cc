@@ -151,20 +151,21 @@ CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task afte
   const int64_t stop = checkpointed(mode, chunks);
   auto counts = count_nodes(y.grad_fn());
   // A dependency per task (i > 0, j): a fork, unless micro-batch i - 1 was checkpointed, whose
-  // RecomputeBackward (one node on the lane, no fork or join of its own) gives the phony; and a
-  // join, unless micro-batch i is checkpointed, whose CheckpointBackward takes the phony.
+  // CheckpointBackward (on the CPU no RecomputeBackward: Note [Checkpoint and recompute]) takes
+  // the phony as one more input, its second (one output, no stashes); and a join, unless micro-batch
+  // i is checkpointed, whose CheckpointBackward takes the phony's edge.
   const int64_t merged_forks = std::min(stop, chunks - 1) * partitions;
   const int64_t merged_joins = std::max<int64_t>(stop - 1, 0) * partitions;
   CATCH_CHECK(counts["gpipe::ForkBackward"] == (chunks - 1) * partitions - merged_forks);
   CATCH_CHECK(counts["gpipe::JoinBackward"] == (chunks - 1) * partitions - merged_joins);
-  // The phonies (input 1 of a fork): where the join is left out, the checkpoint's node holds the
-  // edge to the previous micro-batch's fork (a RecomputeBackward: both are checkpointed).
-  CATCH_CHECK(counts["gpipe::CheckpointBackward -> gpipe::RecomputeBackward:1"] == merged_joins);
-  CATCH_CHECK(counts["gpipe::JoinBackward -> gpipe::RecomputeBackward:1"] ==
+  // The phonies: where the join is left out, the checkpoint's node holds the edge to the previous
+  // micro-batch's checkpoint (both are checkpointed).
+  CATCH_CHECK(counts["gpipe::CheckpointBackward -> gpipe::CheckpointBackward:1"] == merged_joins);
+  CATCH_CHECK(counts["gpipe::JoinBackward -> gpipe::CheckpointBackward:1"] ==
               merged_forks - merged_joins);
   CATCH_CHECK(counts["gpipe::JoinBackward -> gpipe::ForkBackward:1"] ==
               (chunks - 1) * partitions - merged_forks);
-  CATCH_CHECK(counts["gpipe::RecomputeBackward"] == stop * partitions);
+  CATCH_CHECK(counts["gpipe::RecomputeBackward"] == 0);
   CATCH_CHECK(counts["gpipe::CheckpointBackward"] == stop * partitions);
 }
 
