@@ -1,9 +1,11 @@
 // The trainers' data; see data.h.
 #include "examples/training/data.h"
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include <filesystem>
+#include <string>
 #include <fstream>
 #include <vector>
 
@@ -22,7 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Uncompresses `from` (gzip) into `to`, unless `to` is already there.
+// Uncompresses `from` (gzip) into `to`, unless `to` is already there; safe for processes at once.
 void gunzip(const fs::path& from, const fs::path& to) {
   if (fs::exists(to) && fs::file_size(to) > 0) {
     return;
@@ -32,7 +34,9 @@ void gunzip(const fs::path& from, const fs::path& to) {
               "<folder with the four .gz files>");
   gzFile in = gzopen(from.c_str(), "rb");
   TORCH_CHECK(in != nullptr, "data: cannot open '", from.string(), "'");
-  const fs::path partial = to.string() + ".partial";
+  // A file of this process's own: ranks started at once on a fresh machine uncompress side by
+  // side, and each renames a whole file into place (one rename replacing another's is fine).
+  const fs::path partial = to.string() + ".partial." + std::to_string(getpid());
   std::ofstream out(partial, std::ios::binary | std::ios::trunc);
   TORCH_CHECK(out.good(), "data: cannot write '", partial.string(), "'");
   std::vector<char> buffer(1 << 20);
