@@ -34,6 +34,11 @@ ABSL_FLAG(int, repeats, 30,
           "of the per-round differences is the overhead");
 ABSL_FLAG(int, warmup, 5, "untimed steps before timing");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+ABSL_FLAG(int, count_rounds, 0,
+          "instead of timing: after the warm-up, run the floor and then GPipe this many rounds "
+          "each, in count_floor_rounds() and count_gpipe_rounds(), whose instructions "
+          "benchmarks/overhead_instructions.sh counts under callgrind (noise-free; one "
+          "configuration per run, --only)");
 ABSL_FLAG(std::string, only, "",
           "run only the configurations named here, comma-separated as partitions x chunks : "
           "checkpoint, e.g. --only=4x128:except_last,4x128:never (default: all)");
@@ -82,6 +87,21 @@ std::tuple<double, double, double> paired_us(const std::function<void()>& a,
     diff.push_back(tb.back() - ta.back());
   }
   return {median(ta), median(tb), median(diff)};
+}
+
+// The rounds that benchmarks/overhead_instructions.sh counts (callgrind's --toggle-collect names
+// these two functions): out of line, and not folded into one (GCC's identical code folding would
+// make the two one function).
+#if defined(__GNUC__) && !defined(__clang__)
+#define GPIPE_COUNTED __attribute__((noipa))
+#else
+#define GPIPE_COUNTED __attribute__((noinline))
+#endif
+GPIPE_COUNTED void count_floor_rounds(const std::function<void()>& step, int rounds) {
+  for (int k = 0; k < rounds; ++k) step();
+}
+GPIPE_COUNTED void count_gpipe_rounds(const std::function<void()>& step, int rounds) {
+  for (int k = 0; k < rounds; ++k) step();
 }
 
 struct Row {
@@ -183,6 +203,18 @@ int main(int argc, char** argv) {
         const bool never = mode == gpipe::Checkpoint::kNever;
         const std::function<void()> floor_step =
             never ? std::function<void()>(floor_never) : std::function<void()>(floor_except_last);
+        if (const int rounds = absl::GetFlag(FLAGS_count_rounds); rounds > 0) {
+          for (int k = 0; k < absl::GetFlag(FLAGS_warmup); ++k) {
+            floor_step();
+            gpipe_step();
+          }
+          count_floor_rounds(floor_step, rounds);
+          count_gpipe_rounds(gpipe_step, rounds);
+          std::printf("counted %d rounds of %lld x %lld:%s (%lld tasks a round)\n", rounds,
+                      static_cast<long long>(partitions), static_cast<long long>(chunks),
+                      never ? "never" : "except_last", static_cast<long long>(m * partitions));
+          continue;
+        }
         const double plain_us = std::get<0>(paired_us(plain_step, plain_step));
         const auto [floor_us, gpipe_us, diff_us] = paired_us(floor_step, gpipe_step);
         const double tasks = static_cast<double>(m * partitions);
