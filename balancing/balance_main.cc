@@ -26,6 +26,9 @@
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
 #include "balancing/plan.h"
+#if GPIPE_WITH_DISTRIBUTED
+#include "balancing/gloo_link.h"
+#endif
 #include "gpipe/trace.h"
 #include "examples/models/registry.h"
 
@@ -63,6 +66,16 @@ ABSL_FLAG(int64_t, threads, 0,
 ABSL_FLAG(std::string, plan_out, "", "with --plan: write the best plan here (JSON), for the "
           "trainers' --plan");
 ABSL_FLAG(std::string, profile_out, "", "with --plan: write the profile here (JSON)");
+ABSL_FLAG(bool, processes, false,
+          "with --plan: each worker in a process of its own (PipelineStage), activations sent on "
+          "the link between processes (Note [Stages and replicas in the plan])");
+ABSL_FLAG(int64_t, replicas, 1,
+          "with --plan: data-parallel replicas, each stage's gradients averaged over them after "
+          "the step; the mini-batch (--batch) is one replica's");
+ABSL_FLAG(std::string, process_link, "",
+          "with --processes or --replicas: the link between processes as LATENCY_US,BYTES_PER_US,"
+          "ALLREDUCE_STEP_US,ALLREDUCE_BYTES_PER_US (a network's numbers); empty: measured on Gloo "
+          "over this machine's loopback, unless the profile (--profile_in) has one");
 ABSL_FLAG(std::string, profile_in, "",
           "with --plan: plan from this profile (JSON, from --profile_out) instead of profiling");
 
@@ -92,6 +105,36 @@ at::Tensor sample_of(const gpipe::models::NamedModel& named, int64_t batch) {
     sample = sample.narrow(1, 0, sequence).contiguous();
   }
   return sample;
+}
+
+// --process_link's numbers, or the Gloo link measured, into `profile` (unless it has one and the
+// flag is empty).
+void set_process_link(gpipe::PipelineProfile& profile) {
+  const std::string given = absl::GetFlag(FLAGS_process_link);
+  if (!given.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(given, ',');
+    gpipe::ProcessLinkStats& link = profile.process_link;
+    TORCH_CHECK(parts.size() == 4 && absl::SimpleAtod(parts[0], &link.latency_us) &&
+                    absl::SimpleAtod(parts[1], &link.bytes_per_us) &&
+                    absl::SimpleAtod(parts[2], &link.allreduce_step_us) &&
+                    absl::SimpleAtod(parts[3], &link.allreduce_bytes_per_us) &&
+                    link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(),
+                "--process_link must be four numbers, LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,"
+                "ALLREDUCE_BYTES_PER_US (latencies 0 or more, bandwidths positive), got '",
+                given, "'");
+    return;
+  }
+  if (profile.process_link.measured()) return;
+#if GPIPE_WITH_DISTRIBUTED
+  profile.process_link = gpipe::measure_gloo_link();
+  std::printf("link between processes (Gloo, loopback): messages %.1f us + %.0f MB/s; "
+              "all-reduce steps %.1f us + %.0f MB/s\n",
+              profile.process_link.latency_us, profile.process_link.bytes_per_us,
+              profile.process_link.allreduce_step_us, profile.process_link.allreduce_bytes_per_us);
+#else
+  TORCH_CHECK(false, "--processes and --replicas need the link between processes: this balance "
+              "was built without gpipe::distributed (Gloo's headers), so give --process_link");
+#endif
 }
 
 // --plan: profile (or read a profile), plan, print the best plans, write the best.
@@ -137,6 +180,8 @@ int plan_main(int64_t batch) {
             .threads(absl::GetFlag(FLAGS_threads))
             .min_batch(std::max<int64_t>((batch + most - 1) / most, 1)));
   }
+  plan_options.processes(absl::GetFlag(FLAGS_processes)).replicas(absl::GetFlag(FLAGS_replicas));
+  if (plan_options.processes() || plan_options.replicas() > 1) set_process_link(profile);
   if (!absl::GetFlag(FLAGS_profile_out).empty()) {
     gpipe::write_file(absl::GetFlag(FLAGS_profile_out), profile.to_json());
   }

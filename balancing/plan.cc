@@ -245,6 +245,12 @@ std::string PipelineProfile::to_json() const {
     for (const Calibration& c : k.calibration) kind["calibration"].push_back(calibration_json(c));
     j["other_kinds"].push_back(kind);
   }
+  if (process_link.measured()) {
+    j["process_link"] = {{"latency_us", process_link.latency_us},
+                         {"bytes_per_us", process_link.bytes_per_us},
+                         {"allreduce_step_us", process_link.allreduce_step_us},
+                         {"allreduce_bytes_per_us", process_link.allreduce_bytes_per_us}};
+  }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
     j["copies"].push_back({{"from", c.from.str()},
@@ -303,6 +309,20 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
     s.bytes_per_us = json_field<double>(c, "bytes_per_us", who);
     TORCH_CHECK(s.bytes_per_us > 0, who, ": a copy's bytes_per_us must be positive");
     p.copies.push_back(s);
+  }
+  // (Profiles without Note [Costs between processes]'s link: none.)
+  if (j.contains("process_link")) {
+    const json& l = j["process_link"];
+    ProcessLinkStats& link = p.process_link;
+    link.latency_us = json_field<double>(l, "latency_us", who);
+    link.bytes_per_us = json_field<double>(l, "bytes_per_us", who);
+    link.allreduce_step_us = json_field<double>(l, "allreduce_step_us", who);
+    link.allreduce_bytes_per_us = json_field<double>(l, "allreduce_bytes_per_us", who);
+    TORCH_CHECK(link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(), who,
+                ": the process link's latencies must not be negative and its bytes_per_us and "
+                "allreduce_bytes_per_us must be positive, got ", link.latency_us, ", ",
+                link.allreduce_step_us, ", ", link.bytes_per_us, " and ",
+                link.allreduce_bytes_per_us);
   }
   return p;
 }
@@ -541,6 +561,8 @@ std::string PipelinePlan::describe() const {
       chunks, checkpoint_name(checkpoint),
       schedule_text.empty() ? schedule_kind_name(schedule) : std::string("searched"));
   if (virtual_stages > 1) absl::StrAppend(&out, " (", virtual_stages, " stages per worker)");
+  if (processes) absl::StrAppend(&out, ", a process per worker");
+  if (replicas > 1) absl::StrAppend(&out, ", ", replicas, " replicas");
   if (step_us > 0) {
     absl::StrAppendFormat(&out, ": %.2f ms, peak %s MiB", step_us / 1000,
                           absl::StrJoin(peak_bytes, " + ", [](std::string* s, int64_t b) {
@@ -557,7 +579,9 @@ std::string PipelinePlan::to_json() const {
          {"checkpoint", checkpoint_name(checkpoint)},
          {"schedule", schedule_text.empty() ? schedule_kind_name(schedule) : "searched"},
          {"virtual_stages", virtual_stages},
-         {"threads", threads}};
+         {"threads", threads},
+         {"processes", processes},
+         {"replicas", replicas}};
   if (!schedule_text.empty()) j["schedule_text"] = schedule_text;
   if (step_us > 0) {
     j["predicted"] = {{"step_us", step_us},
@@ -594,6 +618,10 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   }
   p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
   p.threads = json_field<int64_t>(j, "threads", who);
+  // (Plans written before Note [Stages and replicas in the plan]: one process, no replicas.)
+  if (j.contains("processes")) p.processes = json_field<bool>(j, "processes", who);
+  if (j.contains("replicas")) p.replicas = json_field<int64_t>(j, "replicas", who);
+  TORCH_CHECK(p.replicas >= 1, who, ": replicas ", p.replicas, "; give 1 or more");
   TORCH_CHECK(!p.balance.empty() && p.balance.size() == p.devices.size(), who, ": ",
               p.balance.size(), " partitions in \"balance\" but ", p.devices.size(),
               " \"devices\"; give one device per partition");
@@ -665,6 +693,14 @@ void check_plan_fits(const PipelineProfile& profile, const PipelinePlan& plan, c
   TORCH_CHECK(plan.virtual_stages >= 1 && stages % plan.virtual_stages == 0, who,
               ": virtual_stages ", plan.virtual_stages, " must divide ", stages, " partitions");
   TORCH_CHECK(plan.chunks >= 1, who, ": chunks must be positive, got ", plan.chunks);
+  TORCH_CHECK(plan.replicas >= 1, who, ": replicas ", plan.replicas, "; give 1 or more");
+  TORCH_CHECK((!plan.processes && plan.replicas == 1) || profile.process_link.measured(), who,
+              ": the plan runs ", plan.processes ? "a process per worker" : "",
+              plan.processes && plan.replicas > 1 ? " and " : "",
+              plan.replicas > 1 ? absl::StrCat(plan.replicas, " replicas") : "",
+              " but the profile has no link between processes; measure one into it "
+              "(profile.process_link = gpipe::measure_gloo_link(), or balance --processes / "
+              "--replicas)");
 }
 
 // Sets each of `places`' compute (its capacity and cores) and the turns on a CPU's cores in
@@ -726,6 +762,16 @@ void set_workspace(const std::vector<LayerStats>& ls, const std::vector<int64_t>
   }
 }
 
+// A stage's output of `bytes` sent from `from` to `to` in another process on Gloo (Note [Stages
+// and replicas in the plan]): through the CPU where either is a GPU.
+double message_us(const PipelineProfile& profile, c10::Device from, c10::Device to,
+                  int64_t bytes) {
+  const c10::Device cpu(c10::kCPU);
+  return profile.copy_us(from, from.is_cpu() ? from : cpu, bytes) +
+         profile.process_link.message_us(bytes) +
+         profile.copy_us(to.is_cpu() ? to : cpu, to, bytes);
+}
+
 // Stage s's costs over its layers `ls` at micro-batch size b, all but its lane and device; adds
 // its parameters' and buffers' bytes to `params` and `buffers`.
 StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, int64_t s, int64_t b,
@@ -764,7 +810,16 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
   c.checkpointed_bytes += last.output_bytes;
   c.grad_kept_bytes = grads_at_outputs;
   if (s + 1 < static_cast<int64_t>(plan.balance.size())) {
-    c.copy_us = profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
+    c.copy_us = plan.processes
+                    ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes)
+                    : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
+  }
+  if (plan.replicas > 1) {
+    int64_t grads = 0;
+    for (const LayerStats& l : ls) grads += l.trainable_param_bytes;
+    // The gradients, and which of them exist (Note [Stages and replicas in the plan]).
+    c.allreduce_us = profile.process_link.allreduce_us(grads, plan.replicas) +
+                     profile.process_link.allreduce_us(4, plan.replicas);
   }
   return c;
 }
@@ -1091,6 +1146,8 @@ void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
           p.schedule = kind;
           p.virtual_stages = v;
           p.threads = profile.threads;
+          p.processes = options.processes();
+          p.replicas = options.replicas();
           predict(profile, p, options.parameter_memory());
           all.push_back(std::move(p));
         }
@@ -1109,6 +1166,13 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
               ": virtual_stages (of the interleaved schedule) must be at least 2, got ",
               options.virtual_stages());
   TORCH_CHECK(options.memory_limit() >= 0, who, ": memory_limit must not be negative");
+  TORCH_CHECK(options.replicas() >= 1, who, ": replicas ", options.replicas(),
+              "; give 1 or more");
+  TORCH_CHECK((!options.processes() && options.replicas() == 1) ||
+                  profile.process_link.measured(),
+              who, ": processes or replicas need the profile's link between processes; measure "
+              "one into it (profile.process_link = gpipe::measure_gloo_link(), or balance "
+              "--processes / --replicas)");
   const int64_t layers = profile.layers();
   std::vector<PipelinePlan> all;
   std::vector<int64_t> counts = options.partitions();

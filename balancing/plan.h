@@ -14,6 +14,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "balancing/memory.h"
+#include "balancing/process_link.h"
 #include "balancing/profile.h"
 #include "balancing/simulate.h"
 #include "gpipe/gpipe.h"
@@ -92,6 +93,26 @@ namespace gpipe {
 // assumes); copies are measured per pair of devices, but the order of a kind's devices is not
 // searched (NVLink topology is not).
 
+// Note [Stages and replicas in the plan]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A plan may run each worker in a process of its own (PlanOptions::processes: PipelineStage, one
+// stage per process) and be replicated for data parallelism (PlanOptions::replicas). Both cost
+// what the profile's process link says (Note [Costs between processes] in process_link.h):
+//   - with processes, a stage's output reaches the next stage as a message, message_us of its
+//     bytes, instead of a copy within one process; a stage on a GPU first copies to the CPU and the
+//     next one back from it when the link is Gloo's (as the stage's transport does), and the
+//     gradient returns the same way. The hand-over between threads stays (the stage's courier
+//     thread hands the message to the worker).
+//   - with r replicas, each worker, after its last action, averages its stages' gradients over the
+//     replicas as PipelineStage does after its step: an all-reduce of their trainable parameters'
+//     bytes (and a small one of which gradients exist), allreduce_us over r ranks. The step ends
+//     when the last worker's all-reduce does; the all-reduces of different workers run at once, on
+//     groups of their own. The memory of the flat buffer it reduces (the gradients once more, at
+//     the step's end when the activations are gone) is not counted.
+// Replicas change what each of them computes only through the mini-batch: the profile's is one
+// replica's. The profile's link is the loopback's unless given (balance --link_*): a plan for
+// several machines wants the network's numbers.
+
 // Note [Searched plans]
 // ~~~~~~~~~~~~~~~~~~~~~
 // Beside each zero-bubble candidate without checkpointing (each micro-batch's actions are then F,
@@ -147,6 +168,13 @@ struct PlanOptions {
   TORCH_ARG(int64_t, top) = 5;
   /// Whether to search schedules beside the zero-bubble candidates (Note [Searched plans]).
   TORCH_ARG(bool, search) = true;
+  /// Whether each worker runs in a process of its own (distributed::PipelineStage), its
+  /// activations and gradients sent on the profile's process link instead of copied within one
+  /// process (Note [Stages and replicas in the plan]).
+  TORCH_ARG(bool, processes) = false;
+  /// Data-parallel replicas of the pipeline, each stage's gradients averaged over them after the
+  /// step on the profile's process link; the profile's mini-batch is one replica's.
+  TORCH_ARG(int64_t, replicas) = 1;
 };
 
 /// How to profile for planning.
@@ -196,6 +224,10 @@ struct PipelineProfile {
   int64_t device_context_bytes = 0;
   /// See device_context_bytes.
   double allocator_reserve = 1;
+  /// Messages and all-reduces between processes (Note [Costs between processes] in
+  /// process_link.h), for plans whose stages run in processes of their own or with replicas;
+  /// not measured by profile_pipeline (measure_gloo_link, balance --processes or --replicas).
+  ProcessLinkStats process_link;
   /// The engine against the layers alone: for micro-batches of `batch` samples, a whole-model
   /// step in one partition measured over its simulation (Note [Planning]); empty: none (1).
   /// `split`: what the backward split in two (zero bubble's I and W) costs beyond `ratio`, from a
@@ -278,6 +310,10 @@ struct PipelinePlan {
   std::string schedule_text;
   /// Intra-op threads of each CPU worker.
   int64_t threads = 1;
+  /// Whether each worker runs in a process of its own (PlanOptions::processes).
+  bool processes = false;
+  /// Data-parallel replicas (PlanOptions::replicas).
+  int64_t replicas = 1;
   /// Predicted: the step's time (forward and backward of every micro-batch), microseconds.
   double step_us = 0;
   /// Predicted: each distinct device's peak bytes (in the order of first appearance in

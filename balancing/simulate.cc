@@ -62,9 +62,18 @@ void check_costs(const Schedule& schedule, const PipelineCosts& costs) {
                     c.recompute_us >= 0 && c.copy_us >= 0 && c.held_bytes >= 0 &&
                     c.checkpointed_bytes >= 0 && c.grad_kept_bytes >= 0 &&
                     c.forward_workspace_bytes >= 0 && c.backward_workspace_bytes >= 0 &&
-                    costs.handoff_us >= 0,
+                    c.allreduce_us >= 0 && costs.handoff_us >= 0,
                 "simulate_pipeline: stage ", s, " has a negative cost");
   }
+}
+
+// What worker `rank` does after its last action: its stages' all-reduces over the replicas.
+double allreduce_after(const Schedule& schedule, const PipelineCosts& costs, int64_t rank) {
+  double us = 0;
+  for (int64_t s = 0; s < schedule.stages; ++s) {
+    if (schedule.stage_ranks[s] == rank) us += costs.stages[s].allreduce_us;
+  }
+  return us;
 }
 
 // Whether `a`'s micro-batch is checkpointed.
@@ -519,7 +528,9 @@ void Simulator::end_done() {
     const Action& a = x.action;
     dependencies_.end(a, t_);
     memory_.end(costs_.stages[a.stage].device, kept_bytes(costs_, a), x.transient);
-    sim_.step_us = std::max(sim_.step_us, t_);
+    const bool last = next_[r] == schedule_.ranks[r].size();
+    sim_.step_us =
+        std::max(sim_.step_us, t_ + (last ? allreduce_after(schedule_, costs_, r) : 0.0));
     record(schedule_, costs_, x, t_, sim_.events);
   }
 }

@@ -57,6 +57,8 @@ namespace gpipe {
 // What it leaves out: the loss (its forward and backward are counted in neither stage), the
 // optimizer step, caches and fragmentation of the allocators, and the engine's own time per task
 // (a few microseconds); copies share nothing (no bandwidth contention).
+// Replicas: a worker's step ends allreduce_us of each of its stages after its last action (its
+// gradients averaged over the replicas), beside the other workers' all-reduces.
 
 /// One stage (partition) of a configuration: where it runs and what one micro-batch costs it.
 struct StageCost {
@@ -91,6 +93,9 @@ struct StageCost {
   int64_t forward_workspace_bytes = 0;
   /// Working memory while a backward (or I) runs, above what it started with.
   int64_t backward_workspace_bytes = 0;
+  /// Averaging the stage's gradients over data-parallel replicas after its worker's last action,
+  /// microseconds (Note [Stages and replicas in the plan] in plan.h); 0 without replicas.
+  double allreduce_us = 0;
 };
 
 /// A configuration's costs.

@@ -3,6 +3,8 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -257,6 +259,9 @@ int train_distributed(const TrainerModel& trainer) {
     if (training_step) kill_if_asked(options.rank(), global_step + 1);
   });
   double throughput = 0, accuracy = 0;
+  // The last epoch's steps (stage->step: forward, backward, the replicas' all-reduce; not the data
+  // or the optimizer), to compare with a plan's prediction (balance --plan --processes).
+  std::vector<double> step_ms;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t epoch = first_epoch; epoch <= epochs; ++epoch) {
     stage->train();
@@ -267,6 +272,7 @@ int train_distributed(const TrainerModel& trainer) {
     Progress progress(epoch, (steps - skipped) * batch_size);
     int64_t step = 0;
     double loss_sum = 0;
+    step_ms.clear();
     for (auto& batch : *train_loader) {
       if (step == steps) break;
       if (step < skipped) {  // trained on before the save
@@ -275,7 +281,11 @@ int train_distributed(const TrainerModel& trainer) {
       }
       optimizer.zero_grad();
       training_step = true;
+      const auto step_start = std::chrono::steady_clock::now();
       const at::Tensor loss = run(batch.data, batch.target);
+      step_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start)
+              .count());
       training_step = false;
       set_cosine_lr(optimizer, lr, global_step, total_steps);
       optimizer.step();
@@ -354,10 +364,13 @@ int train_distributed(const TrainerModel& trainer) {
   if (reporter) {
     struct rusage usage {};
     getrusage(RUSAGE_SELF, &usage);
-    std::printf("summary: %d stages x %d replicas, balance {%s}; %.1f samples/s; test accuracy "
-                "%.2f%%; %s in all; peak memory of the last stage's process %.1f MiB\n",
+    std::vector<double> sorted = step_ms;
+    std::sort(sorted.begin(), sorted.end());
+    std::printf("summary: %d stages x %d replicas, balance {%s}; %.1f samples/s; the last epoch's "
+                "median step %.2f ms; test accuracy %.2f%%; %s in all; peak memory of the last "
+                "stage's process %.1f MiB\n",
                 stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(), throughput,
-                accuracy,
+                sorted.empty() ? 0.0 : sorted[sorted.size() / 2], accuracy,
                 duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                              .count()).c_str(),
                 usage.ru_maxrss / 1024.0);

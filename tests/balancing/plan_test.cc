@@ -744,6 +744,7 @@ CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of wha
 
 // `synthetic` on a CPU and `gpus` GPUs (no GPU needed: a profile is data), the GPUs' layers
 // `speedup` times faster; copies between any two devices at 10 GB/s after 20 us.
+
 PipelineProfile cpu_and_gpus(int64_t layers, int64_t gpus, double speedup) {
   PipelineProfile p = synthetic(layers, 1 + gpus);
   p.devices = {c10::Device(c10::kCPU)};
@@ -784,6 +785,159 @@ std::vector<double> stage_times(const PipelineProfile& profile, const std::vecto
     first += balance[s];
   }
   return out;
+}
+
+// A link between processes of round numbers: messages 50 us + 1000 B/us, all-reduce steps 20 us +
+// 500 B/us.
+ProcessLinkStats round_link() {
+  ProcessLinkStats link;
+  link.latency_us = 50;
+  link.bytes_per_us = 1000;
+  link.allreduce_step_us = 20;
+  link.allreduce_bytes_per_us = 500;
+  return link;
+}
+
+CATCH_TEST_CASE("An all-reduce over replicas costs Gloo's ring, and a message its latency and bytes",
+                "[balancing][plan][replicas]") {
+  const ProcessLinkStats link = round_link();
+  CATCH_CHECK(link.message_us(0) == 0);
+  CATCH_CHECK(link.message_us(10000) == gpipe_test::Approx(50 + 10));
+  CATCH_CHECK(link.allreduce_us(10000, 1) == 0);
+  // 2(r-1) steps of 20 us, each moving bytes / r at 500 B/us.
+  CATCH_CHECK(link.allreduce_us(10000, 2) == gpipe_test::Approx(2 * 20 + 10000.0 / 500));
+  CATCH_CHECK(link.allreduce_us(10000, 4) == gpipe_test::Approx(6 * 20 + 1.5 * 10000 / 500));
+  CATCH_CHECK_THROWS_WITH(link.allreduce_us(10, 0), gpipe_test::contains("0 replicas"));
+  const ProcessLinkStats none;
+  CATCH_CHECK(!none.measured());
+  CATCH_CHECK_THROWS_WITH(none.message_us(8), gpipe_test::contains("measure_gloo_link"));
+  CATCH_CHECK_THROWS_WITH(none.allreduce_us(8, 2), gpipe_test::contains("measure_gloo_link"));
+}
+
+CATCH_TEST_CASE("Each worker's step ends with its stages' all-reduces after its last action",
+                "[balancing][plan][simulate][replicas]") {
+  // GPipe, 2 stages, 1 micro-batch: F0 [0, 1], F1 [1, 2], B1 [2, 4], B0 [4, 6].
+  const Schedule s = gpipe_schedule(2, 1);
+  PipelineCosts c = equal_costs(s, 1.0);
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(6));
+  c.stages[1].allreduce_us = 7;  // worker 1 ends at 4
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(4 + 7));
+  c.stages[0].allreduce_us = 7;  // worker 0 ends at 6
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(6 + 7));
+  c.stages[0].allreduce_us = -1;
+  CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("negative cost"));
+  // Interleaved: a worker's two stages reduce one after the other.
+  const Schedule v = interleaved_schedule(2, 2, 2);
+  PipelineCosts cv = equal_costs(v, 1.0);
+  const PipelineSimulation base = simulate_pipeline(v, cv);
+  double worker0_end = 0;
+  for (const TimelineEvent& e : base.events) {
+    if (v.stage_ranks[e.partition] == 0) worker0_end = std::max(worker0_end, e.end_us);
+  }
+  cv.stages[0].allreduce_us = 1000;
+  cv.stages[2].allreduce_us = 2000;
+  CATCH_CHECK(simulate_pipeline(v, cv).step_us == gpipe_test::Approx(worker0_end + 3000));
+}
+
+CATCH_TEST_CASE("A plan with replicas all-reduces each stage's gradients, and one with processes "
+                "sends its activations on the link",
+                "[balancing][plan][replicas]") {
+  PipelineProfile profile = synthetic(4, 2, 32, /*param_bytes=*/40000);
+  for (LayerProfile& lp : profile.sizes) {
+    for (LayerStats& l : lp.layers) l.trainable_param_bytes = l.param_bytes;
+  }
+  PipelinePlan p;
+  p.balance = {1, 3};
+  p.devices = profile.devices;
+  p.chunks = 4;
+  p.checkpoint = Checkpoint::kNever;
+  // Without a link, neither is planned.
+  p.replicas = 4;
+  CATCH_CHECK_THROWS_WITH(pipeline_costs(profile, p, ParameterMemory{}),
+                          gpipe_test::contains("4 replicas but the profile has no link between "
+                                               "processes"));
+  p.replicas = 1;
+  p.processes = true;
+  CATCH_CHECK_THROWS_WITH(predict(profile, p), gpipe_test::contains("a process per worker"));
+  profile.process_link = round_link();
+  const ProcessLinkStats& link = profile.process_link;
+
+  p.processes = false;
+  const PipelineCosts one = pipeline_costs(profile, p, ParameterMemory{});
+  const double alone = predict(profile, p).step_us;
+  p.replicas = 4;
+  const PipelineCosts four = pipeline_costs(profile, p, ParameterMemory{});
+  for (size_t s = 0; s < 2; ++s) {
+    const int64_t grads = 40000 * p.balance[s];
+    CATCH_CHECK(one.stages[s].allreduce_us == 0);
+    CATCH_CHECK(four.stages[s].allreduce_us ==
+                gpipe_test::Approx(link.allreduce_us(grads, 4) + link.allreduce_us(4, 4)));
+    CATCH_CHECK(four.stages[s].copy_us == one.stages[s].copy_us);
+  }
+  const double replicated = predict(profile, p).step_us;
+  CATCH_CHECK(replicated > alone + four.stages[0].allreduce_us - 1e-6);  // worker 0 ends last
+  CATCH_CHECK(replicated <= alone + four.stages[1].allreduce_us + 1e-6);
+  CATCH_CHECK_THROWS_WITH((p.replicas = 0, predict(profile, p)),
+                          gpipe_test::contains("replicas 0; give 1 or more"));
+
+  p.replicas = 1;
+  p.processes = true;
+  const PipelineCosts apart = pipeline_costs(profile, p, ParameterMemory{});
+  const int64_t out = profile.layer(0, 8).output_bytes;
+  CATCH_CHECK(apart.stages[0].copy_us == gpipe_test::Approx(link.message_us(out)));
+  CATCH_CHECK(predict(profile, p).step_us > alone);
+  // A GPU stage reaches Gloo through the CPU, both ways.
+  PipelineProfile gpus = cpu_and_gpus(4, 2, 4.0);
+  gpus.process_link = link;
+  PipelinePlan g = p;
+  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+  const int64_t gout = gpus.layer(0, 8).output_bytes;
+  CATCH_CHECK(pipeline_costs(gpus, g, ParameterMemory{}).stages[0].copy_us ==
+              gpipe_test::Approx(gpus.copy_us(g.devices[0], c10::kCPU, gout) +
+                                 link.message_us(gout) +
+                                 gpus.copy_us(c10::kCPU, g.devices[1], gout)));
+
+  // plan() carries both into its plans, and they survive JSON.
+  CATCH_CHECK_THROWS_WITH(plan(synthetic(4, 2), PlanOptions().replicas(2)),
+                          gpipe_test::contains("need the profile's link between processes"));
+  const std::vector<PipelinePlan> plans =
+      plan(profile, PlanOptions().processes(true).replicas(8).search(false));
+  for (const PipelinePlan& q : plans) {
+    CATCH_CHECK(q.processes);
+    CATCH_CHECK(q.replicas == 8);
+    CATCH_CHECK_THAT(q.describe(), gpipe_test::contains("a process per worker, 8 replicas"));
+    const PipelinePlan back = PipelinePlan::from_json(q.to_json());
+    CATCH_CHECK(back.processes);
+    CATCH_CHECK(back.replicas == 8);
+    PipelinePlan again = back;
+    CATCH_CHECK(predict(profile, again).step_us == gpipe_test::Approx(q.step_us));
+  }
+  // A plan file from before: one process, no replicas.
+  const PipelinePlan old = PipelinePlan::from_json(
+      "{\"balance\": [2, 2], \"devices\": [\"cpu\", \"cpu\"], \"chunks\": 2, \"checkpoint\": "
+      "\"never\", \"schedule\": \"gpipe\", \"virtual_stages\": 1, \"threads\": 1}");
+  CATCH_CHECK(!old.processes);
+  CATCH_CHECK(old.replicas == 1);
+}
+
+CATCH_TEST_CASE("A profile's link between processes survives JSON and is checked",
+                "[balancing][plan][replicas][json]") {
+  PipelineProfile profile = synthetic(4, 2);
+  CATCH_CHECK(!PipelineProfile::from_json(profile.to_json()).process_link.measured());
+  profile.process_link = round_link();
+  const std::string text = profile.to_json();
+  const ProcessLinkStats back = PipelineProfile::from_json(text).process_link;
+  CATCH_CHECK(back.latency_us == 50);
+  CATCH_CHECK(back.bytes_per_us == 1000);
+  CATCH_CHECK(back.allreduce_step_us == 20);
+  CATCH_CHECK(back.allreduce_bytes_per_us == 500);
+  std::string bad = text;
+  const std::string field = "\"allreduce_bytes_per_us\": 500";
+  const size_t at = bad.find(field);
+  CATCH_REQUIRE(at != std::string::npos);
+  bad.replace(at, field.size(), "\"allreduce_bytes_per_us\": 0");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(bad),
+                          gpipe_test::contains("allreduce_bytes_per_us must be positive"));
 }
 
 CATCH_TEST_CASE("The planner tries every placement of kinds and balances by each device's times",

@@ -1,0 +1,28 @@
+// What messages and all-reduces between processes cost; see Note [Costs between processes] in
+// process_link.h.
+#include "balancing/process_link.h"
+
+#include <c10/util/Exception.h>
+
+namespace gpipe {
+
+double ProcessLinkStats::message_us(int64_t bytes) const {
+  if (bytes <= 0) return 0;
+  TORCH_CHECK(bytes_per_us > 0, "gpipe::ProcessLinkStats: the link between processes was not "
+              "measured (bytes_per_us ", bytes_per_us, "); measure it with "
+              "gpipe::measure_gloo_link() or give its numbers");
+  return latency_us + static_cast<double>(bytes) / bytes_per_us;
+}
+
+double ProcessLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
+  TORCH_CHECK(replicas >= 1, "gpipe::ProcessLinkStats: ", replicas, " replicas; give 1 or more");
+  if (replicas == 1 || bytes <= 0) return 0;
+  TORCH_CHECK(allreduce_bytes_per_us > 0, "gpipe::ProcessLinkStats: the all-reduce between "
+              "processes was not measured (allreduce_bytes_per_us ", allreduce_bytes_per_us,
+              "); measure it with gpipe::measure_gloo_link() or give its numbers");
+  const double steps = 2.0 * static_cast<double>(replicas - 1);
+  return steps * allreduce_step_us + steps / static_cast<double>(replicas) *
+                                         static_cast<double>(bytes) / allreduce_bytes_per_us;
+}
+
+}  // namespace gpipe
