@@ -1,6 +1,7 @@
 // Messages and all-reduces between two ranks on Gloo, measured; see Note [Costs between processes]
 // in process_link.h.
 #include "balancing/gloo_link.h"
+#include "balancing/internal/detail.h"
 
 #include <algorithm>
 #include <chrono>
@@ -19,11 +20,6 @@ namespace {
 
 using Group = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Rank `rank`'s half of the measurement: for each size, ping-pongs (rank 0 sends, rank 1 sends
 // back; half the round trip is one message) and all-reduces, `repeats` timed rounds after an
@@ -79,8 +75,10 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
   for (const std::exception_ptr& e : errors) {
     if (e) std::rethrow_exception(e);
   }
-  const double message_small = median(times[0][0]), message_large = median(times[1][0]);
-  const double reduce_small = median(times[0][1]), reduce_large = median(times[1][1]);
+  const double message_small = internal::median(times[0][0]);
+  const double message_large = internal::median(times[1][0]);
+  const double reduce_small = internal::median(times[0][1]);
+  const double reduce_large = internal::median(times[1][1]);
   const double bytes = static_cast<double>(large_bytes - 4);
   ProcessLinkStats link;
   link.latency_us = message_small;
