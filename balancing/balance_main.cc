@@ -107,9 +107,25 @@ at::Tensor sample_of(const gpipe::models::NamedModel& named, int64_t batch) {
   return sample;
 }
 
+// A stage on a GPU reaches Gloo through the CPU (Note [Stages and replicas in the plan]): the
+// copies between each GPU and the CPU, measured where the profile has none.
+void add_cpu_copies(gpipe::PipelineProfile& profile) {
+  for (const c10::Device& d : profile.devices) {
+    const bool has = d.is_cpu() || std::any_of(profile.copies.begin(), profile.copies.end(),
+                                               [&](const gpipe::CopyStats& c) {
+                                                 return c.from == d && c.to.is_cpu();
+                                               });
+    if (has) continue;
+    for (const gpipe::CopyStats& c : gpipe::profile_copies({d, c10::Device(c10::kCPU)})) {
+      profile.copies.push_back(c);
+    }
+  }
+}
+
 // --process_link's numbers, or the Gloo link measured, into `profile` (unless it has one and the
 // flag is empty).
 void set_process_link(gpipe::PipelineProfile& profile) {
+  add_cpu_copies(profile);
   const std::string given = absl::GetFlag(FLAGS_process_link);
   if (!given.empty()) {
     const std::vector<std::string> parts = absl::StrSplit(given, ',');

@@ -55,6 +55,9 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
   TORCH_CHECK(repeats >= 1, "gpipe::measure_gloo_link: repeats ", repeats, "; give 1 or more");
   const std::vector<int64_t> sizes{4, large_bytes};
   auto store = c10::make_intrusive<c10d::HashStore>();
+  // (A rank that failed leaves the other waiting at most this long: in the store, or in Gloo.)
+  const std::chrono::seconds timeout(60);
+  store->setTimeout(timeout);
   std::vector<std::vector<std::vector<double>>> times(sizes.size(),
                                                       std::vector<std::vector<double>>(2));
   std::vector<std::exception_ptr> errors(2);
@@ -62,7 +65,7 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
   for (int rank = 0; rank < 2; ++rank) {
     ranks.emplace_back([&, rank] {
       try {
-        auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(60));
+        auto options = c10d::ProcessGroupGloo::Options::create(timeout);
         options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
         const Group group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
         measure_rank(group, rank, sizes, repeats, times);

@@ -814,7 +814,7 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
                     ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes)
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
   }
-  if (plan.replicas > 1) {
+  if (plan.replicas > 1 && plan.processes) {
     int64_t grads = 0;
     for (const LayerStats& l : ls) grads += l.trainable_param_bytes;
     // The gradients, and which of them exist (Note [Stages and replicas in the plan]).
@@ -863,6 +863,14 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     costs.static_bytes[c.device] += state_bytes;
     costs.stages.push_back(c);
     first += plan.balance[s];
+  }
+  if (plan.replicas > 1 && !plan.processes) {
+    // One process's pipeline replicated: all of its gradients on one group, after the step.
+    int64_t grads = 0;
+    for (int64_t k = 0; k < profile.layers(); ++k) {
+      grads += profile.layer(k, b).trainable_param_bytes;
+    }
+    costs.step_allreduce_us = profile.process_link.allreduce_us(grads, plan.replicas);
   }
   return costs;
 }

@@ -103,14 +103,18 @@ namespace gpipe {
 //     next one back from it when the link is Gloo's (as the stage's transport does), and the
 //     gradient returns the same way. The hand-over between threads stays (the stage's courier
 //     thread hands the message to the worker).
-//   - with r replicas, each worker, after its last action, averages its stages' gradients over the
-//     replicas as PipelineStage does after its step: an all-reduce of their trainable parameters'
-//     bytes (and a small one of which gradients exist), allreduce_us over r ranks. The step ends
-//     when the last worker's all-reduce does; the all-reduces of different workers run at once, on
-//     groups of their own. The memory of the flat buffer it reduces (the gradients once more, at
-//     the step's end when the activations are gone) is not counted.
+//   - with r replicas and processes, each worker, after its last action, averages its stages'
+//     gradients over the replicas as PipelineStage does after its step: an all-reduce of their
+//     trainable parameters' bytes (and a small one of which gradients exist), allreduce_us over r
+//     ranks. The step ends when the last worker's all-reduce does; the all-reduces of different
+//     workers run at once, on groups of their own. The memory of the flat buffer it reduces (the
+//     gradients once more, at the step's end when the activations are gone) is not counted.
+//   - with r replicas of one process's pipeline (distributed::DataParallel around a GPipe), all of
+//     its gradients are reduced on one group: one all-reduce of the whole model's after the last
+//     worker's end. DataParallel starts its buckets while backward runs, so this is an upper
+//     bound of what it adds.
 // Replicas change what each of them computes only through the mini-batch: the profile's is one
-// replica's. The profile's link is the loopback's unless given (balance --link_*): a plan for
+// replica's. The profile's link is the loopback's unless given (balance --process_link): a plan for
 // several machines wants the network's numbers.
 
 // Note [Searched plans]

@@ -62,7 +62,7 @@ void check_costs(const Schedule& schedule, const PipelineCosts& costs) {
                     c.recompute_us >= 0 && c.copy_us >= 0 && c.held_bytes >= 0 &&
                     c.checkpointed_bytes >= 0 && c.grad_kept_bytes >= 0 &&
                     c.forward_workspace_bytes >= 0 && c.backward_workspace_bytes >= 0 &&
-                    c.allreduce_us >= 0 && costs.handoff_us >= 0,
+                    c.allreduce_us >= 0 && costs.handoff_us >= 0 && costs.step_allreduce_us >= 0,
                 "simulate_pipeline: stage ", s, " has a negative cost");
   }
 }
@@ -478,6 +478,7 @@ PipelineSimulation Simulator::run() {
                 schedule_.name, "' stalls at rank ", r, " action ", next_[r]);
   }
   sim_.peak_bytes = memory_.peak();
+  sim_.step_us += costs_.step_allreduce_us;  // after every worker (Note [Simulating a step])
   return std::move(sim_);
 }
 

@@ -58,7 +58,9 @@ namespace gpipe {
 // optimizer step, caches and fragmentation of the allocators, and the engine's own time per task
 // (a few microseconds); copies share nothing (no bandwidth contention).
 // Replicas: a worker's step ends allreduce_us of each of its stages after its last action (its
-// gradients averaged over the replicas), beside the other workers' all-reduces.
+// gradients averaged over the replicas), beside the other workers' all-reduces (stages in
+// processes of their own); or the whole step ends step_allreduce_us after the last worker's end
+// (one process's pipeline, replicated).
 
 /// One stage (partition) of a configuration: where it runs and what one micro-batch costs it.
 struct StageCost {
@@ -124,6 +126,10 @@ struct PipelineCosts {
   /// What a worker waits, beyond the data, for what another worker finished (a hand-over
   /// between threads: handoff_us in profile.h), microseconds.
   double handoff_us = 0;
+  /// Averaging every stage's gradients over data-parallel replicas after the last worker's last
+  /// action (one process's pipeline replicated: Note [Stages and replicas in the plan] in
+  /// plan.h), microseconds; 0 without.
+  double step_allreduce_us = 0;
 };
 
 /// A simulated step.

@@ -141,6 +141,7 @@ struct CheckpointBackward : Node, internal::TakesPhonies {
   explicit CheckpointBackward(std::shared_ptr<State> state) : state(std::move(state)) {}
   std::string name() const override { return "gpipe::CheckpointBackward"; }
   void release_variables() override { state.reset(); }
+  bool takes_phonies() const override { return state && state->stash_inputs.empty(); }
 
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(state, "gpipe: the backward of a checkpointed micro-batch ran twice; "

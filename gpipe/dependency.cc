@@ -3,6 +3,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -39,7 +40,8 @@ at::Tensor make_phony(const at::TensorOptions& options) {
   // kind without the dispatcher's empty(): a shallow copy with a version counter of its own.
   thread_local at::Tensor empty;
   if (!empty.defined() || empty.device() != options.device() ||
-      empty.dtype() != options.dtype() || empty.layout() != options.layout()) {
+      empty.dtype() != options.dtype() || empty.layout() != options.layout() ||
+      empty.is_inference() != c10::InferenceMode::is_enabled()) {
     empty = at::empty({0}, options.requires_grad(false));
   }
   return at::Tensor(empty.unsafeGetTensorImpl()->shallow_copy_and_detach(
@@ -61,8 +63,9 @@ std::pair<at::Tensor, at::Tensor> fork(const at::Tensor& x) {
   const torch::autograd::Edge edge = torch::autograd::impl::gradient_edge(x);
   Node* node_of_x = edge.function.get();
   const auto* pass = dynamic_cast<PassBackward*>(node_of_x);
+  const auto* taker = dynamic_cast<const TakesPhonies*>(node_of_x);
   if ((pass != nullptr && edge.input_nr == 0 && pass->num_inputs() == 1) ||
-      dynamic_cast<TakesPhonies*>(node_of_x) != nullptr) {
+      (taker != nullptr && taker->takes_phonies())) {
     torch::autograd::set_history(phony, edge.function);
     return {x, std::move(phony)};
   }

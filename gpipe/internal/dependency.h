@@ -57,6 +57,10 @@ struct PassBackward : torch::autograd::Node {
 class TakesPhonies {
  public:
   virtual ~TakesPhonies() = default;
+  /// Whether it takes them now. No for a node that other threads make edges to (a checkpoint whose
+  /// stashed skips later partitions pop): the edge from the next micro-batch would write to it
+  /// beside them (Node::topological_nr; Note [Links that keep the graph] in link.h).
+  virtual bool takes_phonies() const = 0;
 };
 
 /// Returns `(x', phony)`: `x'` is `x` (detached, same data) and `phony` an empty tensor, both

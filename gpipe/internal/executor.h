@@ -79,9 +79,9 @@ namespace internal {
 // The fork's backward node then waits for the gradient of micro-batch i at partition j's input:
 // partition j's backward for micro-batch i-1 starts only after the one for micro-batch i has
 // finished. Across partitions the data edges (and the copies) already order everything. When
-// micro-batch i-1 was checkpointed, its lane comes out of a RecomputeBackward node and the fork
-// adds the phony to that node instead of making its own: the recomputation then also waits for
-// micro-batch i. When micro-batch i is checkpointed, the phony becomes an extra next edge of its
+// micro-batch i-1 was checkpointed, its lane comes out of a RecomputeBackward node (on the CPU, of
+// its CheckpointBackward when it stashed no skips) and the fork adds the phony to that node
+// instead of making its own: the recomputation then also waits for micro-batch i. When micro-batch i is checkpointed, the phony becomes an extra next edge of its
 // CheckpointBackward instead of being joined into its lane: two autograd nodes fewer per task.
 
 /// One partition that this process runs.

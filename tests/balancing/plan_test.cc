@@ -824,6 +824,8 @@ CATCH_TEST_CASE("Each worker's step ends with its stages' all-reduces after its 
   CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(4 + 7));
   c.stages[0].allreduce_us = 7;  // worker 0 ends at 6
   CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(6 + 7));
+  c.step_allreduce_us = 5;  // after every worker's end
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(6 + 7 + 5));
   c.stages[0].allreduce_us = -1;
   CATCH_CHECK_THROWS_WITH(simulate_pipeline(s, c), gpipe_test::contains("negative cost"));
   // Interleaved: a worker's two stages reduce one after the other.
@@ -865,18 +867,14 @@ CATCH_TEST_CASE("A plan with replicas all-reduces each stage's gradients, and on
   p.processes = false;
   const PipelineCosts one = pipeline_costs(profile, p, ParameterMemory{});
   const double alone = predict(profile, p).step_us;
+  // One process's pipeline replicated: the whole model's gradients after the step.
   p.replicas = 4;
-  const PipelineCosts four = pipeline_costs(profile, p, ParameterMemory{});
-  for (size_t s = 0; s < 2; ++s) {
-    const int64_t grads = 40000 * p.balance[s];
-    CATCH_CHECK(one.stages[s].allreduce_us == 0);
-    CATCH_CHECK(four.stages[s].allreduce_us ==
-                gpipe_test::Approx(link.allreduce_us(grads, 4) + link.allreduce_us(4, 4)));
-    CATCH_CHECK(four.stages[s].copy_us == one.stages[s].copy_us);
-  }
-  const double replicated = predict(profile, p).step_us;
-  CATCH_CHECK(replicated > alone + four.stages[0].allreduce_us - 1e-6);  // worker 0 ends last
-  CATCH_CHECK(replicated <= alone + four.stages[1].allreduce_us + 1e-6);
+  const PipelineCosts whole = pipeline_costs(profile, p, ParameterMemory{});
+  CATCH_CHECK(one.step_allreduce_us == 0);
+  CATCH_CHECK(whole.step_allreduce_us == gpipe_test::Approx(link.allreduce_us(4 * 40000, 4)));
+  for (size_t s = 0; s < 2; ++s) CATCH_CHECK(whole.stages[s].allreduce_us == 0);
+  CATCH_CHECK(predict(profile, p).step_us ==
+              gpipe_test::Approx(alone + whole.step_allreduce_us));
   CATCH_CHECK_THROWS_WITH((p.replicas = 0, predict(profile, p)),
                           gpipe_test::contains("replicas 0; give 1 or more"));
 
@@ -885,7 +883,22 @@ CATCH_TEST_CASE("A plan with replicas all-reduces each stage's gradients, and on
   const PipelineCosts apart = pipeline_costs(profile, p, ParameterMemory{});
   const int64_t out = profile.layer(0, 8).output_bytes;
   CATCH_CHECK(apart.stages[0].copy_us == gpipe_test::Approx(link.message_us(out)));
-  CATCH_CHECK(predict(profile, p).step_us > alone);
+  const double in_processes = predict(profile, p).step_us;
+  CATCH_CHECK(in_processes > alone);
+  // Stages in processes, replicated: each worker its own stage's gradients after its last action.
+  p.replicas = 4;
+  const PipelineCosts four = pipeline_costs(profile, p, ParameterMemory{});
+  CATCH_CHECK(four.step_allreduce_us == 0);
+  for (size_t s = 0; s < 2; ++s) {
+    const int64_t grads = 40000 * p.balance[s];
+    CATCH_CHECK(four.stages[s].allreduce_us ==
+                gpipe_test::Approx(link.allreduce_us(grads, 4) + link.allreduce_us(4, 4)));
+    CATCH_CHECK(four.stages[s].copy_us == apart.stages[s].copy_us);
+  }
+  const double replicated = predict(profile, p).step_us;
+  CATCH_CHECK(replicated > in_processes + four.stages[0].allreduce_us - 1e-6);  // worker 0 last
+  CATCH_CHECK(replicated <= in_processes + four.stages[1].allreduce_us + 1e-6);
+  p.replicas = 1;
   // A GPU stage reaches Gloo through the CPU, both ways.
   PipelineProfile gpus = cpu_and_gpus(4, 2, 4.0);
   gpus.process_link = link;

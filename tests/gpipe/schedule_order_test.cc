@@ -3,6 +3,7 @@
 // layers inside the model.
 #include "tests/gpipe/test_util.h"
 
+#include "gpipe/internal/dependency.h"
 #include "gpipe/internal/partition_threads.h"
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 
 #include "gpipe/schedule.h"
 
@@ -167,6 +169,37 @@ CATCH_TEST_CASE("the autograd graph holds one fork-join dependency per task afte
               (chunks - 1) * partitions - merged_forks);
   CATCH_CHECK(counts["gpipe::RecomputeBackward"] == 0);
   CATCH_CHECK(counts["gpipe::CheckpointBackward"] == stop * partitions);
+}
+
+// A node that takes phonies when it says so (internal::TakesPhonies).
+struct PhonyTaker : torch::autograd::Node, internal::TakesPhonies {
+  explicit PhonyTaker(bool takes) : takes(takes) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override { return {}; }
+  bool takes_phonies() const override { return takes; }
+  bool takes;
+};
+
+CATCH_TEST_CASE("fork adds the phony to a node that takes phonies, and forks where it does not",
+                "[pipeline][schedule][checkpoint]") {
+  const bool takes = GENERATE(true, false);
+  CATCH_CAPTURE(takes);
+  auto node = std::shared_ptr<PhonyTaker>(new PhonyTaker(takes), torch::autograd::deleteNode);
+  at::Tensor x = at::randn({2});
+  torch::autograd::set_history(x, node);
+  CATCH_REQUIRE(node->num_inputs() == 1);
+  const std::pair<at::Tensor, at::Tensor> forked = internal::fork(x);
+  if (takes) {
+    // One more input of the node itself (a CPU checkpoint without stashes).
+    CATCH_CHECK(forked.first.is_same(x));
+    CATCH_CHECK(forked.second.grad_fn().get() == node.get());
+    CATCH_CHECK(forked.second.output_nr() == 1);
+    CATCH_CHECK(node->num_inputs() == 2);
+  } else {
+    // A checkpoint whose skips other partitions pop: a ForkBackward of its own.
+    CATCH_CHECK(forked.second.grad_fn()->name() == "gpipe::ForkBackward");
+    CATCH_CHECK(forked.first.grad_fn() == forked.second.grad_fn());
+    CATCH_CHECK(node->num_inputs() == 1);
+  }
 }
 
 CATCH_TEST_CASE("checkpointing runs and recomputes exactly the chosen micro-batches",
