@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -134,6 +135,7 @@ struct Running {
 // Puts `x`, ended at `end`, on the timeline as the executor records it: compute (or its
 // recomputation and backward), and a forward's copy to the next stage.
 void record(const Schedule& schedule, const PipelineCosts& costs, const Running& x, double end,
+            const std::optional<std::pair<double, double>>& copy,
             std::vector<TimelineEvent>& events) {
   const Action& a = x.action;
   const StageCost& c = costs.stages[a.stage];
@@ -146,10 +148,10 @@ void record(const Schedule& schedule, const PipelineCosts& costs, const Running&
       e.checkpointed = ck;
       events.push_back(e);
       if (c.copy_us > 0 && a.stage + 1 < schedule.stages) {
-        TimelineEvent copy{Kind::kCopy, a.microbatch, a.stage + 1, a.stage};
-        copy.start_us = end;
-        copy.end_us = end + c.copy_us;
-        events.push_back(copy);
+        TimelineEvent sent{Kind::kCopy, a.microbatch, a.stage + 1, a.stage};
+        sent.start_us = copy ? copy->first : end;
+        sent.end_us = copy ? copy->second : end + c.copy_us;
+        events.push_back(sent);
       }
       break;
     case ActionType::kBackward:
@@ -181,9 +183,11 @@ void record(const Schedule& schedule, const PipelineCosts& costs, const Running&
 class Dependencies {
  public:
   Dependencies(const Schedule& schedule, const PipelineCosts& costs)
-      : costs_(costs),
+      : schedule_(schedule),
+        costs_(costs),
         plan_(schedule),
-        done_(static_cast<size_t>(schedule.stages * internal::kTypes * schedule.microbatches), -1) {
+        done_(static_cast<size_t>(schedule.stages * internal::kTypes * schedule.microbatches), -1),
+        arrived_(done_.size(), -1) {
     internal::place_actions(schedule, plan_);
   }
 
@@ -197,22 +201,68 @@ class Dependencies {
       t = std::max(t, d);
     }
     if (remote_) {
-      const double d = done_[plan_.key(*remote_)];
-      if (d < 0) return std::nullopt;
-      // A forward's input comes from the stage before, a backward's gradient from the one after.
-      const int64_t from = a.type == ActionType::kForward ? a.stage - 1 : a.stage;
-      t = std::max(t, d + costs_.stages[from].copy_us + costs_.handoff_us);
+      const size_t key = plan_.key(*remote_);
+      if (done_[key] < 0) return std::nullopt;
+      // What another worker sent arrives after its copy (copy()), and is handed over.
+      t = std::max(t, std::max(done_[key], arrived_[key]) + costs_.handoff_us);
     }
     return t;
   }
 
-  // Notes that `a` ended at `t`.
-  void end(const Action& a, double t) { done_[plan_.key(a)] = t; }
+  // Notes that `a` ended at `t`, and queues the copy of what it sends to another worker.
+  void end(const Action& a, double t) {
+    const size_t key = plan_.key(a);
+    done_[key] = t;
+    if (const std::optional<Copy> c = copy(a, t)) arrived_[key] = c->end;
+  }
+
+  // The copy that `a`, ended at `done`, sends to another worker (Note [Simulating a step]): a
+  // forward's output to the next stage, a backward's (or I's) input gradient to the one before,
+  // on the link between their devices (one direction of it; between two stages of one device,
+  // theirs alone), after what that link carries already. Nothing for a W, for the pipeline's ends,
+  // or for a neighbour on the same worker.
+  struct Copy {
+    double start = 0;
+    double end = 0;
+  };
+  std::optional<Copy> copy(const Action& a, double done) {
+    const bool forward = a.type == ActionType::kForward;
+    if (!forward && a.type != ActionType::kBackward && a.type != ActionType::kBackwardInput) {
+      return std::nullopt;
+    }
+    const int64_t to = forward ? a.stage + 1 : a.stage - 1;
+    if (to < 0 || to >= schedule_.stages ||
+        schedule_.stage_ranks[to] == schedule_.stage_ranks[a.stage]) {
+      return std::nullopt;
+    }
+    // A forward's output costs its stage's copy; a gradient the copy of the stage it goes to.
+    const double us = costs_.stages[forward ? a.stage : to].copy_us;
+    if (us <= 0) return Copy{done, done};
+    const int64_t devices = static_cast<int64_t>(costs_.capacity.size());
+    const int64_t d_from = costs_.stages[a.stage].device, d_to = costs_.stages[to].device;
+    const int64_t link = d_from != d_to ? d_from * devices + d_to
+                                        : devices * devices + a.stage * schedule_.stages + to;
+    double& free = link_free_[link];
+    Copy c{std::max(done, free), 0};
+    c.end = free = c.start + us;
+    return c;
+  }
+
+  // The copy that `a` sent when it ended, if any (for the timeline).
+  std::optional<Copy> sent(const Action& a) const {
+    const size_t key = plan_.key(a);
+    if (arrived_[key] < 0) return std::nullopt;
+    const StageCost& c = costs_.stages[a.type == ActionType::kForward ? a.stage : a.stage - 1];
+    return Copy{arrived_[key] - c.copy_us, arrived_[key]};
+  }
 
  private:
+  const Schedule& schedule_;
   const PipelineCosts& costs_;
   internal::Plan plan_;
-  std::vector<double> done_;  // per action (Plan::key): when it ended, -1 before
+  std::vector<double> done_;     // per action (Plan::key): when it ended, -1 before
+  std::vector<double> arrived_;  // per action: when what it sent another worker arrived, or -1
+  std::map<int64_t, double> link_free_;  // per link (copy()): when its last copy ends
   std::vector<Action> local_;  // what ready_at's action needs, from its own worker and another
   std::optional<Action> remote_;
 };
@@ -532,7 +582,9 @@ void Simulator::end_done() {
     const bool last = next_[r] == schedule_.ranks[r].size();
     sim_.step_us =
         std::max(sim_.step_us, t_ + (last ? allreduce_after(schedule_, costs_, r) : 0.0));
-    record(schedule_, costs_, x, t_, sim_.events);
+    std::optional<std::pair<double, double>> copy;
+    if (const auto c = dependencies_.sent(a)) copy = std::make_pair(c->start, c->end);
+    record(schedule_, costs_, x, t_, copy, sim_.events);
   }
 }
 

@@ -21,7 +21,10 @@ namespace gpipe {
 // what it needs is done (internal::Plan::needs, the dependencies check_schedule uses):
 //   F i  a stage's forward of micro-batch i: forward_nograd_us when i is checkpointed, else
 //        forward_us; its output reaches the next stage copy_us later when that stage is on another
-//        device (copies run beside compute, as on CUDA's copy streams);
+//        device (copies run beside compute, as on CUDA's copy streams), once the copies queued
+//        before it on the same link are done: one direction of a pair of devices carries one copy
+//        at a time (its bandwidth is shared by waiting in turn), and so does each pair of stages
+//        in processes of their own on one device; a backward's gradient goes back alike;
 //   B i  backward_us, after recompute_us (a forward with autograd) when i was checkpointed;
 //   I, W backward_input_us and backward_weight_us; a checkpointed micro-batch is not split (its I
 //        runs the whole backward after the recomputation, its W nothing), as in the executor.
@@ -56,7 +59,8 @@ namespace gpipe {
 // the largest sum at any action's start or end.
 // What it leaves out: the loss (its forward and backward are counted in neither stage), the
 // optimizer step, caches and fragmentation of the allocators, and the engine's own time per task
-// (a few microseconds); copies share nothing (no bandwidth contention).
+// (a few microseconds); copies on different links share nothing (a host's PCIe or memory
+// bandwidth shared by several links is not modelled).
 // Replicas: a worker's step ends allreduce_us of each of its stages after its last action (its
 // gradients averaged over the replicas), beside the other workers' all-reduces (stages in
 // processes of their own); or the whole step ends step_allreduce_us after the last worker's end

@@ -213,6 +213,29 @@ CATCH_TEST_CASE("A hand-over between workers delays what crosses them, and is me
   CATCH_CHECK(measured < 1e6);  // a thread woken within a second
 }
 
+CATCH_TEST_CASE("Copies on one link run one after another, each direction on its own",
+                "[balancing][plan][simulate]") {
+  // Two stages on two devices, F = 1, B = 2, a copy of 3 each way, 4 micro-batches (GPipe).
+  // Forward copies queue on the link: they arrive at 4, 7, 10, 13, so stage 1's forwards end at
+  // 5, 8, 11, 14; its backwards (reverse order) end at 16, 18, 20, 22; their gradients queue on the
+  // way back and arrive at 19, 22, 25, 28; stage 0's backwards end at 21, 24, 27, 30.
+  const Schedule s = gpipe_schedule(2, 4);
+  PipelineCosts c = equal_costs(s, 1.0);
+  c.stages[0].copy_us = 3;
+  const PipelineSimulation sim = simulate_pipeline(s, c);
+  CATCH_CHECK(sim.step_us == gpipe_test::Approx(30));
+  std::vector<double> starts;
+  for (const TimelineEvent& e : sim.events) {
+    if (e.kind == TimelineEvent::Kind::kCopy) starts.push_back(e.start_us);
+  }
+  std::sort(starts.begin(), starts.end());
+  CATCH_CHECK(starts == std::vector<double>{1, 4, 7, 10});
+  // Copies shorter than what separates them never wait: stage 1's backwards end at 7.5 ... 13.5,
+  // the last gradient arrives at 14, and stage 0's last backward ends at 16.
+  c.stages[0].copy_us = 0.5;
+  CATCH_CHECK(simulate_pipeline(s, c).step_us == gpipe_test::Approx(16));
+}
+
 CATCH_TEST_CASE("The simulation refuses costs that do not match the schedule",
                 "[balancing][plan][simulate][errors]") {
   const Schedule s = gpipe_schedule(2, 4);
