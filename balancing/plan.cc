@@ -762,6 +762,13 @@ void set_workspace(const std::vector<LayerStats>& ls, const std::vector<int64_t>
   }
 }
 
+// The bytes of the gradients of `ls`' trainable parameters: what replicas all-reduce.
+int64_t gradient_bytes(const std::vector<LayerStats>& ls) {
+  int64_t bytes = 0;
+  for (const LayerStats& l : ls) bytes += l.trainable_param_bytes;
+  return bytes;
+}
+
 // A stage's output of `bytes` sent from `from` to `to` in another process on Gloo (Note [Stages
 // and replicas in the plan]): through the CPU where either is a GPU.
 double message_us(const PipelineProfile& profile, c10::Device from, c10::Device to,
@@ -815,10 +822,8 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
   }
   if (plan.replicas > 1 && plan.processes) {
-    int64_t grads = 0;
-    for (const LayerStats& l : ls) grads += l.trainable_param_bytes;
     // The gradients, and which of them exist (Note [Stages and replicas in the plan]).
-    c.allreduce_us = profile.process_link.allreduce_us(grads, plan.replicas) +
+    c.allreduce_us = profile.process_link.allreduce_us(gradient_bytes(ls), plan.replicas) +
                      profile.process_link.allreduce_us(4, plan.replicas);
   }
   return c;
@@ -851,6 +856,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   };
   costs.static_bytes[place(plan.devices.front())] += profile.input_bytes;
   int64_t first = 0;
+  int64_t gradients = 0;
   for (int64_t s = 0; s < stages; ++s) {
     std::vector<LayerStats> ls;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) {
@@ -862,15 +868,12 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     c.device = place(plan.devices[s]);
     costs.static_bytes[c.device] += state_bytes;
     costs.stages.push_back(c);
+    gradients += gradient_bytes(ls);
     first += plan.balance[s];
   }
   if (plan.replicas > 1 && !plan.processes) {
     // One process's pipeline replicated: all of its gradients on one group, after the step.
-    int64_t grads = 0;
-    for (int64_t k = 0; k < profile.layers(); ++k) {
-      grads += profile.layer(k, b).trainable_param_bytes;
-    }
-    costs.step_allreduce_us = profile.process_link.allreduce_us(grads, plan.replicas);
+    costs.step_allreduce_us = profile.process_link.allreduce_us(gradients, plan.replicas);
   }
   return costs;
 }

@@ -187,7 +187,7 @@ class Dependencies {
         costs_(costs),
         plan_(schedule),
         done_(static_cast<size_t>(schedule.stages * internal::kTypes * schedule.microbatches), -1),
-        arrived_(done_.size(), -1) {
+        sent_(done_.size()) {
     internal::place_actions(schedule, plan_);
   }
 
@@ -204,7 +204,7 @@ class Dependencies {
       const size_t key = plan_.key(*remote_);
       if (done_[key] < 0) return std::nullopt;
       // What another worker sent arrives after its copy (copy()), and is handed over.
-      t = std::max(t, std::max(done_[key], arrived_[key]) + costs_.handoff_us);
+      t = std::max(t, std::max(done_[key], sent_[key].end) + costs_.handoff_us);
     }
     return t;
   }
@@ -213,7 +213,7 @@ class Dependencies {
   void end(const Action& a, double t) {
     const size_t key = plan_.key(a);
     done_[key] = t;
-    if (const std::optional<Copy> c = copy(a, t)) arrived_[key] = c->end;
+    if (const std::optional<Copy> c = copy(a, t)) sent_[key] = *c;
   }
 
   // The copy that `a`, ended at `done`, sends to another worker (Note [Simulating a step]): a
@@ -222,8 +222,8 @@ class Dependencies {
   // theirs alone), after what that link carries already. Nothing for a W, for the pipeline's ends,
   // or for a neighbour on the same worker.
   struct Copy {
-    double start = 0;
-    double end = 0;
+    double start = -1;
+    double end = -1;  // -1: nothing sent
   };
   std::optional<Copy> copy(const Action& a, double done) {
     const bool forward = a.type == ActionType::kForward;
@@ -250,10 +250,8 @@ class Dependencies {
 
   // The copy that `a` sent when it ended, if any (for the timeline).
   std::optional<Copy> sent(const Action& a) const {
-    const size_t key = plan_.key(a);
-    if (arrived_[key] < 0) return std::nullopt;
-    const StageCost& c = costs_.stages[a.type == ActionType::kForward ? a.stage : a.stage - 1];
-    return Copy{arrived_[key] - c.copy_us, arrived_[key]};
+    const Copy& c = sent_[plan_.key(a)];
+    return c.end < 0 ? std::nullopt : std::optional<Copy>(c);
   }
 
  private:
@@ -261,7 +259,7 @@ class Dependencies {
   const PipelineCosts& costs_;
   internal::Plan plan_;
   std::vector<double> done_;     // per action (Plan::key): when it ended, -1 before
-  std::vector<double> arrived_;  // per action: when what it sent another worker arrived, or -1
+  std::vector<Copy> sent_;       // per action: the copy of what it sent another worker
   std::map<int64_t, double> link_free_;  // per link (copy()): when its last copy ends
   std::vector<Action> local_;  // what ready_at's action needs, from its own worker and another
   std::optional<Action> remote_;
