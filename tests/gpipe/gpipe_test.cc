@@ -1,7 +1,10 @@
 // Tests of the GPipe module's API: construction, clear errors on bad input, module behaviour
 // (parameters, modes, serialization, optimizers, dtype and device moves) and thread state.
 #include <ATen/autocast_mode.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/record_function.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
@@ -10,11 +13,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
 
 #include "gpipe/internal/partition_threads.h"
+#include "gpipe/thread_state.h"
 #include "tests/gpipe/test_util.h"
 
 namespace gpipe {
@@ -339,6 +344,105 @@ CATCH_TEST_CASE("inference mode and no-grad mode in the caller apply in the work
     CATCH_CHECK_FALSE(spy->seen_inference);
   }
   CATCH_CHECK(model->forward(at::randn({2, 4})).requires_grad());
+}
+
+// A piece of debug information, to tell whether a thread state carries it.
+struct TestDebugInfo : c10::DebugInfoBase {};
+
+// Counts the operators a thread-local record-function callback saw.
+std::atomic<int> seen_by_callback{0};
+std::unique_ptr<at::ObserverContext> count_operator(const at::RecordFunction&) {
+  ++seen_by_callback;
+  return nullptr;
+}
+
+// The versions whose thread state gpipe reads (Note [Installing a state that is already there]);
+// on others the guard always installs the whole state.
+constexpr bool kReadsThreadState = (TORCH_VERSION_MAJOR == 1 && TORCH_VERSION_MINOR == 13) ||
+                                   (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 6);
+
+CATCH_TEST_CASE("a thread-state guard installs every setting of its state that the thread lacks, "
+                "the record-function callbacks by a whole install",
+                "[gpipe][thread_state]") {
+  // Each kind of setting is on where the state is taken, off where the guard installs it.
+  const std::string kind = GENERATE("inference mode", "no grad", "autocast", "below autograd",
+                                    "record-function callback", "record functions off",
+                                    "debug info");
+  CATCH_CAPTURE(kind);
+  const bool whole = kind == "record-function callback" || kind == "record functions off";
+  std::unique_ptr<ThreadState> state;
+  at::CallbackHandle callback = 0;
+  {
+    std::optional<c10::InferenceMode> inference;
+    std::optional<at::NoGradGuard> no_grad;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    std::optional<at::DisableRecordFunctionGuard> no_record_functions;
+    std::optional<c10::DebugInfoGuard> debug_info;
+    if (kind == "inference mode") inference.emplace();
+    if (kind == "no grad") no_grad.emplace();
+    if (kind == "autocast") set_cpu_autocast(true);
+    if (kind == "below autograd") below_autograd.emplace();
+    if (kind == "record-function callback") {
+      callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&count_operator));
+    }
+    if (kind == "record functions off") no_record_functions.emplace();
+    if (kind == "debug info") {
+      debug_info.emplace(c10::DebugInfoKind::TEST_INFO, std::make_shared<TestDebugInfo>());
+    }
+    state = std::make_unique<ThreadState>();
+    if (kind == "autocast") set_cpu_autocast(false);
+    if (callback != 0) at::removeCallback(callback);
+  }
+  // Whether the setting is in force on this thread.
+  auto in_force = [&] {
+    if (kind == "inference mode") return c10::InferenceMode::is_enabled();
+    if (kind == "no grad") return !at::GradMode::is_enabled();
+    if (kind == "autocast") {
+      return at::matmul(at::randn({2, 2}), at::randn({2, 2})).scalar_type() == at::kBFloat16;
+    }
+    if (kind == "below autograd") {
+      return c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::ADInplaceOrView);
+    }
+    if (kind == "record-function callback") {
+      seen_by_callback = 0;
+      at::Tensor unused = at::randn({2}) + 1;
+      return seen_by_callback > 0;
+    }
+    if (kind == "record functions off") return !at::isRecordFunctionEnabled();
+    return c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::TEST_INFO) != nullptr;
+  };
+  CATCH_REQUIRE_FALSE(in_force());
+  {
+    ThreadStateGuard guard(*state);
+    CATCH_CHECK(in_force());
+    CATCH_CHECK(guard.installed() == (whole || !kReadsThreadState));
+  }
+  CATCH_CHECK_FALSE(in_force());
+}
+
+CATCH_TEST_CASE("a thread-state guard sets a state whose callbacks are in place without a whole "
+                "install, and puts the thread's own back",
+                "[gpipe][thread_state]") {
+  const bool grad = GENERATE(true, false);
+  CATCH_CAPTURE(grad);
+  std::unique_ptr<ThreadState> state;
+  {
+    at::AutoGradMode mode(grad);
+    state = std::make_unique<ThreadState>();
+  }
+  at::AutoGradMode other(!grad);
+  c10::InferenceMode inference;  // (which turns grad mode off)
+  const bool grad_before = at::GradMode::is_enabled();
+  {
+    ThreadStateGuard guard(*state);
+    CATCH_CHECK(at::GradMode::is_enabled() == grad);
+    CATCH_CHECK_FALSE(c10::InferenceMode::is_enabled());
+    CATCH_CHECK_FALSE(at::ones({1}).is_inference());
+    CATCH_CHECK(guard.installed() == !kReadsThreadState);
+  }
+  CATCH_CHECK(at::GradMode::is_enabled() == grad_before);
+  CATCH_CHECK(c10::InferenceMode::is_enabled());
+  CATCH_CHECK(at::ones({1}).is_inference());
 }
 
 // Records the thread each forward of its layer ran on.
