@@ -76,6 +76,10 @@ ABSL_FLAG(std::string, process_link, "",
           "with --processes or --replicas: the link between processes as LATENCY_US,BYTES_PER_US,"
           "ALLREDUCE_STEP_US,ALLREDUCE_BYTES_PER_US (a network's numbers); empty: measured on Gloo "
           "over this machine's loopback, unless the profile (--profile_in) has one");
+ABSL_FLAG(int64_t, shared_memory, int64_t{8} << 20,
+          "with --processes: the bytes of each ring in shared memory between stages on this "
+          "machine, as PipelineStageOptions::shared_memory (a message that fits in half a ring "
+          "goes through it, measured); 0: every message on Gloo");
 ABSL_FLAG(std::string, profile_in, "",
           "with --plan: plan from this profile (JSON, from --profile_out) instead of profiling");
 
@@ -138,15 +142,32 @@ void set_process_link(gpipe::PipelineProfile& profile) {
                 "--process_link must be four numbers, LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,"
                 "ALLREDUCE_BYTES_PER_US (latencies 0 or more, bandwidths positive), got '",
                 given, "'");
+    link.ring = gpipe::RingLinkStats{};  // (a network's: the stages are on other machines)
     return;
   }
-  if (profile.process_link.measured()) return;
+  const int64_t ring_bytes = absl::GetFlag(FLAGS_shared_memory);
+  TORCH_CHECK(ring_bytes >= 0, "--shared_memory is ", ring_bytes, "; give 0 (no rings) or a "
+              "ring's bytes, 262144 (256 KiB) or more");
+  gpipe::ProcessLinkStats& link = profile.process_link;
+  if (ring_bytes == 0) link.ring = gpipe::RingLinkStats{};
+  if (link.measured() && (ring_bytes == 0 || link.ring.measured())) return;
 #if GPIPE_WITH_DISTRIBUTED
-  profile.process_link = gpipe::measure_gloo_link();
-  std::printf("link between processes (Gloo, loopback): messages %.1f us + %.0f MB/s; "
-              "all-reduce steps %.1f us + %.0f MB/s\n",
-              profile.process_link.latency_us, profile.process_link.bytes_per_us,
-              profile.process_link.allreduce_step_us, profile.process_link.allreduce_bytes_per_us);
+  if (!link.measured()) {
+    const gpipe::RingLinkStats ring = link.ring;
+    link = gpipe::measure_gloo_link();
+    link.ring = ring;
+    std::printf("link between processes (Gloo, loopback): messages %.1f us + %.0f MB/s; "
+                "all-reduce steps %.1f us + %.0f MB/s\n",
+                link.latency_us, link.bytes_per_us, link.allreduce_step_us,
+                link.allreduce_bytes_per_us);
+  }
+  if (ring_bytes > 0 && !link.ring.measured()) {
+    link.ring = gpipe::measure_shared_memory_link(ring_bytes);
+    std::printf("rings in shared memory of %lld bytes: messages %.1f us + %.0f MB/s, up to %lld "
+                "bytes\n",
+                static_cast<long long>(ring_bytes), link.ring.latency_us, link.ring.bytes_per_us,
+                static_cast<long long>(link.ring.max_message));
+  }
 #else
   TORCH_CHECK(false, "--processes and --replicas need the link between processes: this balance "
               "was built without gpipe::distributed (Gloo's headers), so give --process_link");

@@ -1,18 +1,27 @@
-// Messages and all-reduces between two ranks on Gloo, measured; see Note [Costs between processes]
-// in process_link.h.
+// Messages and all-reduces between two ranks on Gloo, and messages through rings in shared memory,
+// measured; see Note [Costs between processes] in process_link.h.
 #include "balancing/gloo_link.h"
 #include "balancing/internal/detail.h"
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <absl/strings/str_cat.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "gpipe/distributed/internal/shared_memory.h"
+#include "gpipe/distributed/internal/transfer.h"
 
 namespace gpipe {
 
@@ -90,6 +99,102 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
   link.allreduce_step_us = reduce_small / 2;
   link.allreduce_bytes_per_us = bytes / std::max(reduce_large - reduce_small, 1e-3);
   return link;
+}
+
+namespace {
+
+using distributed::internal::PeerProcess;
+using distributed::internal::RingWait;
+using distributed::internal::SharedLink;
+using distributed::internal::SharedRing;
+
+// One side of the ring measurement: for each size, a ping-pong through `link` (side 0 writes
+// first, side 1 writes back; half the round trip is one message), each message packed by its
+// writer and unpacked by its reader into a tensor of its own, `repeats` timed rounds after an
+// untimed one. Side 0's times go to `times[size]`.
+void ping_pong(SharedLink& link, int side, const std::vector<int64_t>& sizes, int repeats,
+               std::vector<std::vector<double>>& times) {
+  const RingWait wait{"a message of the ring measurement", link.peer_process.get(),
+                      std::chrono::seconds(60), nullptr};
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    const at::Tensor sent = at::zeros({sizes[s]}, at::kByte);
+    at::Tensor received = at::empty({sizes[s]}, at::kByte);
+    auto send = [&] {
+      TORCH_CHECK(link.write(0, at::Tensor(), {sent}, wait), "gpipe::measure_shared_memory_link: "
+                  "a message of ", sizes[s], " bytes found no room in its ring");
+    };
+    auto receive = [&] {
+      const SharedLink::Record record = link.read(wait);
+      distributed::internal::unpack_into(record.data, {received});
+      link.release();
+    };
+    for (int r = 0; r <= repeats; ++r) {
+      const auto start = Clock::now();
+      if (side == 0) {
+        send();
+        receive();
+      } else {
+        receive();
+        send();
+      }
+      if (side != 0 || r == 0) continue;
+      times[s].push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
+                         2);
+    }
+  }
+}
+
+}  // namespace
+
+RingLinkStats measure_shared_memory_link(int64_t ring_bytes, int repeats) {
+  TORCH_CHECK(ring_bytes >= distributed::internal::kMinSharedRing,
+              "gpipe::measure_shared_memory_link: ring_bytes ", ring_bytes, " is under the "
+              "smallest ring, ", distributed::internal::kMinSharedRing, " bytes (256 KiB)");
+  TORCH_CHECK(repeats >= 1, "gpipe::measure_shared_memory_link: repeats ", repeats,
+              "; give 1 or more");
+  // Two rings, one each way, made and opened by this process, as two stages' processes do.
+  const std::string label = absl::StrCat("gpipe-ring-measure-", getpid(), "-");
+  std::unique_ptr<SharedRing> there = SharedRing::create(label + "0", ring_bytes);
+  std::unique_ptr<SharedRing> back = SharedRing::create(label + "1", ring_bytes);
+  const auto self = std::make_shared<const PeerProcess>(getpid());
+  std::unique_ptr<SharedRing> there_in = SharedRing::open(*self, label + "0");
+  std::unique_ptr<SharedRing> back_in = SharedRing::open(*self, label + "1");
+  SharedLink sides[2];
+  sides[0].out = there.get();
+  sides[0].in = back_in.get();
+  sides[1].out = back.get();
+  sides[1].in = there_in.get();
+  for (SharedLink& side : sides) side.peer_process = self;
+  // The largest activations a ring takes (a record's payload less their header), and as large
+  // a message as fits (less a tensor's alignment).
+  const int64_t max_message = sides[0].max_payload() - distributed::internal::kHeaderBytes;
+  const int64_t large = std::min<int64_t>(max_message - 64, int64_t{16} << 20);
+  const std::vector<int64_t> sizes{4, large};
+  std::vector<std::vector<double>> times(sizes.size());
+  std::vector<std::vector<double>> unused(sizes.size());
+  std::exception_ptr error;
+  std::thread other([&] {
+    try {
+      ping_pong(sides[1], 1, sizes, repeats, unused);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  try {
+    ping_pong(sides[0], 0, sizes, repeats, times);
+  } catch (...) {
+    other.join();
+    throw;
+  }
+  other.join();
+  if (error) std::rethrow_exception(error);
+  const double small_us = internal::median(times[0]);
+  const double large_us = internal::median(times[1]);
+  RingLinkStats ring;
+  ring.latency_us = small_us;
+  ring.bytes_per_us = static_cast<double>(large - 4) / std::max(large_us - small_us, 1e-3);
+  ring.max_message = max_message;
+  return ring;
 }
 
 }  // namespace gpipe

@@ -250,6 +250,11 @@ std::string PipelineProfile::to_json() const {
                          {"bytes_per_us", process_link.bytes_per_us},
                          {"allreduce_step_us", process_link.allreduce_step_us},
                          {"allreduce_bytes_per_us", process_link.allreduce_bytes_per_us}};
+    if (process_link.ring.measured()) {
+      j["process_link"]["ring"] = {{"latency_us", process_link.ring.latency_us},
+                                   {"bytes_per_us", process_link.ring.bytes_per_us},
+                                   {"max_message", process_link.ring.max_message}};
+    }
   }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
@@ -323,6 +328,17 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
                 "allreduce_bytes_per_us must be positive, got ", link.latency_us, ", ",
                 link.allreduce_step_us, ", ", link.bytes_per_us, " and ",
                 link.allreduce_bytes_per_us);
+    // (Profiles measured before the rings were: every message on Gloo.)
+    if (l.contains("ring")) {
+      const json& r = l["ring"];
+      link.ring.latency_us = json_field<double>(r, "latency_us", who);
+      link.ring.bytes_per_us = json_field<double>(r, "bytes_per_us", who);
+      link.ring.max_message = json_field<int64_t>(r, "max_message", who);
+      TORCH_CHECK(link.ring.latency_us >= 0 && link.ring.measured(), who, ": the process link's "
+                  "ring must have a latency not negative and bytes_per_us and max_message "
+                  "positive, got ", link.ring.latency_us, ", ", link.ring.bytes_per_us, " and ",
+                  link.ring.max_message);
+    }
   }
   return p;
 }

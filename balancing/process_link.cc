@@ -8,6 +8,9 @@ namespace gpipe {
 
 double ProcessLinkStats::message_us(int64_t bytes) const {
   if (bytes <= 0) return 0;
+  if (ring.measured() && bytes <= ring.max_message) {
+    return ring.latency_us + static_cast<double>(bytes) / ring.bytes_per_us;
+  }
   TORCH_CHECK(bytes_per_us > 0, "gpipe::ProcessLinkStats: the link between processes was not "
               "measured (bytes_per_us ", bytes_per_us, "); measure it with "
               "gpipe::measure_gloo_link() or give its numbers");

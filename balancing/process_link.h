@@ -1,5 +1,5 @@
-// The link between processes: what a message and an all-reduce cost on c10d's Gloo, measured
-// between two ranks on this machine, and the arithmetic the planner uses for stages in processes of
+// The link between processes: what a message and an all-reduce cost on c10d's Gloo, and a message
+// through a ring in shared memory, measured between two ranks on this machine, and the arithmetic the planner uses for stages in processes of
 // their own (distributed::PipelineStage) and for data-parallel replicas.
 #pragma once
 
@@ -23,9 +23,29 @@ namespace gpipe {
 //   gives alpha (half the small all-reduce) and beta.
 // The loopback is a machine's best case: between machines the network's own numbers belong in
 // the profile instead (balance --process_link=LATENCY,BYTES_PER_US,STEP_US,BYTES_PER_US).
-// Processes on one machine send activations through rings in shared memory rather than Gloo
-// (Note [Rings without names] in gpipe/distributed/internal/shared_memory.h), faster than the
-// loopback for large activations. NCCL (GPU to GPU) is not measured here.
+// Stages in processes on one machine send their activations and gradients through rings in
+// shared memory instead of Gloo (PipelineStageOptions::shared_memory, on by default: Note [Shared
+// memory between stages on one host] in gpipe/distributed/internal/shared_memory.h), a message
+// that fits in half a ring at once and, past that, over Gloo. measure_shared_memory_link()
+// measures such a ring between two threads of this process, as the stages use it (packed by the
+// writer, unpacked by the reader into a tensor of its own): a message costs
+// ring.latency_us + bytes / ring.bytes_per_us up to ring.max_message bytes, and Gloo's price
+// beyond. The planner assumes the reader keeps up, so that a message never finds its ring full.
+// NCCL (GPU to GPU) is not measured here.
+
+/// What a message through a ring in shared memory costs between processes on one machine (Note
+/// [Costs between processes]).
+struct RingLinkStats {
+  /// A message's fixed cost, microseconds (a 4-byte message sent one way).
+  double latency_us = 0;
+  /// A message's bytes per microsecond beyond its latency; 0: no rings (every message on Gloo).
+  double bytes_per_us = 0;
+  /// The largest message a ring takes (half the ring, PipelineStageOptions::shared_memory / 2).
+  int64_t max_message = 0;
+
+  /// Whether the rings were measured (or given).
+  bool measured() const { return bytes_per_us > 0 && max_message > 0; }
+};
 
 /// What messages and all-reduces cost between processes (Note [Costs between processes]).
 struct ProcessLinkStats {
@@ -38,9 +58,14 @@ struct ProcessLinkStats {
   /// An all-reduce's bytes per microsecond on each ring step (beta).
   double allreduce_bytes_per_us = 0;
 
+  /// Messages through rings in shared memory, where the processes are on one machine; none (not
+  /// measured): every message on Gloo.
+  RingLinkStats ring;
+
   /// Whether the link was measured (or given).
   bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }
-  /// The time of a message of `bytes` (0 for none).
+  /// The time of a message of `bytes` (0 for none): through a ring when it fits in one, else on
+  /// Gloo.
   double message_us(int64_t bytes) const;
   /// The time of an all-reduce of `bytes` over `replicas` ranks (Gloo's ring; 0 for one rank).
   double allreduce_us(int64_t bytes, int64_t replicas) const;

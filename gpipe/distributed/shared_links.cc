@@ -56,6 +56,8 @@ bool SharedLink::write(int64_t microbatch, const at::Tensor& header,
   return fits;
 }
 
+int64_t SharedLink::max_payload() const { return out->max_message() - kPrefixBytes; }
+
 SharedLink::Record SharedLink::read(const RingWait& wait) {
   int64_t bytes = 0;
   const uint8_t* record = in->next(&bytes, wait);

@@ -831,8 +831,18 @@ CATCH_TEST_CASE("An all-reduce over replicas costs Gloo's ring, and a message it
   CATCH_CHECK(link.allreduce_us(10000, 2) == gpipe_test::Approx(2 * 20 + 10000.0 / 500));
   CATCH_CHECK(link.allreduce_us(10000, 4) == gpipe_test::Approx(6 * 20 + 1.5 * 10000 / 500));
   CATCH_CHECK_THROWS_WITH(link.allreduce_us(10, 0), gpipe_test::contains("0 replicas"));
+  // Through a ring in shared memory where the message fits in one, on Gloo beyond.
+  ProcessLinkStats ringed = round_link();
+  ringed.ring.latency_us = 5;
+  ringed.ring.bytes_per_us = 4000;
+  ringed.ring.max_message = 8000;
+  CATCH_CHECK(ringed.ring.measured());
+  CATCH_CHECK(ringed.message_us(8000) == gpipe_test::Approx(5 + 2));
+  CATCH_CHECK(ringed.message_us(8001) == gpipe_test::Approx(50 + 8.001));
+  CATCH_CHECK(ringed.allreduce_us(10000, 2) == link.allreduce_us(10000, 2));  // always Gloo
   const ProcessLinkStats none;
   CATCH_CHECK(!none.measured());
+  CATCH_CHECK(!none.ring.measured());
   CATCH_CHECK_THROWS_WITH(none.message_us(8), gpipe_test::contains("measure_gloo_link"));
   CATCH_CHECK_THROWS_WITH(none.allreduce_us(8, 2), gpipe_test::contains("measure_gloo_link"));
 }
@@ -905,7 +915,17 @@ CATCH_TEST_CASE("A plan with replicas all-reduces each stage's gradients, and on
   p.processes = true;
   const PipelineCosts apart = pipeline_costs(profile, p, ParameterMemory{});
   const int64_t out = profile.layer(0, 8).output_bytes;
-  CATCH_CHECK(apart.stages[0].copy_us == gpipe_test::Approx(link.message_us(out)));
+  CATCH_CHECK(apart.stages[0].copy_us == gpipe_test::Approx(50 + out / 1000.0));
+  {
+    // Stages on one machine: their rings, where the activations fit in one.
+    PipelineProfile ringed = profile;
+    ringed.process_link.ring = {5, 4000, out};
+    CATCH_CHECK(pipeline_costs(ringed, p, ParameterMemory{}).stages[0].copy_us ==
+                gpipe_test::Approx(5 + out / 4000.0));
+    ringed.process_link.ring.max_message = out - 1;
+    CATCH_CHECK(pipeline_costs(ringed, p, ParameterMemory{}).stages[0].copy_us ==
+                gpipe_test::Approx(50 + out / 1000.0));
+  }
   const double in_processes = predict(profile, p).step_us;
   CATCH_CHECK(in_processes > alone);
   // Stages in processes, replicated: each worker its own stage's gradients after its last action.
@@ -967,6 +987,21 @@ CATCH_TEST_CASE("A profile's link between processes survives JSON and is checked
   CATCH_CHECK(back.bytes_per_us == 1000);
   CATCH_CHECK(back.allreduce_step_us == 20);
   CATCH_CHECK(back.allreduce_bytes_per_us == 500);
+  CATCH_CHECK(!back.ring.measured());  // (a profile from before the rings: every message on Gloo)
+  profile.process_link.ring = {5, 4000, 8000};
+  const ProcessLinkStats ringed = PipelineProfile::from_json(profile.to_json()).process_link;
+  CATCH_CHECK(ringed.ring.latency_us == 5);
+  CATCH_CHECK(ringed.ring.bytes_per_us == 4000);
+  CATCH_CHECK(ringed.ring.max_message == 8000);
+  profile.process_link.ring.max_message = 0;  // not measured: not written
+  CATCH_CHECK(!PipelineProfile::from_json(profile.to_json()).process_link.ring.measured());
+  std::string bad_ring = text;
+  const size_t link_at = bad_ring.find("\"process_link\": {");
+  CATCH_REQUIRE(link_at != std::string::npos);
+  bad_ring.insert(link_at + std::string("\"process_link\": {").size(),
+                  "\"ring\": {\"latency_us\": 5, \"bytes_per_us\": 0, \"max_message\": 8000}, ");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(bad_ring),
+                          gpipe_test::contains("ring must have"));
   std::string bad = text;
   const std::string field = "\"allreduce_bytes_per_us\": 500";
   const size_t at = bad.find(field);

@@ -1,5 +1,6 @@
 // Measuring the link between processes on Gloo (balancing/gloo_link.h): two ranks of this process
-// on the loopback, the planner's arithmetic on what they measured.
+// on the loopback, and rings in shared memory between two of its threads; the planner's arithmetic
+// on what they measured.
 #include "tests/gpipe/test_util.h"
 
 #include <chrono>
@@ -32,6 +33,22 @@ CATCH_TEST_CASE("measure_gloo_link measures messages and all-reduces between two
   CATCH_CHECK(link.allreduce_us(int64_t{4} << 20, 2) > link.allreduce_us(4, 2));
   CATCH_CHECK_THROWS_WITH(measure_gloo_link(100), gpipe_test::contains("large_bytes 100"));
   CATCH_CHECK_THROWS_WITH(measure_gloo_link(4096, 0), gpipe_test::contains("repeats 0"));
+}
+
+CATCH_TEST_CASE("measure_shared_memory_link measures messages through rings between two threads",
+                "[distributed][balancing][shared_memory]") {
+  const int64_t ring_bytes = int64_t{1} << 20;
+  const RingLinkStats ring = measure_shared_memory_link(ring_bytes, 3);
+  CATCH_REQUIRE(ring.measured());
+  CATCH_CHECK(ring.latency_us > 0);
+  CATCH_CHECK(std::isfinite(ring.bytes_per_us));
+  CATCH_CHECK(ring.bytes_per_us > 10);  // a memory copy, whatever else the machine runs
+  // The largest activations a ring takes: under half the ring (its records' headers), near it.
+  CATCH_CHECK(ring.max_message < ring_bytes / 2);
+  CATCH_CHECK(ring.max_message > ring_bytes / 2 - 8192);
+  CATCH_CHECK_THROWS_WITH(measure_shared_memory_link(4096), gpipe_test::contains("ring_bytes 4096"));
+  CATCH_CHECK_THROWS_WITH(measure_shared_memory_link(ring_bytes, 0),
+                          gpipe_test::contains("repeats 0"));
 }
 
 CATCH_TEST_CASE("An all-reduce of two ranks sums what both gave, as the measurement assumes",

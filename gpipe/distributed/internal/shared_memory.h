@@ -176,6 +176,8 @@ struct SharedLink {
   };
   /// The next record of `in`, once it is there (as `wait` says); release() frees it.
   Record read(const RingWait& wait);
+  /// The largest header and tensors, packed, that one record of `out` holds.
+  int64_t max_payload() const;
   void release() { in->release(); }
 };
 
