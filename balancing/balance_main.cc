@@ -78,8 +78,9 @@ ABSL_FLAG(std::string, process_link, "",
           "over this machine's loopback, unless the profile (--profile_in) has one");
 ABSL_FLAG(int64_t, shared_memory, int64_t{8} << 20,
           "with --processes: the bytes of each ring in shared memory between stages on this "
-          "machine, as PipelineStageOptions::shared_memory (a message that fits in half a ring "
-          "goes through it, measured); 0: every message on Gloo");
+          "machine, as PipelineStageOptions::shared_memory (a message that an empty ring always "
+          "takes goes through it, measured with the link); 0: every message on Gloo. A profile's link "
+          "(--profile_in) keeps its rings, or none, unless this is 0");
 ABSL_FLAG(std::string, profile_in, "",
           "with --plan: plan from this profile (JSON, from --profile_out) instead of profiling");
 
@@ -146,28 +147,31 @@ void set_process_link(gpipe::PipelineProfile& profile) {
     return;
   }
   const int64_t ring_bytes = absl::GetFlag(FLAGS_shared_memory);
-  TORCH_CHECK(ring_bytes >= 0, "--shared_memory is ", ring_bytes, "; give 0 (no rings) or a "
-              "ring's bytes, 262144 (256 KiB) or more");
+  TORCH_CHECK(ring_bytes == 0 || ring_bytes >= (int64_t{256} << 10), "--shared_memory is ",
+              ring_bytes, "; give 0 (no rings) or a ring's bytes, 262144 (256 KiB) or more");
   gpipe::ProcessLinkStats& link = profile.process_link;
   if (ring_bytes == 0) link.ring = gpipe::RingLinkStats{};
-  if (link.measured() && (ring_bytes == 0 || link.ring.measured())) return;
+  // A profile's link (--profile_in) stands as it was measured, with its rings or without.
+  if (link.measured()) return;
 #if GPIPE_WITH_DISTRIBUTED
-  if (!link.measured()) {
-    const gpipe::RingLinkStats ring = link.ring;
-    link = gpipe::measure_gloo_link();
-    link.ring = ring;
-    std::printf("link between processes (Gloo, loopback): messages %.1f us + %.0f MB/s; "
-                "all-reduce steps %.1f us + %.0f MB/s\n",
-                link.latency_us, link.bytes_per_us, link.allreduce_step_us,
-                link.allreduce_bytes_per_us);
-  }
-  if (ring_bytes > 0 && !link.ring.measured()) {
+  link = gpipe::measure_gloo_link();
+  std::printf("link between processes (Gloo, loopback): messages %.1f us + %.0f MB/s; "
+              "all-reduce steps %.1f us + %.0f MB/s\n",
+              link.latency_us, link.bytes_per_us, link.allreduce_step_us,
+              link.allreduce_bytes_per_us);
+  if (ring_bytes == 0 || !absl::GetFlag(FLAGS_processes)) return;
+  try {
     link.ring = gpipe::measure_shared_memory_link(ring_bytes);
-    std::printf("rings in shared memory of %lld bytes: messages %.1f us + %.0f MB/s, up to %lld "
-                "bytes\n",
-                static_cast<long long>(ring_bytes), link.ring.latency_us, link.ring.bytes_per_us,
-                static_cast<long long>(link.ring.max_message));
+  } catch (const std::exception& e) {
+    // The stages fall back to Gloo where they cannot make their rings; so does the plan.
+    std::printf("rings in shared memory could not be measured, every message planned on Gloo: "
+                "%s\n", e.what());
+    return;
   }
+  std::printf("rings in shared memory of %lld bytes: messages %.1f us + %.0f MB/s, up to %lld "
+              "bytes\n",
+              static_cast<long long>(ring_bytes), link.ring.latency_us, link.ring.bytes_per_us,
+              static_cast<long long>(link.ring.max_message));
 #else
   TORCH_CHECK(false, "--processes and --replicas need the link between processes: this balance "
               "was built without gpipe::distributed (Gloo's headers), so give --process_link");

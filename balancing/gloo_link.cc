@@ -16,10 +16,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <absl/strings/str_cat.h>
+#include <absl/synchronization/mutex.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include "gpipe/distributed/internal/fault.h"
 #include "gpipe/distributed/internal/shared_memory.h"
 #include "gpipe/distributed/internal/transfer.h"
 
@@ -103,29 +105,39 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
 
 namespace {
 
+using distributed::internal::Cancellation;
+using distributed::internal::kHeaderBytes;
+using distributed::internal::kMinSharedRing;
 using distributed::internal::PeerProcess;
 using distributed::internal::RingWait;
 using distributed::internal::SharedLink;
 using distributed::internal::SharedRing;
+using distributed::internal::unpack_into;
 
 // One side of the ring measurement: for each size, a ping-pong through `link` (side 0 writes
-// first, side 1 writes back; half the round trip is one message), each message packed by its
-// writer and unpacked by its reader into a tensor of its own, `repeats` timed rounds after an
-// untimed one. Side 0's times go to `times[size]`.
+// first, side 1 writes back; half the round trip is one message), each message an activation's
+// record (its header and one tensor) packed by its writer and unpacked by its reader into a tensor
+// made for it, `repeats` timed rounds after an untimed one. Side 0's times go to `times[size]`.
+// A wait gives up when `cancellation` is cancelled (the other side failed).
 void ping_pong(SharedLink& link, int side, const std::vector<int64_t>& sizes, int repeats,
-               std::vector<std::vector<double>>& times) {
+               const Cancellation& cancellation, std::vector<std::vector<double>>& times) {
   const RingWait wait{"a message of the ring measurement", link.peer_process.get(),
-                      std::chrono::seconds(60), nullptr};
+                      std::chrono::seconds(60), &cancellation};
+  const at::Tensor header = at::zeros({kHeaderBytes}, at::kByte);
   for (size_t s = 0; s < sizes.size(); ++s) {
     const at::Tensor sent = at::zeros({sizes[s]}, at::kByte);
-    at::Tensor received = at::empty({sizes[s]}, at::kByte);
     auto send = [&] {
-      TORCH_CHECK(link.write(0, at::Tensor(), {sent}, wait), "gpipe::measure_shared_memory_link: "
-                  "a message of ", sizes[s], " bytes found no room in its ring");
+      TORCH_CHECK(link.write(0, header, {sent}, wait), "gpipe::measure_shared_memory_link: a "
+                  "message of ", sizes[s], " bytes found no room in its ring");
     };
     auto receive = [&] {
       const SharedLink::Record record = link.read(wait);
-      distributed::internal::unpack_into(record.data, {received});
+      TORCH_CHECK(!record.over_group && record.bytes >= kHeaderBytes + sizes[s],
+                  "gpipe::measure_shared_memory_link: a record of ", record.bytes, " bytes",
+                  record.over_group ? " sent over the group" : "", " where ", sizes[s],
+                  " bytes and their header were sent");
+      at::Tensor received = at::empty({sizes[s]}, at::kByte);
+      unpack_into(record.data + kHeaderBytes, {received});
       link.release();
     };
     for (int r = 0; r <= repeats; ++r) {
@@ -147,9 +159,8 @@ void ping_pong(SharedLink& link, int side, const std::vector<int64_t>& sizes, in
 }  // namespace
 
 RingLinkStats measure_shared_memory_link(int64_t ring_bytes, int repeats) {
-  TORCH_CHECK(ring_bytes >= distributed::internal::kMinSharedRing,
-              "gpipe::measure_shared_memory_link: ring_bytes ", ring_bytes, " is under the "
-              "smallest ring, ", distributed::internal::kMinSharedRing, " bytes (256 KiB)");
+  TORCH_CHECK(ring_bytes >= kMinSharedRing, "gpipe::measure_shared_memory_link: ring_bytes ",
+              ring_bytes, " is under the smallest ring, ", kMinSharedRing, " bytes (256 KiB)");
   TORCH_CHECK(repeats >= 1, "gpipe::measure_shared_memory_link: repeats ", repeats,
               "; give 1 or more");
   // Two rings, one each way, made and opened by this process, as two stages' processes do.
@@ -165,27 +176,30 @@ RingLinkStats measure_shared_memory_link(int64_t ring_bytes, int repeats) {
   sides[1].out = back.get();
   sides[1].in = there_in.get();
   for (SharedLink& side : sides) side.peer_process = self;
-  // The largest activations a ring takes (a record's payload less their header), and as large
-  // a message as fits (less a tensor's alignment).
-  const int64_t max_message = sides[0].max_payload() - distributed::internal::kHeaderBytes;
+  // The largest activations an empty ring always takes (a record's payload less their header),
+  // and as large a message as that (less a tensor's alignment).
+  const int64_t max_message = sides[0].max_sure_payload() - kHeaderBytes;
   const int64_t large = std::min<int64_t>(max_message - 64, int64_t{16} << 20);
   const std::vector<int64_t> sizes{4, large};
   std::vector<std::vector<double>> times(sizes.size());
   std::vector<std::vector<double>> unused(sizes.size());
+  // The side that fails first cancels the other's waits; its error is the one reported.
+  Cancellation cancellation;
+  absl::Mutex mu;
   std::exception_ptr error;
-  std::thread other([&] {
+  auto run = [&](int side, std::vector<std::vector<double>>& into) {
     try {
-      ping_pong(sides[1], 1, sizes, repeats, unused);
+      ping_pong(sides[side], side, sizes, repeats, cancellation, into);
     } catch (...) {
-      error = std::current_exception();
+      absl::MutexLock lock(&mu);
+      if (!error) {
+        error = std::current_exception();
+        cancellation.cancel("gpipe::measure_shared_memory_link: the other side failed");
+      }
     }
-  });
-  try {
-    ping_pong(sides[0], 0, sizes, repeats, times);
-  } catch (...) {
-    other.join();
-    throw;
-  }
+  };
+  std::thread other([&] { run(1, unused); });
+  run(0, times);
   other.join();
   if (error) std::rethrow_exception(error);
   const double small_us = internal::median(times[0]);

@@ -20,8 +20,9 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes = int64_t{16} << 20, int 
 
 /// Measures messages through rings in shared memory of `ring_bytes` each (as
 /// distributed::PipelineStageOptions::shared_memory makes them between stages on one machine),
-/// one each way between two threads of this process, packed and unpacked as the stages do (Note
-/// [Costs between processes]): 4 bytes and as large a message as a ring takes, the median of
+/// one each way between two threads of this process, packed with their header and unpacked into a
+/// tensor made for each, as the stages do (Note [Costs between processes]): 4 bytes and as large
+/// an activation as a ring takes, the median of
 /// `repeats` rounds each. Throws c10::Error when `ring_bytes` is under 256 KiB or `repeats` under
 /// 1, or with the system's reason when the rings cannot be made.
 ///

@@ -785,8 +785,9 @@ int64_t gradient_bytes(const std::vector<LayerStats>& ls) {
   return bytes;
 }
 
-// A stage's output of `bytes` sent from `from` to `to` in another process on Gloo (Note [Stages
-// and replicas in the plan]): through the CPU where either is a GPU.
+// A stage's output of `bytes` sent from `from` to `to` in another process, through a ring in shared
+// memory or on Gloo (Note [Stages and replicas in the plan]): through the CPU where either is a
+// GPU.
 double message_us(const PipelineProfile& profile, c10::Device from, c10::Device to,
                   int64_t bytes) {
   const c10::Device cpu(c10::kCPU);

@@ -11,10 +11,12 @@ double ProcessLinkStats::message_us(int64_t bytes) const {
   if (ring.measured() && bytes <= ring.max_message) {
     return ring.latency_us + static_cast<double>(bytes) / ring.bytes_per_us;
   }
+  // Past a ring: a record through it saying so, then the header and the data on Gloo.
+  const double past_ring = ring.measured() ? ring.latency_us + latency_us : 0;
   TORCH_CHECK(bytes_per_us > 0, "gpipe::ProcessLinkStats: the link between processes was not "
               "measured (bytes_per_us ", bytes_per_us, "); measure it with "
               "gpipe::measure_gloo_link() or give its numbers");
-  return latency_us + static_cast<double>(bytes) / bytes_per_us;
+  return past_ring + latency_us + static_cast<double>(bytes) / bytes_per_us;
 }
 
 double ProcessLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {

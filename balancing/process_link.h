@@ -1,5 +1,6 @@
-// The link between processes: what a message and an all-reduce cost on c10d's Gloo, and a message
-// through a ring in shared memory, measured between two ranks on this machine, and the arithmetic the planner uses for stages in processes of
+// The link between processes: what a message and an all-reduce cost on c10d's Gloo (measured
+// between two ranks on this machine) and a message through a ring in shared memory (between two
+// threads), and the arithmetic the planner uses for stages in processes of
 // their own (distributed::PipelineStage) and for data-parallel replicas.
 #pragma once
 
@@ -26,11 +27,14 @@ namespace gpipe {
 // Stages in processes on one machine send their activations and gradients through rings in
 // shared memory instead of Gloo (PipelineStageOptions::shared_memory, on by default: Note [Shared
 // memory between stages on one host] in gpipe/distributed/internal/shared_memory.h), a message
-// that fits in half a ring at once and, past that, over Gloo. measure_shared_memory_link()
+// that an empty ring always takes at once and, past that, over Gloo. measure_shared_memory_link()
 // measures such a ring between two threads of this process, as the stages use it (packed by the
-// writer, unpacked by the reader into a tensor of its own): a message costs
-// ring.latency_us + bytes / ring.bytes_per_us up to ring.max_message bytes, and Gloo's price
-// beyond. The planner assumes the reader keeps up, so that a message never finds its ring full.
+// writer with its header, unpacked by the reader into a tensor made for it): a message costs
+// ring.latency_us + bytes / ring.bytes_per_us up to ring.max_message bytes (the largest
+// activations an empty ring always takes: 7/16 of a ring of 512 KiB or more, less a record's
+// prefix and the activations' header), and beyond it a record through the ring that says so plus
+// the header and the data on Gloo. The planner assumes the reader keeps up, so that a message
+// never finds its ring too full, and counts gradients (which have no header) as activations.
 // NCCL (GPU to GPU) is not measured here.
 
 /// What a message through a ring in shared memory costs between processes on one machine (Note
@@ -40,7 +44,9 @@ struct RingLinkStats {
   double latency_us = 0;
   /// A message's bytes per microsecond beyond its latency; 0: no rings (every message on Gloo).
   double bytes_per_us = 0;
-  /// The largest message a ring takes (half the ring, PipelineStageOptions::shared_memory / 2).
+  /// The largest activations an empty ring always takes: 7/16 of the ring
+  /// (PipelineStageOptions::shared_memory; 512 KiB or more) less a record's prefix and the
+  /// activations' header.
   int64_t max_message = 0;
 
   /// Whether the rings were measured (or given).
@@ -65,7 +71,7 @@ struct ProcessLinkStats {
   /// Whether the link was measured (or given).
   bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }
   /// The time of a message of `bytes` (0 for none): through a ring when it fits in one, else on
-  /// Gloo.
+  /// Gloo (after a record through the ring that says so, where there are rings).
   double message_us(int64_t bytes) const;
   /// The time of an all-reduce of `bytes` over `replicas` ranks (Gloo's ring; 0 for one rank).
   double allreduce_us(int64_t bytes, int64_t replicas) const;

@@ -73,6 +73,8 @@ bool python_states_are_off() {
 
 }  // namespace
 
+#ifdef GPIPE_READS_THREAD_STATE
+
 // What the C++ API can read and set of a thread's at::ThreadLocalState, field by field (Note
 // [Installing a state that is already there]).
 struct ThreadState::Reading {
@@ -95,13 +97,7 @@ struct ThreadState::Reading {
   }
 
   // The calling thread's reading; null where this LibTorch's state cannot be read completely.
-  static std::shared_ptr<const Reading> of_this_thread() {
-#ifdef GPIPE_READS_THREAD_STATE
-    return std::make_shared<const Reading>();
-#else
-    return nullptr;
-#endif
-  }
+  static std::shared_ptr<const Reading> of_this_thread() { return std::make_shared<const Reading>(); }
 
   // Whether `now` has this reading's record-function callbacks, with Python's states off in
   // both: what install() does not set.
@@ -140,6 +136,14 @@ struct ThreadState::Reading {
   bool record_function_enabled;
   bool python_states_off;
 };
+#else
+// Another LibTorch: nothing is read, and every guard installs the whole state.
+struct ThreadState::Reading {
+  static std::shared_ptr<const Reading> of_this_thread() { return nullptr; }
+  bool installs_over(const Reading&) const { return false; }
+  void install() const {}
+};
+#endif
 
 ThreadState::ThreadState()
     : reading_(Reading::of_this_thread()),

@@ -56,7 +56,7 @@ bool SharedLink::write(int64_t microbatch, const at::Tensor& header,
   return fits;
 }
 
-int64_t SharedLink::max_payload() const { return out->max_message() - kPrefixBytes; }
+int64_t SharedLink::max_sure_payload() const { return out->max_sure_message() - kPrefixBytes; }
 
 SharedLink::Record SharedLink::read(const RingWait& wait) {
   int64_t bytes = 0;

@@ -288,6 +288,13 @@ void SharedRing::check_room(int64_t rings, int64_t bytes) {
 
 int64_t SharedRing::max_message() const { return room_ / 2 - kRecordHeader; }
 
+int64_t SharedRing::max_sure_message() const {
+  // reserve() takes a record where what is unread, the skip to the ring's start (shorter than the
+  // record) and the record fit in the room less what is kept free: in an empty ring, twice the
+  // record is enough.
+  return std::min(max_message(), ((room_ - kept_free(room_)) / 2 - kRecordHeader) / kAlign * kAlign);
+}
+
 pid_t SharedRing::writer() const { return static_cast<pid_t>(control_->writer); }
 
 uint8_t* SharedRing::reserve(int64_t bytes, bool block, const RingWait& wait) {

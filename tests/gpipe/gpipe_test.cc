@@ -373,19 +373,16 @@ CATCH_TEST_CASE("a thread-state guard installs every setting of its state that t
   std::unique_ptr<ThreadState> state;
   at::CallbackHandle callback = 0;
   {
-    std::optional<c10::InferenceMode> inference;
-    std::optional<at::NoGradGuard> no_grad;
+    c10::InferenceMode inference(kind == "inference mode");
+    at::AutoGradMode grad_mode(kind != "no grad" && kind != "inference mode");
+    at::RecordFunctionGuard record_functions(kind != "record functions off");
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    std::optional<at::DisableRecordFunctionGuard> no_record_functions;
     std::optional<c10::DebugInfoGuard> debug_info;
-    if (kind == "inference mode") inference.emplace();
-    if (kind == "no grad") no_grad.emplace();
     if (kind == "autocast") set_cpu_autocast(true);
     if (kind == "below autograd") below_autograd.emplace();
     if (kind == "record-function callback") {
       callback = at::addThreadLocalCallback(at::RecordFunctionCallback(&count_operator));
     }
-    if (kind == "record functions off") no_record_functions.emplace();
     if (kind == "debug info") {
       debug_info.emplace(c10::DebugInfoKind::TEST_INFO, std::make_shared<TestDebugInfo>());
     }
@@ -424,25 +421,64 @@ CATCH_TEST_CASE("a thread-state guard sets a state whose callbacks are in place 
                 "install, and puts the thread's own back",
                 "[gpipe][thread_state]") {
   const bool grad = GENERATE(true, false);
-  CATCH_CAPTURE(grad);
+  const bool with_callback = GENERATE(false, true);
+  CATCH_CAPTURE(grad, with_callback);
+  // The same callback where the state is taken and where the guard runs.
+  const at::CallbackHandle callback =
+      with_callback ? at::addThreadLocalCallback(at::RecordFunctionCallback(&count_operator)) : 0;
   std::unique_ptr<ThreadState> state;
   {
     at::AutoGradMode mode(grad);
     state = std::make_unique<ThreadState>();
   }
-  at::AutoGradMode other(!grad);
-  c10::InferenceMode inference;  // (which turns grad mode off)
-  const bool grad_before = at::GradMode::is_enabled();
   {
-    ThreadStateGuard guard(*state);
-    CATCH_CHECK(at::GradMode::is_enabled() == grad);
-    CATCH_CHECK_FALSE(c10::InferenceMode::is_enabled());
-    CATCH_CHECK_FALSE(at::ones({1}).is_inference());
-    CATCH_CHECK(guard.installed() == !kReadsThreadState);
+    at::AutoGradMode other(!grad);
+    {
+      ThreadStateGuard guard(*state);
+      CATCH_CHECK(at::GradMode::is_enabled() == grad);
+      CATCH_CHECK(guard.installed() == !kReadsThreadState);
+      seen_by_callback = 0;
+      at::Tensor unused = at::randn({2}) + 1;
+      CATCH_CHECK((seen_by_callback > 0) == with_callback);
+    }
+    CATCH_CHECK(at::GradMode::is_enabled() == !grad);
   }
-  CATCH_CHECK(at::GradMode::is_enabled() == grad_before);
-  CATCH_CHECK(c10::InferenceMode::is_enabled());
-  CATCH_CHECK(at::ones({1}).is_inference());
+  {
+    // Inference mode (which turns grad mode off) where the guard runs, not where the state was
+    // taken.
+    c10::InferenceMode inference;
+    {
+      ThreadStateGuard guard(*state);
+      CATCH_CHECK_FALSE(c10::InferenceMode::is_enabled());
+      CATCH_CHECK_FALSE(at::ones({1}).is_inference());
+      CATCH_CHECK(at::GradMode::is_enabled() == grad);
+      CATCH_CHECK(guard.installed() == !kReadsThreadState);
+    }
+    CATCH_CHECK(c10::InferenceMode::is_enabled());
+    CATCH_CHECK(at::ones({1}).is_inference());
+    CATCH_CHECK_FALSE(at::GradMode::is_enabled());
+  }
+  if (callback != 0) at::removeCallback(callback);
+}
+
+CATCH_TEST_CASE("a thread-state guard takes away a callback its state lacks, by a whole install",
+                "[gpipe][thread_state]") {
+  const ThreadState state;
+  const at::CallbackHandle callback =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(&count_operator));
+  auto fires = [] {
+    seen_by_callback = 0;
+    at::Tensor unused = at::randn({2}) + 1;
+    return seen_by_callback > 0;
+  };
+  CATCH_REQUIRE(fires());
+  {
+    ThreadStateGuard guard(state);
+    CATCH_CHECK(guard.installed());
+    CATCH_CHECK_FALSE(fires());
+  }
+  CATCH_CHECK(fires());
+  at::removeCallback(callback);
 }
 
 // Records the thread each forward of its layer ran on.

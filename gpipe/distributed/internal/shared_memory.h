@@ -122,6 +122,10 @@ class SharedRing {
 
   /// The largest message the ring takes: half its room.
   int64_t max_message() const;
+  /// The largest message that a write which does not wait always finds room for in an empty ring,
+  /// wherever the ring's next record starts (less than max_message(): the room kept free, and a
+  /// record that would cross the ring's end starts again at its beginning).
+  int64_t max_sure_message() const;
   /// Writer: room for a message of `bytes` (64-byte aligned), or null when `block` is false and the
   /// ring has no room now (or never: beyond max_message()). With `block`, waits for room as `wait`
   /// says. commit() sends what was written there.
@@ -176,8 +180,9 @@ struct SharedLink {
   };
   /// The next record of `in`, once it is there (as `wait` says); release() frees it.
   Record read(const RingWait& wait);
-  /// The largest header and tensors, packed, that one record of `out` holds.
-  int64_t max_payload() const;
+  /// The largest header and tensors, packed, that a record of `out` always finds room for in an
+  /// empty ring (SharedRing::max_sure_message).
+  int64_t max_sure_payload() const;
   void release() { in->release(); }
 };
 
