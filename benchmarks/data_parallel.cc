@@ -29,6 +29,7 @@
 #include "benchmarks/timing.h"
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/worker.h"
 
 ABSL_FLAG(int, steps, 20, "timed steps per configuration (after 3 untimed ones)");
@@ -36,7 +37,8 @@ ABSL_FLAG(int, batch, 64, "the mini-batch, split evenly over the ranks");
 ABSL_FLAG(int64_t, bucket_kib, 1024, "bucket size of the bucketed configuration, in KiB");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file (rank 0)");
 ABSL_FLAG(bool, stage_local_backward, false,
-          "each partition runs its own backward on its worker (GPipeOptions::stage_local_backward)");
+          "each partition runs its own backward on its worker (Note [Stage-local backward in one "
+          "process]; false: the one graph)");
 
 namespace {
 
@@ -58,11 +60,12 @@ Result run(const gpipe::distributed::ProcessGroup& group, int64_t bucket_bytes) 
     seq->push_back(nn::Linear(512, 512));
     seq->push_back(nn::Tanh());
   }
-  gpipe::GPipe pipe(seq, gpipe::GPipeOptions({8, 8})
-                             .chunks(4)
-                             .checkpoint(gpipe::Checkpoint::kNever)
-                             .devices({at::kCPU, at::kCPU})
-                             .stage_local_backward(absl::GetFlag(FLAGS_stage_local_backward)));
+  gpipe::GPipe pipe(seq, gpipe::internal::with_stage_local_backward(
+                             gpipe::GPipeOptions({8, 8})
+                                 .chunks(4)
+                                 .checkpoint(gpipe::Checkpoint::kNever)
+                                 .devices({at::kCPU, at::kCPU}),
+                             absl::GetFlag(FLAGS_stage_local_backward)));
   DataParallel model(pipe, group, DataParallelOptions().bucket_bytes(bucket_bytes));
   torch::optim::SGD sgd(model->parameters(), 0.01);
   const int64_t shard = absl::GetFlag(FLAGS_batch) / group->getSize();

@@ -132,6 +132,13 @@ int main(int argc, char** argv) {
     loss.backward();
     return loss;
   });
+  one_thread->eval();
+  const double microbatches_one_inference = median_ms(
+      [&] {
+        at::NoGradGuard no_grad;
+        one_thread->forward(x);
+      },
+      repeats, true);
   at::set_num_threads(intra);  // LibTorch's and OpenBLAS's defaults again
   set_blas_threads(blas);
 
@@ -140,7 +147,7 @@ int main(int argc, char** argv) {
               "speed-up (1 core)", "of the ideal", "of it (micro-batches)");
   std::vector<std::string> json;
   // of_ideal: against the plain model on one core; of_ideal_microbatches: against the same
-  // micro-batches on one core (the pipeline's own work; training only).
+  // micro-batches on one core (the pipeline's own work), in training or inference.
   auto report = [&](const std::string& what, double ms, double vs_default, double vs_one,
                     double vs_microbatches) {
     const double speedup = vs_one / ms;
@@ -157,6 +164,8 @@ int main(int argc, char** argv) {
   report("plain, one core", plain_one, plain_default, plain_one, 0);
   report("micro-batches on one core", microbatches_one, plain_default, plain_one,
          microbatches_one);
+  report("inference, micro-batches on one core", microbatches_one_inference,
+         plain_default_inference, plain_one_inference, microbatches_one_inference);
   for (const bool divided : {true, false}) {
     // Not divided: the engine before Note [Dividing the cores], for comparison.
     gpipe::internal::set_core_share(divided);
@@ -196,11 +205,13 @@ int main(int argc, char** argv) {
                shared->forward(x);
              },
              repeats, true),
-         plain_default_inference, plain_one_inference, 0);
-  // The one option that is still the user's: each partition's backward on its own thread.
-  gpipe::GPipe local(make_model(n * per, width), options().stage_local_backward(true));
-  report("forward() + backward(), stage-local", train(*local, [&] {
-           at::Tensor loss = mse(gpipe::Batch(local->forward(x)), y);
+         plain_default_inference, plain_one_inference, microbatches_one_inference);
+  // The engine's decision against the other (Note [Stage-local backward in one process]): each
+  // partition's threads, but the one graph, whose backward runs on the calling thread.
+  gpipe::GPipe one_graph(make_model(n * per, width),
+                         gpipe::internal::with_stage_local_backward(options(), false));
+  report("forward() + backward(), one graph", train(*one_graph, [&] {
+           at::Tensor loss = mse(gpipe::Batch(one_graph->forward(x)), y);
            loss.backward();
            return loss;
          }),
@@ -212,14 +223,16 @@ int main(int argc, char** argv) {
         model->forward(x);
       },
       repeats, true);
-  report("inference, forward()", inference, plain_default_inference, plain_one_inference, 0);
+  report("inference, forward()", inference, plain_default_inference, plain_one_inference,
+         microbatches_one_inference);
   const double step_inference = median_ms(
       [&] {
         at::NoGradGuard no_grad;
         model->step(x, at::Tensor(), mse);
       },
       repeats, true);
-  report("inference, step()", step_inference, plain_default_inference, plain_one_inference, 0);
+  report("inference, step()", step_inference, plain_default_inference, plain_one_inference,
+         microbatches_one_inference);
   const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
   std::printf("\n%s", text.c_str());
   if (!absl::GetFlag(FLAGS_json_out).empty()) std::ofstream(absl::GetFlag(FLAGS_json_out)) << text;

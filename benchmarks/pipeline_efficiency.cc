@@ -116,13 +116,14 @@ int main(int argc, char** argv) {
       const at::Tensor x = input(m);
       double ms[2];
       for (const bool workers : {false, true}) {
-        gpipe::GPipe model(make(), gpipe::internal::with_partition_threads(
-                                       gpipe::GPipeOptions(balance)
-                                           .devices(std::vector<c10::Device>(n, at::kCPU))
-                                           .chunks(m)
-                                           .checkpoint(gpipe::Checkpoint::kNever),
-                                       workers)
-                                       .stage_local_backward(workers && stage_local));
+        gpipe::GPipe model(make(), gpipe::internal::with_stage_local_backward(
+                                       gpipe::internal::with_partition_threads(
+                                           gpipe::GPipeOptions(balance)
+                                               .devices(std::vector<c10::Device>(n, at::kCPU))
+                                               .chunks(m)
+                                               .checkpoint(gpipe::Checkpoint::kNever),
+                                           workers),
+                                       workers && stage_local));
         std::function<void()> step;
         if (training) {
           model->train();

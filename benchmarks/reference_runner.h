@@ -52,7 +52,7 @@ ABSL_FLAG(std::string, experiments, "", "run only these, comma-separated (defaul
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
 ABSL_FLAG(bool, stage_local_backward, true,
           "CPU pipelines: each partition runs its own backward on its worker "
-          "(GPipeOptions::stage_local_backward)");
+          "(Note [Stage-local backward in one process]; false: the one graph)");
 ABSL_FLAG(std::string, child, "",
           "memory benchmarks, internal: run this one experiment and report (\"idle\": nothing)");
 
@@ -94,7 +94,7 @@ struct Setup {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::vector<c10::Device> devices;
   bool segmentation;  // binary cross-entropy against a mask, else cross-entropy against classes
-  bool stage_local = false;  // GPipeOptions::stage_local_backward
+  bool stage_local = false;  // GPipe::stage_local_backward()
   int64_t parameters = 0;
 
   Setup(const Experiment& e, bool cuda)
@@ -107,12 +107,14 @@ struct Setup {
       plain->to(devices.front());
     } else {
       stage_local = cpu_pipeline && absl::GetFlag(FLAGS_stage_local_backward);
-      pipe = GPipe(
-          model,
-          gpipe::internal::with_partition_threads(
-              GPipeOptions(e.balance).devices(devices).chunks(e.chunks).checkpoint(e.checkpoint),
-              cpu_pipeline)
-              .stage_local_backward(stage_local));
+      pipe = GPipe(model,
+                   gpipe::internal::with_stage_local_backward(
+                       gpipe::internal::with_partition_threads(GPipeOptions(e.balance)
+                                                                   .devices(devices)
+                                                                   .chunks(e.chunks)
+                                                                   .checkpoint(e.checkpoint),
+                                                               cpu_pipeline),
+                       stage_local));
     }
     std::vector<at::Tensor> params = plain ? plain->parameters() : pipe->parameters();
     for (const at::Tensor& p : params) parameters += p.numel();

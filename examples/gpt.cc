@@ -463,7 +463,6 @@ int run() {
                   .devices(devices)
                   .chunks(chunks)
                   .checkpoint(training::parse_checkpoint(checkpoint))
-                  .stage_local_backward(on_cpu && partitions > 1 && schedule == "gpipe")
                   .schedule(training::schedule_of(shape)));
   model->record_timeline(!absl::GetFlag(FLAGS_svg).empty());
   int64_t parameters = 0;

@@ -110,7 +110,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
     grad_records_.push_back(std::make_shared<GradRecord>());
   }
   const std::optional<bool> chosen = internal::PartitionThreads::chosen(options_);
-  if (options_.stage_local_backward()) {
+  const std::optional<bool> stage_local = internal::PartitionThreads::chosen_stage_local(options_);
+  bool all_cpu = true;
+  for (const c10::Device& device : devices_) all_cpu &= device.is_cpu();
+  if (stage_local.value_or(false)) {
     for (size_t j = 0; j < devices_.size(); ++j) {
       TORCH_CHECK(devices_[j].is_cpu(), "GPipe stage_local_backward is for CPU partitions, but "
                   "partition ", j, " is on ", devices_[j], " (CUDA partitions already run their "
@@ -122,7 +125,10 @@ GPipeImpl::GPipeImpl(torch::nn::Sequential module, GPipeOptions options)
   }
   // forward()'s threads, and stage-local backward's (Note [Threads of forward()] in worker.h).
   own_threads_ = internal::own_threads_for_forward(partitions_, devices_, chosen,
-                                                   options_.stage_local_backward());
+                                                   stage_local.value_or(false));
+  // Where every partition is on the CPU with a thread of its own, each runs its backward there
+  // (Note [Stage-local backward in one process]).
+  stage_local_ = stage_local.value_or(own_threads_ && all_cpu && partitions_.size() > 1);
   workers_ = WorkerPool::make_shared(devices_, own_threads_);
   if (own_threads_) {
     // Each partition on a thread of its own (Note [Random numbers in concurrent partitions]).
@@ -256,7 +262,7 @@ void GPipeImpl::forward_batches(std::vector<at::Tensor> values, bool atomic,
   for (const at::Tensor& t : input.values()) {
     input_has_history |= t.defined() && t.grad_fn() != nullptr;
   }
-  if (options_.stage_local_backward() && checkpointing && devices_.size() > 1 && !input_has_history) {
+  if (stage_local_ && checkpointing && devices_.size() > 1 && !input_has_history) {
     spec.stage_backward = std::make_shared<internal::StageBackward>(
         workers_, static_cast<int64_t>(partitions_.size()));
   }

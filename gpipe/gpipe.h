@@ -57,14 +57,6 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
   /// One device per partition (repeats allowed). Empty (the default) means every CUDA device
   /// when CUDA is available, else the CPU for every partition. Extra devices are ignored.
   TORCH_ARG(std::vector<c10::Device>, devices) = {};
-  /// Whether each CPU partition runs its own backward on its worker thread, so that partitions
-  /// overlap in backward as in forward (Note [Stage-local backward in one process]). Needs every
-  /// partition on the CPU; the partitions then get threads of their own (Note [Threads of
-  /// forward()] in worker.h), even where one holds a layer that draws random numbers. Skips may
-  /// cross partitions. Gradients are the same; torch::autograd::grad through the pipeline (rather
-  /// than backward()) and create_graph are not supported in this mode.
-  TORCH_ARG(bool, stage_local_backward) = false;
-
  public:
   /// Deprecated: a schedule written as text; use schedule(PipelineSchedule::text(text)).
   [[deprecated("use schedule(gpipe::PipelineSchedule::text(text))")]]
@@ -82,10 +74,20 @@ struct GPipeOptions : PipelineOptions<GPipeOptions> {
     partition_threads_ = own;
     return *this;
   }
+  /// Deprecated: whether each CPU partition runs its own backward on its thread is the engine's
+  /// decision (Note [Stage-local backward in one process]: where every partition is on the CPU
+  /// with a thread of its own, and exact for every backward). This overrides the decision.
+  [[deprecated("stage-local backward is the engine's decision (Note [Stage-local backward in "
+               "one process] in gpipe/internal/stage_backward.h); remove the call")]]
+  GPipeOptions& stage_local_backward(bool on) {
+    stage_local_ = on;
+    return *this;
+  }
 
  private:
   friend struct internal::PartitionThreads;
   std::optional<bool> partition_threads_;  // the override; none: the engine decides
+  std::optional<bool> stage_local_;  // the override; none: the engine decides
 };
 
 /// Pipeline-parallel wrapper of a Sequential. Construct it through the GPipe holder:
@@ -187,6 +189,10 @@ class GPipeImpl : public torch::nn::Module {
   /// Whether forward() runs each partition on a thread of its own, decided at construction (Note
   /// [Threads of forward()] in worker.h); else a device's partitions share one.
   bool partitions_on_own_threads() const { return own_threads_; }
+  /// Whether the backward of a training forward() runs each partition's part on the partition's
+  /// own thread, decided at construction: where every partition is on the CPU with a thread of
+  /// its own (Note [Stage-local backward in one process]). Gradients are the same either way.
+  bool stage_local_backward() const { return stage_local_; }
   /// Where the model's skip connections run between partitions.
   const SkipLayout& skip_layout() const { return skip_layout_; }
 
@@ -231,6 +237,7 @@ class GPipeImpl : public torch::nn::Module {
   torch::nn::ModuleList partition_list_;
   std::shared_ptr<WorkerPool> workers_;  // shared with stage-local backwards in flight
   bool own_threads_ = false;             // partitions_on_own_threads()
+  bool stage_local_ = false;             // Note [Stage-local backward in one process]
   // Per partition: its BatchNorm layers (shared with the autograd graphs of checkpointed
   // micro-batches, which may outlive this GPipe) and its GradRecord.
   std::vector<std::shared_ptr<BatchNormLayers>> batch_norms_;

@@ -3,13 +3,16 @@
 #include "gpipe/internal/stage_backward.h"
 
 #include <optional>
+#include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include "gpipe/internal/end_of_backward.h"
 
@@ -17,47 +20,84 @@ namespace gpipe {
 namespace internal {
 namespace {
 
+using torch::autograd::edge_list;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 thread_local bool stage_job = false;
 
-// The cut in front of a partition (or of a skip's popping partition): no next edges; its backward
-// hands the gradients of its outputs to the earlier partition's backward of the micro-batch, which
-// runs from `roots` (with those of the other Handoffs leading to it) on that partition's worker.
-struct Handoff : Node {
-  Handoff(std::shared_ptr<StageBackward> owner, std::vector<at::Tensor> roots, size_t partition,
-          int64_t microbatch, int64_t id)
-      : owner(std::move(owner)),
-        roots(std::move(roots)),
-        partition(partition),
-        microbatch(microbatch),
-        id(id) {}
-  std::string name() const override { return "gpipe::Handoff"; }
-  variable_list apply(variable_list&& grads) override {
-    // Inside backward, grad mode is on only with create_graph.
-    TORCH_CHECK(!at::GradMode::is_enabled(), "gpipe: a backward with create_graph (double "
-                "backward) cannot cross partitions with stage-local backward; construct the GPipe "
-                "with GPipeOptions::stage_local_backward(false)");
-    std::vector<at::Tensor> g(roots.size());
-    for (size_t k = 0; k < roots.size(); ++k) {
-      g[k] = k < grads.size() && grads[k].defined() ? std::move(grads[k])
-                                                    : at::zeros_like(roots[k]);
-    }
-    if (!in_stage_backward()) {
-      owner->queue_callback_once();
-    }
-    owner->arrive(id, partition, microbatch, roots, std::move(g));
-    return {};
-  }
-  std::shared_ptr<StageBackward> owner;
-  std::vector<at::Tensor> roots;
-  size_t partition;
-  int64_t microbatch;
-  int64_t id;
-};
+// Whether the backward running on this thread is a plain one — backward() from roots, without
+// inputs (an empty exec info: every node runs) and without create_graph (grad mode is off inside
+// a backward unless it makes a graph) — which a Handoff may cut (Note [Stage-local backward in
+// one process]).
+bool plain_backward() {
+  if (at::GradMode::is_enabled()) return false;
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  return exec_info == nullptr || exec_info->empty();
+}
 
 }  // namespace
+
+// Where a micro-batch enters a partition (or a skip its popping partition), in front of the
+// earlier partition's outputs `roots`: its next edges are theirs, so that the graph stays one.
+// A plain backward that may cut (Note [Where a backward may cut]) takes every Handoff's edges
+// away when it meets the first; each then hands the gradients it gets to the earlier
+// partition's backward of the micro-batch, which runs from `roots` (with those of the other
+// Handoffs leading to it) on that partition's worker. Any other backward passes through it.
+struct Handoff : Node {
+  using Key = std::pair<size_t, int64_t>;  // partition, micro-batch
+  Handoff(std::shared_ptr<StageBackward> owner, std::vector<at::Tensor> roots, size_t partition,
+          int64_t microbatch, int64_t id, std::optional<Key> reached_by)
+      : Node(torch::autograd::collect_next_edges(roots)),
+        owner(std::move(owner)),
+        roots(std::move(roots)),
+        target(partition, microbatch),
+        reached_by(reached_by),
+        id(id) {}
+  ~Handoff() override { owner->forget(this); }
+  edge_list take_edges() {
+    edge_list edges = std::move(next_edges_);
+    next_edges_.clear();
+    return edges;
+  }
+  void give_edges(edge_list edges) { next_edges_ = std::move(edges); }
+  std::string name() const override { return "gpipe::Handoff"; }
+  void release_variables() override {
+    released = true;
+    roots.clear();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(!released, "gpipe: a backward reached a partition's hand-off again after a "
+                "backward that did not retain the graph; pass retain_graph=true to the first "
+                "backward to run another through the same graph");
+    if (!plain_backward()) return std::move(grads);  // the one graph
+    // The user's backward decides, at the first Handoff it meets, whether it cuts (and takes the
+    // edges away); a handed-off backward runs only where it did.
+    if (!in_stage_backward() && !owner->queue_callback_once()) return std::move(grads);
+    TORCH_INTERNAL_ASSERT(next_edges_.empty(), "gpipe: a Handoff kept its edges in a cut");
+    // The roots whose gradients are defined: where the one graph would pass an undefined
+    // gradient on, nothing is run, and the parameters behind it keep no gradient.
+    std::vector<at::Tensor> handed, g;
+    for (size_t k = 0; k < roots.size() && k < grads.size(); ++k) {
+      if (!grads[k].defined()) continue;
+      handed.push_back(roots[k]);
+      g.push_back(std::move(grads[k]));
+    }
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    // Without the graph kept, the roots go with the gradients: this node holds no graph any more.
+    if (!keep_graph) roots.clear();
+    owner->arrive(id, target.first, target.second, std::move(handed), std::move(g), keep_graph);
+    return {};  // no next edges: this engine call stops here
+  }
+
+  std::shared_ptr<StageBackward> owner;
+  std::vector<at::Tensor> roots;
+  const Key target;  // the backward it hands its gradients to
+  const std::optional<Key> reached_by;  // the backward that reaches it; none: the user's
+  const int64_t id;
+  bool released = false;
+};
 
 bool in_stage_backward() { return stage_job; }
 
@@ -67,6 +107,31 @@ int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {
   const int64_t id = next_id_++;
   if (reached_by != nullptr) in_graph_of_[*reached_by].emplace_back(id, target);
   return id;
+}
+
+// Note [Where a backward may cut]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Cutting at the Handoffs gives each (partition, micro-batch) part of the graph — its segment,
+// the nodes reachable from the Handoffs that lead to it without crossing another Handoff — its
+// own engine call. That is exact only where every path into a segment passes through those
+// Handoffs: a node that the user's backward reaches another way (a tensor from inside a
+// partition used outside it, such as a loss a layer keeps; the first-order gradients a
+// create_graph backward made, whose graph refers to the partitions' activations), or that two
+// segments share (a tensor computed once and used by every micro-batch), would be run by two
+// engine calls, or wait in one for a gradient that another has. So the first Handoff a plain
+// backward meets checks the graph the engine found for it (every node reachable from its roots):
+// each edge into a segment must come from that segment, or from a Handoff that leads to it; each
+// edge into a Handoff from the segment that uses its tensors (from outside the pipeline, for
+// those behind the last partition); a parameter (its AccumulateGrad node) may be reached from
+// several segments, but not also from outside them (a weight's penalty in the loss). Where that
+// fails, this backward passes through every Handoff: the one graph, as
+// LibTorch runs it. (Not seen: the edges of the roots themselves, which the engine keeps apart;
+// an edge from several roots into a segment, one of them the pipeline's output, can then still
+// reach a Handoff twice, which arrive() refuses.)
+
+void StageBackward::forget(const Node* handoff) {
+  absl::MutexLock lock(&mu_);
+  handoffs_.erase(handoff);
 }
 
 void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch, bool last) {
@@ -86,8 +151,10 @@ void StageBackward::hand_off(Batch& batch, size_t partition, int64_t microbatch,
   const Key next{partition + 1, microbatch};
   const int64_t id = add_handoff({partition, microbatch}, last ? nullptr : &next);
   auto node = std::shared_ptr<Handoff>(
-      new Handoff(shared_from_this(), roots, partition, microbatch, id),
+      new Handoff(shared_from_this(), roots, partition, microbatch, id,
+                  last ? std::nullopt : std::optional<Key>(next)),
       torch::autograd::deleteNode);
+  remember(node.get());
   for (size_t k : where) {
     at::Tensor out = batch[k].detach();
     torch::autograd::set_history(out, node);
@@ -100,21 +167,27 @@ at::Tensor StageBackward::hand_off_skip(const at::Tensor& tensor, size_t partiti
   const Key popper{popping, microbatch};
   const int64_t id = add_handoff({partition, microbatch}, &popper);
   auto node = std::shared_ptr<Handoff>(
-      new Handoff(shared_from_this(), {tensor}, partition, microbatch, id),
+      new Handoff(shared_from_this(), {tensor}, partition, microbatch, id, popper),
       torch::autograd::deleteNode);
+  remember(node.get());
   at::Tensor out = tensor.detach();
   torch::autograd::set_history(out, node);
   return out;
 }
 
 void StageBackward::arrive(int64_t id, size_t partition, int64_t microbatch,
-                           std::vector<at::Tensor> roots, std::vector<at::Tensor> grads) {
+                           std::vector<at::Tensor> roots, std::vector<at::Tensor> grads,
+                           bool keep_graph) {
   Join ready;
   const Key key{partition, microbatch};
   {
     absl::MutexLock lock(&mu_);
-    arrived_.insert(id);
+    TORCH_CHECK(arrived_.insert(id).second, "gpipe: a backward reached partition ", partition + 1,
+                "'s input of micro-batch ", microbatch, " twice, from two of its roots; call "
+                "backward on one tensor (e.g. the sum of the roots), so that the pipeline's "
+                "backward runs as one graph where it must (Note [Where a backward may cut])");
     Join& join = joins_[key];
+    join.keep_graph |= keep_graph;
     for (size_t k = 0; k < roots.size(); ++k) {
       join.roots.push_back(std::move(roots[k]));
       join.grads.push_back(std::move(grads[k]));
@@ -144,8 +217,15 @@ std::vector<std::pair<StageBackward::Key, StageBackward::Join>> StageBackward::j
 }
 
 void StageBackward::start(const Key& key, Join join) {
-  submit(key, [roots = std::move(join.roots), grads = std::move(join.grads)] {
-    torch::autograd::backward(roots, grads);
+  if (join.roots.empty()) {
+    // Only undefined gradients arrived: no backward to run, and the Handoffs it would have
+    // reached will not be.
+    for (auto& [next, ready] : job_done(key)) start(next, std::move(ready));
+    return;
+  }
+  submit(key, [roots = std::move(join.roots), grads = std::move(join.grads),
+               keep_graph = join.keep_graph] {
+    torch::autograd::backward(roots, grads, keep_graph);
   });
 }
 
@@ -211,15 +291,107 @@ void StageBackward::start_or_record(const Key& key, Join join) {
   }
 }
 
-void StageBackward::queue_callback_once() {
+void StageBackward::remember(Handoff* handoff) {
+  absl::MutexLock lock(&mu_);
+  handoffs_[handoff] = handoff;
+}
+
+namespace {
+
+using Segment = std::pair<size_t, int64_t>;  // partition, micro-batch
+constexpr Segment kOutside{~size_t{0}, -1};
+
+bool is_parameter(const Node* node) {
+  return dynamic_cast<const torch::autograd::AccumulateGrad*>(node) != nullptr;
+}
+
+}  // namespace
+
+bool StageBackward::cuts_safely() const {
+  const std::unordered_set<Node*>* graph = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (graph == nullptr) return false;
+  // Note [Where a backward may cut]: label every segment's nodes, then check every edge.
+  std::unordered_map<const Node*, Segment> segment;
+  std::unordered_set<const Node*> inside_parameters;
+  std::vector<const Node*> stack;
+  for (const auto& [node, handoff] : handoffs_) {
+    if (graph->count(const_cast<Node*>(node)) == 0) continue;
+    stack.push_back(node);
+    while (!stack.empty()) {
+      const Node* at = stack.back();
+      stack.pop_back();
+      for (const auto& edge : at->next_edges()) {
+        const Node* next = edge.function.get();
+        if (next == nullptr || handoffs_.count(next) > 0) continue;
+        if (is_parameter(next)) {
+          inside_parameters.insert(next);
+          continue;
+        }
+        auto [it, added] = segment.emplace(next, handoff->target);
+        if (!added && it->second != handoff->target) return false;  // shared by two segments
+        if (added) stack.push_back(next);
+      }
+    }
+  }
+  auto segment_of = [&](const Node* node) {
+    auto it = segment.find(node);
+    return it == segment.end() ? kOutside : it->second;
+  };
+  for (const Node* node : *graph) {
+    // What reaches through this node's edges: a Handoff's target, else the node's own segment.
+    const auto handoff = handoffs_.find(node);
+    const Segment from = handoff != handoffs_.end() ? handoff->second->target : segment_of(node);
+    for (const auto& edge : node->next_edges()) {
+      const Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      if (is_parameter(next)) {
+        if (from == kOutside && inside_parameters.count(next) > 0) return false;
+      } else if (const auto into = handoffs_.find(next); into != handoffs_.end()) {
+        if (into->second->reached_by.value_or(kOutside) != from) return false;
+      } else if (segment_of(next) != from && segment_of(next) != kOutside) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool StageBackward::queue_callback_once() {
   {
     absl::MutexLock lock(&mu_);
-    if (callback_queued_) return;
-    cores_ = std::make_shared<const internal::CoreShare>(partitions_);  // before: it may throw
+    if (callback_queued_) return cut_;
     callback_queued_ = true;
   }
   auto self = shared_from_this();
-  queue_end_of_backward([self] { self->finish(); }, [self] { self->cancel(); });
+  try {
+    queue_end_of_backward([self] { self->finish(); }, [self] { self->cancel(); });
+  } catch (...) {
+    absl::MutexLock lock(&mu_);
+    callback_queued_ = false;
+    throw;
+  }
+  std::vector<edge_list> dropped;  // freed unlocked: they may hold graphs, and so Handoffs
+  const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+  absl::MutexLock lock(&mu_);
+  cut_ = cuts_safely();
+  if (!cut_) return false;  // the whole backward on this thread, with the caller's cores
+  cores_ = std::make_shared<const internal::CoreShare>(partitions_);
+  // Every Handoff's edges go, so that each engine call stops at the Handoffs (the engine runs a
+  // node's next functions only through the gradients it returns, and walks its edges when it
+  // starts); with the graph kept they come back when the backward ends.
+  for (const auto& [node, handoff] : handoffs_) {
+    edge_list edges = handoff->take_edges();
+    if (keep_graph) {
+      cut_edges_.emplace_back(handoff->shared_from_this(), std::move(edges));
+    } else {
+      dropped.push_back(std::move(edges));
+    }
+  }
+  return true;
+}
+
+void StageBackward::restore_edges(CutEdges cut) {
+  for (auto& [node, edges] : cut) static_cast<Handoff*>(node.get())->give_edges(std::move(edges));
 }
 
 void StageBackward::cancel() {
@@ -227,6 +399,7 @@ void StageBackward::cancel() {
   // hold this object (kept alive meanwhile by the dropped callback).
   std::deque<std::function<void()>> dropped_jobs;
   std::map<Key, Join> dropped_joins;
+  CutEdges cut;
   {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
@@ -238,12 +411,14 @@ void StageBackward::cancel() {
         +[](StageBackward* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) { return s->pending_ == 0; },
         this));
     dropped_joins.swap(joins_);  // partial joins, with what those backwards handed off meanwhile
+    cut.swap(cut_edges_);
     arrived_.clear();
     error_ = nullptr;  // the user's backward raises its own error
     callback_queued_ = false;
     cancelled_ = false;
     cores_ = nullptr;
   }
+  restore_edges(std::move(cut));
 }
 
 void StageBackward::finish() {
@@ -285,15 +460,20 @@ void StageBackward::finish() {
     }
   }
   std::exception_ptr error;
+  CutEdges cut;
+  std::map<Key, Join> left;
   {
     absl::MutexLock lock(&mu_);
+    cut.swap(cut_edges_);
     error = error_;
     error_ = nullptr;
     callback_queued_ = false;
     cores_ = nullptr;  // the cores are the caller's again
-    joins_.clear();  // after an error, backwards that will not run
+    left.swap(joins_);  // after an error, backwards that will not run (freed unlocked: they hold
+                        // graphs, whose Handoffs forget themselves here)
     arrived_.clear();  // a backward with retain_graph may reach the Handoffs again
   }
+  restore_edges(std::move(cut));
   if (error) std::rethrow_exception(error);
 }
 

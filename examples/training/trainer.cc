@@ -116,9 +116,6 @@ ABSL_FLAG(int64_t, stage_partitions, 1,
           "with --distributed: split each stage into this many partitions, each on a thread of "
           "its own (PipelineStageOptions::local_balance); --balance then has stages x this "
           "entries");
-ABSL_FLAG(bool, stage_local_backward, true,
-          "on CPU partitions, run each partition's backward on its own worker "
-          "(GPipeOptions::stage_local_backward)");
 ABSL_FLAG(std::string, save, "",
           "save the training (parameters, optimizer, step, random generators) in this folder: at "
           "the end of every epoch k in <this>/epoch_k, and every --save_every steps in "
@@ -333,9 +330,6 @@ int train(const TrainerModel& trainer) {
     balance = choose_balance(absl::GetFlag(FLAGS_balance), partitions, model, sample, chunks,
                              devices.front());
   }
-  // Stage-local backward where it applies (Note [Stage-local backward in one process]): CPU
-  // partitions, each with a thread of its own (Note [Threads of forward()]).
-  const bool stage_local = absl::GetFlag(FLAGS_stage_local_backward) && on_cpu && partitions > 1;
   gpipe::SearchedSchedule searched;
   gpipe::PipelinePlan auto_plan;
   const gpipe::PipelineSchedule chosen =
@@ -348,7 +342,6 @@ int train(const TrainerModel& trainer) {
                         .chunks(chunks)
                         .checkpoint(parse_checkpoint(checkpoint))
                         .deferred_batch_norm(true)
-                        .stage_local_backward(stage_local)
                         .schedule(chosen));
   pipe->record_timeline(true);
   // GPipe's own schedule keeps forward() and backward(); the others run as step().
@@ -384,7 +377,7 @@ int train(const TrainerModel& trainer) {
                                        at::get_num_threads(),
                                        at::get_num_threads() == 1 ? "" : "s").c_str()
                      : "",
-              stage_local ? ", stage-local backward" : "",
+              !use_step && pipe->stage_local_backward() ? ", stage-local backward" : "",
               absl::GetFlag(FLAGS_amp) ? (on_cpu ? ", autocast bfloat16" : ", autocast float16")
                                        : "");
   if (schedule == "auto") {

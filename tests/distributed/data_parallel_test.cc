@@ -8,6 +8,7 @@
 
 #include "gpipe/distributed/data_parallel.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/internal/partition_threads.h"
 #include "tests/catch.h"
 #include "tests/distributed/data_parallel_test_util.h"
 #include "tests/distributed/multiprocess.h"
@@ -78,7 +79,8 @@ CATCH_TEST_CASE(kStageLocal, "[distributed][stage_backward]") {
     // end]).
     train_replica(
         GPipe(make_model(false, test_rank()),
-              pipe_options().devices({at::kCPU, at::kCPU, at::kCPU}).stage_local_backward(true)),
+              gpipe::internal::with_stage_local_backward(
+                  pipe_options().devices({at::kCPU, at::kCPU, at::kCPU}), true)),
         test_rank());
     return;
   }

@@ -37,7 +37,9 @@ GPipe probed_model(int64_t partitions, int64_t chunks, Checkpoint mode,
                              .chunks(chunks)
                              .checkpoint(mode);
   if (one_thread) options = internal::with_partition_threads(options, false);
-  return GPipe(seq, options);
+  // The one graph, whose backward order the pipeline's fork/join edges set (Note [Backward
+  // order]); stage-local backward has none (Note [Stage-local backward in one process]).
+  return GPipe(seq, internal::with_stage_local_backward(options, false));
 }
 
 // How many micro-batches `mode` checkpoints in training (the reference's checkpoint_stop).

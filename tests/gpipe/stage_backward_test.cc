@@ -1,8 +1,10 @@
-// Stage-local backward for CPU partitions (GPipeOptions::stage_local_backward): the same
-// parameters as the plain model over several optimizer steps, each partition's backward on its
-// own worker thread, errors from a partition's backward raised by backward(), and the mode's
-// limits refused with clear errors.
+// Stage-local backward for CPU partitions (Note [Stage-local backward in one process]): the
+// engine's decision, the same parameters as the plain model over several optimizer steps, each
+// partition's backward on its own worker thread, backwards that are not plain (grad, inputs,
+// create_graph) and retained graphs as in the plain model, errors from a partition's backward
+// raised by backward(), and the override's limits refused with clear errors.
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/optim/sgd.h>
 
 #include <dlfcn.h>
@@ -83,15 +85,16 @@ nn::Sequential make_model(ThreadLog* log = nullptr, bool fail_first = false) {
   return seq;
 }
 
-// A thread per partition in either mode (without stage-local backward, the engine's choice for
-// these layers too: the override keeps the tests from depending on it).
+// A thread per partition in either mode (the engine's choice for these layers, and with it
+// stage-local backward: the overrides keep the tests from depending on it).
 GPipeOptions options(Checkpoint checkpoint, bool stage_local = true) {
-  return gpipe::internal::with_partition_threads(GPipeOptions({3, 3, 3})
-                                                     .chunks(4)
-                                                     .checkpoint(checkpoint)
-                                                     .devices({at::kCPU, at::kCPU, at::kCPU})
-                                                     .stage_local_backward(stage_local),
-                                                 true);
+  return gpipe::internal::with_stage_local_backward(
+      gpipe::internal::with_partition_threads(GPipeOptions({3, 3, 3})
+                                                  .chunks(4)
+                                                  .checkpoint(checkpoint)
+                                                  .devices({at::kCPU, at::kCPU, at::kCPU}),
+                                              true),
+      stage_local);
 }
 
 // Four SGD-with-momentum steps of `plain` and `pipe` (the same model) on the same random
@@ -355,8 +358,8 @@ CATCH_TEST_CASE("stage-local backward trains a model whose skips cross partition
   GPipe pipe(make_skip_model(), GPipeOptions({4, 4, 4})
                                     .chunks(4)
                                     .checkpoint(mode)
-                                    .devices({at::kCPU, at::kCPU, at::kCPU})
-                                    .stage_local_backward(true));
+                                    .devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_REQUIRE(pipe->stage_local_backward());  // the engine's decision for these layers
   train_against_plain(plain, pipe);
 }
 
@@ -411,8 +414,8 @@ CATCH_TEST_CASE("a skip that no gradient reaches does not hold its stashing part
   GPipe pipe(seq, GPipeOptions({1, 3, 3})
                       .chunks(4)
                       .checkpoint(Checkpoint::kNever)
-                      .devices({at::kCPU, at::kCPU, at::kCPU})
-                      .stage_local_backward(true));
+                      .devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_REQUIRE(pipe->stage_local_backward());
   pipe->forward(at::randn({8, 6}, at::kDouble)).pow(2).sum().backward();
   CATCH_CHECK(saw->load());
 }
@@ -485,8 +488,8 @@ CATCH_TEST_CASE("stage-local backwards share the cores, and the caller gets them
              GPipeOptions({2, 2})
                  .devices({at::kCPU, at::kCPU})
                  .chunks(2)
-                 .checkpoint(Checkpoint::kNever)
-                 .stage_local_backward(true));
+                 .checkpoint(Checkpoint::kNever));
+  CATCH_REQUIRE(pipe->stage_local_backward());
   pipe->forward(at::randn({4, 4})).sum().backward();
   const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1 && !omp_env
                              ? std::max(1, intra / 2)
@@ -503,7 +506,7 @@ CATCH_TEST_CASE("stage-local backwards share the cores, and the caller gets them
   CATCH_CHECK(openblas_threads() == blas);
 }
 
-CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
+CATCH_TEST_CASE("the override of stage-local backward refuses what it cannot do, naming it",
                 "[gpipe][stage_backward][errors]") {
   CATCH_CHECK_THROWS_WITH(
       GPipe(make_model(),
@@ -511,11 +514,213 @@ CATCH_TEST_CASE("stage-local backward refuses what it cannot do, naming it",
       gpipe_test::contains(
           "stage_local_backward runs each partition's backward on the partition's own thread, but "
           "worker_per_partition(false) gives the partitions one thread"));
-  GPipe pipe(make_model(), options(Checkpoint::kNever));
-  const at::Tensor x = at::randn({8, 6}, at::kDouble);
-  CATCH_CHECK_THROWS_WITH(
-      pipe->forward(x).sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true),
-      gpipe_test::contains("create_graph"));
+}
+
+CATCH_TEST_CASE("stage-local backward is the engine's decision: CPU partitions on threads of "
+                "their own",
+                "[gpipe][stage_backward]") {
+  auto cpu = [](std::vector<int64_t> balance) {
+    return GPipeOptions(std::move(balance))
+        .devices(std::vector<c10::Device>(3, c10::Device(at::kCPU)));
+  };
+  ThreadLog log;
+  GPipe pipe(make_model(&log), cpu({3, 3, 3}).chunks(4));
+  CATCH_CHECK(pipe->partitions_on_own_threads());
+  CATCH_CHECK(pipe->stage_local_backward());
+  pipe->forward(at::randn({8, 6}, at::kDouble)).sum().backward();
+  CATCH_REQUIRE(log.forward[2].size() == 1);
+  CATCH_CHECK(log.backward[2] == log.forward[2]);  // on partition 2's thread, not the caller's
+  // One partition, and partitions that share a thread (a dropout: Note [Threads of forward()]),
+  // keep the one graph.
+  CATCH_CHECK_FALSE(GPipe(make_model(), cpu({9}))->stage_local_backward());
+  torch::manual_seed(3);
+  nn::Sequential dropout(nn::Linear(6, 6), nn::Dropout(0.5), nn::Linear(6, 6));
+  GPipe shared(dropout, cpu({1, 2}));
+  CATCH_CHECK_FALSE(shared->partitions_on_own_threads());
+  CATCH_CHECK_FALSE(shared->stage_local_backward());
+}
+
+// `params` with `x` after them, for torch::autograd::grad.
+std::vector<at::Tensor> with_input(const std::vector<at::Tensor>& params, const at::Tensor& x) {
+  std::vector<at::Tensor> all = params;
+  all.push_back(x);
+  return all;
+}
+
+CATCH_TEST_CASE("a backward that is not plain runs through the hand-offs as the one graph: grad, "
+                "backward with inputs and create_graph give the plain model's results",
+                "[gpipe][stage_backward]") {
+  const bool skips = GENERATE(false, true);
+  CATCH_CAPTURE(skips);
+  ThreadLog log;
+  nn::Sequential plain = skips ? make_skip_model() : make_model();
+  GPipe pipe(skips ? make_skip_model() : make_model(&log),
+             GPipeOptions(skips ? std::vector<int64_t>{4, 4, 4} : std::vector<int64_t>{3, 3, 3})
+                 .chunks(4)
+                 .checkpoint(Checkpoint::kNever)
+                 .devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_REQUIRE(pipe->stage_local_backward());
+  const at::Tensor x = at::randn({7, 6}, at::kDouble);
+  const at::Tensor y = at::randn({7, 6}, at::kDouble);
+  auto loss_of = [&](auto& model, const at::Tensor& input) {
+    return at::mse_loss(model->forward(input), y);
+  };
+  {
+    // torch::autograd::grad: every parameter and the input, nothing accumulated in .grad.
+    const at::Tensor x1 = x.clone().requires_grad_(true);
+    const at::Tensor x2 = x.clone().requires_grad_(true);
+    const auto a =
+        torch::autograd::grad({loss_of(plain, x1)}, with_input(plain->parameters(), x1));
+    const auto b =
+        torch::autograd::grad({loss_of(pipe, x2)}, with_input(pipe->parameters(), x2));
+    CATCH_REQUIRE(a.size() == b.size());
+    for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(max_diff(a[k], b[k]) <= 1e-12);
+    for (const at::Tensor& p : pipe->parameters()) CATCH_CHECK_FALSE(p.grad().defined());
+    if (!skips) {
+      // It ran as the one graph: partition 2's backward on the calling thread.
+      CATCH_CHECK(log.backward[2] == std::set<std::thread::id>{std::this_thread::get_id()});
+    }
+  }
+  {
+    // backward with inputs: only the first and the last layer's weights get gradients.
+    const auto pa = plain->parameters();
+    const auto pb = pipe->parameters();
+    torch::autograd::backward({loss_of(plain, x)}, {}, false, false,
+                              {pa.front(), pa[pa.size() - 2]});
+    torch::autograd::backward({loss_of(pipe, x)}, {}, false, false,
+                              {pb.front(), pb[pb.size() - 2]});
+    for (size_t k = 0; k < pa.size(); ++k) {
+      const bool chosen = k == 0 || k == pa.size() - 2;
+      CATCH_CHECK(pb[k].grad().defined() == chosen);
+      if (chosen) CATCH_CHECK(max_diff(pa[k].grad(), pb[k].grad()) <= 1e-12);
+    }
+    plain->zero_grad();
+    pipe->zero_grad();
+  }
+  {
+    // create_graph: a gradient penalty's gradients (second derivatives through every partition).
+    auto penalty = [&](auto& model) {
+      const auto g = torch::autograd::grad({loss_of(model, x)}, model->parameters(), {},
+                                           /*retain_graph=*/true, /*create_graph=*/true);
+      at::Tensor sum = at::zeros({}, at::kDouble);
+      for (const at::Tensor& t : g) sum = sum + t.pow(2).sum();
+      return sum;
+    };
+    penalty(plain).backward();
+    penalty(pipe).backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  }
+}
+
+CATCH_TEST_CASE("a retained graph takes a second stage-local backward and then a grad, as in the "
+                "plain model",
+                "[gpipe][stage_backward]") {
+  const bool skips = GENERATE(false, true);
+  CATCH_CAPTURE(skips);
+  nn::Sequential plain = skips ? make_skip_model() : make_model();
+  GPipe pipe(skips ? make_skip_model() : make_model(),
+             GPipeOptions(skips ? std::vector<int64_t>{4, 4, 4} : std::vector<int64_t>{3, 3, 3})
+                 .chunks(4)
+                 .checkpoint(Checkpoint::kNever)
+                 .devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_REQUIRE(pipe->stage_local_backward());
+  const at::Tensor x = at::randn({7, 6}, at::kDouble);
+  const at::Tensor la = plain->forward(x).pow(2).sum();
+  const at::Tensor lb = pipe->forward(x).pow(2).sum();
+  for (int k = 0; k < 2; ++k) {
+    la.backward({}, /*retain_graph=*/true);
+    lb.backward({}, /*retain_graph=*/true);
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);  // summed over both
+  }
+  const auto a = torch::autograd::grad({la}, plain->parameters(), {}, /*retain_graph=*/true);
+  const auto b = torch::autograd::grad({lb}, pipe->parameters(), {}, /*retain_graph=*/true);
+  for (size_t k = 0; k < a.size(); ++k) CATCH_CHECK(max_diff(a[k], b[k]) <= 1e-12);
+  // The last backward frees the graph; one more is refused, naming retain_graph.
+  la.backward();
+  lb.backward();
+  check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+  CATCH_CHECK_THROWS_WITH(lb.backward(), gpipe_test::contains("retain_graph"));
+}
+
+// Keeps a loss of its own from inside the partition (h's squares, summed: over the micro-batches
+// the same as over the batch).
+struct KeepsLossImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = at::tanh(x);
+    std::lock_guard<std::mutex> lock(mu);
+    kept.push_back(h.pow(2).sum());
+    return h * 2;
+  }
+  at::Tensor kept_sum() {
+    std::lock_guard<std::mutex> lock(mu);
+    at::Tensor sum = at::zeros({}, at::kDouble);
+    for (const at::Tensor& t : kept) sum = sum + t;
+    kept.clear();
+    return sum;
+  }
+  std::mutex mu;
+  std::vector<at::Tensor> kept;
+};
+TORCH_MODULE(KeepsLoss);
+
+// Multiplies by a tensor made outside the model (with a history), the same for every micro-batch.
+struct ScaledImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) { return x * scale; }
+  at::Tensor scale;
+};
+TORCH_MODULE(Scaled);
+
+CATCH_TEST_CASE("a backward that reaches into a partition by another path, through a tensor that "
+                "every micro-batch shares, or to a parameter from outside the pipeline, runs as "
+                "the one graph and gives the plain model's gradients",
+                "[gpipe][stage_backward]") {
+  // A loss a layer keeps, a tensor made outside the model, a penalty on a weight in the loss.
+  const int path = GENERATE(0, 1, 2);
+  CATCH_CAPTURE(path);
+  const bool kept = path == 0;
+  auto model = [&](KeepsLoss keeps, Scaled scaled) {
+    torch::manual_seed(11);
+    nn::Sequential seq(nn::Linear(6, 6), nn::Tanh(), nn::Linear(6, 6));
+    if (path == 0) seq->push_back(keeps);
+    if (path == 1) seq->push_back(scaled);
+    if (path == 2) seq->push_back(nn::Tanh());
+    seq->push_back(nn::Linear(6, 6));
+    seq->push_back(nn::Tanh());
+    seq->to(at::kDouble);
+    return seq;
+  };
+  KeepsLoss keeps_plain, keeps_pipe;
+  Scaled scaled_plain, scaled_pipe;
+  const at::Tensor w = at::randn({6}, at::kDouble);
+  const at::Tensor w_plain = w.clone().requires_grad_(true);
+  const at::Tensor w_pipe = w.clone().requires_grad_(true);
+  nn::Sequential plain = model(keeps_plain, scaled_plain);
+  GPipe pipe(model(keeps_pipe, scaled_pipe), GPipeOptions({2, 2, 2})
+                                                 .chunks(4)
+                                                 .checkpoint(Checkpoint::kNever)
+                                                 .devices({at::kCPU, at::kCPU, at::kCPU}));
+  CATCH_REQUIRE(pipe->stage_local_backward());
+  for (int step = 0; step < 2; ++step) {
+    scaled_plain->scale = w_plain.pow(2);  // a node that keeps w for its backward
+    scaled_pipe->scale = w_pipe.pow(2);
+    const at::Tensor x = at::randn({7, 6}, at::kDouble);
+    at::Tensor a = plain->forward(x).pow(2).sum();
+    at::Tensor b = pipe->forward(x).pow(2).sum();
+    if (kept) {
+      a = a + keeps_plain->kept_sum();
+      b = b + keeps_pipe->kept_sum();
+    }
+    if (path == 2) {
+      a = a + plain->parameters().front().pow(2).sum();
+      b = b + pipe->parameters().front().pow(2).sum();
+    }
+    a.backward();
+    b.backward();
+    check_same_grads(plain->parameters(), pipe->parameters(), 1e-12);
+    if (path == 1) CATCH_CHECK(max_diff(w_plain.grad(), w_pipe.grad()) <= 1e-12);
+    plain->zero_grad();
+    pipe->zero_grad();
+  }
 }
 
 }  // namespace

@@ -265,6 +265,16 @@ inline int worker_thread_count() {
   return n;
 }
 
+/// worker_thread_count() once it is `expected`, or what it is after 60 s: threads a worker
+/// started (OpenMP's team of a worker that ran its share of the cores takes the worker's name)
+/// end a moment after the worker, and are not gpipe's own; a thread that gpipe leaks stays.
+inline int worker_thread_count_settled(int expected) {
+  for (int i = 0; i < 6000 && worker_thread_count() != expected; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return worker_thread_count();
+}
+
 /// Runs `fn` on a thread of its own and waits for it at most `seconds` (a watchdog): a hang aborts
 /// the test binary with a message instead of stalling the suite (a stuck thread cannot be
 /// joined). Exceptions from `fn` are re-thrown here.

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "gpipe/flatten.h"
 #include "gpipe/grad_scaler.h"
+#include "gpipe/internal/partition_threads.h"
 #include "gpipe/saved_training.h"
 
 namespace gpipe {
@@ -56,7 +57,10 @@ CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in
   const std::vector<c10::Device> devices(balance.size(), c10::Device(at::kCPU));
   GPipeOptions options = GPipeOptions(balance).devices(devices).chunks(3).checkpoint(mode);
   if (named) options.tied_parameters({{"0.weight", "4.weight"}});
-  if (run == Run::kStageLocal) options.stage_local_backward(true);
+  // forward(): the one graph, and the engine's default on these CPU partitions, each partition's
+  // backward on its thread (Note [Stage-local backward in one process]).
+  if (run == Run::kForward) options = gpipe::internal::with_stage_local_backward(options, false);
+  if (run == Run::kStageLocal) options = gpipe::internal::with_stage_local_backward(options, true);
   if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
   GPipe model(tied_model(/*shared=*/!named), options);
   CATCH_REQUIRE(model->ties().size() == 1);
