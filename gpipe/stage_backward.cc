@@ -74,7 +74,7 @@ struct Handoff : Node {
     if (!plain_backward()) return std::move(grads);  // the one graph
     // The user's backward decides, at the first Handoff it meets, whether it cuts (and takes the
     // edges away); a handed-off backward runs only where it did.
-    if (!in_stage_backward() && !owner->queue_callback_once()) return std::move(grads);
+    if (!in_stage_backward() && !owner->queue_callback_once(this)) return std::move(grads);
     TORCH_INTERNAL_ASSERT(next_edges_.empty(), "gpipe: a Handoff kept its edges in a cut");
     // The roots whose gradients are defined: where the one graph would pass an undefined
     // gradient on, nothing is run, and the parameters behind it keep no gradient.
@@ -307,9 +307,10 @@ bool is_parameter(const Node* node) {
 
 }  // namespace
 
-bool StageBackward::cuts_safely() const {
+bool StageBackward::cuts_safely(const Node* meeting) const {
   const std::unordered_set<Node*>* graph = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (graph == nullptr) return false;
+  // A graph that does not hold the Handoff that meets it is not the whole graph: no cut.
+  if (graph == nullptr || graph->count(const_cast<Node*>(meeting)) == 0) return false;
   // Note [Where a backward may cut]: label every segment's nodes, then check every edge.
   std::unordered_map<const Node*, Segment> segment;
   std::unordered_set<const Node*> inside_parameters;
@@ -356,7 +357,7 @@ bool StageBackward::cuts_safely() const {
   return true;
 }
 
-bool StageBackward::queue_callback_once() {
+bool StageBackward::queue_callback_once(const Node* meeting) {
   {
     absl::MutexLock lock(&mu_);
     if (callback_queued_) return cut_;
@@ -373,7 +374,7 @@ bool StageBackward::queue_callback_once() {
   std::vector<edge_list> dropped;  // freed unlocked: they may hold graphs, and so Handoffs
   const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
   absl::MutexLock lock(&mu_);
-  cut_ = cuts_safely();
+  cut_ = cuts_safely(meeting);
   if (!cut_) return false;  // the whole backward on this thread, with the caller's cores
   cores_ = std::make_shared<const internal::CoreShare>(partitions_);
   // Every Handoff's edges go, so that each engine call stops at the Handoffs (the engine runs a

@@ -26,6 +26,12 @@ std::function<void()>& submit_hook() {
 
 void internal::set_submit_hook(std::function<void()> hook) { submit_hook() = std::move(hook); }
 
+namespace {
+std::atomic<int> running_workers{0};
+}  // namespace
+
+int internal::running_worker_threads() { return running_workers.load(); }
+
 Worker::Worker(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {
 #ifdef __linux__
   // Named "gpipe <device>" (Linux allows 15 characters) for debuggers, `top -H`, and tests that
@@ -51,6 +57,10 @@ void Worker::submit(std::function<void()> task) {
 }
 
 void Worker::loop() {
+  ++running_workers;
+  struct Ended {
+    ~Ended() { --running_workers; }
+  } ended;
   for (;;) {
     std::function<void()> task;
     {

@@ -150,6 +150,10 @@ void set_core_share(bool enabled);
 /// Worker::submit, before the task is queued; a hook that throws stands for a submit that fails
 /// (out of memory). Not for concurrent use with running pipelines.
 void set_submit_hook(std::function<void()> hook);
+/// For tests: how many Worker threads are running (counted from the start of a worker's loop to
+/// its end; a Worker's destructor returns after its thread's end). Threads that a worker starts
+/// (OpenMP's, which take its name) are not counted.
+int running_worker_threads();
 }  // namespace internal
 
 /// The workers of a pipeline (see Note [Workers and the calling thread]).

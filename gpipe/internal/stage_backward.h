@@ -122,8 +122,9 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   void arrive(int64_t id, size_t partition, int64_t microbatch, std::vector<at::Tensor> roots,
               std::vector<at::Tensor> grads, bool keep_graph);
   // Queues the end-of-backward callback, once per backward; returns whether this backward cuts
-  // at the Handoffs (Note [Where a backward may cut] in stage_backward.cc).
-  bool queue_callback_once();
+  // at the Handoffs (Note [Where a backward may cut] in stage_backward.cc), which `meeting`, the
+  // first Handoff it reached, decides.
+  bool queue_callback_once(const torch::autograd::Node* meeting);
   // For a Handoff that is destroyed.
   void forget(const torch::autograd::Node* handoff);
 
@@ -141,7 +142,7 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   };
   int64_t add_handoff(const Key& target, const Key* reached_by);
   void remember(Handoff* handoff);
-  bool cuts_safely() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool cuts_safely(const torch::autograd::Node* meeting) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static void restore_edges(CutEdges cut);
   // The joins that the end of job `key` completes (its Handoffs that did not arrive will not).
   std::vector<std::pair<Key, Join>> job_done(const Key& key);

@@ -4,15 +4,14 @@
 
 #include "tests/catch.h"
 
-#include <dirent.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>  // for the tests that include this header
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <functional>
 #include <future>
@@ -37,6 +36,7 @@
 
 #include "gpipe/device.h"
 #include "gpipe/gpipe.h"
+#include "gpipe/worker.h"
 
 namespace gpipe {
 namespace testing {
@@ -247,33 +247,10 @@ inline at::Tensor plain_by_microbatch(torch::nn::Sequential& plain, const at::Te
 
 using gpipe::Autocast;
 
-/// The number of gpipe's worker threads alive in this process: threads named "gpipe ..."
-/// (worker.cc). The threads of OpenMP teams, CUDA and the autograd engine come and go with those
-/// libraries (more of them on machines with more cores or a GPU) and are not counted.
-inline int worker_thread_count() {
-  int n = 0;
-  if (DIR* dir = opendir("/proc/self/task")) {
-    while (dirent* e = readdir(dir)) {
-      if (e->d_name[0] == '.') continue;
-      std::ifstream comm(std::string("/proc/self/task/") + e->d_name + "/comm");
-      std::string name;
-      std::getline(comm, name);
-      n += name.rfind("gpipe ", 0) == 0;
-    }
-    closedir(dir);
-  }
-  return n;
-}
-
-/// worker_thread_count() once it is `expected`, or what it is after 60 s: threads a worker
-/// started (OpenMP's team of a worker that ran its share of the cores takes the worker's name)
-/// end a moment after the worker, and are not gpipe's own; a thread that gpipe leaks stays.
-inline int worker_thread_count_settled(int expected) {
-  for (int i = 0; i < 6000 && worker_thread_count() != expected; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return worker_thread_count();
-}
+/// The number of gpipe's worker threads running in this process (internal::running_worker_threads).
+/// The threads of OpenMP teams (those a worker starts take its name, and end a moment after it),
+/// CUDA and the autograd engine come and go with those libraries and are not counted.
+inline int worker_thread_count() { return gpipe::internal::running_worker_threads(); }
 
 /// Runs `fn` on a thread of its own and waits for it at most `seconds` (a watchdog): a hang aborts
 /// the test binary with a message instead of stalling the suite (a stuck thread cannot be
