@@ -263,10 +263,11 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     absl::MutexLock lock(&self->mu_);
     --self->pending_;
   };
+  const std::shared_ptr<WorkerPool> workers = workers_.lock();
   {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return;  // the backward failed: job (and the graph it holds) is dropped
-    if (workers_->runs_inline(partition)) {
+    if (workers == nullptr || workers->runs_inline(partition)) {
       inline_jobs_.push_back(std::move(run));
       ++pending_;
       return;
@@ -274,7 +275,7 @@ void StageBackward::submit(const Key& key, std::function<void()> job) {
     ++pending_;
   }
   try {
-    workers_->for_partition(partition).submit(std::move(run));
+    workers->for_partition(partition).submit(std::move(run));
   } catch (...) {  // not queued (out of memory): it will not count itself done
     absl::MutexLock lock(&mu_);
     --pending_;

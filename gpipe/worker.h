@@ -174,9 +174,10 @@ class WorkerPool {
   /// The number of threads started.
   size_t size() const { return workers_.size(); }
 
-  /// A pool shared by its owners (a GPipe, its stage-local backwards in flight) whose last owner
-  /// may let go of it on one of its own threads: it is then destroyed on a new thread, since a
-  /// worker cannot join itself.
+  /// A pool shared by its owners (a GPipe; a stage-local backward while it hands a job to a
+  /// worker) whose last owner may let go of it on one of its own threads (a GPipe destroyed
+  /// during its backward): it is then destroyed on a new thread, since a worker cannot join
+  /// itself.
   static std::shared_ptr<WorkerPool> make_shared(const std::vector<c10::Device>& devices,
                                                  bool worker_per_partition);
 

@@ -152,7 +152,10 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   void finish();  // the end-of-backward callback
   void cancel();  // the end of a backward that failed before its callback ran
 
-  std::shared_ptr<WorkerPool> workers_;
+  // The GPipe's, not held: its threads end with it (a worker that held the last reference would
+  // have its pool destroyed on another thread, later). A backward after the GPipe is gone, or
+  // while it is destroyed, runs what is left on the calling thread.
+  std::weak_ptr<WorkerPool> workers_;
   const int64_t partitions_;
   absl::Mutex mu_;
   // The cores divided among the partitions while a backward runs (Note [Dividing the cores] in
