@@ -27,7 +27,8 @@ namespace {
 
 // Micro-batch i's skips routed into partition p: moved onto its device by the fence, and cut from
 // their stashing partitions' graphs where those run their backward apart — a step's partitions,
-// a stage-local forward() (Note [Stage-local backward in one process] in stage_backward.h).
+// a stage-local forward()'s skips behind a Handoff (Note [Stage-local backward in one process] in
+// stage_backward.h).
 // Returns the cuts of a step, whose backward gives their gradients back by hand.
 std::vector<MicroBatchSkips::Cut> receive_skips(Step& st, int64_t p, int64_t i, TaskContext& task) {
   const ExecutorSpec& spec = st.spec;

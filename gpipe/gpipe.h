@@ -189,9 +189,11 @@ class GPipeImpl : public torch::nn::Module {
   /// Whether forward() runs each partition on a thread of its own, decided at construction (Note
   /// [Threads of forward()] in worker.h); else a device's partitions share one.
   bool partitions_on_own_threads() const { return own_threads_; }
-  /// Whether the backward of a training forward() runs each partition's part on the partition's
-  /// own thread, decided at construction: where every partition is on the CPU with a thread of
-  /// its own (Note [Stage-local backward in one process]). Gradients are the same either way.
+  /// Whether the backward of a training forward() may run each partition's part on the
+  /// partition's own thread, decided at construction: where every partition is on the CPU with a
+  /// thread of its own (Note [Stage-local backward in one process]). A plain backward() does so
+  /// where the graph allows it; grad, inputs and create_graph run as the one graph. Gradients are
+  /// the same either way.
   bool stage_local_backward() const { return stage_local_; }
   /// Where the model's skip connections run between partitions.
   const SkipLayout& skip_layout() const { return skip_layout_; }

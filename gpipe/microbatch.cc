@@ -58,11 +58,30 @@ void check_input(const Batch& input) {
   }
 }
 
+namespace {
+
+// `t` in `chunks` pieces along dimension 0, as Tensor::chunk splits it. A leaf that requires grad
+// gets a node of its own in each piece (a narrow, not one split shared by every piece), so that
+// each micro-batch's backward reaches it apart from the others' (Note [Where a backward may cut]
+// in stage_backward.cc: a node that several micro-batches share keeps the one graph).
+std::vector<at::Tensor> pieces_of(const at::Tensor& t, int64_t chunks) {
+  const int64_t rows = t.dim() > 0 ? t.size(0) : 0;
+  if (!t.requires_grad() || t.grad_fn() != nullptr || rows == 0) return t.chunk(chunks, 0);
+  const int64_t size = (rows + chunks - 1) / chunks;
+  std::vector<at::Tensor> pieces;
+  for (int64_t start = 0; start < rows; start += size) {
+    pieces.push_back(t.narrow(0, start, std::min(size, rows - start)));
+  }
+  return pieces;
+}
+
+}  // namespace
+
 std::vector<Batch> scatter(const Batch& input, int64_t chunks) {
   TORCH_CHECK(chunks > 0, "scatter: chunks must be positive, got ", chunks);
   if (input.atomic()) {
     std::vector<Batch> out;
-    for (at::Tensor& piece : input.tensor().chunk(chunks, 0)) {
+    for (at::Tensor& piece : pieces_of(input.tensor(), chunks)) {
       out.emplace_back(std::move(piece));
     }
     return out;
@@ -70,7 +89,7 @@ std::vector<Batch> scatter(const Batch& input, int64_t chunks) {
   std::vector<std::vector<at::Tensor>> pieces;
   pieces.reserve(input.size());
   for (const at::Tensor& t : input.values()) {
-    pieces.push_back(t.chunk(chunks, 0));
+    pieces.push_back(pieces_of(t, chunks));
   }
   // All tensors have the same size in dimension 0 (check_input), so they split alike.
   const size_t count = pieces[0].size();

@@ -2,6 +2,8 @@
 // one process].
 #include "gpipe/internal/stage_backward.h"
 
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -24,7 +26,9 @@ using torch::autograd::edge_list;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-thread_local bool stage_job = false;
+// The StageBackward whose handed-off backward this thread runs (none: the user's thread).
+thread_local const StageBackward* stage_job = nullptr;
+std::atomic<int64_t> cuts{0};
 
 // Whether the backward running on this thread is a plain one — backward() from roots, without
 // inputs (an empty exec info: every node runs) and without create_graph (grad mode is off inside
@@ -74,7 +78,7 @@ struct Handoff : Node {
     if (!plain_backward()) return std::move(grads);  // the one graph
     // The user's backward decides, at the first Handoff it meets, whether it cuts (and takes the
     // edges away); a handed-off backward runs only where it did.
-    if (!in_stage_backward() && !owner->queue_callback_once(this)) return std::move(grads);
+    if (stage_job != owner.get() && !owner->queue_callback_once(this)) return std::move(grads);
     TORCH_INTERNAL_ASSERT(next_edges_.empty(), "gpipe: a Handoff kept its edges in a cut");
     // The roots whose gradients are defined: where the one graph would pass an undefined
     // gradient on, nothing is run, and the parameters behind it keep no gradient.
@@ -99,7 +103,9 @@ struct Handoff : Node {
   bool released = false;
 };
 
-bool in_stage_backward() { return stage_job; }
+bool in_stage_backward() { return stage_job != nullptr; }
+
+int64_t cut_backwards() { return cuts.load(); }
 
 int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {
   absl::MutexLock lock(&mu_);
@@ -125,9 +131,13 @@ int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {
 // those behind the last partition); a parameter (its AccumulateGrad node) may be reached from
 // several segments, but not also from outside them (a weight's penalty in the loss). Where that
 // fails, this backward passes through every Handoff: the one graph, as
-// LibTorch runs it. (Not seen: the edges of the roots themselves, which the engine keeps apart;
-// an edge from several roots into a segment, one of them the pipeline's output, can then still
-// reach a Handoff twice, which arrive() refuses.)
+// LibTorch runs it. Not seen: the edges of the roots themselves, which the engine keeps apart: a
+// backward of several roots, one of them the pipeline's output and one a tensor from inside a
+// partition, cuts, and fails with LibTorch's "could not compute gradients for some functions"
+// (partial gradients left, as after any failed backward); sum the roots instead. Also: a
+// parameter's AccumulateGrad runs once per micro-batch that reaches it, not once with their sum
+// (as for checkpointed micro-batches), so a hook on a parameter sees each micro-batch's share;
+// and concurrent backwards through one forward's graph are not supported.
 
 void StageBackward::forget(const Node* handoff) {
   absl::MutexLock lock(&mu_);
@@ -232,8 +242,8 @@ void StageBackward::start(const Key& key, Join join) {
 void StageBackward::submit(const Key& key, std::function<void()> job) {
   const size_t partition = key.first;
   auto run = [self = shared_from_this(), job = std::move(job), key]() mutable {
-    const bool outer = stage_job;
-    stage_job = true;
+    const StageBackward* const outer = stage_job;
+    stage_job = self.get();
     bool cancelled;
     std::shared_ptr<const internal::CoreShare> cores;
     {
@@ -377,6 +387,7 @@ bool StageBackward::queue_callback_once(const Node* meeting) {
   absl::MutexLock lock(&mu_);
   cut_ = cuts_safely(meeting);
   if (!cut_) return false;  // the whole backward on this thread, with the caller's cores
+  ++cuts;
   cores_ = std::make_shared<const internal::CoreShare>(partitions_);
   // Every Handoff's edges go, so that each engine call stops at the Handoffs (the engine runs a
   // node's next functions only through the gradients it returns, and walks its edges when it

@@ -65,7 +65,9 @@ namespace internal {
 // the order of backward (Note [Backward order]), the recomputation of checkpointed micro-batches
 // (their Checkpointing records it on the timeline), the skips' gradients (Note [Skips and
 // checkpointing] in skip_tracker.h). With stage-local backward (Note [Stage-local backward in one
-// process] in stage_backward.h) the graph is cut in front of each partition instead. Which lane
+// process] in stage_backward.h) a Handoff stands in front of each partition instead of the
+// fork/join edges, where a plain backward may cut the graph (a backward that does not cut runs in
+// the engine's own order, with the same gradients). Which lane
 // runs a partition is GPipe's choice (gpipe.cc): one per device, as the reference runs one worker
 // per device, or one per partition (Note [Threads of forward()] in gpipe/worker.h).
 //

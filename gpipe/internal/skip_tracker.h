@@ -115,10 +115,11 @@ class MicroBatchSkips : public SkipTracker {
     at::Tensor leaf;    // what the popping partition pops instead
   };
   /// Cuts every skip routed into `partition` (after its fence) that requires grad: the popping
-  /// partition then pops `replace(stashing partition, tensor)` — by default a detached leaf — so
-  /// that its backward, run as an engine call of its own, stops there and leaves the gradient for
-  /// the stashing partition's backward (Note [Partitions within a stage] in
-  /// gpipe/distributed/pipeline_stage.h; Note [Stage-local backward in one process]).
+  /// partition then pops `replace(stashing partition, tensor)` — by default a detached leaf, for a
+  /// stage-local forward() a tensor behind a Handoff — so that its backward, run as an engine call
+  /// of its own, stops there and leaves the gradient for the stashing partition's backward (Note
+  /// [Partitions within a stage] in gpipe/distributed/pipeline_stage.h; Note [Stage-local
+  /// backward in one process]).
   std::vector<Cut> cut(
       int64_t partition,
       const std::function<at::Tensor(int64_t from, const at::Tensor& tensor)>& replace = nullptr);

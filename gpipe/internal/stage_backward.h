@@ -183,6 +183,8 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
 
 /// Whether this thread is running a handed-off backward.
 bool in_stage_backward();
+/// For tests: how many backwards in this process have cut at the Handoffs.
+int64_t cut_backwards();
 
 }  // namespace internal
 }  // namespace gpipe
