@@ -103,8 +103,6 @@ struct Handoff : Node {
   bool released = false;
 };
 
-bool in_stage_backward() { return stage_job != nullptr; }
-
 int64_t cut_backwards() { return cuts.load(); }
 
 int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {

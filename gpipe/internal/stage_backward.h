@@ -181,8 +181,6 @@ class StageBackward : public std::enable_shared_from_this<StageBackward> {
   CutEdges cut_edges_ ABSL_GUARDED_BY(mu_);
 };
 
-/// Whether this thread is running a handed-off backward.
-bool in_stage_backward();
 /// For tests: how many backwards in this process have cut at the Handoffs.
 int64_t cut_backwards();
 
