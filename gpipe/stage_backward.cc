@@ -127,7 +127,10 @@ int64_t StageBackward::add_handoff(const Key& target, const Key* reached_by) {
 // each edge into a segment must come from that segment, or from a Handoff that leads to it; each
 // edge into a Handoff from the segment that uses its tensors (from outside the pipeline, for
 // those behind the last partition); a parameter (its AccumulateGrad node) may be reached from
-// several segments, but not also from outside them (a weight's penalty in the loss). Where that
+// several segments, but not also from outside them (a weight's penalty in the loss), and so may a
+// cast of parameters alone that one partition's micro-batches share (autocast caches a weight's
+// cast for its region: it saves no tensor, so each micro-batch's engine call runs it with its
+// share, as step()'s backward of each micro-batch does). Where that
 // fails, this backward passes through every Handoff: the one graph, as
 // LibTorch runs it. Not seen: the edges of the roots themselves, which the engine keeps apart: a
 // backward of several roots, one of them the pipeline's output and one a tensor from inside a
@@ -314,6 +317,16 @@ bool is_parameter(const Node* node) {
   return dynamic_cast<const torch::autograd::AccumulateGrad*>(node) != nullptr;
 }
 
+// A cast of a parameter (autocast's cached weight cast, which every micro-batch of a partition
+// shares): it saves no tensor and is linear, so running it once per micro-batch's share is exact.
+bool is_parameter_cast(const Node* node) {
+  if (node->name() != "ToCopyBackward0") return false;
+  for (const auto& edge : node->next_edges()) {
+    if (edge.function != nullptr && !is_parameter(edge.function.get())) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 bool StageBackward::cuts_safely(const Node* meeting) const {
@@ -323,6 +336,7 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
   // Note [Where a backward may cut]: label every segment's nodes, then check every edge.
   std::unordered_map<const Node*, Segment> segment;
   std::unordered_set<const Node*> inside_parameters;
+  std::unordered_map<const Node*, size_t> casts;  // parameter casts, by partition
   std::vector<const Node*> stack;
   for (const auto& [node, handoff] : handoffs_) {
     if (graph->count(const_cast<Node*>(node)) == 0) continue;
@@ -337,6 +351,14 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
           inside_parameters.insert(next);
           continue;
         }
+        if (is_parameter_cast(next)) {  // one partition's micro-batches may share it
+          auto [it, added] = casts.emplace(next, handoff->target.first);
+          if (!added && it->second != handoff->target.first) return false;
+          for (const auto& e : next->next_edges()) {
+            if (e.function != nullptr) inside_parameters.insert(e.function.get());
+          }
+          continue;
+        }
         auto [it, added] = segment.emplace(next, handoff->target);
         if (!added && it->second != handoff->target) return false;  // shared by two segments
         if (added) stack.push_back(next);
@@ -348,6 +370,7 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
     return it == segment.end() ? kOutside : it->second;
   };
   for (const Node* node : *graph) {
+    if (casts.count(node) > 0) continue;  // its edges lead to parameters only
     // What reaches through this node's edges: a Handoff's target, else the node's own segment.
     const auto handoff = handoffs_.find(node);
     const Segment from = handoff != handoffs_.end() ? handoff->second->target : segment_of(node);
@@ -356,6 +379,8 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
       if (next == nullptr) continue;
       if (is_parameter(next)) {
         if (from == kOutside && inside_parameters.count(next) > 0) return false;
+      } else if (const auto cast = casts.find(next); cast != casts.end()) {
+        if (from == kOutside || from.first != cast->second) return false;
       } else if (const auto into = handoffs_.find(next); into != handoffs_.end()) {
         if (into->second->reached_by.value_or(kOutside) != from) return false;
       } else if (segment_of(next) != from && segment_of(next) != kOutside) {

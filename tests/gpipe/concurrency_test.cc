@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "gpipe/internal/partition_threads.h"
+#include "gpipe/internal/stage_backward.h"
 #include "gpipe/worker.h"
 
 namespace gpipe {
@@ -64,7 +65,12 @@ CATCH_TEST_CASE("Two threads training through one GPipe, fresh or warm, get the 
     for (auto& p : model->parameters()) p.mutable_grad().zero_();
   }
   constexpr int kSteps = 6;
+  const int64_t cuts = gpipe::internal::cut_backwards();
   CATCH_CHECK(train_from_two_threads(model, x, expected, kSteps) == 0);
+  // With a thread per partition, both threads' backwards ran each partition's backward on its
+  // worker, the two interleaved there (Note [Stage-local backward in one process]).
+  CATCH_CHECK(model->stage_local_backward() == threads);
+  CATCH_CHECK(gpipe::internal::cut_backwards() == cuts + (threads ? 2 * kSteps : 0));
   // Every step's gradients were accumulated: 2 threads x kSteps times the plain model's.
   auto plain_params = plain->parameters();
   auto params = model->parameters();

@@ -13,10 +13,12 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/internal/partition_threads.h"
+#include "gpipe/internal/stage_backward.h"
 #include "gpipe/saved_training.h"
 
 namespace gpipe {
@@ -47,6 +49,7 @@ CATCH_TEST_CASE("Autocast training over several optimizer steps equals the plain
                                                           .chunks(chunks)
                                                           .checkpoint(mode),
                                                       threads));
+  CATCH_REQUIRE(model->stage_local_backward() == threads);
   const at::Tensor x = at::randn({6, 16});
   const at::Tensor w = at::randn({6, 4});
   for (int step = 0; step < 4; ++step) {
@@ -64,7 +67,11 @@ CATCH_TEST_CASE("Autocast training over several optimizer steps equals the plain
     CATCH_CHECK(y2.scalar_type() == y1.scalar_type());
     CATCH_CHECK(max_diff(y1, y2) <= 2e-2);
     (y1.to(at::kFloat) * w).sum().backward();
+    const int64_t cuts = gpipe::internal::cut_backwards();
     (y2.to(at::kFloat) * w).sum().backward();
+    // With a thread per CPU partition each partition's backward ran on its own thread under the
+    // forward's autocast state (Note [Stage-local backward in one process]).
+    CATCH_CHECK(gpipe::internal::cut_backwards() == cuts + (threads ? 1 : 0));
     check_same_grads(plain->parameters(), model->parameters(), 2e-2);
     // A step large enough that a layer computing with the weights of an earlier step is far off,
     // small enough that bfloat16 rounding differences do not grow into divergence.
@@ -386,17 +393,33 @@ std::vector<at::Tensor> train_steps(GPipe& model, torch::optim::Adam& adam, int 
     const at::Tensor y = at::randn({8, 3}, gen, at::kDouble);
     adam.zero_grad();
     at::Tensor loss = nn::functional::mse_loss(model->forward(x), y);
+    const int64_t cuts = gpipe::internal::cut_backwards();
     loss.backward();
+    // Where the engine chose it, each partition's backward ran on its own thread, a checkpointed
+    // micro-batch's recomputation there (a backward that fell back to the one graph would pass
+    // the equalities that follow without testing it).
+    CATCH_CHECK(gpipe::internal::cut_backwards() == cuts + (model->stage_local_backward() ? 1 : 0));
     adam.step();
     losses.push_back(loss.detach());
   }
   return losses;
 }
 
-GPipe resumable_model(int seed) {
+// With `dropout` (a random layer) the partitions share forward()'s thread; without, each has its
+// own and runs its backward there (Note [Threads of forward()]).
+GPipe resumable_model(int seed, bool dropout) {
   at::manual_seed(seed);
-  nn::Sequential seq(nn::Linear(6, 8), nn::Dropout(0.3), nn::Tanh(), nn::Linear(8, 8),
-                     nn::BatchNorm1d(8), nn::Tanh(), nn::Linear(8, 3));
+  nn::Sequential seq(nn::Linear(6, 8));
+  if (dropout) {
+    seq->push_back(nn::Dropout(0.3));
+  } else {
+    seq->push_back(nn::Identity());
+  }
+  seq->push_back(nn::Tanh());
+  seq->push_back(nn::Linear(8, 8));
+  seq->push_back(nn::BatchNorm1d(8));
+  seq->push_back(nn::Tanh());
+  seq->push_back(nn::Linear(8, 3));
   seq->to(at::kDouble);
   return GPipe(seq, GPipeOptions({3, 4}).chunks(2).checkpoint(Checkpoint::kExceptLast));
 }
@@ -412,14 +435,17 @@ CATCH_TEST_CASE("A run resumed from save_training takes the saved run's next ste
   const std::string path =
       (std::filesystem::temp_directory_path() / absl::StrCat("gpipe_resume_", ::getpid(), ".pt"))
           .string();
-  GPipe first = resumable_model(1);
+  const bool dropout = GENERATE(true, false);
+  CATCH_CAPTURE(dropout);
+  GPipe first = resumable_model(1, dropout);
+  CATCH_CHECK(first->stage_local_backward() == !dropout);
   torch::optim::Adam adam(first->parameters(), torch::optim::AdamOptions(0.01));
   train_steps(first, adam, 0, 3);
   save_training(path, *first, &adam, 3);
   const std::vector<at::Tensor> losses = train_steps(first, adam, 3, 3);
 
   // Another model, other random numbers drawn meanwhile: the load puts back all of it.
-  GPipe second = resumable_model(2);
+  GPipe second = resumable_model(2, dropout);
   torch::optim::Adam adam2(second->parameters(), torch::optim::AdamOptions(0.01));
   at::manual_seed(99);
   at::randn({10});

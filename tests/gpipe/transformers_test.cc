@@ -20,6 +20,7 @@
 #include "gpipe/flatten.h"
 #include "gpipe/grad_scaler.h"
 #include "gpipe/internal/partition_threads.h"
+#include "gpipe/internal/stage_backward.h"
 #include "gpipe/saved_training.h"
 
 namespace gpipe {
@@ -309,7 +310,11 @@ CATCH_TEST_CASE(
       const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
       (plain->forward(x) - y).pow(2).mean().backward();
       if (run == Run::kForward) {
+        const int64_t cuts = gpipe::internal::cut_backwards();
         (model->forward(x) - y).pow(2).mean().backward();
+        // Each partition's backward on its own thread, tied copies (named) or one parameter
+        // that two partitions' backwards accumulate into (found).
+        CATCH_CHECK(gpipe::internal::cut_backwards() == cuts + 1);
       } else {
         model->step(x, y, loss_fn);
       }
