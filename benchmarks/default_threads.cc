@@ -6,12 +6,28 @@
 // n * m / (m + n - 1) (Note [Dividing the cores] in gpipe/worker.h).
 //
 //   bazel run -c opt //benchmarks:default_threads -- --json_out=/tmp/dt.json
+//
+// Note [Rounds against a noisy machine]: every round times one step of each configuration in
+// turn, the references on one core among them, and a row's share of its ideal is the median over
+// rounds of its reference's time in that round over its own: a neighbour's load that comes and
+// goes over seconds slows a row and its reference alike, where medians taken one configuration
+// after another compared a quiet minute with a busy one (shares above 100% in some runs). Each
+// timed step follows untimed steps of its row for `--settle_ms`: OpenBLAS's threads (Debian's pthread build) spin for
+// about 0.1 s after a product that used them (its THREAD_TIMEOUT, 2^28 cycles), so a row that
+// followed one with OpenBLAS's full count competed with a spinning thread and took up to twice
+// its time (bimodal: forward() + backward() 40 or 80 ms, inference 10 or 18 ms in alternate
+// rounds; gone with OPENBLAS_THREAD_TIMEOUT=4). A user's own loop of steps meets that only after
+// a product of their own with OpenBLAS's full count (Note [Dividing the cores] in
+// gpipe/worker.h). (A pause instead of the untimed steps made the pipelined rows slower still:
+// inference through step() 18-22 ms against 10, the cores idle before it.)
 
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,12 +55,17 @@ ABSL_FLAG(int64_t, chunks, 16, "m: micro-batches");
 ABSL_FLAG(int64_t, layers_per_partition, 4, "Linear + ReLU layers per partition");
 ABSL_FLAG(int64_t, width, 384, "features of each Linear layer");
 ABSL_FLAG(int64_t, microbatch, 32, "rows per micro-batch (the mini-batch is m times this)");
-ABSL_FLAG(int, repeats, 7, "timed steps per configuration (the median is reported)");
+ABSL_FLAG(int, rounds, 15,
+          "rounds, each timing one step of every configuration in turn (medians are reported)");
+ABSL_FLAG(int, settle_ms, 150,
+          "untimed steps of a row, for at least this long, before its timed step in a round: "
+          "OpenBLAS's threads stop spinning meanwhile (Note [Rounds against a noisy machine])");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
 
 namespace {
 
-using gpipe_benchmarks::median_ms;
+using gpipe_benchmarks::median;
+using gpipe_benchmarks::ms_since;
 
 torch::nn::Sequential make_model(int64_t layers, int64_t width) {
   at::manual_seed(0);
@@ -58,6 +79,26 @@ torch::nn::Sequential make_model(int64_t layers, int64_t width) {
 
 at::Tensor mse(const gpipe::Batch& out, const at::Tensor& target) {
   return torch::nn::functional::mse_loss(out[0], target);
+}
+
+// What a row times, and against what its speed-up is read.
+enum class Reference { kNone, kTraining, kInference };
+struct Row {
+  std::string name;
+  std::function<void()> step;
+  bool one_core = false;  // run with one intra-op and one OpenBLAS thread
+  Reference reference = Reference::kTraining;
+  std::vector<double> ms = {};  // one per round
+};
+
+Row make_row(std::string name, std::function<void()> step, bool one_core = false,
+        Reference reference = Reference::kTraining) {
+  Row r;
+  r.name = std::move(name);
+  r.step = std::move(step);
+  r.one_core = one_core;
+  r.reference = reference;
+  return r;
 }
 
 // OpenBLAS's thread count, found at run time (-1 without OpenBLAS).
@@ -80,7 +121,7 @@ int main(int argc, char** argv) {
   const int64_t m = absl::GetFlag(FLAGS_chunks);
   const int64_t per = absl::GetFlag(FLAGS_layers_per_partition);
   const int64_t width = absl::GetFlag(FLAGS_width);
-  const int repeats = absl::GetFlag(FLAGS_repeats);
+  const int rounds = absl::GetFlag(FLAGS_rounds);
   gpipe_benchmarks::keep_freed_memory();  // Note [Keeping freed memory]
   const int intra = at::get_num_threads();
   const int blas = blas_threads();
@@ -88,38 +129,45 @@ int main(int argc, char** argv) {
   const at::Tensor y = at::randn({m * absl::GetFlag(FLAGS_microbatch), width});
   std::printf("Default options on the CPU: %lld partitions of %lld x (Linear(%lld) + ReLU), "
               "m = %lld, %lld rows per micro-batch; %u hardware threads, LibTorch %s with %d "
-              "intra-op threads, OpenBLAS %d; medians of %d steps\n\n",
+              "intra-op threads, OpenBLAS %d; medians of %d rounds\n\n",
               static_cast<long long>(n), static_cast<long long>(per),
               static_cast<long long>(width), static_cast<long long>(m),
               static_cast<long long>(absl::GetFlag(FLAGS_microbatch)),
-              std::thread::hardware_concurrency(), TORCH_VERSION, intra, blas, repeats);
+              std::thread::hardware_concurrency(), TORCH_VERSION, intra, blas, rounds);
 
-  auto train = [&](torch::nn::Module& module, const std::function<at::Tensor()>& loss) {
-    return median_ms(
-        [&] {
-          for (auto& p : module.parameters()) {
-            if (p.grad().defined()) p.mutable_grad().zero_();
-          }
-          loss();
-        },
-        repeats, /*warmup=*/true);
+  std::vector<Row> rows;
+  auto training = [&](torch::nn::Module& module, std::function<void()> loss) {
+    return [&module, loss] {
+      for (auto& p : module.parameters()) {
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      }
+      loss();
+    };
+  };
+  auto forward_backward = [&](gpipe::GPipe& model) {
+    return training(*model, [&model, &x, &y] {
+      mse(gpipe::Batch(model->forward(x)), y).backward();
+    });
+  };
+  auto inference = [&](gpipe::GPipe& model) {
+    return [&model, &x] {
+      at::NoGradGuard no_grad;
+      model->forward(x);
+    };
   };
   torch::nn::Sequential plain = make_model(n * per, width);
-  auto plain_step = [&] {
-    at::Tensor loss = mse(gpipe::Batch(plain->forward(x)), y);
-    loss.backward();
-    return loss;
-  };
-  auto plain_inference = [&] {
+  const auto plain_step = training(*plain, [&] {
+    mse(gpipe::Batch(plain->forward(x)), y).backward();
+  });
+  const auto plain_inference = [&] {
     at::NoGradGuard no_grad;
-    return plain->forward(x);
+    plain->forward(x);
   };
-  const double plain_default = train(*plain, plain_step);
-  const double plain_default_inference = median_ms(plain_inference, repeats, true);
-  at::set_num_threads(1);
-  set_blas_threads(1);
-  const double plain_one = train(*plain, plain_step);
-  const double plain_one_inference = median_ms(plain_inference, repeats, true);
+  rows.push_back(make_row("plain, default threads", plain_step, false, Reference::kNone));
+  rows.push_back(make_row("plain, one core", plain_step, true, Reference::kNone));
+  rows.push_back(
+      make_row("inference, plain, default threads", plain_inference, false, Reference::kNone));
+  rows.push_back(make_row("inference, plain, one core", plain_inference, true, Reference::kNone));
   // The pipeline's own work on one core: the same micro-batches, one after another.
   const std::vector<c10::Device> cpus(n, at::kCPU);
   auto options = [&] {
@@ -127,112 +175,115 @@ int main(int argc, char** argv) {
   };
   gpipe::GPipe one_thread(make_model(n * per, width),
                           gpipe::internal::with_partition_threads(options(), false));
-  const double microbatches_one = train(*one_thread, [&] {
-    at::Tensor loss = mse(gpipe::Batch(one_thread->forward(x)), y);
-    loss.backward();
-    return loss;
-  });
-  one_thread->eval();
-  const double microbatches_one_inference = median_ms(
-      [&] {
-        at::NoGradGuard no_grad;
-        one_thread->forward(x);
-      },
-      repeats, true);
-  at::set_num_threads(intra);  // LibTorch's and OpenBLAS's defaults again
-  set_blas_threads(blas);
-
-  const double ideal = static_cast<double>(n * m) / static_cast<double>(m + n - 1);
-  std::printf("%-44s %9s %9s %18s %13s %20s\n", "configuration", "ms", "vs plain",
-              "speed-up (1 core)", "of the ideal", "of it (micro-batches)");
-  std::vector<std::string> json;
-  // of_ideal: against the plain model on one core; of_ideal_microbatches: against the same
-  // micro-batches on one core (the pipeline's own work), in training or inference.
-  auto report = [&](const std::string& what, double ms, double vs_default, double vs_one,
-                    double vs_microbatches) {
-    const double speedup = vs_one / ms;
-    const double of_own = vs_microbatches > 0 ? vs_microbatches / ms / ideal : 0;
-    std::printf("%-44s %9.2f %8.2fx %17.2fx %12.0f%% %19.0f%%\n", what.c_str(), ms,
-                vs_default / ms, speedup, 100 * speedup / ideal, 100 * of_own);
-    json.push_back(absl::StrFormat(
-        "{\"configuration\": \"%s\", \"ms\": %.3f, \"vs_plain_default\": %.3f, "
-        "\"speedup_vs_one_core\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f, "
-        "\"of_ideal_same_microbatches\": %.3f}",
-        what, ms, vs_default / ms, speedup, ideal, speedup / ideal, of_own));
-  };
-  report("plain, default threads", plain_default, plain_default, plain_one, 0);
-  report("plain, one core", plain_one, plain_default, plain_one, 0);
-  report("micro-batches on one core", microbatches_one, plain_default, plain_one,
-         microbatches_one);
-  report("inference, micro-batches on one core", microbatches_one_inference,
-         plain_default_inference, plain_one_inference, microbatches_one_inference);
+  gpipe::GPipe one_thread_eval(make_model(n * per, width),
+                               gpipe::internal::with_partition_threads(options(), false));
+  one_thread_eval->eval();
+  rows.push_back(make_row("micro-batches on one core", forward_backward(one_thread), true));
+  rows.push_back(make_row("inference, micro-batches on one core", inference(one_thread_eval), true,
+                          Reference::kInference));
+  // step() under each schedule; "cores not divided" is the engine before Note [Dividing the
+  // cores], for comparison.
+  std::vector<std::unique_ptr<gpipe::GPipe>> models;
   for (const bool divided : {true, false}) {
-    // Not divided: the engine before Note [Dividing the cores], for comparison.
-    gpipe::internal::set_core_share(divided);
     for (const auto& [name, kind] :
          std::vector<std::pair<std::string, gpipe::ScheduleKind>>{
              {"GPipe", gpipe::ScheduleKind::kGPipe},
              {"1F1B", gpipe::ScheduleKind::k1F1B},
              {"ZB-H1", gpipe::ScheduleKind::kZeroBubble}}) {
-      gpipe::GPipe model(make_model(n * per, width), options().schedule(kind));
-      report(absl::StrCat("step(), ", name, divided ? "" : ", cores not divided"),
-             train(*model, [&] { return model->step(x, y, mse); }), plain_default, plain_one,
-             microbatches_one);
+      models.push_back(std::make_unique<gpipe::GPipe>(make_model(n * per, width),
+                                                      options().schedule(kind)));
+      gpipe::GPipe& model = *models.back();
+      rows.push_back(make_row(absl::StrCat("step(), ", name, divided ? "" : ", cores not divided"),
+                      training(*model, [&model, &x, &y, divided] {
+                        gpipe::internal::set_core_share(divided);
+                        model->step(x, y, mse);
+                        gpipe::internal::set_core_share(true);
+                      })));
     }
   }
-  gpipe::internal::set_core_share(true);
   gpipe::GPipe model(make_model(n * per, width), options());
-  report("forward() + backward()", train(*model, [&] {
-           at::Tensor loss = mse(gpipe::Batch(model->forward(x)), y);
-           loss.backward();
-           return loss;
-         }),
-         plain_default, plain_one, microbatches_one);
+  rows.push_back(make_row("forward() + backward()", forward_backward(model)));
   // The engine's decision against the other (Note [Threads of forward()]): the partitions on one
   // thread, as before the decision.
   gpipe::GPipe shared(make_model(n * per, width),
                       gpipe::internal::with_partition_threads(options(), false));
-  report("forward() + backward(), one thread", train(*shared, [&] {
-           at::Tensor loss = mse(gpipe::Batch(shared->forward(x)), y);
-           loss.backward();
-           return loss;
-         }),
-         plain_default, plain_one, microbatches_one);
-  shared->eval();
-  report("inference, forward(), one thread", median_ms(
-             [&] {
-               at::NoGradGuard no_grad;
-               shared->forward(x);
-             },
-             repeats, true),
-         plain_default_inference, plain_one_inference, microbatches_one_inference);
+  rows.push_back(make_row("forward() + backward(), one thread", forward_backward(shared)));
   // The engine's decision against the other (Note [Stage-local backward in one process]): each
   // partition's threads, but the one graph, whose backward runs on the calling thread.
   gpipe::GPipe one_graph(make_model(n * per, width),
                          gpipe::internal::with_stage_local_backward(options(), false));
-  report("forward() + backward(), one graph", train(*one_graph, [&] {
-           at::Tensor loss = mse(gpipe::Batch(one_graph->forward(x)), y);
-           loss.backward();
-           return loss;
-         }),
-         plain_default, plain_one, microbatches_one);
-  model->eval();
-  const double inference = median_ms(
-      [&] {
-        at::NoGradGuard no_grad;
-        model->forward(x);
-      },
-      repeats, true);
-  report("inference, forward()", inference, plain_default_inference, plain_one_inference,
-         microbatches_one_inference);
-  const double step_inference = median_ms(
-      [&] {
-        at::NoGradGuard no_grad;
-        model->step(x, at::Tensor(), mse);
-      },
-      repeats, true);
-  report("inference, step()", step_inference, plain_default_inference, plain_one_inference,
-         microbatches_one_inference);
+  rows.push_back(make_row("forward() + backward(), one graph", forward_backward(one_graph)));
+  gpipe::GPipe model_eval(make_model(n * per, width), options());
+  model_eval->eval();
+  gpipe::GPipe shared_eval(make_model(n * per, width),
+                           gpipe::internal::with_partition_threads(options(), false));
+  shared_eval->eval();
+  rows.push_back(
+      make_row("inference, forward()", inference(model_eval), false, Reference::kInference));
+  rows.push_back(make_row("inference, forward(), one thread", inference(shared_eval), false,
+                          Reference::kInference));
+  rows.push_back(make_row("inference, step()",
+                  [&] {
+                    at::NoGradGuard no_grad;
+                    model_eval->step(x, at::Tensor(), mse);
+                  },
+                  false, Reference::kInference));
+
+  // Note [Rounds against a noisy machine]: a warm-up round, then the timed ones.
+  for (int round = -1; round < rounds; ++round) {
+    for (Row& row : rows) {
+      at::set_num_threads(row.one_core ? 1 : intra);
+      set_blas_threads(row.one_core ? 1 : blas);
+      const auto settle = std::chrono::steady_clock::now();
+      do {
+        row.step();
+      } while (ms_since(settle) < absl::GetFlag(FLAGS_settle_ms));
+      const auto start = std::chrono::steady_clock::now();
+      row.step();
+      if (round >= 0) row.ms.push_back(ms_since(start));
+    }
+  }
+  at::set_num_threads(intra);
+  set_blas_threads(blas);
+
+  const auto find = [&](const std::string& name) -> const Row& {
+    for (const Row& row : rows) {
+      if (row.name == name) return row;
+    }
+    TORCH_CHECK(false, "no row '", name, "'");
+  };
+  const double ideal = static_cast<double>(n * m) / static_cast<double>(m + n - 1);
+  std::printf("%-44s %9s %9s %18s %13s %20s\n", "configuration", "ms", "vs plain",
+              "speed-up (1 core)", "of the ideal", "of it (micro-batches)");
+  std::vector<std::string> json;
+  // vs plain and speed-up: against the plain model with default threads and on one core, in
+  // training or inference (medians); of it: the median over rounds of the same micro-batches'
+  // time on one core (the pipeline's own work) over the row's, against the ideal.
+  for (const Row& row : rows) {
+    const bool infers = row.reference == Reference::kInference ||
+                        row.name.rfind("inference", 0) == 0;
+    const Row& plain_default = find(infers ? "inference, plain, default threads"
+                                           : "plain, default threads");
+    const Row& plain_one = find(infers ? "inference, plain, one core" : "plain, one core");
+    const double ms = median(row.ms);
+    const double speedup = median(plain_one.ms) / ms;
+    double of_own = 0;
+    if (row.reference != Reference::kNone) {
+      const Row& own = find(row.reference == Reference::kTraining
+                                ? "micro-batches on one core"
+                                : "inference, micro-batches on one core");
+      std::vector<double> shares;
+      for (size_t r = 0; r < row.ms.size(); ++r) shares.push_back(own.ms[r] / row.ms[r] / ideal);
+      of_own = median(shares);
+    }
+    std::printf("%-44s %9.2f %8.2fx %17.2fx %12.0f%% %19.0f%%\n", row.name.c_str(), ms,
+                median(plain_default.ms) / ms, speedup, 100 * speedup / ideal, 100 * of_own);
+    json.push_back(absl::StrFormat(
+        "{\"configuration\": \"%s\", \"ms\": %.3f, \"vs_plain_default\": %.3f, "
+        "\"speedup_vs_one_core\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f, "
+        "\"of_ideal_same_microbatches\": %.3f}",
+        row.name, ms, median(plain_default.ms) / ms, speedup, ideal, speedup / ideal, of_own));
+  }
   const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
   std::printf("\n%s", text.c_str());
   if (!absl::GetFlag(FLAGS_json_out).empty()) std::ofstream(absl::GetFlag(FLAGS_json_out)) << text;

@@ -105,7 +105,12 @@ void set_intra_op_threads(int threads);
 // keeps a count per thread, and a worker started earlier would not see it), when LibTorch's
 // intra-op threads differ from its default, or when OMP_NUM_THREADS (or, for OpenBLAS,
 // OPENBLAS_NUM_THREADS) is set. A lane's count is set and put back for its thread alone
-// (omp_set_num_threads), not process-wide.
+// (omp_set_num_threads), not process-wide. Not divided: OpenBLAS's threads that are already
+// spinning. Debian's OpenBLAS (the pthread build) keeps its threads spinning for about 0.1 s after
+// a product that used them, so a step that starts right after a product of the user's own with
+// OpenBLAS's full count shares the cores with them until they sleep: up to twice the step's time,
+// measured on two vCPUs (benchmarks/default_threads, Note [Rounds against a noisy machine]).
+// OPENBLAS_THREAD_TIMEOUT=4, set before the program starts, shortens the spin to nothing.
 
 namespace internal {
 
