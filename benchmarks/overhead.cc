@@ -34,6 +34,10 @@ ABSL_FLAG(int, repeats, 30,
           "of the per-round differences is the overhead");
 ABSL_FLAG(int, warmup, 5, "untimed steps before timing");
 ABSL_FLAG(std::string, json_out, "", "also write the results as JSON to this file");
+ABSL_FLAG(bool, partition_threads, false,
+          "each partition on a thread of its own, and with it stage-local backward (Note "
+          "[Stage-local backward in one process]): the cost of the hand-offs and of the check "
+          "of the graph (Note [Where a backward may cut]) beside the floor's one thread");
 ABSL_FLAG(int, count_rounds, 0,
           "instead of timing: after the warm-up, run the floor and then GPipe this many rounds "
           "each, in count_floor_rounds() and count_gpipe_rounds(), whose instructions "
@@ -194,7 +198,7 @@ int main(int argc, char** argv) {
                                    .devices(std::vector<c10::Device>(partitions, at::kCPU))
                                    .chunks(chunks)
                                    .checkpoint(mode),
-                               false));
+                               absl::GetFlag(FLAGS_partition_threads)));
         const auto params = model->parameters();
         auto gpipe_step = [&] {
           zero_grads(params);
