@@ -12,8 +12,9 @@
 // rounds of its reference's time in that round over its own: a neighbour's load that comes and
 // goes over seconds slows a row and its reference alike, where medians taken one configuration
 // after another compared a quiet minute with a busy one (shares above 100% in some runs). Each
-// timed step follows untimed steps of its row for `--settle_ms`: OpenBLAS's threads (Debian's pthread build) spin for
-// about 0.1 s after a product that used them (its THREAD_TIMEOUT, 2^28 cycles), so a row that
+// timed step follows untimed steps of its row for `--settle_ms`: OpenBLAS's threads (Debian's
+// pthread build) spin for about 0.1 s after a product that used them (its THREAD_TIMEOUT, 2^28
+// cycles), so a row that
 // followed one with OpenBLAS's full count competed with a spinning thread and took up to twice
 // its time (bimodal: forward() + backward() 40 or 80 ms, inference 10 or 18 ms in alternate
 // rounds; gone with OPENBLAS_THREAD_TIMEOUT=4). A user's own loop of steps meets that only after
@@ -81,23 +82,24 @@ at::Tensor mse(const gpipe::Batch& out, const at::Tensor& target) {
   return torch::nn::functional::mse_loss(out[0], target);
 }
 
-// What a row times, and against what its speed-up is read.
-enum class Reference { kNone, kTraining, kInference };
+// What a row times, and against which references its speed-up is read.
 struct Row {
   std::string name;
   std::function<void()> step;
-  bool one_core = false;  // run with one intra-op and one OpenBLAS thread
-  Reference reference = Reference::kTraining;
+  bool one_core = false;   // run with one intra-op and one OpenBLAS thread
+  bool inference = false;  // read against the inference references
+  bool plain = false;      // the plain model: no share of the pipeline's ideal
   std::vector<double> ms = {};  // one per round
 };
 
-Row make_row(std::string name, std::function<void()> step, bool one_core = false,
-        Reference reference = Reference::kTraining) {
+Row make_row(std::string name, std::function<void()> step, bool one_core, bool inference,
+             bool plain = false) {
   Row r;
   r.name = std::move(name);
   r.step = std::move(step);
   r.one_core = one_core;
-  r.reference = reference;
+  r.inference = inference;
+  r.plain = plain;
   return r;
 }
 
@@ -163,11 +165,20 @@ int main(int argc, char** argv) {
     at::NoGradGuard no_grad;
     plain->forward(x);
   };
-  rows.push_back(make_row("plain, default threads", plain_step, false, Reference::kNone));
-  rows.push_back(make_row("plain, one core", plain_step, true, Reference::kNone));
-  rows.push_back(
-      make_row("inference, plain, default threads", plain_inference, false, Reference::kNone));
-  rows.push_back(make_row("inference, plain, one core", plain_inference, true, Reference::kNone));
+  // The references, by their place in `rows`, [inference]: the plain model with default threads
+  // and on one core, and the pipeline's own micro-batches on one core.
+  size_t plain_default[2], plain_one[2], microbatches_one[2];
+  for (const bool infers : {false, true}) {
+    const std::string what = infers ? "inference, plain" : "plain";
+    const std::function<void()> step =
+        infers ? std::function<void()>(plain_inference) : std::function<void()>(plain_step);
+    plain_default[infers] = rows.size();
+    rows.push_back(make_row(what + ", default threads", step,
+                            /*one_core=*/false, infers, /*plain=*/true));
+    plain_one[infers] = rows.size();
+    rows.push_back(make_row(what + ", one core", step,
+                            /*one_core=*/true, infers, /*plain=*/true));
+  }
   // The pipeline's own work on one core: the same micro-batches, one after another.
   const std::vector<c10::Device> cpus(n, at::kCPU);
   auto options = [&] {
@@ -178,9 +189,12 @@ int main(int argc, char** argv) {
   gpipe::GPipe one_thread_eval(make_model(n * per, width),
                                gpipe::internal::with_partition_threads(options(), false));
   one_thread_eval->eval();
-  rows.push_back(make_row("micro-batches on one core", forward_backward(one_thread), true));
-  rows.push_back(make_row("inference, micro-batches on one core", inference(one_thread_eval), true,
-                          Reference::kInference));
+  microbatches_one[false] = rows.size();
+  rows.push_back(make_row("micro-batches on one core", forward_backward(one_thread),
+                          /*one_core=*/true, /*inference=*/false));
+  microbatches_one[true] = rows.size();
+  rows.push_back(make_row("inference, micro-batches on one core", inference(one_thread_eval),
+                          /*one_core=*/true, /*inference=*/true));
   // step() under each schedule; "cores not divided" is the engine before Note [Dividing the
   // cores], for comparison.
   std::vector<std::unique_ptr<gpipe::GPipe>> models;
@@ -194,40 +208,46 @@ int main(int argc, char** argv) {
                                                       options().schedule(kind)));
       gpipe::GPipe& model = *models.back();
       rows.push_back(make_row(absl::StrCat("step(), ", name, divided ? "" : ", cores not divided"),
-                      training(*model, [&model, &x, &y, divided] {
-                        gpipe::internal::set_core_share(divided);
-                        model->step(x, y, mse);
-                        gpipe::internal::set_core_share(true);
-                      })));
+                              training(*model,
+                                       [&model, &x, &y, divided] {
+                                         gpipe::internal::set_core_share(divided);
+                                         model->step(x, y, mse);
+                                         gpipe::internal::set_core_share(true);
+                                       }),
+                              /*one_core=*/false, /*inference=*/false));
     }
   }
   gpipe::GPipe model(make_model(n * per, width), options());
-  rows.push_back(make_row("forward() + backward()", forward_backward(model)));
+  rows.push_back(make_row("forward() + backward()", forward_backward(model), /*one_core=*/false,
+                          /*inference=*/false));
   // The engine's decision against the other (Note [Threads of forward()]): the partitions on one
   // thread, as before the decision.
   gpipe::GPipe shared(make_model(n * per, width),
                       gpipe::internal::with_partition_threads(options(), false));
-  rows.push_back(make_row("forward() + backward(), one thread", forward_backward(shared)));
+  rows.push_back(make_row("forward() + backward(), one thread", forward_backward(shared),
+                          /*one_core=*/false, /*inference=*/false));
   // The engine's decision against the other (Note [Stage-local backward in one process]): each
   // partition's threads, but the one graph, whose backward runs on the calling thread.
   gpipe::GPipe one_graph(make_model(n * per, width),
                          gpipe::internal::with_stage_local_backward(options(), false));
-  rows.push_back(make_row("forward() + backward(), one graph", forward_backward(one_graph)));
+  rows.push_back(make_row("forward() + backward(), one graph", forward_backward(one_graph),
+                          /*one_core=*/false, /*inference=*/false));
   gpipe::GPipe model_eval(make_model(n * per, width), options());
   model_eval->eval();
   gpipe::GPipe shared_eval(make_model(n * per, width),
                            gpipe::internal::with_partition_threads(options(), false));
   shared_eval->eval();
-  rows.push_back(
-      make_row("inference, forward()", inference(model_eval), false, Reference::kInference));
-  rows.push_back(make_row("inference, forward(), one thread", inference(shared_eval), false,
-                          Reference::kInference));
-  rows.push_back(make_row("inference, step()",
-                  [&] {
-                    at::NoGradGuard no_grad;
-                    model_eval->step(x, at::Tensor(), mse);
-                  },
-                  false, Reference::kInference));
+  rows.push_back(make_row("inference, forward()", inference(model_eval), /*one_core=*/false,
+                          /*inference=*/true));
+  rows.push_back(make_row("inference, forward(), one thread", inference(shared_eval),
+                          /*one_core=*/false, /*inference=*/true));
+  rows.push_back(make_row(
+      "inference, step()",
+      [&] {
+        at::NoGradGuard no_grad;
+        model_eval->step(x, at::Tensor(), mse);
+      },
+      /*one_core=*/false, /*inference=*/true));
 
   // Note [Rounds against a noisy machine]: a warm-up round, then the timed ones.
   for (int round = -1; round < rounds; ++round) {
@@ -246,12 +266,6 @@ int main(int argc, char** argv) {
   at::set_num_threads(intra);
   set_blas_threads(blas);
 
-  const auto find = [&](const std::string& name) -> const Row& {
-    for (const Row& row : rows) {
-      if (row.name == name) return row;
-    }
-    TORCH_CHECK(false, "no row '", name, "'");
-  };
   const double ideal = static_cast<double>(n * m) / static_cast<double>(m + n - 1);
   std::printf("%-44s %9s %9s %18s %13s %20s\n", "configuration", "ms", "vs plain",
               "speed-up (1 core)", "of the ideal", "of it (micro-batches)");
@@ -260,29 +274,23 @@ int main(int argc, char** argv) {
   // training or inference (medians); of it: the median over rounds of the same micro-batches'
   // time on one core (the pipeline's own work) over the row's, against the ideal.
   for (const Row& row : rows) {
-    const bool infers = row.reference == Reference::kInference ||
-                        row.name.rfind("inference", 0) == 0;
-    const Row& plain_default = find(infers ? "inference, plain, default threads"
-                                           : "plain, default threads");
-    const Row& plain_one = find(infers ? "inference, plain, one core" : "plain, one core");
     const double ms = median(row.ms);
-    const double speedup = median(plain_one.ms) / ms;
+    const double plain_default_ms = median(rows[plain_default[row.inference]].ms);
+    const double speedup = median(rows[plain_one[row.inference]].ms) / ms;
     double of_own = 0;
-    if (row.reference != Reference::kNone) {
-      const Row& own = find(row.reference == Reference::kTraining
-                                ? "micro-batches on one core"
-                                : "inference, micro-batches on one core");
+    if (!row.plain) {
+      const Row& own = rows[microbatches_one[row.inference]];
       std::vector<double> shares;
       for (size_t r = 0; r < row.ms.size(); ++r) shares.push_back(own.ms[r] / row.ms[r] / ideal);
       of_own = median(shares);
     }
     std::printf("%-44s %9.2f %8.2fx %17.2fx %12.0f%% %19.0f%%\n", row.name.c_str(), ms,
-                median(plain_default.ms) / ms, speedup, 100 * speedup / ideal, 100 * of_own);
+                plain_default_ms / ms, speedup, 100 * speedup / ideal, 100 * of_own);
     json.push_back(absl::StrFormat(
         "{\"configuration\": \"%s\", \"ms\": %.3f, \"vs_plain_default\": %.3f, "
         "\"speedup_vs_one_core\": %.3f, \"ideal\": %.3f, \"of_ideal\": %.3f, "
         "\"of_ideal_same_microbatches\": %.3f}",
-        row.name, ms, median(plain_default.ms) / ms, speedup, ideal, speedup / ideal, of_own));
+        row.name, ms, plain_default_ms / ms, speedup, ideal, speedup / ideal, of_own));
   }
   const std::string text = absl::StrCat("[\n  ", absl::StrJoin(json, ",\n  "), "\n]\n");
   std::printf("\n%s", text.c_str());

@@ -355,8 +355,7 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
           inside_parameters.insert(next);
           continue;
         }
-        if (const auto cast = casts.empty() ? casts.end() : casts.find(next);
-            cast != casts.end()) {
+        if (const auto cast = casts.find(next); cast != casts.end()) {
           if (cast->second != handoff->target.first) return false;
           continue;
         }
@@ -377,7 +376,7 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
     return it == segment.end() ? kOutside : it->second;
   };
   for (const Node* node : *graph) {
-    if (!casts.empty() && casts.count(node) > 0) continue;  // its edges lead to parameters
+    if (casts.count(node) > 0) continue;  // its edges lead to parameters only
     // What reaches through this node's edges: a Handoff's target, else the node's own segment.
     const auto handoff = handoffs_.find(node);
     const Segment from = handoff != handoffs_.end() ? handoff->second->target : segment_of(node);
@@ -386,8 +385,7 @@ bool StageBackward::cuts_safely(const Node* meeting) const {
       if (next == nullptr) continue;
       if (is_parameter(next)) {
         if (from == kOutside && inside_parameters.count(next) > 0) return false;
-      } else if (const auto cast = casts.empty() ? casts.end() : casts.find(next);
-                 cast != casts.end()) {
+      } else if (const auto cast = casts.find(next); cast != casts.end()) {
         if (from.first != cast->second) return false;  // kOutside's partition is no partition
       } else if (const auto into = handoffs_.find(next); into != handoffs_.end()) {
         if (into->second->reached_by.value_or(kOutside) != from) return false;
