@@ -166,14 +166,20 @@ void make_links(Step& st, const std::vector<std::vector<Action>>& lanes) {
 // Runs every lane, each on its worker (or the calling thread), until all have stopped.
 void run_lanes(Step& st, const std::vector<std::vector<Action>>& lanes) {
   const ExecutorSpec& spec = st.spec;
-  // The CPU lanes share the cores (Note [Dividing the cores] in worker.h).
+  // The CPU lanes share the cores, less one for each lane that only issues a GPU's work (Note
+  // [Dividing the cores] in worker.h).
   std::vector<bool> on_cpu(lanes.size(), false);
+  int64_t gpu_lanes = 0;
   for (size_t lane = 0; lane < lanes.size(); ++lane) {
+    bool on_gpu = false;
     for (const Action& a : lanes[lane]) {
-      if ((*spec.partitions)[a.stage].device.is_cpu()) on_cpu[lane] = true;
+      const c10::Device device = (*spec.partitions)[a.stage].device;
+      on_cpu[lane] = on_cpu[lane] || device.is_cpu();
+      on_gpu = on_gpu || has_streams(device);
     }
+    gpu_lanes += on_gpu && !on_cpu[lane];
   }
-  const CoreShare cores(std::count(on_cpu.begin(), on_cpu.end(), true));
+  const CoreShare cores(std::count(on_cpu.begin(), on_cpu.end(), true), gpu_lanes);
   // Lanes on workers run under this thread's state (grad mode, autocast: Note [Thread-local
   // state in workers]).
   const auto worker_state = std::make_unique<ThreadState>();

@@ -14,6 +14,7 @@
 
 #ifdef __linux__
 #include <pthread.h>
+#include <sched.h>
 #endif
 
 namespace gpipe {
@@ -162,6 +163,16 @@ BlasShare& blas_share() {
   return *share;
 }
 
+// The CPUs this process may run on: those of its affinity mask (taskset, a launcher's binding),
+// else every one the system has.
+int available_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 bool env_set(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr && *value != '\0';
@@ -197,7 +208,7 @@ void set_thread_threads(int threads) {
 
 }  // namespace
 
-CoreShare::CoreShare(int64_t cpu_lanes) {
+CoreShare::CoreShare(int64_t cpu_lanes, int64_t gpu_lanes) {
   if (cpu_lanes < 1 || !core_share_enabled()) return;
   if (user_threads() > 0) {
     // The user's count, on every CPU lane's thread, kept there: OpenMP keeps a count per thread,
@@ -206,11 +217,14 @@ CoreShare::CoreShare(int64_t cpu_lanes) {
     keep_ = true;
     return;
   }
-  if (cpu_lanes < 2) return;
+  if (cpu_lanes < 2 && gpu_lanes < 1) return;
   const int lanes = static_cast<int>(cpu_lanes);
+  // The CPUs left to the CPU lanes: one each is the GPU lanes' (Note [Dividing the cores]).
+  const int gpus = static_cast<int>(std::max<int64_t>(gpu_lanes, 0));
+  const int cpus = std::max(1, available_cpus() - gpus);
   const int intra = at::get_num_threads();
   if (intra == at::intraop_default_num_threads() && intra > 1 && !env_set("OMP_NUM_THREADS")) {
-    lane_threads_ = std::max(1, intra / lanes);
+    lane_threads_ = std::max(1, std::min(intra, cpus) / lanes);
   }
   if (env_set("OPENBLAS_NUM_THREADS") || env_set("OMP_NUM_THREADS")) return;
   BlasShare& share = blas_share();
@@ -218,7 +232,6 @@ CoreShare::CoreShare(int64_t cpu_lanes) {
   if (share.holders == 0) {
     share.before = blas_threads();
     if (share.before <= 1) return;  // no OpenBLAS, or one thread already
-    const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     set_blas_threads(std::max(1, std::min(share.before, cpus / lanes)));
   }
   ++share.holders;

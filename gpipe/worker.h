@@ -100,11 +100,24 @@ void set_intra_op_threads(int threads);
 // divides the cores for the step: each CPU lane's intra-op threads become cores / CPU lanes (at
 // least one; set on the lane's thread, which is where OpenMP keeps the count) and OpenBLAS's
 // threads CPUs / CPU lanes; both are put back when the step ends (process-wide: by the last of
-// the steps running at once). A user's own choice wins: nothing is divided once
-// set_intra_op_threads was called (its count is set on every CPU lane's thread instead: OpenMP
-// keeps a count per thread, and a worker started earlier would not see it), when LibTorch's
-// intra-op threads differ from its default, or when OMP_NUM_THREADS (or, for OpenBLAS,
-// OPENBLAS_NUM_THREADS) is set. A lane's count is set and put back for its thread alone
+// the steps running at once).
+//
+// A lane whose partitions are all on GPUs computes little on the host, but must issue its
+// kernels and copies the moment their inputs are ready; so each such lane keeps one CPU: the CPU
+// lanes share the CPUs of the process's affinity mask less one per GPU lane (their intra-op
+// threads never more than LibTorch's count), divided also for a single CPU lane beside a GPU's.
+// Why: on an H100 machine with 16 cores (benchmarks/copy_overlap, 2026-11-28), the GPU partition
+// of a {cpu, cuda:0} pipeline began its first forward on the host only after the CPU lane had
+// sent all eight micro-batches, so hardly any copy overlapped computation, except where the CPU
+// lane blocked in the driver on copies from pageable memory (up to 38%). A CPU lane with a full
+// team of OpenMP threads, which spin between parallel regions, leaves no core free to wake the
+// GPU's lane on; that this is the cause is read from the timeline and is yet to be measured on a
+// GPU (copy_overlap --cores=engine,libtorch prints each lane's lag both ways).
+//
+// A user's own choice wins: nothing is divided once set_intra_op_threads was called (its count is
+// set on every CPU lane's thread instead: OpenMP keeps a count per thread, and a worker started
+// earlier would not see it), when LibTorch's intra-op threads differ from its default, or when
+// OMP_NUM_THREADS (or, for OpenBLAS, OPENBLAS_NUM_THREADS) is set. A lane's count is set and put back for its thread alone
 // (omp_set_num_threads), not process-wide. Not divided: OpenBLAS's threads that are already
 // spinning. Debian's OpenBLAS (the pthread build) keeps its threads spinning for about 0.1 s after
 // a product that used them, so a step that starts right after a product of the user's own with
@@ -114,12 +127,13 @@ void set_intra_op_threads(int threads);
 
 namespace internal {
 
-/// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime (Note [Dividing the
-/// cores]); nothing is divided with fewer than two lanes or where the user chose thread counts
-/// (but set_intra_op_threads's count reaches every CPU lane, and stays there).
+/// The cores divided among `cpu_lanes` CPU lanes for a step's lifetime, less one for each of
+/// `gpu_lanes` lanes that only issue a GPU's work (Note [Dividing the cores]); nothing is divided
+/// with one CPU lane alone, none, or where the user chose thread counts (but
+/// set_intra_op_threads's count reaches every CPU lane, and stays there).
 class CoreShare {
  public:
-  explicit CoreShare(int64_t cpu_lanes);
+  explicit CoreShare(int64_t cpu_lanes, int64_t gpu_lanes = 0);
   ~CoreShare();
   CoreShare(const CoreShare&) = delete;
   CoreShare& operator=(const CoreShare&) = delete;

@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
 # The checks that only a GPU shows, in one run for a lent GPU machine: builds gpipe against the
-# PyTorch of python3 (CUDA), runs every test binary's [cuda] cases, then the reference's
-# benchmarks at full size on the GPUs present and benchmarks/cut_points, each under a time limit.
+# PyTorch of python3 (CUDA), then runs the parts named in PARTS, each under a time limit:
+#   tests      every test binary's [cuda] cases;
+#   overlap    benchmarks/copy_overlap: copies beside computation, and each lane's lag with the
+#              engine's division of the cores and with LibTorch's thread counts (issue 36);
+#   schedules  benchmarks/schedule_efficiency on cuda:0, every schedule (issue 40);
+#   plan       benchmarks/plan_accuracy on cuda:0 and on {cuda:0, cpu} (issue 40);
+#   reference  the reference's benchmarks at full size;
+#   cut_points benchmarks/cut_points on the GPU.
 #
 #   tools/gpu_check.sh OUT_DIR [PREFIX]
 #
-# PREFIX holds Abseil and Catch2 2 for CMake (include/, lib/...; Debian 12's copied in works with
-# PyTorch's C++11-ABI wheels); logs and the benchmarks' JSON go to OUT_DIR. Environment: JOBS
-# (compile jobs, default: the cores), BUILD (build folder, default build/gpu), SKIP_BENCH=1 (tests
-# only), RESNET_SAMPLES / AMOEBA_SAMPLES (samples per epoch of the speed runs, two epochs each,
-# the first untimed), EXTRA_TARGETS (more CMake targets to build, such as gpt).
+# PREFIX holds Abseil, Catch2 2 and Gloo's headers for CMake (tools/gpu_prefix.sh makes one from
+# Debian 12's; one inside the source tree, where a carried one lies, is copied out first: CMake
+# refuses include folders under the source tree); logs and the benchmarks' JSON go to OUT_DIR.
+# Environment: PARTS (default "tests overlap schedules plan reference cut_points"; a lease's
+# 10-minute command fits "tests overlap schedules", then "plan"), JOBS (compile jobs, default: the
+# cores), BUILD (build folder, default build/gpu), RESNET_SAMPLES / AMOEBA_SAMPLES (samples per
+# epoch of the speed runs, two epochs each, the first untimed), EXTRA_TARGETS (more CMake targets
+# to build, such as gpt). SKIP_BENCH=1, the old spelling, means PARTS=tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [PREFIX]}
 prefix=${2:-}
 mkdir -p "$out"
 out=$(realpath "$out")  # (the benchmarks run from the build folder)
-# Debian's Abseil is found at build time through CMake; at run time through the loader's path.
-[[ -n "$prefix" ]] && export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [[ -n "$prefix" ]]; then
+  prefix=$(realpath "$prefix")
+  if [[ "$prefix" == "$(pwd)"/* ]]; then
+    rm -rf /tmp/gpipe-prefix && cp -a "$prefix" /tmp/gpipe-prefix && prefix=/tmp/gpipe-prefix
+  fi
+  # Debian's Abseil is found at build time through CMake; at run time through the loader's path.
+  export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+parts=" ${PARTS:-tests overlap schedules plan reference cut_points} "
+[[ "${SKIP_BENCH:-0}" == 1 ]] && parts=" tests "
+has() { [[ "$parts" == *" $1 "* ]]; }
 build=${BUILD:-build/gpu}
 jobs=${JOBS:-$(nproc)}
 t0=$SECONDS
@@ -28,10 +46,14 @@ torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') 
 python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda,
 "GPUs", torch.cuda.device_count())'
 
-tests=$(grep -l '\[cuda\]' tests/*/*_test.cc | xargs -n 1 basename | sed 's/\.cc$//')
-benches="amoebanetd_memory resnet101_speed unet_memory amoebanetd_speed"
-[[ "${SKIP_BENCH:-0}" == 1 ]] && benches=""
-[[ -n "$benches" ]] && benches="plan_accuracy $benches cut_points"
+tests=""
+has tests && tests=$(grep -l '\[cuda\]' tests/*/*_test.cc | xargs -n 1 basename | sed 's/\.cc$//')
+benches=""
+has overlap && benches+=" copy_overlap"
+has schedules && benches+=" schedule_efficiency"
+has plan && benches+=" plan_accuracy"
+has reference && benches+=" amoebanetd_memory resnet101_speed unet_memory amoebanetd_speed"
+has cut_points && benches+=" cut_points"
 extra=${EXTRA_TARGETS:-}
 stamp configure
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -61,39 +83,55 @@ for t in $tests; do
   passed=$((passed + p)); failed=$((failed + f))
   ((f > 0)) && grep -a -B 5 -A 25 "FAILED" "$out/$t.log" | head -n 80
 done
-stamp "[cuda] tests: $passed passed, $failed failed"
+[[ -n "$tests" ]] && stamp "[cuda] tests: $passed passed, $failed failed"
 
-run_bench() {  # name, seconds, arguments...
+# Runs program `name` from the build folder under a limit of `seconds`, its output in OUT/name.log
+# and (most programs) its JSON in OUT/name.json; prints the end of its output.
+run_prog() {  # name, seconds, arguments...
   local name=$1 limit=$2
   shift 2
   stamp "$name $*"
-  (cd "$build" && timeout -k 10 "$limit" "./$name" --size=full --json_out="$(realpath "$out")/$name.json" "$@") \
-    > "$out/$name.log" 2>&1
+  (cd "$build" && timeout -k 10 "$limit" "./$name" "$@") > "$out/$name.log" 2>&1
   echo "rc $?"
-  grep -a -v "^\s*$" "$out/$name.log" | tail -n 14
+  grep -a -v "^\s*$" "$out/$name.log" | tail -n 40
 }
-if [[ -n "$benches" ]]; then
+run_bench() {  # the reference's benchmarks: name, seconds, arguments...
+  run_prog "$1" "$2" --size=full --json_out="$out/$1.json" "${@:3}"
+}
+if has overlap; then
+  # Copies beside computation (docs/benchmarks.md); each lane's lag with the engine's division of
+  # the cores and without (Note [Dividing the cores] in gpipe/worker.h).
+  mkdir -p "$out/traces"
+  run_prog copy_overlap 150 --steps=9 --rounds=3 --cores=engine,libtorch \
+    --trace_dir="$out/traces" --json_out="$out/copy_overlap.json"
+fi
+if has schedules; then
+  # Every schedule with every partition on the one GPU (docs/benchmarks.md, "Schedules").
+  run_prog schedule_efficiency 150 --device=cuda --width=2048 --batch=8192 \
+    --microbatches=4,8,16,32 --steps=5
+fi
+if has plan; then
   # The planner's predictions against measured steps on the GPU (issue 40): every partition on the
   # one GPU, then the planner placing two on {cuda:0, cpu} (Note [Placement]).
   for devices in cuda:0,cuda:0,cuda:0 cuda:0,cpu; do
     stamp "plan_accuracy --devices=$devices"
     (cd "$build" && timeout -k 10 240 ./plan_accuracy --devices="$devices" --rounds=1 \
       --models=resnet8,amoebanet,mlp --timeout=0.5 --repeats=5 --compare_defaults=false \
-      --json_out="$(realpath "$out")/plan_accuracy_${devices//[:,]/_}.json") \
+      --json_out="$out/plan_accuracy_${devices//[:,]/_}.json") \
       > "$out/plan_accuracy_${devices//[:,]/_}.log" 2>&1
     echo "rc $?"
     grep -a -E "^(resnet8|amoebanet|mlp) |configurations:" "$out/plan_accuracy_${devices//[:,]/_}.log" | tail -n 20
   done
+fi
+if has reference; then
   run_bench amoebanetd_memory 120
   run_bench resnet101_speed 150 --epochs=2 --dataset_size="${RESNET_SAMPLES:-10240}"
   run_bench unet_memory 90
   run_bench amoebanetd_speed 120 --epochs=2 --dataset_size="${AMOEBA_SAMPLES:-2560}"
+fi
+if has cut_points; then
   # Cut points on the GPU: each section's forward against its own layers (docs/cut-points.md).
-  stamp "cut_points --device=cuda"
-  (cd "$build" && timeout -k 10 120 ./cut_points --device=cuda --repeats=100) \
-    > "$out/cut_points.log" 2>&1
-  echo "rc $?"
-  grep -a -v "^\s*$" "$out/cut_points.log" | tail -n 9
+  run_prog cut_points 120 --device=cuda --repeats=100
 fi
 stamp done
 echo "$passed passed, $failed failed"

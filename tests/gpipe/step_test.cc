@@ -4,6 +4,7 @@
 #include "tests/gpipe/test_util.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
@@ -840,19 +841,37 @@ struct ThreadCountsImpl : nn::Module {
 };
 TORCH_MODULE(ThreadCounts);
 
+bool env_set(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0';
+}
+
+// The intra-op threads and OpenBLAS's threads of each of `cpu_lanes` CPU lanes beside `gpu_lanes`
+// lanes of GPU partitions, as Note [Dividing the cores] in gpipe/worker.h says: the CPUs of the
+// affinity mask less one per GPU lane, divided among the CPU lanes, unless the environment chose.
+std::pair<int, int> divided(int cpu_lanes, int gpu_lanes) {
+  const int intra = at::get_num_threads();
+  const int blas = ThreadCounts::Impl::openblas_threads();
+  if (cpu_lanes < 2 && gpu_lanes < 1) return {intra, blas};
+  cpu_set_t set;
+  CATCH_REQUIRE(sched_getaffinity(0, sizeof(set), &set) == 0);
+  const int cpus = std::max(1, CPU_COUNT(&set) - gpu_lanes);
+  const bool omp_env = env_set("OMP_NUM_THREADS");
+  const bool env = env_set("OPENBLAS_NUM_THREADS") || omp_env;
+  CATCH_CAPTURE(intra, blas, omp_env, env, cpus);
+  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1 && !omp_env
+                             ? std::max(1, std::min(intra, cpus) / cpu_lanes)
+                             : intra;
+  const int lane_blas = blas > 1 && !env ? std::max(1, std::min(blas, cpus / cpu_lanes)) : blas;
+  return {lane_intra, lane_blas};
+}
+
 CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts win",
                 "[gpipe][step][threads]") {
   // Note [Dividing the cores] in gpipe/worker.h.
   const int intra = at::get_num_threads();
   const int blas = ThreadCounts::Impl::openblas_threads();
-  auto set = [](const char* name) {
-    const char* value = std::getenv(name);
-    return value != nullptr && *value != '\0';
-  };
-  const bool omp_env = set("OMP_NUM_THREADS");
-  const bool env = set("OPENBLAS_NUM_THREADS") || omp_env;
-  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
-  CATCH_CAPTURE(intra, blas, env, cpus);
+  const auto [lane_intra, lane_blas] = divided(2, 0);
   ThreadCounts first, second;
   GPipe model(nn::Sequential(nn::Linear(4, 4), first, nn::Linear(4, 2), second),
               GPipeOptions({2, 2}).devices({at::kCPU, at::kCPU}).chunks(2).checkpoint(
@@ -860,9 +879,6 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
   const at::Tensor x = at::randn({4, 4});
   const at::Tensor y = at::randn({4, 2});
   model->step(x, y, mse);
-  const int lane_intra = intra == at::intraop_default_num_threads() && intra > 1 && !omp_env
-                             ? std::max(1, intra / 2) : intra;
-  const int lane_blas = blas > 1 && !env ? std::max(1, std::min(blas, cpus / 2)) : blas;
   for (ThreadCounts counts : {first, second}) {
     CATCH_REQUIRE(counts->seen.size() == 2);
     for (const auto& [seen_intra, seen_blas] : counts->seen) {
@@ -893,6 +909,59 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
     reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))(blas);
   }
   internal::set_core_share(true);  // forgets the user's setting
+}
+
+CATCH_TEST_CASE("A CPU lane beside a lane of GPU partitions leaves one CPU to it, and alone "
+                "keeps every core", "[gpipe][step][threads]") {
+  // Note [Dividing the cores] in gpipe/worker.h: a GPU's lane must issue its work the moment
+  // its input is ready.
+  const int intra = at::get_num_threads();
+  const int blas = ThreadCounts::Impl::openblas_threads();
+  for (const int gpu_lanes : {0, 1, 2}) {
+    CATCH_CAPTURE(gpu_lanes);
+    const auto [lane_intra, lane_blas] = divided(1, gpu_lanes);
+    {
+      const internal::CoreShare share(1, gpu_lanes);
+      const internal::CoreShare::Lane lane(share);
+      CATCH_CHECK(at::get_num_threads() == lane_intra);
+      CATCH_CHECK(ThreadCounts::Impl::openblas_threads() == lane_blas);
+    }
+    CATCH_CHECK(at::get_num_threads() == intra);
+    CATCH_CHECK(ThreadCounts::Impl::openblas_threads() == blas);
+  }
+  // Two CPU lanes and a GPU's: the CPUs less one, halved.
+  const auto [lane_intra, lane_blas] = divided(2, 1);
+  const internal::CoreShare share(2, 1);
+  const internal::CoreShare::Lane lane(share);
+  CATCH_CHECK(at::get_num_threads() == lane_intra);
+  CATCH_CHECK(ThreadCounts::Impl::openblas_threads() == lane_blas);
+}
+
+CATCH_TEST_CASE("A {cpu, cuda:0} step's CPU lane leaves one CPU to the GPU's lane",
+                "[gpipe][step][threads][cuda]") {
+  const int intra = at::get_num_threads();
+  const auto [lane_intra, lane_blas] = divided(1, 1);
+  ThreadCounts counts;
+  GPipe model(nn::Sequential(nn::Linear(4, 4), counts, nn::Linear(4, 2)),
+              GPipeOptions({2, 1}).devices({at::kCPU, at::kCUDA}).chunks(2).checkpoint(
+                  Checkpoint::kNever));
+  const at::Tensor x = at::randn({4, 4});
+  const at::Tensor y = at::randn({4, 2}, at::kCUDA);
+  for (const bool through_step : {true, false}) {
+    CATCH_CAPTURE(through_step);
+    if (through_step) {
+      model->step(x, y, mse);
+    } else {
+      mse(Batch(model->forward(x)), y).backward();
+    }
+    CATCH_REQUIRE(counts->seen.size() == 2);
+    for (const auto& [seen_intra, seen_blas] : counts->seen) {
+      CATCH_CHECK(seen_intra == lane_intra);
+      CATCH_CHECK(seen_blas == lane_blas);
+    }
+    counts->seen.clear();
+    CATCH_CHECK(at::get_num_threads() == intra);
+  }
 }
 
 // Tokens: [sequences, tokens, 5] to logits over 4 classes.
