@@ -1,12 +1,14 @@
-// How much of GPipe::step's copies between a GPU and the CPU run while that GPU computes another
-// micro-batch (Note [Links on copy streams] in gpipe/internal/link.h): a {cuda:0, cpu} and a {cpu, cuda:0}
-// pipeline of 2048-wide layers (eight Linear layers on the GPU, a Tanh on the CPU) under GPipe's
-// schedule and 1F1B, from the device times of the last step's timeline, with copies from the CPU
-// staged in pinned memory (the default) and from pageable memory. On the compute stream no copy
-// could overlap its GPU's computation (0%). "lag" is the host time from the first activation
-// copy's issue to the receiving partition's first forward: how long the receiving lane took to
-// start (Note [Dividing the cores] in gpipe/worker.h); with --cores=engine,libtorch each pipeline
-// runs also with every thread count as LibTorch starts it (the engine's division off).
+// How much of the copies between a GPU and the CPU run while that GPU computes another
+// micro-batch (Note [Links on copy streams] in gpipe/internal/link.h, Note [Copy streams] in
+// gpipe/internal/copy.h): a {cuda:0, cpu} and a {cpu, cuda:0} pipeline of 2048-wide layers (eight
+// Linear layers on the GPU, a Tanh on the CPU) under GPipe::step with GPipe's schedule and 1F1B,
+// and through forward() and the loss's backward(), from the device times of the last step's
+// timeline, with copies from the CPU staged in pinned memory (the default) and from pageable
+// memory. On the compute stream no copy could overlap its GPU's computation (0%). "lag" is the
+// host time from the first activation copy's issue to the receiving partition's first forward:
+// how long the receiving lane took to start (Note [Dividing the cores] in gpipe/worker.h); with
+// --cores=engine,libtorch each pipeline runs also with every thread count as LibTorch starts it
+// (the engine's division off).
 // Needs a GPU; writes each configuration's timeline as SVG and Chrome-trace JSON with --trace_dir.
 //
 //   copy_overlap --chunks=8 --rows=4096 --steps=9 --rounds=3 --trace_dir=/tmp/overlap
@@ -33,12 +35,13 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/timing.h"
 #include "gpipe/gpipe.h"
-#include "gpipe/internal/link.h"
+#include "gpipe/internal/copy.h"
 #include "gpipe/internal/stream.h"
 #include "gpipe/worker.h"
 #include "gpipe/trace.h"
 
-ABSL_FLAG(std::string, schedules, "gpipe,1f1b", "schedules to run");
+ABSL_FLAG(std::string, schedules, "gpipe,1f1b,forward",
+          "schedules to run under step(), and \"forward\": forward() + backward()");
 ABSL_FLAG(int64_t, chunks, 8, "micro-batches per step");
 ABSL_FLAG(int64_t, rows, 4096, "samples per step");
 ABSL_FLAG(int64_t, width, 2048, "features of each Linear layer");
@@ -97,7 +100,9 @@ double receiver_lag_ms(const std::vector<TimelineEvent>& events) {
 // `pinned`: whether activations and gradients from the CPU are staged in pinned memory (the
 // default), or copied from pageable memory as LibTorch's `to()` does.
 // `engine_cores`: whether the engine divides the cores (else LibTorch's thread counts stay).
+// `schedule` "forward": forward() and the loss's backward() (GPipe's order), else step().
 Result run(const std::string& schedule, bool gpu_first, bool pinned, bool engine_cores) {
+  const bool through_forward = schedule == "forward";
   gpipe::internal::set_pinned_staging(pinned);
   gpipe::internal::set_core_share(engine_cores);
   const int64_t w = absl::GetFlag(FLAGS_width), rows = absl::GetFlag(FLAGS_rows);
@@ -109,7 +114,8 @@ Result run(const std::string& schedule, bool gpu_first, bool pinned, bool engine
                                .devices(devices)
                                .chunks(absl::GetFlag(FLAGS_chunks))
                                .checkpoint(gpipe::Checkpoint::kNever)
-                               .schedule(gpipe::schedule_kind(schedule)));
+                               .schedule(gpipe::schedule_kind(
+                                   through_forward ? std::string("gpipe") : schedule)));
   pipe->record_timeline(true);
   const auto loss = [](const gpipe::Batch& out, const at::Tensor& target) {
     return (out[0] - target.to(out[0].device())).pow(2).mean();
@@ -122,7 +128,11 @@ Result run(const std::string& schedule, bool gpu_first, bool pinned, bool engine
   r.step_ms = gpipe_benchmarks::median_ms(
       [&] {
         for (auto& p : pipe->parameters()) p.mutable_grad() = at::Tensor();
-        pipe->step(x, y, loss);
+        if (through_forward) {
+          loss(gpipe::Batch(pipe->forward(x)), y).backward();
+        } else {
+          pipe->step(x, y, loss);
+        }
         gpipe::internal::synchronize(gpu);
       },
       absl::GetFlag(FLAGS_steps), /*warmup=*/true);

@@ -1,11 +1,9 @@
 // Links between a partition and its neighbours in this process; see link.h.
 #include "gpipe/internal/link.h"
 
-#include <atomic>
 #include <limits>
 #include <utility>
 
-#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
@@ -17,17 +15,7 @@
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
-namespace {
-
-std::atomic<bool>& pinned_staging() {
-  static std::atomic<bool> enabled{true};
-  return enabled;
-}
-
-}  // namespace
-
 namespace internal {
-void set_pinned_staging(bool enabled) { pinned_staging() = enabled; }
 
 Batch cut_batch(const Batch& batch, c10::Device device) {
   std::vector<at::Tensor> values;
@@ -78,15 +66,7 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
       // A CUDA tensor on another device than the partition's is not ordered by the copy
       // streams: copied blocking.
       const bool ordered = !t.is_cuda() || t.device() == from;
-      at::Tensor source = t.detach();
-      if (pinned_staging() && source.is_cpu() && to.is_cuda() && source.layout() == at::kStrided &&
-          !source.is_quantized() && !source.is_pinned()) {
-        // Contiguous, so that the copy reads the pinned block itself (a strided one would be
-        // made contiguous in pageable memory by the copy).
-        at::Tensor pinned = at::empty(source.sizes(), source.options().pinned_memory(true));
-        source = pinned.copy_(source);
-      }
-      out.values.push_back(source.to(to, /*non_blocking=*/ordered));
+      out.values.push_back(copy_to_device(t, to, /*non_blocking=*/ordered));
     }
   }
   // A copy between two GPUs ends on both copy streams (LibTorch orders the destination's after
@@ -214,7 +194,9 @@ void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& outp
   // destination's.
   const c10::Stream& issuing = has_streams(from_device_) ? copy_from : copy_to;
   const Timeline::Started started = timeline_ ? timeline_->start(issuing) : Timeline::Started{};
-  values = copy(std::move(values), copy_from, copy_to);
+  // To the CPU the receiver waits for the copy, not this lane (Note [Copy streams] in copy.h).
+  std::shared_ptr<const StreamPoint> landed;
+  values = copy(std::move(values), copy_from, copy_to, &landed);
   if (timeline_) {
     timeline_->finish({TimelineEvent::Kind::kCopy, microbatch, timeline_offset_ + from_ + 1,
                        timeline_offset_ + from_, static_cast<int64_t>(values.size())},
@@ -225,6 +207,7 @@ void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& outp
   }
   Sent sent;
   sent.microbatch = microbatch;
+  sent.landed = std::move(landed);
   sent.activation.microbatches = microbatches;
   sent.activation.grad_enabled = grad_enabled;
   sent.activation.batch =
@@ -235,6 +218,7 @@ void GraphLink::send(int64_t microbatches, int64_t microbatch, const Batch& outp
 
 Activation GraphLink::receive() {
   Sent sent = take_front(activations_);
+  if (sent.landed != nullptr) synchronize_point(*sent.landed);
   Batch& batch = sent.activation.batch;
   batch.values() = wait(std::move(batch.values()), (*copy_streams_)[from_ + 1][sent.microbatch],
                         current_stream(to_device_));

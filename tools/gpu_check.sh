@@ -102,7 +102,7 @@ if has overlap; then
   # Copies beside computation (docs/benchmarks.md); each lane's lag with the engine's division of
   # the cores and without (Note [Dividing the cores] in gpipe/worker.h).
   mkdir -p "$out/traces"
-  run_prog copy_overlap 150 --steps=9 --rounds=3 --cores=engine,libtorch \
+  run_prog copy_overlap 240 --steps=9 --rounds=3 --cores=engine,libtorch \
     --trace_dir="$out/traces" --json_out="$out/copy_overlap.json"
 fi
 if has schedules; then

@@ -24,9 +24,6 @@
 
 namespace gpipe {
 namespace internal {
-/// For benchmarks: whether a CPU tensor bound for a GPU is staged in pinned memory first (Note
-/// [Links on copy streams]; default true). Not for use while steps run.
-void set_pinned_staging(bool enabled);
 
 /// A micro-batch's input as a partition receives it: cut from the sender's graph (tensors that
 /// required grad there are leaves that require grad here).
@@ -83,7 +80,7 @@ std::vector<at::Tensor> requiring_grad(const Batch& batch);
 //   copy stream [from][i] waits for the sender's compute stream (the tensors are ready there);
 //   the copy is issued with the copy streams of both ends current, without blocking the host
 //   (a copy to the CPU lands in pinned memory; one from the CPU is staged in pinned memory
-//   first), the source recorded on its copy stream;
+//   first: copy_to_device in copy.h), the source recorded on its copy stream;
 //   a point (a CUDA event) is recorded where the copy ends: the destination's copy stream, or the
 //   source's when the destination is the CPU.
 //
@@ -232,6 +229,7 @@ class GraphLink final : public Link {
   struct Sent {
     int64_t microbatch = 0;
     Activation activation;
+    std::shared_ptr<const StreamPoint> landed;  // to the CPU: what the receiver waits for
   };
   const bool crosses_threads_;
   std::deque<Sent> activations_ ABSL_GUARDED_BY(mu_);

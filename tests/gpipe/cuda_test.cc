@@ -6,10 +6,12 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 
 #include <map>
+#include <optional>
 
 #include "gpipe/internal/partition_threads.h"
 #include "gpipe/skippable.h"
@@ -542,16 +544,23 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
   const Checkpoint mode =
       GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
   // Where the three partitions go. On one GPU every partition computes on the same stream, so
-  // only the GPU-to-CPU boundary can show a missing wait there; with two GPUs the GPU-to-GPU
-  // copies and skips can too.
-  const int placement = GENERATE(0, 1, 2, 3);
-  CATCH_CAPTURE(static_cast<int>(mode), placement);
+  // only the boundaries with the CPU can show a missing wait there (copies that do not block: Note
+  // [Copy streams] in gpipe/internal/copy.h); with two GPUs the GPU-to-GPU copies and skips can
+  // too. The skip crosses from the second partition to the third: from the CPU in {gpu, cpu, gpu},
+  // to it in {cpu, gpu, cpu}.
+  const int placement = GENERATE(0, 1, 2, 3, 4, 5);
+  // Anomaly detection reads each backward node's outputs as soon as it returns; a stream of the
+  // caller's own is the partitions' compute stream on every thread (the copies' results are
+  // recorded on it where it waits for them).
+  const std::string variant = GENERATE("default", "anomaly detection", "the caller's stream");
+  CATCH_CAPTURE(static_cast<int>(mode), placement, variant);
   const c10::Device gpu(at::kCUDA, 0);
   const c10::Device cpu(at::kCPU);
   const c10::Device last_gpu(at::kCUDA,
                              static_cast<c10::DeviceIndex>(torch::cuda::device_count() - 1));
   const std::vector<std::vector<c10::Device>> placements{
-      {gpu, gpu, gpu}, {cpu, gpu, gpu}, {gpu, gpu, cpu}, {gpu, last_gpu, gpu}};
+      {gpu, gpu, gpu}, {cpu, gpu, gpu}, {gpu, gpu, cpu}, {gpu, last_gpu, gpu},
+      {gpu, cpu, gpu}, {cpu, gpu, cpu}};
   const std::vector<c10::Device>& devices = placements[placement];
   auto make = [] {
     nn::Sequential seq(nn::Linear(8, 16), Slow());
@@ -574,8 +583,15 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
   const at::Tensor x = at::randn({8, 8}, at::TensorOptions(at::kDouble).device(gpu));
   at::Tensor x1 = x.clone().requires_grad_(true);
   at::Tensor x2 = x.to(devices.front()).requires_grad_(true);
+  std::optional<c10::StreamGuard> caller_stream;
+  if (variant == "the caller's stream") {
+    gpipe::internal::synchronize(gpu);  // the set-up's work, on the default stream, is done
+    caller_stream.emplace(gpipe::internal::new_stream(gpu));
+  }
   for (int step = 0; step < 2; ++step) {
     CATCH_INFO("step " << step);
+    std::optional<torch::autograd::DetectAnomalyGuard> detect;
+    if (variant == "anomaly detection") detect.emplace();
     at::Tensor y1 = plain->forward(x1);
     at::Tensor y2 = model->forward(x2);
     CATCH_CHECK(max_diff(y1, y2) <= 1e-10);
