@@ -866,6 +866,17 @@ std::pair<int, int> divided(int cpu_lanes, int gpu_lanes) {
   return {lane_intra, lane_blas};
 }
 
+// Checks that `counts` saw `intra` intra-op and `blas` OpenBLAS threads in each of two forwards,
+// and forgets them.
+void check_seen(ThreadCounts counts, int intra, int blas) {
+  CATCH_REQUIRE(counts->seen.size() == 2);
+  for (const auto& [seen_intra, seen_blas] : counts->seen) {
+    CATCH_CHECK(seen_intra == intra);
+    CATCH_CHECK(seen_blas == blas);
+  }
+  counts->seen.clear();
+}
+
 CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts win",
                 "[gpipe][step][threads]") {
   // Note [Dividing the cores] in gpipe/worker.h.
@@ -879,14 +890,7 @@ CATCH_TEST_CASE("A step's CPU lanes share the cores, and a user's thread counts 
   const at::Tensor x = at::randn({4, 4});
   const at::Tensor y = at::randn({4, 2});
   model->step(x, y, mse);
-  for (ThreadCounts counts : {first, second}) {
-    CATCH_REQUIRE(counts->seen.size() == 2);
-    for (const auto& [seen_intra, seen_blas] : counts->seen) {
-      CATCH_CHECK(seen_intra == lane_intra);
-      CATCH_CHECK(seen_blas == lane_blas);
-    }
-    counts->seen.clear();
-  }
+  for (ThreadCounts counts : {first, second}) check_seen(counts, lane_intra, lane_blas);
   // Put back after the step, for the lanes' threads alone: a thread started now gets LibTorch's
   // count.
   CATCH_CHECK(at::get_num_threads() == intra);
@@ -954,12 +958,7 @@ CATCH_TEST_CASE("A {cpu, cuda:0} step's CPU lane leaves one CPU to the GPU's lan
     } else {
       mse(Batch(model->forward(x)), y).backward();
     }
-    CATCH_REQUIRE(counts->seen.size() == 2);
-    for (const auto& [seen_intra, seen_blas] : counts->seen) {
-      CATCH_CHECK(seen_intra == lane_intra);
-      CATCH_CHECK(seen_blas == lane_blas);
-    }
-    counts->seen.clear();
+    check_seen(counts, lane_intra, lane_blas);
     CATCH_CHECK(at::get_num_threads() == intra);
   }
 }
