@@ -97,17 +97,21 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& params) {
       at::Tensor inf = at::zeros({1}, options);
       at::_amp_foreach_non_finite_check_and_unscale_(grads, inf,
                                                      at::full({1}, 1.0 / scale_, options));
-      flags.push_back(inf.to(at::kCPU));
+      flags.push_back(inf);
     } else {
       std::vector<at::Tensor> bad;
       for (at::Tensor& g : grads) {
         bad.push_back(g.isfinite().all().logical_not());
         g.mul_(1.0 / scale_);
       }
-      flags.push_back(at::stack(bad).any().to(at::kFloat).reshape({1}).to(at::kCPU));
+      flags.push_back(at::stack(bad).any().to(at::kFloat).reshape({1}));
     }
   }
-  found_ = !flags.empty() && at::stack(flags).sum().item<double>() > 0 ? 1 : 0;
+  // Read once every device's unscaling is queued: each read waits for its own device, while the
+  // others go on (read in the loop, each device would start only after the one before had ended).
+  double found = 0;
+  for (const at::Tensor& flag : flags) found += flag.item<double>();
+  found_ = found > 0 ? 1 : 0;
   return found_ == 1;
 }
 
