@@ -42,6 +42,9 @@ t0=$SECONDS
 stamp() { echo "[$((SECONDS - t0)) s] $*"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# The host's CPUs (the lanes' threads share them: Note [Dividing the cores] in gpipe/worker.h).
+echo "nproc $(nproc); cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2> /dev/null || echo none)"
+lscpu 2> /dev/null | grep -E "^(CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|Model name):"
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || exit 1
 python3 -c 'import torch; print("PyTorch", torch.__version__, "CUDA", torch.version.cuda,
 "GPUs", torch.cuda.device_count())'
