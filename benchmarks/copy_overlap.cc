@@ -3,10 +3,11 @@
 // gpipe/internal/copy.h): a {cuda:0, cpu} and a {cpu, cuda:0} pipeline of 2048-wide layers (eight
 // Linear layers on the GPU, a Tanh on the CPU) under GPipe::step with GPipe's schedule and 1F1B,
 // and through forward() and the loss's backward(), from the device times of the last step's
-// timeline, with copies from the CPU staged in pinned memory (the default) and from pageable
-// memory. On the compute stream no copy could overlap its GPU's computation (0%). "lag" is the
-// host time from the first activation copy's issue to the receiving partition's first forward:
-// how long the receiving lane took to start (Note [Dividing the cores] in gpipe/worker.h); with
+// timeline (of the activations' copies: the gradients' are not recorded), with copies from the
+// CPU staged in pinned memory (the default) and from pageable memory. On the compute stream no
+// copy could overlap its GPU's computation (0%). "lag" is the host time from when the first
+// activation copy was ready to read (issued, or to the CPU landed) to the receiving partition's
+// first forward: how long the receiving lane took to start (Note [Dividing the cores] in gpipe/worker.h); with
 // --cores=engine,libtorch each pipeline runs also with every thread count as LibTorch starts it
 // (the engine's division off).
 // Needs a GPU; writes each configuration's timeline as SVG and Chrome-trace JSON with --trace_dir.
@@ -81,15 +82,15 @@ struct Result {
   double lag_ms = -1;  // -1: no copy into partition 1 recorded
 };
 
-// The host time from the end of the first activation copy's issue into partition 1 to partition
-// 1's first forward.
+// The host time from the first activation copy into partition 1 (its issue's end, or where it
+// was measured on the GPU, its landing, whichever came later: a copy to the CPU is read once it
+// has landed) to partition 1's first forward.
 double receiver_lag_ms(const std::vector<TimelineEvent>& events) {
   double copied = -1, computed = -1;
   for (const TimelineEvent& e : events) {
     if (e.partition != 1) continue;
-    if (e.kind == TimelineEvent::Kind::kCopy && (copied < 0 || e.end_us < copied)) {
-      copied = e.end_us;
-    }
+    const double ready = std::max(e.end_us, e.has_device_times() ? e.device_end_us : e.end_us);
+    if (e.kind == TimelineEvent::Kind::kCopy && (copied < 0 || ready < copied)) copied = ready;
     if (e.kind == TimelineEvent::Kind::kCompute && (computed < 0 || e.start_us < computed)) {
       computed = e.start_us;
     }

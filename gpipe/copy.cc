@@ -94,9 +94,15 @@ struct CopyBackward : Node {
       : prev(prev), next(next), host_waits(host_waits) {}
   std::string name() const override { return "gpipe::CopyBackward"; }
   variable_list apply(variable_list&& grads) override {
-    // Anomaly mode reads each node's outputs for NaN as soon as it returns, before the wait.
-    const bool waits = host_waits && !torch::autograd::AnomalyMode::is_enabled();
-    return copy_tensors(grads, next, prev, waits).values;
+    // Anomaly mode reads each node's outputs for NaN as soon as it returns, on the thread's
+    // current stream: before HostWaitBackward's wait, and, to a GPU, on a stream that does not
+    // wait for the copy's. So there the host waits for the copies here.
+    const bool anomaly = torch::autograd::AnomalyMode::is_enabled();
+    variable_list out = copy_tensors(grads, next, prev, host_waits && !anomaly).values;
+    if (anomaly) {
+      if (const auto landed = record_point(prev)) synchronize_point(*landed);
+    }
+    return out;
   }
   c10::Stream prev;
   c10::Stream next;
@@ -141,13 +147,14 @@ void set_pinned_staging(bool enabled) { pinned_staging() = enabled; }
 at::Tensor copy_to_device(const at::Tensor& t, c10::Device to, bool non_blocking) {
   at::Tensor source = t.detach();
   if (non_blocking && source.is_cpu() && to.is_cuda()) {
-    if (source.is_pinned()) {
-      non_blocking = false;  // perhaps the caller's, written again once the call returns
-    } else if (pinned_staging() && source.layout() == at::kStrided && !source.is_quantized()) {
-      // Contiguous, so that the copy reads the pinned block itself (a strided one would be made
-      // contiguous in pageable memory by the copy).
+    if (pinned_staging() && source.layout() == at::kStrided && !source.is_quantized()) {
+      // Into a block of its own, contiguous, so that the copy reads the pinned block itself (a
+      // strided one would be made contiguous in pageable memory by the copy). Pinned tensors too:
+      // one may be the caller's, written again once the call returns.
       at::Tensor pinned = at::empty(source.sizes(), source.options().pinned_memory(true));
       source = pinned.copy_(source);
+    } else if (source.is_pinned()) {
+      non_blocking = false;  // (without staging) perhaps the caller's
     }
   }
   return source.to(to, non_blocking, /*copy=*/false);

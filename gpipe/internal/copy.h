@@ -37,9 +37,10 @@ struct StreamPoint;  // internal/stream.h
 // has run. To the CPU, the copy lands in pinned memory and whoever reads it waits on the host: in
 // forward the receiving partition (copy()'s `landed`, which GraphLink hands over with the
 // tensors); in backward a node of its own in front of the CPU tensors, which runs on the CPU's
-// thread once the gradient's copy is issued and waits there for it to land (under anomaly
-// detection, which reads every node's outputs at once, the gradient's copy blocks). The same
-// copies serve step()'s links (Note [Links on copy streams] in link.h).
+// thread once the gradient's copy is issued and waits there for it to land. Under anomaly
+// detection, which reads every node's outputs at once on the thread's current stream, the host
+// waits for a gradient's copy either way. The same copies serve step()'s links (Note [Links on
+// copy streams] in link.h).
 
 /// Whether a CPU tensor bound for a GPU is staged in pinned memory first (default true); false
 /// copies from pageable memory, as LibTorch's to() does. For benchmarks; not for use while steps
@@ -48,11 +49,11 @@ void set_pinned_staging(bool enabled);
 
 /// `t` (detached) copied to `to` on the current streams: with `non_blocking`, without blocking the
 /// host wherever the caller may reuse `t` at once. A strided CPU tensor bound for a GPU is staged
-/// in pinned memory first (contiguous: a strided one would be made contiguous in pageable memory
-/// by the copy) unless set_pinned_staging(false), one in pageable memory is staged by the driver,
-/// and one already pinned (perhaps the caller's, written again once the call returns) is copied
-/// blocking; a copy to the CPU lands in pinned memory, which the host may read only once the
-/// source's stream is past the copy.
+/// in a pinned block of its own first (contiguous: a strided one would be made contiguous in
+/// pageable memory by the copy; an already pinned one may be the caller's, written again once the
+/// call returns); with set_pinned_staging(false), one in pageable memory is staged by the driver
+/// and a pinned one copied blocking. A copy to the CPU lands in pinned memory, which the host may
+/// read only once the source's stream is past the copy.
 at::Tensor copy_to_device(const at::Tensor& t, c10::Device to, bool non_blocking);
 
 /// Copies `tensors` to `next`'s device with `prev` and `next` current; gradients are copied back

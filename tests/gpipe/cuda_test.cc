@@ -547,7 +547,9 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
   // only the boundaries with the CPU can show a missing wait there (copies that do not block: Note
   // [Copy streams] in gpipe/internal/copy.h); with two GPUs the GPU-to-GPU copies and skips can
   // too. The skip crosses from the second partition to the third: from the CPU in {gpu, cpu, gpu},
-  // to it in {cpu, gpu, cpu}.
+  // to it in {cpu, gpu, cpu}. (Where a skip goes from a GPU to the CPU with the activations, its
+  // blocking copy on the same copy stream lands them too: only {gpu, cpu, gpu} shows whether the
+  // CPU partition waits for its activations.)
   const int placement = GENERATE(0, 1, 2, 3, 4, 5);
   // Anomaly detection reads each backward node's outputs as soon as it returns; a stream of the
   // caller's own is the partitions' compute stream on every thread (the copies' results are
