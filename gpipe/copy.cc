@@ -49,6 +49,16 @@ void attach(const std::shared_ptr<Node>& node, const std::vector<at::Tensor>& in
   }
 }
 
+// `tensors` (detached, same data) behind `node`, whose next edges become those of `tensors`.
+std::vector<at::Tensor> behind(const std::shared_ptr<Node>& node,
+                               const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : at::Tensor());
+  attach(node, tensors, out);
+  return out;
+}
+
 // Tensors copied to another device (Note [Copy streams]): `values`, of which some are still on
 // their way to the CPU where `to_host_pending` (the host must wait for the source's copy stream).
 struct Copied {
@@ -181,13 +191,9 @@ std::vector<at::Tensor> copy(std::vector<at::Tensor> tensors, const c10::Stream&
     host_waits = host_waits && (!t.defined() || !t.requires_grad() || t.is_cpu());
   }
   if (host_waits) {
-    std::vector<at::Tensor> sources;
-    sources.reserve(tensors.size());
-    for (const at::Tensor& t : tensors) sources.push_back(t.defined() ? t.detach() : t);
-    auto node = std::shared_ptr<HostWaitBackward>(new HostWaitBackward(next),
-                                                  torch::autograd::deleteNode);
-    attach(node, tensors, sources);
-    tensors = std::move(sources);
+    tensors = behind(std::shared_ptr<HostWaitBackward>(new HostWaitBackward(next),
+                                                       torch::autograd::deleteNode),
+                     tensors);
   }
   Copied out;
   {
@@ -216,26 +222,16 @@ std::vector<at::Tensor> wait(std::vector<at::Tensor> tensors, const c10::Stream&
   if (!at::GradMode::is_enabled() || !any_requires_grad(tensors)) {
     return tensors;
   }
-  std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    out.push_back(t.defined() ? t.detach() : at::Tensor());
-  }
-  auto node =
-      std::shared_ptr<WaitBackward>(new WaitBackward(prev, next), torch::autograd::deleteNode);
-  attach(node, tensors, out);
-  return out;
+  return behind(
+      std::shared_ptr<WaitBackward>(new WaitBackward(prev, next), torch::autograd::deleteNode),
+      tensors);
 }
 
 std::vector<at::Tensor> pass(std::vector<at::Tensor> tensors) {
   if (!at::GradMode::is_enabled() || !any_requires_grad(tensors)) return tensors;
-  std::vector<at::Tensor> out;
-  out.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) out.push_back(t.defined() ? t.detach() : at::Tensor());
-  auto node =
-      std::shared_ptr<HandOverBackward>(new HandOverBackward(), torch::autograd::deleteNode);
-  attach(node, tensors, out);
-  return out;
+  return behind(
+      std::shared_ptr<HandOverBackward>(new HandOverBackward(), torch::autograd::deleteNode),
+      tensors);
 }
 
 }  // namespace internal
