@@ -46,6 +46,14 @@ constexpr std::chrono::milliseconds kFreshProfile{300};
 constexpr double kWakeupUs = 750;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The worker (schedule rank) that runs stage s of `kind` over `lanes` workers: on a V, s or
+// 2 lanes - 1 - s (Note [V-shaped placement] in gpipe/schedule.h); else s % lanes (interleaved:
+// r, r + lanes, ...; one stage per worker: s).
+int64_t stage_lane(ScheduleKind kind, int64_t s, int64_t lanes) {
+  if (v_shaped(kind)) return s < lanes ? s : 2 * lanes - 1 - s;
+  return s % lanes;
+}
 // The simulations local improvement may run in each search of a searched plan (Note [Searched
 // plans]): two searches per zero-bubble candidate without checkpointing.
 constexpr int64_t kSearchBudget = 1000;
@@ -650,12 +658,13 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   TORCH_CHECK(static_cast<int64_t>(p.balance.size()) % p.virtual_stages == 0, who,
               ": virtual_stages ", p.virtual_stages, " must divide the partitions (",
               p.balance.size(), ")");
-  TORCH_CHECK(!v_shaped(p.schedule), who, ": the schedule is ", schedule_kind_name(p.schedule),
-              ", whose V-shaped placement the planner does not model yet; plan with zb or zb1p");
-  TORCH_CHECK(p.virtual_stages == 1 || takes_virtual_stages(p.schedule), who,
-              ": virtual_stages is ", p.virtual_stages, " but the schedule is ",
+  TORCH_CHECK(!v_shaped(p.schedule) || p.virtual_stages == 2, who, ": the schedule is ",
+              schedule_kind_name(p.schedule), ", which puts 2 partitions on each worker in a V, "
+              "but virtual_stages is ", p.virtual_stages, "; give 2");
+  TORCH_CHECK(p.virtual_stages == 1 || takes_virtual_stages(p.schedule) || v_shaped(p.schedule),
+              who, ": virtual_stages is ", p.virtual_stages, " but the schedule is ",
               schedule_kind_name(p.schedule), "; virtual stages are for the interleaved schedules "
-              "(interleaved, zb1p)");
+              "(interleaved, zb1p) and the V-shaped ones (zbv, dualpipev: 2)");
   if (!p.schedule_text.empty()) {
     Schedule searched;
     try {
@@ -708,6 +717,9 @@ void check_plan_fits(const PipelineProfile& profile, const PipelinePlan& plan, c
               "} has ", total, " layers, the profile ", profile.layers());
   TORCH_CHECK(plan.virtual_stages >= 1 && stages % plan.virtual_stages == 0, who,
               ": virtual_stages ", plan.virtual_stages, " must divide ", stages, " partitions");
+  TORCH_CHECK(!v_shaped(plan.schedule) || plan.virtual_stages == 2, who, ": the ",
+              schedule_kind_name(plan.schedule), " schedule puts 2 partitions on each worker in a "
+              "V, but virtual_stages is ", plan.virtual_stages, "; give 2");
   TORCH_CHECK(plan.chunks >= 1, who, ": chunks must be positive, got ", plan.chunks);
   TORCH_CHECK(plan.replicas >= 1, who, ": replicas ", plan.replicas, "; give 1 or more");
   TORCH_CHECK((!plan.processes && plan.replicas == 1) || profile.process_link.measured(), who,
@@ -833,8 +845,13 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
   const LayerStats& last = ls.back();
   c.checkpointed_bytes += last.output_bytes;
   c.grad_kept_bytes = grads_at_outputs;
-  if (s + 1 < static_cast<int64_t>(plan.balance.size())) {
-    c.copy_us = plan.processes
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  if (s + 1 < stages) {
+    // (A V's turn, stages n - 1 and n, stays in its worker's process.)
+    const int64_t lanes = stages / plan.virtual_stages;
+    const bool between_processes = plan.processes && stage_lane(plan.schedule, s, lanes) !=
+                                                         stage_lane(plan.schedule, s + 1, lanes);
+    c.copy_us = between_processes
                     ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes)
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
   }
@@ -881,7 +898,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     }
     int64_t state_bytes = 0;
     StageCost c = stage_cost(profile, plan, s, b, ls, memory, state_bytes);
-    c.lane = s % lanes;
+    c.lane = stage_lane(plan.schedule, s, lanes);
     c.device = place(plan.devices[s]);
     costs.static_bytes[c.device] += state_bytes;
     costs.stages.push_back(c);
@@ -1146,18 +1163,19 @@ void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
   const char* who = "gpipe::plan";
   const int64_t n = static_cast<int64_t>(workers.size());
   for (ScheduleKind kind : options.schedules()) {
-    TORCH_CHECK(!v_shaped(kind), who, ": the ", schedule_kind_name(kind), " schedule's V-shaped "
-                "placement is not modelled by the planner yet; leave it out of schedules");
     const bool interleaved = takes_virtual_stages(kind);
-    if (interleaved && n < 2) continue;
-    const int64_t v = interleaved ? options.virtual_stages() : 1;
+    const bool v_shape = v_shaped(kind);
+    if ((interleaved || v_shape) && n < 2) continue;
+    const int64_t v = interleaved ? options.virtual_stages() : v_shape ? 2 : 1;
     const int64_t stages = n * v;
     if (stages > profile.layers()) continue;
     std::vector<c10::Device> stage_devices;
-    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[s % n]);
+    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[stage_lane(kind, s, n)]);
     for (int64_t m : options.chunks()) {
       TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
       if (m > profile.batch || (interleaved && m % n != 0)) continue;
+      // (DualPipeV with fewer than 2n - 1 micro-batches runs zbv's order: zbv's candidate.)
+      if (kind == ScheduleKind::kDualPipeV && m < 2 * n - 1) continue;
       // (Note [Searched plans]: only counts the mini-batch splits into.)
       const int64_t b = ceil_div(profile.batch, m);
       if (ceil_div(profile.batch, b) != m) continue;

@@ -33,8 +33,10 @@ namespace gpipe {
 //   profiled again. It is saved as JSON, so a script can
 //   plan without the devices present.
 // - The candidates: for 1 up to the number of devices partitions n, on each placement of n
-//   workers (Note [Placement]), each schedule (interleaved with PlanOptions::virtual_stages stages
-//   per worker, from two workers on and where the micro-batches are a multiple of n), micro-batch
+//   workers (Note [Placement]), each schedule (interleaved and zb1p with
+//   PlanOptions::virtual_stages stages per worker, from two workers on and where the micro-batches
+//   are a multiple of n; zbv and dualpipev with 2n stages in a V, worker r holding r and 2n - 1 - r
+//   on its device, from two workers on, dualpipev where m >= 2n - 1), micro-batch
 //   counts m from PlanOptions::chunks, each checkpoint mode, and two balances: the one of least
 //   bottleneck time (forward, backward, and the recomputation where checkpointed, at the
 //   micro-batch size) and the one of least bottleneck memory.
@@ -147,8 +149,10 @@ struct PlanOptions {
   TORCH_ARG(std::vector<int64_t>, chunks) = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32};
   /// The schedules to consider.
   TORCH_ARG(std::vector<ScheduleKind>, schedules) = {
-      ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
-      ScheduleKind::kZeroBubble};
+      ScheduleKind::kGPipe,        ScheduleKind::k1F1B,
+      ScheduleKind::kInterleaved,  ScheduleKind::kZeroBubble,
+      ScheduleKind::kZeroBubbleV,  ScheduleKind::kInterleavedZeroBubble,
+      ScheduleKind::kDualPipeV};
   /// The checkpoint modes to consider.
   TORCH_ARG(std::vector<Checkpoint>, checkpoints) = {Checkpoint::kAlways, Checkpoint::kExceptLast,
                                                      Checkpoint::kNever};
@@ -306,7 +310,8 @@ struct PipelinePlan {
   Checkpoint checkpoint = Checkpoint::kExceptLast;
   /// The schedule of a training step (GPipeImpl::step).
   ScheduleKind schedule = ScheduleKind::kGPipe;
-  /// Stages per worker: more than 1 only with the interleaved schedule.
+  /// Stages per worker: more than 1 only with the interleaved schedules (interleaved, zb1p), and
+  /// 2 with the V-shaped ones (zbv, dualpipev: worker r holds partitions r and 2n - 1 - r).
   int64_t virtual_stages = 1;
   /// A searched schedule (Note [Searched plans]) as text (Note [Schedule text]), which step()
   /// runs instead of `schedule`'s generated one; empty for a generated schedule. `schedule` is

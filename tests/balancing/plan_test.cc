@@ -376,8 +376,9 @@ CATCH_TEST_CASE("Plans come fastest first, each within the memory limit, and the
     const int64_t rows = (32 + p.chunks - 1) / p.chunks;
     CATCH_CHECK((32 + rows - 1) / rows == p.chunks);
   }
-  // Two cores and equal layers: the fastest splits the model in two.
-  CATCH_CHECK(free.front().balance.size() == 2);
+  // Two cores and equal layers: the fastest runs two workers.
+  CATCH_CAPTURE(free.front().describe());
+  CATCH_CHECK(free.front().balance.size() / free.front().virtual_stages == 2);
   // Each plan's numbers are its own simulation's.
   PipelinePlan again = free[3];
   predict(profile, again);
@@ -557,9 +558,9 @@ CATCH_TEST_CASE("Profiles and plans survive JSON, and bad JSON is named",
   CATCH_CHECK_THROWS_WITH(
       PipelinePlan::from_json("{\"balance\": [1, 1], \"devices\": [\"cpu\", \"cpu\"], "
                               "\"chunks\": 2, \"checkpoint\": \"never\", \"schedule\": "
-                              "\"zbv\", \"virtual_stages\": 2, \"threads\": 1}"),
-      gpipe_test::contains("the schedule is zbv, whose V-shaped placement the planner does not "
-                           "model yet"));
+                              "\"zbv\", \"virtual_stages\": 1, \"threads\": 1}"),
+      gpipe_test::contains("the schedule is zbv, which puts 2 partitions on each worker in a V, "
+                           "but virtual_stages is 1; give 2"));
   CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json("{\"devices\": [\"cpu\"], \"batch\": 4}"),
                           gpipe_test::contains("no \"input_bytes\""));
 }
@@ -622,17 +623,18 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
   CATCH_CHECK(profile.sizes.back().layers[1].backward_input_us > 0);  // a Tanh: no weights
   CATCH_CHECK(profile.sizes.back().layers[1].backward_weight_us == 0);
   CATCH_CHECK(profile.sizes.back().layers[0].backward_input_us == 0);  // the input needs none
-  // V-shaped placement is not modelled: refused by name.
-  CATCH_CHECK_THROWS_WITH(
-      plan(profile, PlanOptions().schedules({ScheduleKind::kDualPipeV}).partitions({2})),
-      gpipe_test::contains("the dualpipev schedule's V-shaped placement is not modelled by the "
-                           "planner yet"));
   const ScheduleKind kind =
       GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
-               ScheduleKind::kZeroBubble, ScheduleKind::kInterleavedZeroBubble);
+               ScheduleKind::kZeroBubble, ScheduleKind::kInterleavedZeroBubble,
+               ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV);
   const PipelinePlan best =
       plan(profile, PlanOptions().schedules({kind}).partitions({2}).chunks({2, 4})).front();
   CATCH_CAPTURE(best.describe());
+  CATCH_CHECK(best.schedule == kind);
+  CATCH_CHECK(best.balance.size() == (kind == ScheduleKind::kGPipe || kind == ScheduleKind::k1F1B ||
+                                              kind == ScheduleKind::kZeroBubble
+                                          ? 2u
+                                          : 4u));
   nn::Sequential plain = mlp(32, 3);
   nn::Sequential copy = mlp(32, 3);
   for (size_t k = 0; k < plain->parameters().size(); ++k) {
@@ -977,6 +979,68 @@ CATCH_TEST_CASE("A plan with replicas all-reduces each stage's gradients, and on
   CATCH_CHECK(old.replicas == 1);
 }
 
+CATCH_TEST_CASE("A V-shaped plan puts partitions r and 2n - 1 - r on worker r, whose turn sends "
+                "nothing between processes",
+                "[balancing][plan][v_shape]") {
+  PipelineProfile profile = cpu_and_gpus(8, 2, 4.0);
+  profile.process_link = round_link();
+  const c10::Device gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
+  const ScheduleKind kind = GENERATE(ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV);
+  CATCH_CAPTURE(schedule_kind_name(kind));
+  const std::vector<PipelinePlan> plans =
+      plan(profile, PlanOptions().schedules({kind}).partitions({2}).chunks({4}).top(100000));
+  int64_t on_gpus = 0;
+  for (const PipelinePlan& p : plans) {
+    CATCH_CAPTURE(p.describe());
+    CATCH_CHECK(p.schedule == kind);
+    CATCH_CHECK(p.virtual_stages == 2);
+    CATCH_REQUIRE(p.devices.size() == 4);
+    CATCH_CHECK(p.devices[0] == p.devices[3]);
+    CATCH_CHECK(p.devices[1] == p.devices[2]);
+    CATCH_CHECK(p.devices[0] != p.devices[1]);
+    on_gpus += p.devices[0] == gpu0 && p.devices[1] == gpu1;
+    const PipelinePlan back = PipelinePlan::from_json(p.to_json());
+    CATCH_CHECK(back.schedule == kind);
+    CATCH_CHECK(back.virtual_stages == 2);
+    CATCH_CHECK(back.devices == p.devices);
+  }
+  CATCH_CHECK(on_gpus > 0);
+
+  // Worker r runs partitions r and 3 - r; the turn (partition 1 to 2) stays on worker 1's GPU: no
+  // copy, and with a process per worker no message. One micro-batch crosses two links each way.
+  PipelinePlan p;
+  p.balance = {2, 2, 2, 2};
+  p.devices = {gpu0, gpu1, gpu1, gpu0};
+  p.chunks = 1;
+  p.checkpoint = Checkpoint::kNever;
+  p.schedule = ScheduleKind::kZeroBubbleV;
+  p.virtual_stages = 2;
+  const PipelineCosts local = pipeline_costs(profile, p, ParameterMemory{});
+  const int64_t out = profile.layer(1, 32).output_bytes;
+  const double copy = profile.copy_us(gpu0, gpu1, out);
+  CATCH_REQUIRE(local.stages.size() == 4);
+  for (int64_t s = 0; s < 4; ++s) CATCH_CHECK(local.stages[s].lane == std::min(s, 3 - s));
+  CATCH_CHECK(local.stages[0].copy_us == gpipe_test::Approx(copy));
+  CATCH_CHECK(local.stages[1].copy_us == 0);
+  CATCH_CHECK(local.stages[2].copy_us == gpipe_test::Approx(copy));
+  p.processes = true;
+  profile.process_link.latency_us = 1e6;  // a message outweighs everything else
+  const PipelineCosts apart = pipeline_costs(profile, p, ParameterMemory{});
+  // (Gloo through the CPU, as Note [Stages and replicas in the plan] says.)
+  const double message = profile.copy_us(gpu0, c10::kCPU, out) +
+                         profile.process_link.message_us(out) +
+                         profile.copy_us(c10::kCPU, gpu1, out);
+  CATCH_CHECK(apart.stages[0].copy_us == gpipe_test::Approx(message));
+  CATCH_CHECK(apart.stages[1].copy_us == 0);
+  CATCH_CHECK(apart.stages[2].copy_us == gpipe_test::Approx(message));
+  // F0 > F1 F2 > F3, then the gradients back the same way: four messages.
+  double compute = 0;
+  for (const StageCost& c : apart.stages) compute += c.forward_us + c.backward_us;
+  const double step = predict(profile, p).step_us;
+  CATCH_CHECK(step >= 4 * message);
+  CATCH_CHECK(step <= 4 * message + compute + 100 * profile.handoff_us + 1);
+}
+
 CATCH_TEST_CASE("A profile's link between processes survives JSON and is checked",
                 "[balancing][plan][replicas][json]") {
   PipelineProfile profile = synthetic(4, 2);
@@ -1094,7 +1158,11 @@ CATCH_TEST_CASE("The planner tries every placement of kinds and balances by each
   for (const PipelineProfile& q : {synthetic(6, 3), older}) {
     for (const PipelinePlan& p : plan(q, PlanOptions().top(100000).search(false))) {
       const size_t n = p.devices.size() / static_cast<size_t>(p.virtual_stages);  // workers
-      for (size_t s = 0; s < p.devices.size(); ++s) CATCH_CHECK(p.devices[s] == q.devices[s % n]);
+      for (size_t s = 0; s < p.devices.size(); ++s) {
+        // (On a V, worker r holds partitions r and 2n - 1 - r.)
+        const size_t worker = !v_shaped(p.schedule) ? s % n : s < n ? s : 2 * n - 1 - s;
+        CATCH_CHECK(p.devices[s] == q.devices[worker]);
+      }
     }
   }
 }
