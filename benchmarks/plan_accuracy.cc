@@ -121,8 +121,9 @@ struct Config {
   bool searched = false;
 };
 
-// Every checkpoint mode and every schedule over the three models, 2 and 3 partitions; each model's
-// last row a searched schedule at m = 16 (issue 40: within 10% of its prediction).
+// Every checkpoint mode and every schedule over the three models, 2 and 3 partitions (zbv and
+// dualpipev: 2 workers, 4 partitions in a V); each model's last row a searched schedule at m = 16
+// (issue 40: within 10% of its prediction).
 std::vector<Config> configs_of(const std::string& model) {
   using C = Checkpoint;
   using S = ScheduleKind;
@@ -132,6 +133,7 @@ std::vector<Config> configs_of(const std::string& model) {
             {3, 4, C::kAlways, S::kGPipe},
             {2, 8, C::kExceptLast, S::kZeroBubble},
             {2, 4, C::kNever, S::kInterleaved},
+            {2, 8, C::kNever, S::kZeroBubbleV},
             {2, 16, C::kNever, S::kZeroBubble, true}};
   }
   if (model == "amoebanet") {
@@ -140,6 +142,7 @@ std::vector<Config> configs_of(const std::string& model) {
             {2, 8, C::kAlways, S::kZeroBubble},
             {3, 6, C::kExceptLast, S::kInterleaved},
             {2, 16, C::kNever, S::kGPipe},
+            {2, 8, C::kNever, S::kDualPipeV},
             {2, 16, C::kNever, S::kZeroBubble, true}};
   }
   return {{2, 4, C::kNever, S::kGPipe},
@@ -147,6 +150,7 @@ std::vector<Config> configs_of(const std::string& model) {
           {2, 8, C::kAlways, S::kInterleaved},
           {3, 12, C::kNever, S::kZeroBubble},
           {2, 2, C::kExceptLast, S::kZeroBubble},
+          {2, 8, C::kExceptLast, S::kZeroBubbleV},
           {2, 16, C::kNever, S::kZeroBubble, true}};
 }
 
@@ -264,7 +268,10 @@ void print_detail(const gpipe::PipelineProfile& profile, const gpipe::PipelinePl
                   const gpipe::PipelineSimulation& sim, const Measured& got) {
   const gpipe::PipelineCosts costs =
       gpipe::pipeline_costs(profile, plan, gpipe::OptimizerKind::kMomentum);
-  const bool split = plan.schedule == ScheduleKind::kZeroBubble;
+  // (The zero-bubble family splits B into I and W: zb, zbv, zb1p, dualpipev.)
+  const bool split = plan.schedule != ScheduleKind::kGPipe &&
+                     plan.schedule != ScheduleKind::k1F1B &&
+                     plan.schedule != ScheduleKind::kInterleaved;
   double work_us = 0;
   for (const gpipe::StageCost& s : costs.stages) {
     const int64_t kept = plan.chunks - costs.checkpoint_stop;  // micro-batches not checkpointed
