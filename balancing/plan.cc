@@ -47,13 +47,6 @@ constexpr double kWakeupUs = 750;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The worker (schedule rank) that runs stage s of `kind` over `lanes` workers: on a V, s or
-// 2 lanes - 1 - s (Note [V-shaped placement] in gpipe/schedule.h); else s % lanes (interleaved:
-// r, r + lanes, ...; one stage per worker: s).
-int64_t stage_lane(ScheduleKind kind, int64_t s, int64_t lanes) {
-  if (v_shaped(kind)) return s < lanes ? s : 2 * lanes - 1 - s;
-  return s % lanes;
-}
 // The simulations local improvement may run in each search of a searched plan (Note [Searched
 // plans]): two searches per zero-bubble candidate without checkpointing.
 constexpr int64_t kSearchBudget = 1000;
@@ -849,8 +842,8 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
   if (s + 1 < stages) {
     // (A V's turn, stages n - 1 and n, stays in its worker's process.)
     const int64_t lanes = stages / plan.virtual_stages;
-    const bool between_processes = plan.processes && stage_lane(plan.schedule, s, lanes) !=
-                                                         stage_lane(plan.schedule, s + 1, lanes);
+    const bool between_processes = plan.processes && stage_rank(plan.schedule, s, lanes) !=
+                                                         stage_rank(plan.schedule, s + 1, lanes);
     c.copy_us = between_processes
                     ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes)
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
@@ -898,7 +891,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     }
     int64_t state_bytes = 0;
     StageCost c = stage_cost(profile, plan, s, b, ls, memory, state_bytes);
-    c.lane = stage_lane(plan.schedule, s, lanes);
+    c.lane = stage_rank(plan.schedule, s, lanes);
     c.device = place(plan.devices[s]);
     costs.static_bytes[c.device] += state_bytes;
     costs.stages.push_back(c);
@@ -1170,7 +1163,7 @@ void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
     const int64_t stages = n * v;
     if (stages > profile.layers()) continue;
     std::vector<c10::Device> stage_devices;
-    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[stage_lane(kind, s, n)]);
+    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[stage_rank(kind, s, n)]);
     for (int64_t m : options.chunks()) {
       TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
       if (m > profile.batch || (interleaved && m % n != 0)) continue;

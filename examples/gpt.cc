@@ -127,12 +127,13 @@ void set_learning_rate(torch::optim::AdamW& optimizer, double lr, int64_t step, 
 // The default devices: every GPU in turn by worker (a V-shaped schedule's worker r runs
 // partitions r and 2n - 1 - r: Note [V-shaped placement]), else the CPU.
 std::vector<c10::Device> parse_devices(const std::string& spec, int64_t partitions,
-                                       bool v_shape) {
+                                       gpipe::ScheduleKind kind) {
   if (spec.empty() && torch::cuda::is_available()) {
     const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
     std::vector<c10::Device> out;
     for (int64_t j = 0; j < partitions; ++j) {
-      const int64_t worker = v_shape ? std::min(j, partitions - 1 - j) : j;
+      const int64_t workers = gpipe::v_shaped(kind) ? (partitions + 1) / 2 : partitions;
+      const int64_t worker = gpipe::stage_rank(kind, j, workers);
       out.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(worker % gpus));
     }
     return out;
@@ -434,8 +435,7 @@ int run() {
   TORCH_CHECK(batch >= 1 && chunks >= 1, "--batch_size and --chunks must be positive");
   const std::vector<c10::Device> devices =
       shape.devices.empty()
-          ? parse_devices(absl::GetFlag(FLAGS_devices), partitions,
-                          gpipe::v_shaped(schedule_kind(shape.schedule)))
+          ? parse_devices(absl::GetFlag(FLAGS_devices), partitions, schedule_kind(shape.schedule))
           : shape.devices;
   const bool on_cpu = training::divide_cores(devices, shape.threads);
   models::NamedModel named = models::make_model(absl::GetFlag(FLAGS_model));

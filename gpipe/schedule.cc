@@ -184,7 +184,9 @@ Schedule interleaved_schedule(int64_t partitions, int64_t microbatches, int64_t 
   schedule.stages = n * v;
   schedule.microbatches = m;
   schedule.ranks.resize(n);
-  for (int64_t s = 0; s < n * v; ++s) schedule.stage_ranks.push_back(s % n);
+  for (int64_t s = 0; s < n * v; ++s) {
+    schedule.stage_ranks.push_back(stage_rank(ScheduleKind::kInterleaved, s, n));
+  }
   // Megatron-LM's order: the k-th forward of a rank runs chunk (k / g) % v on micro-batch
   // (k / (g v)) g + k % g, so each group of g micro-batches goes through every chunk before the
   // next group starts; the k-th backward runs the chunks in reverse.
@@ -368,13 +370,15 @@ class DualPipeVRank {
   std::vector<Action> out_;
 };
 
-// The V placement over n ranks: stage s on rank s, or 2n - 1 - s.
+// The V placement over n ranks (stage_rank): stage s on rank s, or 2n - 1 - s.
 Schedule v_placement(std::string name, int64_t n, int64_t m) {
   Schedule schedule;
   schedule.name = std::move(name);
   schedule.stages = 2 * n;
   schedule.microbatches = m;
-  for (int64_t s = 0; s < 2 * n; ++s) schedule.stage_ranks.push_back(s < n ? s : 2 * n - 1 - s);
+  for (int64_t s = 0; s < 2 * n; ++s) {
+    schedule.stage_ranks.push_back(stage_rank(ScheduleKind::kZeroBubbleV, s, n));
+  }
   return schedule;
 }
 
@@ -451,6 +455,16 @@ bool takes_virtual_stages(ScheduleKind kind) {
 
 bool v_shaped(ScheduleKind kind) {
   return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+}
+
+int64_t stage_rank(ScheduleKind kind, int64_t stage, int64_t ranks) {
+  const int64_t stages = v_shaped(kind) ? 2 * ranks : stage + 1;
+  TORCH_CHECK(ranks >= 1 && stage >= 0 && stage < stages, "stage_rank: stage ", stage, " over ",
+              ranks, " ranks is not a stage of ", schedule_kind_name(kind),
+              v_shaped(kind) ? "; a V has 2 stages per rank, 0 to 2 ranks - 1" : "",
+              " (give ranks >= 1 and a stage from 0)");
+  if (v_shaped(kind)) return stage < ranks ? stage : 2 * ranks - 1 - stage;
+  return stage % ranks;
 }
 
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,

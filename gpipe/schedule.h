@@ -257,6 +257,13 @@ bool takes_virtual_stages(ScheduleKind kind);
 /// [V-shaped placement]).
 bool v_shaped(ScheduleKind kind);
 
+/// The rank that runs stage `stage` of a `kind` schedule over `ranks` ranks: on a V (zbv,
+/// dualpipev) `stage` or 2 ranks - 1 - `stage` (Note [V-shaped placement]), else `stage` % `ranks`
+/// (one stage per rank, or interleaved: r, r + ranks, ...). The one place this formula lives.
+///
+///   gpipe::stage_rank(gpipe::ScheduleKind::kZeroBubbleV, 3, 2);  // 0: stages {0, 3} on rank 0
+int64_t stage_rank(ScheduleKind kind, int64_t stage, int64_t ranks);
+
 /// The schedule of `kind` over `partitions` ranks (`virtual_stages` for kInterleaved and
 /// kInterleavedZeroBubble; 1 elsewhere, or 2 for the V-shaped ones, which always have 2).
 Schedule make_schedule(ScheduleKind kind, int64_t partitions, int64_t microbatches,

@@ -145,14 +145,15 @@ namespace {
 // The default devices: every GPU in turn by worker (a V-shaped schedule's worker r runs
 // partitions r and 2n - 1 - r: Note [V-shaped placement]), else two CPU partitions.
 std::vector<c10::Device> parse_devices(const std::string& spec, int64_t& partitions,
-                                       bool v_shape) {
+                                       gpipe::ScheduleKind kind) {
   std::vector<c10::Device> devices;
   if (spec.empty()) {
     if (torch::cuda::is_available()) {
       const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
-      if (partitions == 0) partitions = v_shape ? 2 * gpus : gpus;
+      if (partitions == 0) partitions = gpipe::v_shaped(kind) ? 2 * gpus : gpus;
       for (int64_t j = 0; j < partitions; ++j) {
-        const int64_t worker = v_shape ? std::min(j, partitions - 1 - j) : j;
+        const int64_t workers = gpipe::v_shaped(kind) ? (partitions + 1) / 2 : partitions;
+        const int64_t worker = gpipe::stage_rank(kind, j, workers);
         devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(worker % gpus));
       }
       return devices;
@@ -316,7 +317,9 @@ int train(const TrainerModel& trainer) {
   const std::vector<c10::Device> devices =
       shape.devices.empty()
           ? parse_devices(absl::GetFlag(FLAGS_devices), partitions,
-                          schedule != "auto" && gpipe::v_shaped(gpipe::schedule_kind(schedule)))
+                          // (A searched schedule, "auto", places one stage per worker.)
+                          schedule == "auto" ? gpipe::ScheduleKind::kGPipe
+                                             : gpipe::schedule_kind(schedule))
           : shape.devices;
   const bool on_cpu = divide_cores(devices, shape.threads);
 

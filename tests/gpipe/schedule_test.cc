@@ -445,6 +445,38 @@ CATCH_TEST_CASE("A V-shaped schedule round-trips through text, and zbv is known 
                           gpipe_test::contains("only interleaved and zb1p take more than 1"));
 }
 
+CATCH_TEST_CASE("stage_rank gives every generated schedule's placement: a V for zbv and "
+                "dualpipev, round robin for the others",
+                "[schedule]") {
+  const ScheduleKind kind = GENERATE(
+      ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+      ScheduleKind::kZeroBubble, ScheduleKind::kZeroBubbleV, ScheduleKind::kInterleavedZeroBubble,
+      ScheduleKind::kDualPipeV);
+  const int64_t n = GENERATE(1, 2, 3);
+  CATCH_CAPTURE(schedule_kind_name(kind), n);
+  const int64_t virtual_stages = takes_virtual_stages(kind) ? 2 : v_shaped(kind) ? 2 : 1;
+  const Schedule s = make_schedule(kind, n, 6, virtual_stages);
+  for (int64_t stage = 0; stage < s.stages; ++stage) {
+    CATCH_CHECK(stage_rank(kind, stage, n) == s.stage_ranks[stage]);
+  }
+  // The same placements written out: rank r holds r and 2n - 1 - r on a V, r, r + n, ... else.
+  std::vector<int64_t> expected;
+  for (int64_t stage = 0; stage < s.stages; ++stage) {
+    expected.push_back(!v_shaped(kind) ? stage % n : stage < n ? stage : 2 * n - 1 - stage);
+  }
+  CATCH_CHECK(s.stage_ranks == expected);
+}
+
+CATCH_TEST_CASE("stage_rank refuses a stage a V over that many ranks does not have", "[schedule]") {
+  CATCH_CHECK(stage_rank(ScheduleKind::kZeroBubbleV, 5, 3) == 0);
+  CATCH_CHECK_THROWS_WITH(stage_rank(ScheduleKind::kZeroBubbleV, 6, 3),
+                          gpipe_test::contains("stage 6 over 3 ranks is not a stage of zbv"));
+  CATCH_CHECK_THROWS_WITH(stage_rank(ScheduleKind::k1F1B, -1, 3),
+                          gpipe_test::contains("stage -1 over 3 ranks"));
+  CATCH_CHECK_THROWS_WITH(stage_rank(ScheduleKind::kGPipe, 0, 0),
+                          gpipe_test::contains("stage 0 over 0 ranks"));
+}
+
 CATCH_TEST_CASE("every generated schedule checks, with its transfers too, at the same cost",
                 "[schedule]") {
   const auto kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
