@@ -184,12 +184,7 @@ int plan_main(int64_t batch) {
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',')) {
     devices.emplace_back(std::string(name));
   }
-  const std::string optimizer = absl::GetFlag(FLAGS_optimizer);
-  TORCH_CHECK(optimizer == "sgd" || optimizer == "momentum" || optimizer == "adam",
-              "--optimizer must be sgd, momentum or adam, got '", optimizer, "'");
-  const gpipe::OptimizerKind kind = optimizer == "sgd"        ? gpipe::OptimizerKind::kSGD
-                                    : optimizer == "momentum" ? gpipe::OptimizerKind::kMomentum
-                                                              : gpipe::OptimizerKind::kAdam;
+  const gpipe::OptimizerKind kind = gpipe::optimizer_kind(absl::GetFlag(FLAGS_optimizer));
   gpipe::PlanOptions plan_options = gpipe::PlanOptions()
                                         .memory_limit(absl::GetFlag(FLAGS_memory_limit))
                                         .optimizer(kind)

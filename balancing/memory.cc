@@ -1,7 +1,28 @@
 // What training keeps per parameter; see memory.h.
 #include "balancing/memory.h"
 
+#include <c10/util/Exception.h>
+
 namespace gpipe {
+
+std::string optimizer_kind_name(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSGD:
+      return "sgd";
+    case OptimizerKind::kMomentum:
+      return "momentum";
+    case OptimizerKind::kAdam:
+      return "adam";
+  }
+  return "unknown";
+}
+
+OptimizerKind optimizer_kind(const std::string& name) {
+  for (OptimizerKind kind : {OptimizerKind::kSGD, OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+    if (optimizer_kind_name(kind) == name) return kind;
+  }
+  TORCH_CHECK(false, "unknown optimizer '", name, "'; give sgd, momentum or adam");
+}
 
 int64_t optimizer_moments(OptimizerKind kind) {
   switch (kind) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
@@ -48,6 +49,12 @@ struct ParameterMemory {
   /// The dtype autocast casts float32 parameters to, if the forward runs under autocast.
   c10::optional<c10::ScalarType> autocast;
 };
+
+/// The name of `kind`: "sgd", "momentum" or "adam".
+std::string optimizer_kind_name(OptimizerKind kind);
+/// The kind named `name` (optimizer_kind_name's names); throws c10::Error naming the unknown name
+/// and the known ones.
+OptimizerKind optimizer_kind(const std::string& name);
 
 /// The optimizer's moments per parameter: SGD 0, momentum 1, Adam 2.
 int64_t optimizer_moments(OptimizerKind kind);

@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -257,6 +258,13 @@ std::string PipelineProfile::to_json() const {
                                    {"max_message", process_link.ring.max_message}};
     }
   }
+  j["optimizers"] = json::array();
+  for (const OptimizerStats& o : optimizers) {
+    j["optimizers"].push_back({{"device", o.device.str()},
+                               {"optimizer", optimizer_kind_name(o.optimizer)},
+                               {"tensor_us", o.tensor_us},
+                               {"bytes_per_us", o.bytes_per_us}});
+  }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
     j["copies"].push_back({{"from", c.from.str()},
@@ -315,6 +323,20 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
     s.bytes_per_us = json_field<double>(c, "bytes_per_us", who);
     TORCH_CHECK(s.bytes_per_us > 0, who, ": a copy's bytes_per_us must be positive");
     p.copies.push_back(s);
+  }
+  // (Profiles written before Note [The optimizer's step]: none.)
+  if (j.contains("optimizers")) {
+    for (const json& o : json_field<json>(j, "optimizers", who)) {
+      OptimizerStats s;
+      s.device = parse_device(json_field<std::string>(o, "device", who), who);
+      s.optimizer = optimizer_kind(json_field<std::string>(o, "optimizer", who));
+      s.tensor_us = json_field<double>(o, "tensor_us", who);
+      s.bytes_per_us = json_field<double>(o, "bytes_per_us", who);
+      TORCH_CHECK(s.tensor_us >= 0 && s.bytes_per_us > 0, who, ": an optimizer's tensor_us must "
+                  "not be negative and its bytes_per_us must be positive, got ", s.tensor_us,
+                  " and ", s.bytes_per_us);
+      p.optimizers.push_back(s);
+    }
   }
   // (Profiles without Note [Costs between processes]'s link: none.)
   if (j.contains("process_link")) {
@@ -546,6 +568,8 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   }
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
+  // (With the threads the training loop has outside the step: Note [The optimizer's step].)
+  p.optimizers = profile_optimizers(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) {
     calibrate(p, model, sample, low, middle);
@@ -581,7 +605,9 @@ std::string PipelinePlan::describe() const {
   if (processes) absl::StrAppend(&out, ", a process per worker");
   if (replicas > 1) absl::StrAppend(&out, ", ", replicas, " replicas");
   if (step_us > 0) {
-    absl::StrAppendFormat(&out, ": %.2f ms, peak %s MiB", step_us / 1000,
+    absl::StrAppendFormat(&out, ": %.2f ms", step_us / 1000);
+    if (optimizer_us > 0) absl::StrAppendFormat(&out, " + %.2f ms optimizer", optimizer_us / 1000);
+    absl::StrAppendFormat(&out, ", peak %s MiB",
                           absl::StrJoin(peak_bytes, " + ", [](std::string* s, int64_t b) {
                             absl::StrAppendFormat(s, "%.1f", mib(b));
                           }));
@@ -602,6 +628,7 @@ std::string PipelinePlan::to_json() const {
   if (!schedule_text.empty()) j["schedule_text"] = schedule_text;
   if (step_us > 0) {
     j["predicted"] = {{"step_us", step_us},
+                      {"optimizer_us", optimizer_us},
                       {"peak_bytes", peak_bytes},
                       {"devices", device_names(distinct_devices(devices))}};
   }
@@ -687,6 +714,10 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   }
   if (j.contains("predicted")) {
     p.step_us = json_field<double>(j["predicted"], "step_us", who);
+    // (Plans written before Note [The optimizer's step]: no optimizer time.)
+    if (j["predicted"].contains("optimizer_us")) {
+      p.optimizer_us = json_field<double>(j["predicted"], "optimizer_us", who);
+    }
     p.peak_bytes = json_field<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
   }
   return p;
@@ -905,6 +936,34 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   return costs;
 }
 
+namespace {
+
+// The parameters each stage of `plan` steps (Note [The optimizer's step]).
+std::vector<SteppedParameters> stepped_parameters(const PipelineProfile& profile,
+                                                  const PipelinePlan& plan,
+                                                  const ParameterMemory& memory) {
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  const int64_t lanes = stages / std::max<int64_t>(1, plan.virtual_stages);
+  std::vector<SteppedParameters> out;
+  int64_t first = 0;
+  for (int64_t s = 0; s < stages; ++s) {
+    SteppedParameters p;
+    p.device = plan.devices[s];
+    p.worker = stage_rank(plan.schedule, s, lanes);
+    for (int64_t k = first; k < first + plan.balance[s]; ++k) {
+      const LayerStats& l = profile.sizes.front().layers[k];
+      p.tensors += l.trainable_tensors;
+      p.bytes += l.trainable_param_bytes;
+      if (memory.master_weights) p.bytes += 4 * l.narrow_param_elements - l.narrow_param_bytes;
+    }
+    out.push_back(p);
+    first += plan.balance[s];
+  }
+  return out;
+}
+
+}  // namespace
+
 PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer) {
   ParameterMemory memory;
@@ -926,6 +985,8 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
   plan.peak_bytes = with_device_overhead(profile, distinct_devices(plan.devices), sim.peak_bytes);
+  plan.optimizer_us = optimizer_step_us(profile.optimizers, memory.optimizer,
+                                        stepped_parameters(profile, plan, memory), plan.processes);
   return sim;
 }
 
@@ -1111,11 +1172,92 @@ std::vector<int64_t> partition_by_stage_times(const std::vector<std::vector<doub
   return balance;
 }
 
+// Each worker's time under `balance`, stage s's layer k taking time[s][k] (one row: every stage)
+// and stage s running on worker stage_workers[s].
+std::vector<double> worker_loads(const std::vector<std::vector<double>>& time,
+                                 const std::vector<int64_t>& balance,
+                                 const std::vector<int64_t>& stage_workers) {
+  std::vector<double> loads(
+      *std::max_element(stage_workers.begin(), stage_workers.end()) + 1, 0.0);
+  int64_t first = 0;
+  for (size_t s = 0; s < balance.size(); ++s) {
+    const std::vector<double>& row = time[time.size() == 1 ? 0 : s];
+    for (int64_t k = first; k < first + balance[s]; ++k) loads[stage_workers[s]] += row[k];
+    first += balance[s];
+  }
+  std::sort(loads.rbegin(), loads.rend());
+  return loads;
+}
+
+// Every balance of `layers` layers into `stages` stages, in turn, while `visit` returns true.
+void each_balance(int64_t layers, int64_t stages, std::vector<int64_t>& balance,
+                  const std::function<void()>& visit) {
+  const int64_t s = static_cast<int64_t>(balance.size());
+  if (s + 1 == stages) {
+    balance.push_back(layers);
+    visit();
+    balance.pop_back();
+    return;
+  }
+  for (int64_t here = 1; here <= layers - (stages - s - 1); ++here) {
+    balance.push_back(here);
+    each_balance(layers - here, stages, balance, visit);
+    balance.pop_back();
+  }
+}
+
+// The balance whose busiest worker's time (then the next busiest's) is least, where a worker runs
+// several stages (interleaved, a V) and its load is their sum (Note [Planning]): every balance
+// where there are at most kExactBalances; else `balance` with layers moved across its cuts, one
+// at a time, while that lowers it.
+constexpr double kExactBalances = 20000;
+std::vector<int64_t> balance_workers(const std::vector<std::vector<double>>& time,
+                                     std::vector<int64_t> balance,
+                                     const std::vector<int64_t>& stage_workers) {
+  const int64_t stages = static_cast<int64_t>(balance.size());
+  const int64_t layers = std::accumulate(balance.begin(), balance.end(), int64_t{0});
+  std::vector<double> best = worker_loads(time, balance, stage_workers);
+  double count = 1;  // C(layers - 1, stages - 1)
+  for (int64_t k = 1; k < stages; ++k) count = count * static_cast<double>(layers - k) / k;
+  if (count <= kExactBalances) {
+    std::vector<int64_t> each;
+    each_balance(layers, stages, each, [&] {
+      std::vector<double> loads = worker_loads(time, each, stage_workers);
+      if (loads < best) {
+        best = std::move(loads);
+        balance = each;
+      }
+    });
+    return balance;
+  }
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int64_t c = 0; c + 1 < stages; ++c) {
+      for (int64_t shift : {-1, 1}) {  // one layer from stage c to c + 1, or back
+        if (balance[c] + shift < 1 || balance[c + 1] - shift < 1) continue;
+        balance[c] += shift;
+        balance[c + 1] -= shift;
+        std::vector<double> loads = worker_loads(time, balance, stage_workers);
+        if (loads < best) {
+          best = std::move(loads);
+          moved = true;
+        } else {
+          balance[c] -= shift;
+          balance[c + 1] += shift;
+        }
+      }
+    }
+  }
+  return balance;
+}
+
 // The balances a candidate tries (Note [Planning]): of least bottleneck time (each layer's time on
-// the device of the stage holding it, Note [Placement]) and of least bottleneck memory.
+// the device of the stage holding it, Note [Placement]), of least bottleneck memory, and, where a
+// worker runs several stages (`stage_workers`), of the least busy busiest worker.
 std::vector<std::vector<int64_t>> candidate_balances(const PipelineProfile& profile,
                                                      const ParameterMemory& memory,
                                                      const std::vector<c10::Device>& stage_devices,
+                                                     const std::vector<int64_t>& stage_workers,
                                                      int64_t b, int64_t m, bool checkpointed) {
   const int64_t layers = profile.layers();
   const size_t stages = stage_devices.size();
@@ -1147,6 +1289,13 @@ std::vector<std::vector<int64_t>> candidate_balances(const PipelineProfile& prof
                : partition_by_stage_times(time)};
   std::vector<int64_t> by_size = block_partition(size, static_cast<int64_t>(stages));
   if (by_size != balances.front()) balances.push_back(by_size);
+  const std::set<int64_t> workers(stage_workers.begin(), stage_workers.end());
+  if (workers.size() < stages) {
+    std::vector<int64_t> by_workers = balance_workers(time, balances.front(), stage_workers);
+    if (std::find(balances.begin(), balances.end(), by_workers) == balances.end()) {
+      balances.push_back(std::move(by_workers));
+    }
+  }
   return balances;
 }
 
@@ -1163,7 +1312,11 @@ void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
     const int64_t stages = n * v;
     if (stages > profile.layers()) continue;
     std::vector<c10::Device> stage_devices;
-    for (int64_t s = 0; s < stages; ++s) stage_devices.push_back(workers[stage_rank(kind, s, n)]);
+    std::vector<int64_t> stage_workers;
+    for (int64_t s = 0; s < stages; ++s) {
+      stage_workers.push_back(stage_rank(kind, s, n));
+      stage_devices.push_back(workers[stage_workers.back()]);
+    }
     for (int64_t m : options.chunks()) {
       TORCH_CHECK(m >= 1, who, ": chunks must be positive, got ", m);
       if (m > profile.batch || (interleaved && m % n != 0)) continue;
@@ -1175,8 +1328,8 @@ void add_candidates(const PipelineProfile& profile, const PlanOptions& options,
       for (Checkpoint mode : options.checkpoints()) {
         const bool checkpointed = checkpoint_stop(mode, m) > 0;
         for (const std::vector<int64_t>& balance :
-             candidate_balances(profile, options.parameter_memory(), stage_devices, b, m,
-                                checkpointed)) {
+             candidate_balances(profile, options.parameter_memory(), stage_devices,
+                                stage_workers, b, m, checkpointed)) {
           PipelinePlan p;
           p.balance = balance;
           p.devices = stage_devices;
@@ -1256,7 +1409,9 @@ std::vector<PipelinePlan> plan(const PipelineProfile& profile, const PlanOptions
                          "a larger limit");
   }
   std::stable_sort(fit.begin(), fit.end(), [&](const PipelinePlan& a, const PipelinePlan& b) {
-    return a.step_us != b.step_us ? a.step_us < b.step_us : peak_of(a) < peak_of(b);
+    const double a_us = a.step_us + a.optimizer_us;
+    const double b_us = b.step_us + b.optimizer_us;
+    return a_us != b_us ? a_us < b_us : peak_of(a) < peak_of(b);
   });
   if (static_cast<int64_t>(fit.size()) > options.top()) fit.resize(options.top());
   return fit;

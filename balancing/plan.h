@@ -14,6 +14,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "balancing/memory.h"
+#include "balancing/optimizer_cost.h"
 #include "balancing/process_link.h"
 #include "balancing/profile.h"
 #include "balancing/simulate.h"
@@ -39,7 +40,12 @@ namespace gpipe {
 //   on its device, from two workers on, dualpipev where m >= 2n - 1), micro-batch
 //   counts m from PlanOptions::chunks, each checkpoint mode, and two balances: the one of least
 //   bottleneck time (forward, backward, and the recomputation where checkpointed, at the
-//   micro-batch size) and the one of least bottleneck memory.
+//   micro-batch size) and the one of least bottleneck memory. Where a worker runs several stages
+//   (interleaved, zb1p, a V), its load is their sum, which a balance of least bottleneck stage
+//   may leave uneven (few layers in many stages): a third balance is the one of least busiest
+//   worker's sum (then the next's), found among every balance where there are at most 20000,
+//   else by moving layers across the first one's cuts, one at a time, while that lowers it (a
+//   local optimum: on many layers the stages' sums are close anyway).
 // - Calibration: layers timed one at a time miss what the engine adds around them (a micro-batch's
 //   graph and its backward call, the loss per micro-batch, caches that activations of other
 //   micro-batches have since filled). So the profile also runs the whole model as one partition,
@@ -61,10 +67,11 @@ namespace gpipe {
 //   cpu_capacity measured: cores / threads workers of the model's own training passes at once,
 //   against one alone (hyperthreads and memory bandwidth make it less than cores / threads; on
 //   the project's 2-vCPU VM it measured 1.4 to 2.0 for two).
-// - Plans are ranked by predicted step time; those over PlanOptions::memory_limit on any device
-//   are left out. When none fits, plan() says by how much the least hungry misses, and whether
-//   the static bytes alone (more devices would help) or the activations (smaller micro-batches)
-//   are the excess.
+// - The optimizer's step after it is predicted apart (Note [The optimizer's step]).
+// - Plans are ranked by predicted step time, the optimizer's included; those over
+//   PlanOptions::memory_limit on any device are left out. When none fits, plan() says by how much
+//   the least hungry misses, and whether the static bytes alone (more devices would help) or the
+//   activations (smaller micro-batches) are the excess.
 // How close this comes is measured by benchmarks/plan_accuracy (docs/balancing.md says where it is
 // wrong).
 
@@ -210,6 +217,9 @@ struct PipelineProfile {
   std::vector<LayerProfile> sizes;
   /// Copies between the distinct devices.
   std::vector<CopyStats> copies;
+  /// One step of each optimizer kind on the first device of each kind (Note [The optimizer's
+  /// step] in optimizer_cost.h); empty in profiles written before it (no optimizer time).
+  std::vector<OptimizerStats> optimizers;
   /// The devices a pipeline may use, one per partition at most.
   std::vector<c10::Device> devices;
   /// The mini-batch's size.
@@ -325,6 +335,11 @@ struct PipelinePlan {
   int64_t replicas = 1;
   /// Predicted: the step's time (forward and backward of every micro-batch), microseconds.
   double step_us = 0;
+  /// Predicted: the optimizer's step after it (Note [The optimizer's step] in optimizer_cost.h:
+  /// PlanOptions::optimizer over every stage's trainable parameters, on the stage's device),
+  /// microseconds; 0 where the profile has no optimizer measurements. Plans are ranked by
+  /// step_us + optimizer_us.
+  double optimizer_us = 0;
   /// Predicted: each distinct device's peak bytes (in the order of first appearance in
   /// `devices`).
   std::vector<int64_t> peak_bytes;

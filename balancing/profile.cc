@@ -487,13 +487,15 @@ double handoff_us(int rounds) {
 }
 
 void count_parameters(const torch::nn::Module& layer, LayerStats& stats) {
-  stats.param_bytes = stats.trainable_param_bytes = stats.buffer_bytes = 0;
+  stats.param_bytes = stats.trainable_param_bytes = stats.trainable_tensors = 0;
+  stats.buffer_bytes = 0;
   stats.narrow_param_elements = stats.narrow_param_bytes = stats.float32_param_elements = 0;
   for (const at::Tensor& p : layer.parameters()) {
     const auto bytes = static_cast<int64_t>(p.nbytes());
     stats.param_bytes += bytes;
     if (!p.requires_grad()) continue;
     stats.trainable_param_bytes += bytes;
+    ++stats.trainable_tensors;
     if (p.scalar_type() == at::kFloat) stats.float32_param_elements += p.numel();
     if (p.is_floating_point() && p.element_size() < 4) {
       stats.narrow_param_elements += p.numel();
@@ -538,6 +540,7 @@ nlohmann::json layers_json(const std::vector<LayerStats>& layers) {
                     {"backward_peak_bytes", s.backward_peak_bytes},
                     {"param_bytes", s.param_bytes},
                     {"trainable_param_bytes", s.trainable_param_bytes},
+                    {"trainable_tensors", s.trainable_tensors},
                     {"narrow_param_elements", s.narrow_param_elements},
                     {"narrow_param_bytes", s.narrow_param_bytes},
                     {"float32_param_elements", s.float32_param_elements},
@@ -596,6 +599,7 @@ LayerProfile layer_profile_from_json(const nlohmann::json& j, const std::string&
       return row.contains(key) ? json_field<int64_t>(row, key, at) : otherwise;
     };
     s.trainable_param_bytes = or_else("trainable_param_bytes", s.param_bytes);
+    s.trainable_tensors = or_else("trainable_tensors", 0);
     s.narrow_param_elements = or_else("narrow_param_elements", 0);
     s.narrow_param_bytes = or_else("narrow_param_bytes", 0);
     s.float32_param_elements = or_else("float32_param_elements", s.param_bytes / 4);

@@ -65,6 +65,9 @@ struct LayerStats {
   /// Of those, the bytes of the parameters that require grad: those with a gradient and optimizer
   /// state (Note [Training memory] in memory.h).
   int64_t trainable_param_bytes = 0;
+  /// The number of those parameter tensors: each is one update of the optimizer's step (Note
+  /// [The optimizer's step] in optimizer_cost.h).
+  int64_t trainable_tensors = 0;
   /// The elements and bytes of the trainable floating-point parameters narrower than float32
   /// (float16, bfloat16): those that float32 master weights copy.
   int64_t narrow_param_elements = 0;
@@ -80,7 +83,7 @@ struct LayerStats {
   int64_t output_bytes = 0;
 };
 
-/// Fills `stats`' parameter and buffer sizes (param_bytes, trainable_param_bytes,
+/// Fills `stats`' parameter and buffer sizes (param_bytes, trainable_param_bytes and _tensors,
 /// narrow_param_elements and _bytes, float32_param_elements, buffer_bytes) from `layer`'s tensors,
 /// as profile_layers does for each layer.
 void count_parameters(const torch::nn::Module& layer, LayerStats& stats);

@@ -572,9 +572,9 @@ int run() {
   if (!absl::GetFlag(FLAGS_svg).empty()) model->write_timeline_svg(absl::GetFlag(FLAGS_svg));
   if (shape.predicted_step_ms > 0) {
     std::printf(
-        "plan: %.1f ms per step predicted; the steps took %.1f ms each with data and "
-        "optimizer (validation left out)\n",
-        shape.predicted_step_ms, 1000 * train_seconds / std::max<int64_t>(steps - done, 1));
+        "plan: %s; the steps took %.1f ms each with data and optimizer (validation left out)\n",
+        training::predicted_with_optimizer(shape).c_str(),
+        1000 * train_seconds / std::max<int64_t>(steps - done, 1));
   }
   std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
   for (const char* prompt : {"Q: ", "The ", "A "}) {

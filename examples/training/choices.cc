@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "balancing/balance.h"
@@ -86,11 +87,22 @@ PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
   shape.schedule = plan.schedule_text.empty() ? schedule_kind_name(plan.schedule) : "searched";
   shape.schedule_text = plan.schedule_text;
   shape.predicted_step_ms = plan.step_us / 1000;
+  shape.predicted_optimizer_ms = plan.optimizer_us / 1000;
   shape.virtual_stages = plan.virtual_stages;
   shape.threads = plan.threads;
   shape.balance = plan.balance;
   shape.balance_from = "--plan";
   return shape;
+}
+
+std::string predicted_with_optimizer(const PipelineShape& shape) {
+  if (shape.predicted_optimizer_ms <= 0) {
+    return absl::StrFormat("%.1f ms per step predicted", shape.predicted_step_ms);
+  }
+  return absl::StrFormat(
+      "%.1f ms per step predicted and %.1f ms for the optimizer's step after it, %.1f ms in all",
+      shape.predicted_step_ms, shape.predicted_optimizer_ms,
+      shape.predicted_step_ms + shape.predicted_optimizer_ms);
 }
 
 PipelineSchedule schedule_of(const PipelineShape& shape) {

@@ -568,9 +568,10 @@ int train(const TrainerModel& trainer) {
   if (shape.predicted_step_ms > 0) {
     std::printf(
         "plan: %.1f ms per step predicted; the last epoch's steps took %.1f ms on their "
-        "timelines (the median; the last %.1f ms), and %.1f ms per step with data, optimizer "
-        "and logging\n",
-        shape.predicted_step_ms, median_of(spans), step_ms(last_forward), last_step_ms);
+        "timelines (the median; the last %.1f ms)\n",
+        shape.predicted_step_ms, median_of(spans), step_ms(last_forward));
+    std::printf("plan: %s; %.1f ms per step with data, optimizer and logging\n",
+                training::predicted_with_optimizer(shape).c_str(), last_step_ms);
   }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());

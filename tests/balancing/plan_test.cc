@@ -608,6 +608,7 @@ CATCH_TEST_CASE("A plan from a real profile builds a pipeline that trains as the
   CATCH_CHECK(profile.sizes[1].batch == 4);
   CATCH_CHECK(profile.layers() == 7);
   CATCH_CHECK(profile.copies.empty());  // one device
+  CATCH_CHECK(profile.optimizers.size() == 3);  // each optimizer kind, on the CPU
   CATCH_REQUIRE(profile.calibration.size() == 2);  // whole-model steps at micro-batches of 1 and 4
   CATCH_CHECK(profile.calibration[0].batch == 1);
   CATCH_CHECK(profile.calibration[1].batch == 4);
@@ -1039,6 +1040,53 @@ CATCH_TEST_CASE("A V-shaped plan puts partitions r and 2n - 1 - r on worker r, w
   const double step = predict(profile, p).step_us;
   CATCH_CHECK(step >= 4 * message);
   CATCH_CHECK(step <= 4 * message + compute + 100 * profile.handoff_us + 1);
+}
+
+CATCH_TEST_CASE("A worker of several stages is balanced by their sum, not by each stage alone",
+                "[balancing][plan][v_shape]") {
+  // Six layers of uneven time in four stages on two workers. The balance of least bottleneck
+  // stage, {2, 1, 2, 1}, and every one of at most two layers a stage (the least memory, as the
+  // layers' bytes are equal) leave one worker 19 (on a V) or 18 (interleaved) of 33 units; the
+  // best balance of the workers' sums leaves 17.
+  const std::vector<double> units = {2, 8, 9, 2, 3, 9};
+  PipelineProfile profile = synthetic(6, 2);
+  for (LayerProfile& lp : profile.sizes) {
+    for (size_t k = 0; k < units.size(); ++k) {
+      LayerStats& l = lp.layers[k];
+      l.forward_us = l.forward_nograd_us = 100 * units[k];
+      l.backward_us = 200 * units[k];
+      l.backward_input_us = l.backward_weight_us = 100 * units[k];
+    }
+  }
+  const ScheduleKind kind = GENERATE(ScheduleKind::kZeroBubbleV, ScheduleKind::kInterleaved);
+  CATCH_CAPTURE(schedule_kind_name(kind));
+  // Worker r holds stages r and 3 - r on a V, r and r + 2 interleaved.
+  const std::vector<size_t> worker_of = v_shaped(kind) ? std::vector<size_t>{0, 1, 1, 0}
+                                                       : std::vector<size_t>{0, 1, 0, 1};
+  const auto busiest = [&](const std::vector<int64_t>& balance) {
+    double load[2] = {0, 0};
+    size_t k = 0;
+    for (size_t s = 0; s < balance.size(); ++s) {
+      for (int64_t j = 0; j < balance[s]; ++j) load[worker_of[s]] += units[k++];
+    }
+    return std::max(load[0], load[1]);
+  };
+  double least = 1e9;  // over all 10 balances of 6 layers in 4 stages
+  for (int64_t a = 1; a <= 3; ++a) {
+    for (int64_t b = 1; a + b <= 4; ++b) {
+      for (int64_t c = 1; a + b + c <= 5; ++c) {
+        least = std::min(least, busiest({a, b, c, 6 - a - b - c}));
+      }
+    }
+  }
+  CATCH_CHECK(least == 17);
+  CATCH_CHECK(busiest({2, 1, 2, 1}) > least);
+  const std::vector<PipelinePlan> plans =
+      plan(profile, PlanOptions().partitions({2}).schedules({kind}).chunks({4})
+                        .checkpoints({Checkpoint::kNever}).search(false).top(100));
+  double best_found = 1e9;
+  for (const PipelinePlan& p : plans) best_found = std::min(best_found, busiest(p.balance));
+  CATCH_CHECK(best_found == least);
 }
 
 CATCH_TEST_CASE("A profile's link between processes survives JSON and is checked",

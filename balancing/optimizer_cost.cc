@@ -1,0 +1,131 @@
+// The optimizer's step as the planner predicts it; see optimizer_cost.h.
+#include "balancing/optimizer_cost.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "balancing/internal/detail.h"
+#include "gpipe/device.h"
+#include "gpipe/internal/stream.h"
+
+namespace gpipe {
+namespace {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind,
+                                                        const std::vector<at::Tensor>& params) {
+  switch (kind) {
+    case OptimizerKind::kSGD:
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(1e-3));
+    case OptimizerKind::kMomentum:
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(1e-3).momentum(0.9));
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+  }
+  TORCH_CHECK(false, "profile_optimizers: unknown optimizer kind ", static_cast<int>(kind));
+}
+
+// The median time of 5 steps of `kind` over `count` tensors of `numel` floats on `device`, after
+// an untimed one (which makes the optimizer's state).
+double timed_step_us(OptimizerKind kind, c10::Device device, int64_t count, int64_t numel) {
+  std::vector<at::Tensor> params;
+  for (int64_t k = 0; k < count; ++k) {
+    at::Tensor p = at::zeros({numel}, at::TensorOptions().device(device)).requires_grad_();
+    p.mutable_grad() = at::full_like(p, 1e-3);
+    params.push_back(p);
+  }
+  const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(kind, params);
+  std::vector<double> times;
+  for (int k = 0; k < 6; ++k) {
+    internal::synchronize(device);
+    const auto tick = std::chrono::steady_clock::now();
+    optimizer->step();
+    internal::synchronize(device);
+    if (k > 0) times.push_back(internal::elapsed_us(tick));
+  }
+  return internal::median(times);
+}
+
+const OptimizerStats* stats_for(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
+                                c10::DeviceType type) {
+  for (const OptimizerStats& s : stats) {
+    if (s.optimizer == optimizer && s.device.type() == type) return &s;
+  }
+  return nullptr;
+}
+
+// One process's step over its stages (Note [The optimizer's step]); -1 where a kind of device is
+// not measured.
+double process_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
+                       const std::vector<SteppedParameters>& stages) {
+  double cpu_us = 0;
+  double launches_us = 0;
+  std::map<c10::DeviceIndex, double> gpu_bytes_us;  // by GPU
+  for (const SteppedParameters& s : stages) {
+    const OptimizerStats* measured = stats_for(stats, optimizer, s.device.type());
+    if (measured == nullptr) return -1;
+    if (!s.device.is_cuda()) {
+      cpu_us += measured->time_us(s.tensors, s.bytes);
+      continue;
+    }
+    launches_us += static_cast<double>(s.tensors) * measured->tensor_us;
+    gpu_bytes_us[s.device.index()] += measured->time_us(0, s.bytes);
+  }
+  double busiest_gpu_us = 0;
+  for (const auto& [gpu, us] : gpu_bytes_us) busiest_gpu_us = std::max(busiest_gpu_us, us);
+  return cpu_us + std::max(launches_us, busiest_gpu_us);
+}
+
+}  // namespace
+
+double OptimizerStats::time_us(int64_t tensors, int64_t bytes) const {
+  const double per_bytes = bytes <= 0 ? 0.0 : static_cast<double>(bytes) / bytes_per_us;
+  return static_cast<double>(std::max<int64_t>(tensors, 0)) * tensor_us + per_bytes;
+}
+
+std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices) {
+  std::vector<OptimizerStats> out;
+  std::vector<c10::DeviceType> measured;
+  constexpr int64_t kSmall = 64;
+  constexpr int64_t kLargeFloats = int64_t{4} << 20;  // 16 MiB
+  for (const c10::Device& device : devices) {
+    if (std::find(measured.begin(), measured.end(), device.type()) != measured.end()) continue;
+    check_device_available(device, "profile_optimizers");
+    measured.push_back(device.type());
+    for (OptimizerKind kind :
+         {OptimizerKind::kSGD, OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+      OptimizerStats s;
+      s.device = device;
+      s.optimizer = kind;
+      s.tensor_us = timed_step_us(kind, device, kSmall, 4) / kSmall;
+      const double large_us = timed_step_us(kind, device, 1, kLargeFloats);
+      s.bytes_per_us =
+          static_cast<double>(kLargeFloats * 4) / std::max(1e-3, large_us - s.tensor_us);
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+double optimizer_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
+                         const std::vector<SteppedParameters>& stages, bool processes) {
+  if (!processes) return std::max(0.0, process_step_us(stats, optimizer, stages));
+  std::map<int64_t, std::vector<SteppedParameters>> by_worker;
+  for (const SteppedParameters& s : stages) by_worker[s.worker].push_back(s);
+  double slowest = 0;
+  for (const auto& [worker, own] : by_worker) {
+    const double us = process_step_us(stats, optimizer, own);
+    if (us < 0) return 0;
+    slowest = std::max(slowest, us);
+  }
+  return slowest;
+}
+
+}  // namespace gpipe

@@ -1,0 +1,78 @@
+// The optimizer's step as the planner predicts it: what one update of each optimizer kind costs on
+// a kind of device, per parameter tensor and per byte, measured at profile time, and what a plan's
+// stages then cost to step (Note [The optimizer's step]).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <c10/core/Device.h>
+
+#include "balancing/memory.h"
+
+namespace gpipe {
+
+// Note [The optimizer's step]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A training loop runs optimizer.step() after GPipe::step, on its own thread, over every
+// parameter: torch::optim updates one parameter tensor after another, with a few elementwise
+// kernels each (SGD one, momentum two, Adam about six). That time is in every step a user sees
+// but not in the step the simulation predicts, so the planner predicts it beside it
+// (PipelinePlan::optimizer_us) from profile_optimizers' measurements: on the first device of each
+// kind, one step of each optimizer kind over 64 tensors of 4 floats (the fixed cost of a tensor:
+// its operators' dispatch, and on CUDA their launches) and over one tensor of 16 MiB (the cost of
+// a byte: memory bandwidth), each the median of 5 steps after an untimed one. A plan's step:
+// - on the CPU, the tensors one after another: each CPU stage's tensors x tensor_us plus its
+//   bytes / bytes_per_us, summed;
+// - on CUDA, the host only launches each tensor's kernels, and every GPU runs its own queue: the
+//   launches of all CUDA stages' tensors (tensors x tensor_us) or the busiest GPU's bytes
+//   (bytes / bytes_per_us), whichever is longer, after the CPU stages' part;
+// - with a process per worker (PipelineStage), each process steps its own stages while the
+//   others step theirs: the slowest worker's time. Replicas step at once, so they add nothing.
+// The bytes stepped are each stage's trainable parameters', or their float32 master weights'
+// where ParameterMemory::master_weights keeps them (4 bytes per narrow element). Profiles
+// written before this note have no measurements, and their plans predict no optimizer time (0).
+
+/// What one step of `optimizer` costs on `device`: tensor_us per parameter tensor plus
+/// bytes / bytes_per_us.
+struct OptimizerStats {
+  /// The device measured: the first of its kind among profile_optimizers' devices.
+  c10::Device device = c10::Device(c10::kCPU);
+  /// The optimizer measured.
+  OptimizerKind optimizer = OptimizerKind::kMomentum;
+  /// The fixed cost of updating one parameter tensor, microseconds.
+  double tensor_us = 0;
+  /// Bytes of parameters updated per microsecond, past that fixed cost.
+  double bytes_per_us = 0;
+  /// The predicted time of one step over `tensors` tensors of `bytes` in all.
+  double time_us(int64_t tensors, int64_t bytes) const;
+};
+
+/// Measures one step of each optimizer kind (torch::optim::SGD without and with momentum, Adam)
+/// on the first device of each kind (CPU, CUDA) among `devices` (Note [The optimizer's step]).
+///
+///   auto stats = gpipe::profile_optimizers({torch::kCPU, torch::Device("cuda:0")});
+std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices);
+
+/// The parameters one stage of a plan steps.
+struct SteppedParameters {
+  /// The stage's device.
+  c10::Device device = c10::Device(c10::kCPU);
+  /// The worker (process, with PipelineStage) that runs the stage.
+  int64_t worker = 0;
+  /// Its trainable parameter tensors.
+  int64_t tensors = 0;
+  /// Their bytes (the float32 master weights' where those are kept).
+  int64_t bytes = 0;
+};
+
+/// The time of one step of `optimizer` over `stages` (Note [The optimizer's step]); `processes`:
+/// each worker in a process of its own. 0 where `stats` has no measurement of `optimizer` on a
+/// kind of device that `stages` use.
+///
+///   double us = gpipe::optimizer_step_us(profile.optimizers, gpipe::OptimizerKind::kAdam,
+///                                        {{torch::kCPU, 0, 12, 4 << 20}}, false);
+double optimizer_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
+                         const std::vector<SteppedParameters>& stages, bool processes);
+
+}  // namespace gpipe

@@ -1,0 +1,263 @@
+// The optimizer's step as the planner predicts it (balancing/optimizer_cost.h, Note [The
+// optimizer's step]): measured per kind of device, stepped on the CPU one tensor after another,
+// launched by the host and run per GPU, each process its own; a plan's prediction counted from the
+// model's own parameters, ranked with the step, and kept in profiles and plans.
+#include "tests/gpipe/test_util.h"
+
+#include <algorithm>
+#include <map>
+
+#include "balancing/optimizer_cost.h"
+#include "balancing/plan.h"
+
+namespace gpipe {
+namespace testing {
+namespace {
+
+namespace nn = torch::nn;
+
+// Round numbers: a tensor costs `tensor_us`, a byte 1 / `bytes_per_us`.
+OptimizerStats stats(c10::Device device, OptimizerKind kind, double tensor_us,
+                     double bytes_per_us) {
+  OptimizerStats s;
+  s.device = device;
+  s.optimizer = kind;
+  s.tensor_us = tensor_us;
+  s.bytes_per_us = bytes_per_us;
+  return s;
+}
+
+const c10::Device kCpu(c10::kCPU);
+const c10::Device kGpu0(c10::kCUDA, 0);
+const c10::Device kGpu1(c10::kCUDA, 1);
+
+CATCH_TEST_CASE("profile_optimizers measures every optimizer kind once per kind of device",
+                "[balancing][optimizer]") {
+  const std::vector<OptimizerStats> measured = profile_optimizers({kCpu, kCpu});
+  CATCH_REQUIRE(measured.size() == 3);
+  std::vector<std::string> kinds;
+  for (const OptimizerStats& s : measured) {
+    CATCH_CHECK(s.device == kCpu);
+    CATCH_CHECK(s.tensor_us > 0);
+    CATCH_CHECK(s.bytes_per_us > 0);
+    kinds.push_back(optimizer_kind_name(s.optimizer));
+  }
+  CATCH_CHECK(kinds == (std::vector<std::string>{"sgd", "momentum", "adam"}));
+  CATCH_CHECK_THROWS_WITH(profile_optimizers({c10::Device(c10::kCUDA, 7)}),
+                          gpipe_test::contains("profile_optimizers"));
+}
+
+CATCH_TEST_CASE("profile_optimizers measures a GPU beside the CPU",
+                "[balancing][optimizer][cuda]") {
+  const std::vector<OptimizerStats> measured = profile_optimizers({kGpu0, kCpu, kGpu0});
+  CATCH_REQUIRE(measured.size() == 6);
+  for (size_t k = 0; k < measured.size(); ++k) {
+    CATCH_CHECK(measured[k].device == (k < 3 ? kGpu0 : kCpu));
+    CATCH_CHECK(measured[k].bytes_per_us > 0);
+  }
+}
+
+CATCH_TEST_CASE("The CPU steps its stages' tensors one after another, each process its own",
+                "[balancing][optimizer]") {
+  const std::vector<OptimizerStats> s = {stats(kCpu, OptimizerKind::kAdam, 10, 1000),
+                                         stats(kCpu, OptimizerKind::kSGD, 2, 4000)};
+  const std::vector<SteppedParameters> stages = {
+      {kCpu, 0, 4, 100000}, {kCpu, 1, 6, 50000}, {kCpu, 0, 2, 30000}};
+  // Adam: (4 + 6 + 2) tensors x 10 us + 180000 B / 1000 B/us.
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, stages, false) ==
+              Approx(12 * 10 + 180.0));
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kSGD, stages, false) ==
+              Approx(12 * 2 + 45.0));
+  // A process per worker: worker 0 steps 6 tensors and 130000 B, worker 1 6 and 50000 B.
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, stages, true) ==
+              Approx(6 * 10 + 130.0));
+  // Unmeasured: momentum, or a kind of device the stats lack.
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kMomentum, stages, false) == 0);
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, {{kGpu0, 0, 1, 4}}, false) == 0);
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, {}, false) == 0);
+}
+
+CATCH_TEST_CASE("GPUs run their own updates while the host launches every tensor's",
+                "[balancing][optimizer]") {
+  const std::vector<OptimizerStats> s = {stats(kCpu, OptimizerKind::kAdam, 10, 1000),
+                                         stats(kGpu0, OptimizerKind::kAdam, 5, 100000)};
+  // Many small tensors: the launches (30 x 5 us) are longer than either GPU's bytes.
+  const std::vector<SteppedParameters> small = {{kGpu0, 0, 10, 1000000}, {kGpu1, 1, 20, 2000000}};
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, small, false) == Approx(150));
+  // Few large tensors: the busiest GPU's bytes (cuda:1, 40 MB at 100000 B/us) are.
+  const std::vector<SteppedParameters> large = {
+      {kGpu0, 0, 2, 10000000}, {kGpu1, 1, 2, 30000000}, {kGpu1, 2, 2, 10000000}};
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, large, false) == Approx(400));
+  // A CPU stage's part comes before: 3 x 10 us + 5000 B / 1000 B/us.
+  std::vector<SteppedParameters> mixed = large;
+  mixed.push_back({kCpu, 3, 3, 5000});
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, mixed, false) == Approx(35 + 400));
+  // A process per worker: the slowest (cuda:1's worker 1, 300 us).
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, large, true) == Approx(300));
+}
+
+// A profile of `model` on the CPU at one micro-batch size (no calibration), with `stats`.
+PipelineProfile profile_of(const nn::Sequential& model, const at::Tensor& x,
+                           std::vector<OptimizerStats> stats) {
+  PipelineProfile p;
+  p.sizes = {profile_layers(model, x, ProfileOptions().timeout(std::chrono::milliseconds(10)))};
+  p.devices = {kCpu, kCpu};
+  p.batch = x.size(0);
+  p.input_bytes = static_cast<int64_t>(x.nbytes());
+  p.cores = 2;
+  p.optimizers = std::move(stats);
+  return p;
+}
+
+// The trainable tensors and bytes of layers [first, first + count) of `model`, from the
+// parameters themselves.
+std::pair<int64_t, int64_t> trainable(const nn::Sequential& model, int64_t first, int64_t count) {
+  int64_t tensors = 0, bytes = 0;
+  for (int64_t k = first; k < first + count; ++k) {
+    for (const at::Tensor& p : model->children()[k]->parameters()) {
+      if (!p.requires_grad()) continue;
+      ++tensors;
+      bytes += static_cast<int64_t>(p.nbytes());
+    }
+  }
+  return {tensors, bytes};
+}
+
+CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable parameters",
+                "[balancing][optimizer][plan]") {
+  nn::Sequential model(nn::Linear(32, 64), nn::Tanh(), nn::Linear(64, 64), nn::Tanh(),
+                       nn::Linear(64, 8));
+  model[2]->as<nn::Linear>()->bias.set_requires_grad(false);  // frozen: not stepped
+  const at::Tensor x = at::randn({8, 32});
+  PipelineProfile profile = profile_of(model, x, {stats(kCpu, OptimizerKind::kAdam, 7, 500)});
+  PipelinePlan p;
+  p.balance = {2, 3};
+  p.devices = {kCpu, kCpu};
+  p.chunks = 2;
+  p.checkpoint = Checkpoint::kNever;
+  predict(profile, p, OptimizerKind::kAdam);
+  const auto [t0, b0] = trainable(model, 0, 2);
+  const auto [t1, b1] = trainable(model, 2, 3);
+  CATCH_CHECK(t0 + t1 == 5);  // six parameters, one frozen
+  CATCH_CHECK(p.optimizer_us == Approx(7.0 * (t0 + t1) + static_cast<double>(b0 + b1) / 500));
+  // Unmeasured (momentum): none predicted, and the step is unchanged.
+  PipelinePlan q = p;
+  predict(profile, q, OptimizerKind::kMomentum);
+  CATCH_CHECK(q.optimizer_us == 0);
+  CATCH_CHECK(q.step_us == Approx(p.step_us));
+  // A process per worker: each steps its own stage.
+  profile.process_link.latency_us = 50;
+  profile.process_link.bytes_per_us = 1000;
+  profile.process_link.allreduce_step_us = 20;
+  profile.process_link.allreduce_bytes_per_us = 500;
+  p.processes = true;
+  predict(profile, p, OptimizerKind::kAdam);
+  CATCH_CHECK(p.optimizer_us == Approx(std::max(7.0 * t0 + static_cast<double>(b0) / 500,
+                                                7.0 * t1 + static_cast<double>(b1) / 500)));
+}
+
+CATCH_TEST_CASE("On a V each process steps both of its stages", "[balancing][optimizer][plan]") {
+  nn::Sequential model;
+  for (int k = 0; k < 4; ++k) model->push_back(nn::Linear(16 * (k + 1), 16 * (k + 2)));
+  const at::Tensor x = at::randn({4, 16});
+  PipelineProfile profile = profile_of(model, x, {stats(kCpu, OptimizerKind::kSGD, 3, 100)});
+  profile.process_link.latency_us = 50;
+  profile.process_link.bytes_per_us = 1000;
+  profile.process_link.allreduce_step_us = 20;
+  profile.process_link.allreduce_bytes_per_us = 500;
+  PipelinePlan p;
+  p.balance = {1, 1, 1, 1};
+  p.devices = {kCpu, kCpu, kCpu, kCpu};
+  p.chunks = 4;
+  p.checkpoint = Checkpoint::kNever;
+  p.schedule = ScheduleKind::kZeroBubbleV;
+  p.virtual_stages = 2;
+  p.processes = true;
+  predict(profile, p, OptimizerKind::kSGD);
+  // Worker 0 holds layers 0 and 3, worker 1 layers 1 and 2.
+  const auto cost = [&](std::initializer_list<int64_t> layers) {
+    double us = 0;
+    for (int64_t k : layers) {
+      const auto [t, b] = trainable(model, k, 1);
+      us += 3.0 * t + static_cast<double>(b) / 100;
+    }
+    return us;
+  };
+  CATCH_CHECK(p.optimizer_us == Approx(std::max(cost({0, 3}), cost({1, 2}))));
+  CATCH_CHECK(cost({0, 3}) != Approx(cost({1, 2})));  // (the two workers differ)
+}
+
+CATCH_TEST_CASE("Plans are ranked by the step and the optimizer's step after it",
+                "[balancing][optimizer][plan]") {
+  // One CPU and one GPU that compute alike, but the CPU steps the parameters 100 times slower: the
+  // one-partition plans differ only in the optimizer's step, and the GPU's comes first.
+  nn::Sequential model(nn::Linear(64, 64), nn::Tanh(), nn::Linear(64, 64));
+  const at::Tensor x = at::randn({8, 64});
+  PipelineProfile profile = profile_of(model, x, {stats(kCpu, OptimizerKind::kAdam, 100, 10),
+                                                  stats(kGpu0, OptimizerKind::kAdam, 1, 1000)});
+  profile.devices = {kCpu, kGpu0};
+  PipelineProfile::DeviceKind gpu;
+  gpu.device = kGpu0;
+  gpu.sizes = profile.sizes;
+  gpu.sizes[0].device = kGpu0;
+  profile.other_kinds = {gpu};
+  profile.copies = {{kCpu, kGpu0, 20, 10000}, {kGpu0, kCpu, 20, 10000}};
+  const std::vector<PipelinePlan> plans =
+      plan(profile,
+           PlanOptions().partitions({1}).optimizer(OptimizerKind::kAdam).search(false).top(100));
+  CATCH_REQUIRE(plans.size() >= 2);
+  CATCH_CAPTURE(plans.front().describe());
+  CATCH_CHECK(plans.front().devices == std::vector<c10::Device>{kGpu0});
+  for (const PipelinePlan& p : plans) {
+    CATCH_CHECK(plans.front().step_us + plans.front().optimizer_us <=
+                p.step_us + p.optimizer_us);
+  }
+  const auto on_cpu = std::find_if(plans.begin(), plans.end(), [](const PipelinePlan& p) {
+    return p.devices == std::vector<c10::Device>{kCpu};
+  });
+  CATCH_REQUIRE(on_cpu != plans.end());
+  CATCH_CHECK(on_cpu->optimizer_us > 50 * plans.front().optimizer_us);
+}
+
+CATCH_TEST_CASE("Optimizer measurements and predictions survive JSON, and bad ones are named",
+                "[balancing][optimizer][json]") {
+  nn::Sequential model(nn::Linear(8, 8), nn::Tanh(), nn::Linear(8, 2));
+  const at::Tensor x = at::randn({4, 8});
+  const PipelineProfile profile = profile_of(model, x,
+                                             {stats(kCpu, OptimizerKind::kAdam, 7, 500),
+                                              stats(kCpu, OptimizerKind::kSGD, 2, 900)});
+  const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
+  CATCH_REQUIRE(back.optimizers.size() == 2);
+  CATCH_CHECK(optimizer_kind_name(back.optimizers[0].optimizer) == "adam");
+  CATCH_CHECK(optimizer_kind_name(back.optimizers[1].optimizer) == "sgd");
+  CATCH_CHECK(back.optimizers[1].tensor_us == 2);
+  CATCH_CHECK(back.optimizers[1].bytes_per_us == 900);
+  CATCH_CHECK(back.sizes[0].layers[0].trainable_tensors == 2);
+  PipelinePlan p;
+  p.balance = {3};
+  p.devices = {kCpu};
+  p.chunks = 2;
+  predict(back, p, OptimizerKind::kAdam);
+  CATCH_CHECK(p.optimizer_us > 0);
+  CATCH_CHECK_THAT(p.describe(), Catch::Matchers::Contains("ms optimizer"));
+  CATCH_CHECK(PipelinePlan::from_json(p.to_json()).optimizer_us == Approx(p.optimizer_us));
+
+  std::string text = profile.to_json();
+  const std::string adam = "\"optimizer\": \"adam\"";
+  CATCH_REQUIRE(text.find(adam) != std::string::npos);
+  std::string renamed = text;
+  renamed.replace(renamed.find(adam), adam.size(), "\"optimizer\": \"lion\"");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(renamed),
+                          gpipe_test::contains("unknown optimizer 'lion'; give sgd, momentum or "
+                                               "adam"));
+  const std::string rate = "\"bytes_per_us\": 900.0";
+  CATCH_REQUIRE(text.find(rate) != std::string::npos);
+  text.replace(text.find(rate), rate.size(), "\"bytes_per_us\": 0.0");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(text),
+                          gpipe_test::contains("an optimizer's tensor_us must not be negative and "
+                                               "its bytes_per_us must be positive, got 2 and 0"));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace gpipe
