@@ -513,8 +513,8 @@ int run() {
   double loss_sum = 0;
   int64_t loss_count = 0;
   double validation = 0;
-  // The training steps' own time (data, step, optimizer; validation left out), for --plan.
-  double train_seconds = 0;
+  // The training steps' own times (data, step, optimizer; validation left out), for --plan.
+  training::LoopTimes loop_times;
   for (int64_t step = done + 1; step <= steps; ++step) {
     const double step_start = seconds();
     set_learning_rate(optimizer, lr, step, steps);
@@ -522,6 +522,7 @@ int run() {
     make_ragged(ids, targets, generator);
     optimizer.zero_grad();
     at::Tensor loss;
+    const double forward_start = seconds();
     {
       std::unique_ptr<Autocast> autocast;
       if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
@@ -536,12 +537,15 @@ int run() {
       }
     }
     if (schedule == "gpipe") scaler.scale(loss).backward();
+    loop_times.step_ms.push_back(1000 * (seconds() - forward_start));
     if (absl::GetFlag(FLAGS_clip_grad_norm) > 0) {
       scaler.unscale(model->parameters());  // the norm of the true gradients
       clip_grad_norm(model->parameters(), absl::GetFlag(FLAGS_clip_grad_norm));
     }
     training::kill_if_asked(0, step);  // with the step's gradients, before its update
+    const double optimizer_start = seconds();
     scaler.step(optimizer, model->parameters());
+    loop_times.optimizer_ms.push_back(1000 * (seconds() - optimizer_start));
     scaler.update();
     if (saves_after(step, steps)) {
       const std::string folder = absl::GetFlag(FLAGS_save) + "/latest";
@@ -550,7 +554,7 @@ int run() {
     }
     loss_sum += loss.item<double>();
     ++loss_count;
-    train_seconds += seconds() - step_start;
+    loop_times.loop_ms.push_back(1000 * (seconds() - step_start));
     if (step % absl::GetFlag(FLAGS_eval_every) == 0 || step == steps) {
       validation = validate(model, corpus.validation, length, batch, amp, amp_device, amp_dtype);
       std::printf(
@@ -571,10 +575,8 @@ int run() {
   }
   if (!absl::GetFlag(FLAGS_svg).empty()) model->write_timeline_svg(absl::GetFlag(FLAGS_svg));
   if (shape.predicted_step_ms > 0) {
-    std::printf(
-        "plan: %s; the steps took %.1f ms each with data and optimizer (validation left out)\n",
-        training::predicted_with_optimizer(shape).c_str(),
-        1000 * train_seconds / std::max<int64_t>(steps - done, 1));
+    std::printf("plan: %s (validation left out)\n",
+                training::plan_report(shape, loop_times).c_str());
   }
   std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
   for (const char* prompt : {"Q: ", "The ", "A "}) {

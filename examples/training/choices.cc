@@ -95,14 +95,34 @@ PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
   return shape;
 }
 
-std::string predicted_with_optimizer(const PipelineShape& shape) {
-  if (shape.predicted_optimizer_ms <= 0) {
-    return absl::StrFormat("%.1f ms per step predicted", shape.predicted_step_ms);
-  }
+void LoopTimes::clear() {
+  step_ms.clear();
+  optimizer_ms.clear();
+  loop_ms.clear();
+}
+
+namespace {
+
+double median_ms(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t k = values.size() / 2;
+  return values.size() % 2 == 1 ? values[k] : (values[k - 1] + values[k]) / 2;
+}
+
+}  // namespace
+
+std::string plan_report(const PipelineShape& shape, const LoopTimes& times) {
+  const double predicted = shape.predicted_step_ms + shape.predicted_optimizer_ms;
+  const double step = median_ms(times.step_ms);
+  const double optimizer = median_ms(times.optimizer_ms);
+  const double loop = median_ms(times.loop_ms);
   return absl::StrFormat(
-      "%.1f ms per step predicted and %.1f ms for the optimizer's step after it, %.1f ms in all",
-      shape.predicted_step_ms, shape.predicted_optimizer_ms,
-      shape.predicted_step_ms + shape.predicted_optimizer_ms);
+      "%.1f ms per step predicted (%.1f the step, %.1f its optimizer); measured: the step %.1f ms, "
+      "the optimizer %.1f ms, data and logging %.1f ms, %.1f ms in all (%+.1f%% against the "
+      "prediction)",
+      predicted, shape.predicted_step_ms, shape.predicted_optimizer_ms, step, optimizer,
+      std::max(0.0, loop - step - optimizer), loop, 100 * (predicted - loop) / loop);
 }
 
 PipelineSchedule schedule_of(const PipelineShape& shape) {

@@ -424,10 +424,13 @@ int train(const TrainerModel& trainer) {
   const auto run_start = std::chrono::steady_clock::now();
   double last_accuracy = 0;
   double last_throughput = 0;
-  // The last epoch's time per step: the step and what the loop adds (data, optimizer, logging).
-  double last_step_ms = 0;
   std::vector<TimelineEvent> last_forward;
   std::vector<double> spans;  // each step's span on its timeline, this epoch's steps
+  training::LoopTimes loop_times;  // this epoch's steps, for --plan's report
+  const auto ms_since = [](std::chrono::steady_clock::time_point since) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
+        .count();
+  };
   const double lr = absl::GetFlag(FLAGS_lr);
   const int64_t total_steps = std::max<int64_t>(epochs * steps, 1);
   int64_t global_step = 0;
@@ -457,15 +460,19 @@ int train(const TrainerModel& trainer) {
     int64_t step = 0;
     double loss_sum = 0;
     spans.clear();
+    loop_times.clear();
     auto loader = train_loader(epoch);
+    auto iteration_start = std::chrono::steady_clock::now();
     for (auto& batch : *loader) {
       if (step == steps) break;
       if (step < skipped) {  // trained on before the save
         ++step;
+        iteration_start = std::chrono::steady_clock::now();
         continue;
       }
       optimizer.zero_grad();
       at::Tensor loss;
+      const auto step_start = std::chrono::steady_clock::now();
       {
         std::unique_ptr<Autocast> autocast;
         if (amp) autocast = std::make_unique<Autocast>(amp_device, amp_dtype);
@@ -481,10 +488,13 @@ int train(const TrainerModel& trainer) {
         }
       }
       if (!use_step) scaler.scale(loss).backward();
+      loop_times.step_ms.push_back(ms_since(step_start));
       kill_if_asked(0, global_step + 1);  // with the step's gradients, before its update
       spans.push_back(step_ms(pipe->last_timeline()));
       set_cosine_lr(optimizer, lr, global_step, total_steps);
+      const auto optimizer_start = std::chrono::steady_clock::now();
       scaler.step(optimizer, pipe->parameters());  // skipped when a gradient overflowed
+      loop_times.optimizer_ms.push_back(ms_since(optimizer_start));
       scaler.update();
       ++step;
       ++global_step;
@@ -493,11 +503,12 @@ int train(const TrainerModel& trainer) {
       if (!save.empty() && save_every > 0 && global_step % save_every == 0) {
         save_into(save + "/latest");
       }
+      loop_times.loop_ms.push_back(ms_since(iteration_start));
+      iteration_start = std::chrono::steady_clock::now();
     }
     progress.finish();
     const double train_seconds = progress.seconds();
     last_throughput = (step - skipped) * batch_size / train_seconds;
-    last_step_ms = 1000 * train_seconds / std::max<int64_t>(step - skipped, 1);
     last_forward = pipe->last_timeline();
     if (epoch == epochs) {
       if (!absl::GetFlag(FLAGS_trace).empty()) pipe->write_chrome_trace(absl::GetFlag(FLAGS_trace));
@@ -570,8 +581,7 @@ int train(const TrainerModel& trainer) {
         "plan: %.1f ms per step predicted; the last epoch's steps took %.1f ms on their "
         "timelines (the median; the last %.1f ms)\n",
         shape.predicted_step_ms, median_of(spans), step_ms(last_forward));
-    std::printf("plan: %s; %.1f ms per step with data, optimizer and logging\n",
-                training::predicted_with_optimizer(shape).c_str(), last_step_ms);
+    std::printf("plan: %s\n", training::plan_report(shape, loop_times).c_str());
   }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());
