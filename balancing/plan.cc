@@ -645,7 +645,8 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   p.checkpoint = checkpoint_from_name(json_field<std::string>(j, "checkpoint", who));
   const std::string schedule = json_field<std::string>(j, "schedule", who);
   if (schedule == "searched") {
-    // (Note [Searched plans]: F, I and W, one stage per worker.)
+    // (Note [Searched plans]: F, I and W, one stage per worker, or two in a V with
+    // virtual_stages 2, below.)
     p.schedule = ScheduleKind::kZeroBubble;
     p.schedule_text = json_field<std::string>(j, "schedule_text", who);
     TORCH_CHECK(!p.schedule_text.empty(), who,
@@ -661,6 +662,7 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
                 "\"searched\"");
   }
   p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
+  if (!p.schedule_text.empty() && p.virtual_stages == 2) p.schedule = ScheduleKind::kZeroBubbleV;
   p.threads = json_field<int64_t>(j, "threads", who);
   // (Plans written before Note [Stages and replicas in the plan]: one process, no replicas.)
   if (j.contains("processes")) p.processes = json_field<bool>(j, "processes", who);
@@ -698,19 +700,22 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     TORCH_CHECK(!has_communication(searched), who,
                 ": the searched schedule has sends or "
                 "receives; a plan's text lists F, I, W (and B) only");
-    bool in_order = searched.stages == static_cast<int64_t>(p.balance.size());
-    for (int64_t s = 0; in_order && s < searched.stages; ++s)
-      in_order = searched.stage_ranks[s] == s;
-    TORCH_CHECK(in_order, who, ": the searched schedule runs ", searched.stages, " stage(s) on ",
-                searched.ranks.size(), " worker(s), not one per partition in order (",
-                p.balance.size(),
-                " in \"balance\"); a searched schedule puts partition s on "
-                "worker s");
-    TORCH_CHECK(searched.ranks.size() == p.balance.size() && p.virtual_stages == 1, who,
+    // One stage per worker in order, or two in a V (Note [V-shaped placement]).
+    const int64_t stages = static_cast<int64_t>(p.balance.size());
+    const int64_t workers = stages / p.virtual_stages;
+    TORCH_CHECK(p.virtual_stages <= 2 && searched.num_ranks() == workers, who,
                 ": the searched schedule has ", searched.ranks.size(),
-                " worker(s) but \"balance\" ", p.balance.size(),
-                " partitions (and virtual_stages must be 1); a searched "
-                "schedule has one partition per worker");
+                " worker(s) but \"balance\" ", stages, " partitions and virtual_stages ", p.virtual_stages, "; a searched "
+                "schedule has one partition per worker (virtual_stages 1) or two in a V (2)");
+    bool placed = searched.stages == stages;
+    for (int64_t s = 0; placed && s < searched.stages; ++s) {
+      placed = searched.stage_ranks[s] == stage_rank(p.schedule, s, workers);
+    }
+    TORCH_CHECK(placed, who, ": the searched schedule runs ", searched.stages, " stage(s) on ",
+                searched.ranks.size(), " worker(s), not ", stages, " partitions (\"balance\") ",
+                p.virtual_stages == 1 ? "one per worker in order"
+                                      : "in a V, worker r holding r and 2n - 1 - r",
+                "; a searched schedule places partitions so");
   }
   if (j.contains("predicted")) {
     p.step_us = json_field<double>(j["predicted"], "step_us", who);
@@ -999,16 +1004,19 @@ SearchedSchedule search_costs(const PipelineProfile& profile, const PipelinePlan
                               int64_t max_in_flight, const ParameterMemory& memory,
                               PipelinePlan& searched) {
   searched = plan;
-  searched.schedule = ScheduleKind::kZeroBubble;
+  // (F, I and W: zero bubble's actions, one stage per worker or two in a V.)
+  searched.schedule =
+      v_shaped(plan.schedule) ? ScheduleKind::kZeroBubbleV : ScheduleKind::kZeroBubble;
   searched.schedule_text.clear();
   ScheduleSearchOptions search;
+  search.v_shape = v_shaped(plan.schedule);
   for (const StageCost& c : pipeline_costs(profile, searched, memory).stages) {
     // (The search takes positive times: a stage without parameters has no W to speak of.)
     search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
                                   std::max(c.backward_weight_us, 1e-3), c.copy_us});
   }
   search.budget = kSearchBudget;
-  search.max_in_flight.assign(plan.balance.size(), max_in_flight);
+  search.max_in_flight.assign(plan.balance.size() / (search.v_shape ? 2 : 1), max_in_flight);
   SearchedSchedule result = search_schedule(plan.chunks, search);
   searched.schedule_text = schedule_text(result.schedule);
   return result;
@@ -1020,10 +1028,13 @@ PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& pla
                          int64_t max_in_flight, const ParameterMemory& memory,
                          SearchedSchedule* found) {
   const int64_t n = static_cast<int64_t>(plan.balance.size());
-  TORCH_CHECK(n >= 1 && plan.virtual_stages <= 1 && plan.devices.size() == plan.balance.size(),
+  const bool v_shape = v_shaped(plan.schedule) && plan.virtual_stages == 2;
+  TORCH_CHECK(n >= 1 && (plan.virtual_stages <= 1 || v_shape) &&
+                  plan.devices.size() == plan.balance.size(),
               "gpipe::search_plan: the plan must have one device per partition and one partition "
-              "per worker (virtual_stages 1); it has ", plan.balance.size(), " partition(s), ",
-              plan.devices.size(), " device(s) and virtual_stages ", plan.virtual_stages);
+              "per worker (virtual_stages 1), or two in a V (zbv or dualpipev, virtual_stages 2); "
+              "it has ", plan.balance.size(), " partition(s), ", plan.devices.size(),
+              " device(s) and virtual_stages ", plan.virtual_stages);
   TORCH_CHECK(max_in_flight >= 1, "gpipe::search_plan: max_in_flight must be at least 1, got ",
               max_in_flight);
   // (Note [Searched plans]: a text for m micro-batches runs only where the batch splits into m.)
@@ -1061,10 +1072,12 @@ bool same_shape(const PipelinePlan& a, const PipelinePlan& b) {
 std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
                                           const PlanOptions& options, const PipelinePlan& zb,
                                           const std::vector<PipelinePlan>& all) {
+  // (Limits count (stage, micro-batch) pairs a worker holds: on a V, of two stages, 2n of which
+  // are zbv's peak over n workers.)
   const int64_t n = static_cast<int64_t>(zb.balance.size());
-  const int64_t m = zb.chunks;
+  const int64_t m = zb.chunks * (v_shaped(zb.schedule) ? 2 : 1);
   std::optional<PipelinePlan> best;
-  // ZB-H1's limit, then none (once where they are the same).
+  // ZB-H1's limit (zbv's on a V), then none (once where they are the same).
   const std::vector<int64_t> limits = n < m ? std::vector<int64_t>{n, m} : std::vector<int64_t>{m};
   for (int64_t in_flight : limits) {
     PipelinePlan p;
@@ -1089,10 +1102,9 @@ void add_searched_plans(const PipelineProfile& profile, const PlanOptions& optio
                         std::vector<PipelinePlan>& all) {
   std::vector<PipelinePlan> found;
   for (const PipelinePlan& p : all) {
-    if (p.schedule != ScheduleKind::kZeroBubble || p.checkpoint != Checkpoint::kNever ||
-        p.balance.size() < 2) {
-      continue;
-    }
+    const bool searchable = p.schedule == ScheduleKind::kZeroBubble ||
+                            (p.schedule == ScheduleKind::kZeroBubbleV && p.virtual_stages == 2);
+    if (!searchable || p.checkpoint != Checkpoint::kNever || p.balance.size() < 2) continue;
     if (std::optional<PipelinePlan> s = searched_plan(profile, options, p, all)) {
       found.push_back(std::move(*s));
     }

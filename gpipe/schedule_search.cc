@@ -154,7 +154,10 @@ int64_t improve(Candidate& c, const ScheduleSearchOptions& options,
     better = false;
     for (std::vector<Action>& actions : c.schedule.ranks) {
       for (size_t k = 0; k + 1 < actions.size(); ++k) {
-        if (actions[k].type != actions[k + 1].type) better |= try_move(actions, k, k + 1);
+        // (Of one kind only between a rank's two stages of a V: each stage keeps its order.)
+        if (actions[k].type != actions[k + 1].type || actions[k].stage != actions[k + 1].stage) {
+          better |= try_move(actions, k, k + 1);
+        }
         if (actions[k].type != ActionType::kBackwardWeight) continue;
         for (size_t to = k + 2; to < std::min(actions.size(), k + 5); ++to) {
           if (actions[to].type == ActionType::kBackwardWeight) break;
@@ -173,24 +176,36 @@ int64_t improve(Candidate& c, const ScheduleSearchOptions& options,
 
 SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptions& options) {
   const char* who = "search_schedule";
-  const int64_t n = static_cast<int64_t>(options.stage_costs.size());
+  const int64_t stages = static_cast<int64_t>(options.stage_costs.size());
+  const int64_t n = options.v_shape ? stages / 2 : stages;  // ranks
   const int64_t m = microbatches;
-  TORCH_CHECK(n >= 1, who, ": stage_costs is empty; give one entry per stage (rank)");
+  TORCH_CHECK(stages >= 1, who, ": stage_costs is empty; give one entry per stage (rank)");
+  TORCH_CHECK(!options.v_shape || (stages >= 2 && stages % 2 == 0), who, ": a V has 2 stages "
+              "per rank, but stage_costs has ", stages, " entries; give an even number");
   TORCH_CHECK(m >= 1, who, ": the number of micro-batches must be at least 1, got ", m);
+  const int64_t held = options.v_shape ? 2 * m : m;  // (stage, micro-batch) pairs of a rank
   std::vector<int64_t> limit = options.max_in_flight;
-  if (limit.empty()) limit.assign(n, m);
+  if (limit.empty()) limit.assign(n, held);
   TORCH_CHECK(static_cast<int64_t>(limit.size()) == n, who, ": max_in_flight has ", limit.size(),
-              " entries for ", n, " stages; give one per rank, or none");
+              " entries for ", n, " ranks; give one per rank, or none");
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(limit[r] >= 1, who, ": max_in_flight[", r, "] is ", limit[r],
                 "; a rank must hold at least 1 micro-batch");
-    limit[r] = std::min(limit[r], m);  // (more than m changes nothing)
+    limit[r] = std::min(limit[r], held);  // (more changes nothing)
   }
   SearchedSchedule result;
   std::vector<Candidate> candidates;
   // 1. The generated schedules that fit.
-  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
-    Candidate c{make_schedule(kind, n, m), {}, schedule_kind_name(kind)};
+  std::vector<ScheduleKind> seeds = {ScheduleKind::kGPipe, ScheduleKind::k1F1B,
+                                     ScheduleKind::kZeroBubble};
+  if (options.v_shape) {
+    seeds = {ScheduleKind::kZeroBubbleV};
+    // (With fewer micro-batches dualpipev is zbv's order.)
+    if (m >= 2 * n - 1) seeds.push_back(ScheduleKind::kDualPipeV);
+  }
+  for (ScheduleKind kind : seeds) {
+    Candidate c{make_schedule(kind, n, m, v_shaped(kind) ? 2 : 1), {},
+                schedule_kind_name(kind)};
     c.simulation = simulate_schedule(c.schedule, options.stage_costs);
     if (!fits(c.simulation, limit)) continue;
     if (result.best_generated_name.empty() ||
@@ -200,9 +215,9 @@ SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptio
     }
     candidates.push_back(std::move(c));
   }
-  // 2. The list scheduler over warm-up caps and keeps.
+  // 2. The list scheduler over warm-up caps and keeps (one stage per rank).
   ListScheduler scheduler(m, options.stage_costs, limit);
-  const int64_t most = *std::max_element(limit.begin(), limit.end());
+  const int64_t most = options.v_shape ? -1 : *std::max_element(limit.begin(), limit.end());
   for (int64_t extra = 0; extra <= most; ++extra) {
     for (int keep = 0; keep < 3; ++keep) {
       Candidate c;

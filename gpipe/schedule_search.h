@@ -32,14 +32,21 @@ namespace gpipe {
 // The result is the shortest of all of them, so never longer than the best generated schedule
 // that fits; ties keep the generated one. In-flight counts F run and W (or B) not yet, as
 // simulate_schedule's peak_in_flight, so the limit is in micro-batches of a stage's activations
-// (the planner converts bytes). One stage per rank; V-shaped and interleaved placements are not
-// searched (their generators are the answer there).
+// (the planner converts bytes).
+// On a V (ScheduleSearchOptions::v_shape: 2n stages, rank r holding r and 2n - 1 - r, Note
+// [V-shaped placement]), the seeds are zbv and, from 2n - 1 micro-batches, dualpipev, and local
+// improvement also swaps neighbouring actions of one kind on a rank's two stages; the list
+// scheduler of step 2 is for one stage per rank, and interleaved placements are not searched.
 
 /// Per-stage costs and limits for search_schedule.
 struct ScheduleSearchOptions {
   /// stage_costs[s]: stage s's F, I and W times and the transfer of what it sends.
   std::vector<ActionCosts> stage_costs;
-  /// max_in_flight[r]: the most micro-batches rank r may hold (F run, W not yet); empty: m each.
+  /// Whether the stages sit in a V: 2n of them on n ranks, rank r holding r and 2n - 1 - r;
+  /// else one stage per rank.
+  bool v_shape = false;
+  /// max_in_flight[r]: the most (stage, micro-batch) pairs rank r may hold (F run, W not yet);
+  /// empty: every micro-batch of its stages.
   std::vector<int64_t> max_in_flight;
   /// The most simulations local improvement may run.
   int64_t budget = 4000;
@@ -56,12 +63,12 @@ struct SearchedSchedule {
   std::string origin;
   /// The shortest generated schedule within the limit, simulated the same way.
   ScheduleSimulation best_generated;
-  /// Its name (gpipe, 1f1b or zb); empty where none fits.
+  /// Its name (gpipe, 1f1b or zb; zbv or dualpipev on a V); empty where none fits.
   std::string best_generated_name;
 };
 
 /// Searches a schedule of `microbatches` micro-batches over `stage_costs.size()` ranks, one stage
-/// each (Note [Searching a schedule]).
+/// each, or over half as many in a V (Note [Searching a schedule]).
 ///
 ///   gpipe::ScheduleSearchOptions options;
 ///   options.stage_costs = {{1, 1, 1, 0.1}, {1, 1, 1, 0.1}, {1.5, 1.5, 1, 0.1}, {1, 2, 1, 0}};

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <random>
 #include <set>
 
 #include <torch/cuda.h>
@@ -435,7 +436,9 @@ CATCH_TEST_CASE(
   for (const PipelinePlan& s : searched) {
     CATCH_CAPTURE(s.describe());
     CATCH_CHECK(s.checkpoint == Checkpoint::kNever);
-    CATCH_CHECK(s.schedule == ScheduleKind::kZeroBubble);
+    const bool v_shape = s.schedule == ScheduleKind::kZeroBubbleV;  // (searched in a V)
+    CATCH_CHECK((s.schedule == ScheduleKind::kZeroBubble || v_shape));
+    CATCH_CHECK(s.virtual_stages == (v_shape ? 2 : 1));
     CATCH_CHECK(s.balance.size() >= 2);
     CATCH_CHECK(s.describe().find("schedule searched") != std::string::npos);
     int64_t rivals = 0;
@@ -447,7 +450,7 @@ CATCH_TEST_CASE(
       ++rivals;
       CATCH_CHECK(s.step_us < g.step_us);
     }
-    CATCH_CHECK(rivals >= 3);  // gpipe, 1f1b and zb at least
+    CATCH_CHECK(rivals >= (v_shape ? 1 : 3));  // zbv, or gpipe, 1f1b and zb at least
     // Its numbers are its text's simulation; the text survives JSON.
     PipelinePlan again = s;
     predict(profile, again);
@@ -475,12 +478,14 @@ CATCH_TEST_CASE(
   other = searched.front();
   other.schedule_text = "";
   std::string empty_text = other.to_json();
-  CATCH_REQUIRE(empty_text.find("\"searched\"") == std::string::npos);  // written as zb
-  const size_t kind_at = empty_text.find("\"zb\"");
+  // (Written as zb, or as zbv for one searched in a V.)
+  CATCH_REQUIRE(empty_text.find("\"searched\"") == std::string::npos);
+  const std::string kind = "\"" + schedule_kind_name(other.schedule) + "\"";
+  const size_t kind_at = empty_text.find(kind);
   CATCH_REQUIRE(kind_at != std::string::npos);
   CATCH_CHECK_THROWS_WITH(
-      PipelinePlan::from_json(
-          empty_text.replace(kind_at, 4, "\"searched\", \"schedule_text\": \"\"")),
+      PipelinePlan::from_json(empty_text.replace(kind_at, kind.size(),
+                                                 "\"searched\", \"schedule_text\": \"\"")),
       gpipe_test::contains("the schedule is \"searched\" but its \"schedule_text\" is empty"));
   CATCH_CHECK_THROWS_WITH(
       PipelinePlan::from_json(json.replace(json.find("\"searched\""), 10, "\"zb\"")),
@@ -723,6 +728,80 @@ CATCH_TEST_CASE("A searched plan's options run its schedule and train as the pla
   const at::Tensor x = at::randn({16, 32});
   const at::Tensor y = at::randint(4, {16});
   train_as_plain(plain, pipe, x, y);
+}
+
+CATCH_TEST_CASE("A schedule searched in a V runs as its plan's options and trains as the plain "
+                "model",
+                "[balancing][plan][search][v_shape][transparency]") {
+  // The first of some uneven V-shaped costs over 2 workers where the search finds an order of its
+  // own (Note [Searching a schedule]).
+  Schedule found;
+  for (unsigned seed = 1; seed <= 40 && found.name != "searched"; ++seed) {
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<double> time(0.3, 3.0), transfer(0, 0.5);
+    ScheduleSearchOptions search;
+    search.v_shape = true;
+    for (int s = 0; s < 4; ++s) {
+      search.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
+    }
+    found = search_schedule(4, search).schedule;
+  }
+  CATCH_REQUIRE(found.name == "searched");
+  CATCH_REQUIRE(found.stage_ranks == (std::vector<int64_t>{0, 1, 1, 0}));
+  PipelinePlan p;
+  p.balance = {2, 2, 2, 1};
+  p.devices = std::vector<c10::Device>(4, at::kCPU);
+  p.chunks = 4;
+  p.checkpoint = Checkpoint::kNever;
+  p.schedule = ScheduleKind::kZeroBubbleV;
+  p.virtual_stages = 2;
+  p.schedule_text = schedule_text(found);
+  const PipelinePlan back = PipelinePlan::from_json(p.to_json());
+  CATCH_CHECK(back.schedule == ScheduleKind::kZeroBubbleV);
+  CATCH_CHECK(back.virtual_stages == 2);
+  CATCH_CHECK(back.describe().find("schedule searched (2 stages per worker)") != std::string::npos);
+  // Its placement is the V's: as one stage per worker (virtual_stages 1) it is refused.
+  PipelinePlan flat = p;
+  flat.virtual_stages = 1;
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(flat.to_json()),
+                          gpipe_test::contains("the searched schedule has 2 worker(s) but "
+                                               "\"balance\" 4 partitions and virtual_stages 1"));
+  at::manual_seed(0);
+  nn::Sequential plain = mlp(32, 3);
+  nn::Sequential copy = mlp(32, 3);
+  for (size_t k = 0; k < plain->parameters().size(); ++k) {
+    torch::NoGradGuard no_grad;
+    copy->parameters()[k].copy_(plain->parameters()[k]);
+  }
+  GPipe pipe(copy, back.options());
+  CATCH_CHECK(pipe->schedule(4).ranks == found.ranks);
+  const at::Tensor x = at::randn({16, 32});
+  const at::Tensor y = at::randint(4, {16});
+  train_as_plain(plain, pipe, x, y);
+}
+
+CATCH_TEST_CASE("The planner searches V-shaped schedules too, and keeps one only where it beats "
+                "zbv and dualpipev",
+                "[balancing][plan][search][v_shape]") {
+  const PipelineProfile profile = uneven(7, 2);
+  const std::vector<PipelinePlan> all =
+      plan(profile, PlanOptions().schedules({ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV})
+                        .partitions({2}).checkpoints({Checkpoint::kNever}).top(100000));
+  int64_t searched = 0;
+  for (const PipelinePlan& s : all) {
+    if (s.schedule_text.empty()) continue;
+    ++searched;
+    CATCH_CAPTURE(s.describe());
+    CATCH_CHECK(s.schedule == ScheduleKind::kZeroBubbleV);
+    CATCH_CHECK(parse_schedule(s.schedule_text).stage_ranks == (std::vector<int64_t>{0, 1, 1, 0}));
+    for (const PipelinePlan& g : all) {
+      if (g.schedule_text.empty() && g.balance == s.balance && g.chunks == s.chunks) {
+        CATCH_CHECK(s.step_us < g.step_us);
+      }
+    }
+  }
+  CATCH_CAPTURE(all.size());
+  CATCH_CHECK(searched >= 1);
 }
 
 CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of what it allocates",
