@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/optim/adam.h>
@@ -32,15 +33,10 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind,
   TORCH_CHECK(false, "profile_optimizers: unknown optimizer kind ", static_cast<int>(kind));
 }
 
-// The median time of 5 steps of `kind` over `count` tensors of `numel` floats on `device`, after
-// an untimed one (which makes the optimizer's state).
-double timed_step_us(OptimizerKind kind, c10::Device device, int64_t count, int64_t numel) {
-  std::vector<at::Tensor> params;
-  for (int64_t k = 0; k < count; ++k) {
-    at::Tensor p = at::zeros({numel}, at::TensorOptions().device(device)).requires_grad_();
-    p.mutable_grad() = at::full_like(p, 1e-3);
-    params.push_back(p);
-  }
+// The median time of 5 steps of `kind` over `params` (each given a gradient), after an untimed
+// one (which makes the optimizer's state).
+double timed_step_us(OptimizerKind kind, c10::Device device, const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) p.mutable_grad() = at::full_like(p, 1e-3);
   const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(kind, params);
   std::vector<double> times;
   for (int k = 0; k < 6; ++k) {
@@ -51,6 +47,25 @@ double timed_step_us(OptimizerKind kind, c10::Device device, int64_t count, int6
     if (k > 0) times.push_back(internal::elapsed_us(tick));
   }
   return internal::median(times);
+}
+
+std::vector<at::Tensor> floats(c10::Device device, int64_t count, int64_t numel) {
+  std::vector<at::Tensor> params;
+  for (int64_t k = 0; k < count; ++k) {
+    params.push_back(at::zeros({numel}, at::TensorOptions().device(device)).requires_grad_());
+  }
+  return params;
+}
+
+// Copies of `layer`'s trainable parameters on `device`.
+std::vector<at::Tensor> trainable_copies(const torch::nn::Module& layer, c10::Device device) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : layer.parameters()) {
+    if (p.requires_grad()) out.push_back(p.detach().to(device, /*non_blocking=*/false, true));
+  }
+  for (at::Tensor& p : out) p.requires_grad_();
+  return out;
 }
 
 const OptimizerStats* stats_for(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
@@ -72,11 +87,12 @@ double process_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind o
     const OptimizerStats* measured = stats_for(stats, optimizer, s.device.type());
     if (measured == nullptr) return -1;
     if (!s.device.is_cuda()) {
-      cpu_us += measured->time_us(s.tensors, s.bytes);
+      cpu_us += s.measured_us >= 0 ? s.measured_us : measured->time_us(s.tensors, s.bytes);
       continue;
     }
     launches_us += static_cast<double>(s.tensors) * measured->tensor_us;
-    gpu_bytes_us[s.device.index()] += measured->time_us(0, s.bytes);
+    gpu_bytes_us[s.device.index()] +=
+        s.measured_us >= 0 ? s.measured_us : measured->time_us(0, s.bytes);
   }
   double busiest_gpu_us = 0;
   for (const auto& [gpu, us] : gpu_bytes_us) busiest_gpu_us = std::max(busiest_gpu_us, us);
@@ -90,7 +106,8 @@ double OptimizerStats::time_us(int64_t tensors, int64_t bytes) const {
   return static_cast<double>(std::max<int64_t>(tensors, 0)) * tensor_us + per_bytes;
 }
 
-std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices) {
+std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices,
+                                               const torch::nn::Sequential* model) {
   std::vector<OptimizerStats> out;
   std::vector<c10::DeviceType> measured;
   constexpr int64_t kSmall = 64;
@@ -104,10 +121,16 @@ std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& d
       OptimizerStats s;
       s.device = device;
       s.optimizer = kind;
-      s.tensor_us = timed_step_us(kind, device, kSmall, 4) / kSmall;
-      const double large_us = timed_step_us(kind, device, 1, kLargeFloats);
+      s.tensor_us = timed_step_us(kind, device, floats(device, kSmall, 4)) / kSmall;
+      const double large_us = timed_step_us(kind, device, floats(device, 1, kLargeFloats));
       s.bytes_per_us =
           static_cast<double>(kLargeFloats * 4) / std::max(1e-3, large_us - s.tensor_us);
+      if (model != nullptr) {
+        for (const auto& layer : (*model)->children()) {
+          const std::vector<at::Tensor> params = trainable_copies(*layer, device);
+          s.layer_us.push_back(params.empty() ? 0.0 : timed_step_us(kind, device, params));
+        }
+      }
       out.push_back(s);
     }
   }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <c10/core/Device.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include "balancing/memory.h"
 
@@ -20,13 +21,17 @@ namespace gpipe {
 // but not in the step the simulation predicts, so the planner predicts it beside it
 // (PipelinePlan::optimizer_us) from profile_optimizers' measurements: on the first device of each
 // kind, one step of each optimizer kind over 64 tensors of 4 floats (the fixed cost of a tensor:
-// its operators' dispatch, and on CUDA their launches) and over one tensor of 16 MiB (the cost of
-// a byte: memory bandwidth), each the median of 5 steps after an untimed one. A plan's step:
-// - on the CPU, the tensors one after another: each CPU stage's tensors x tensor_us plus its
-//   bytes / bytes_per_us, summed;
+// its operators' dispatch, and on CUDA their launches), over one tensor of 16 MiB (the cost of a
+// byte: memory bandwidth), and, given the model, over each layer's own trainable parameters
+// (copies), each the median of 5 steps after an untimed one. A layer's own step is what a stage
+// costs, where it was measured: a byte of a small tensor, updated by several operators in turn
+// while it stays in the caches, costs less than one of 16 MiB (on the project's 2-vCPU VM
+// AmoebaNet-D's Adam step was predicted 76% over from tensors and bytes alone). A plan's step:
+// - on the CPU, the tensors one after another: each CPU stage's layers' steps (or its
+//   tensors x tensor_us plus its bytes / bytes_per_us), summed;
 // - on CUDA, the host only launches each tensor's kernels, and every GPU runs its own queue: the
-//   launches of all CUDA stages' tensors (tensors x tensor_us) or the busiest GPU's bytes
-//   (bytes / bytes_per_us), whichever is longer, after the CPU stages' part;
+//   launches of all CUDA stages' tensors (tensors x tensor_us) or the busiest GPU's sum of its
+//   stages' steps (or bytes / bytes_per_us), whichever is longer, after the CPU stages' part;
 // - with a process per worker (PipelineStage), each process steps its own stages while the
 //   others step theirs: the slowest worker's time. Replicas step at once, so they add nothing.
 // The bytes stepped are each stage's trainable parameters', or their float32 master weights'
@@ -44,15 +49,20 @@ struct OptimizerStats {
   double tensor_us = 0;
   /// Bytes of parameters updated per microsecond, past that fixed cost.
   double bytes_per_us = 0;
+  /// layer_us[k]: one step over layer k's own trainable parameters, microseconds (0 without
+  /// any); empty where the model was not given (profiles before it: tensors and bytes).
+  std::vector<double> layer_us;
   /// The predicted time of one step over `tensors` tensors of `bytes` in all.
   double time_us(int64_t tensors, int64_t bytes) const;
 };
 
 /// Measures one step of each optimizer kind (torch::optim::SGD without and with momentum, Adam)
-/// on the first device of each kind (CPU, CUDA) among `devices` (Note [The optimizer's step]).
+/// on the first device of each kind (CPU, CUDA) among `devices`, and over each layer of `model`
+/// where one is given (Note [The optimizer's step]).
 ///
-///   auto stats = gpipe::profile_optimizers({torch::kCPU, torch::Device("cuda:0")});
-std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices);
+///   auto stats = gpipe::profile_optimizers({torch::kCPU, torch::Device("cuda:0")}, &model);
+std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices,
+                                               const torch::nn::Sequential* model = nullptr);
 
 /// The parameters one stage of a plan steps.
 struct SteppedParameters {
@@ -64,6 +74,9 @@ struct SteppedParameters {
   int64_t tensors = 0;
   /// Their bytes (the float32 master weights' where those are kept).
   int64_t bytes = 0;
+  /// The stage's layers' own steps summed (OptimizerStats::layer_us on its kind of device), or
+  /// less than 0 where they were not measured (tensors and bytes then).
+  double measured_us = -1;
 };
 
 /// The time of one step of `optimizer` over `stages` (Note [The optimizer's step]); `processes`:

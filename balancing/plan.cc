@@ -263,7 +263,8 @@ std::string PipelineProfile::to_json() const {
     j["optimizers"].push_back({{"device", o.device.str()},
                                {"optimizer", optimizer_kind_name(o.optimizer)},
                                {"tensor_us", o.tensor_us},
-                               {"bytes_per_us", o.bytes_per_us}});
+                               {"bytes_per_us", o.bytes_per_us},
+                               {"layer_us", o.layer_us}});
   }
   j["copies"] = json::array();
   for (const CopyStats& c : copies) {
@@ -332,6 +333,10 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
       s.optimizer = optimizer_kind(json_field<std::string>(o, "optimizer", who));
       s.tensor_us = json_field<double>(o, "tensor_us", who);
       s.bytes_per_us = json_field<double>(o, "bytes_per_us", who);
+      if (o.contains("layer_us")) s.layer_us = json_field<std::vector<double>>(o, "layer_us", who);
+      TORCH_CHECK(s.layer_us.empty() || static_cast<int64_t>(s.layer_us.size()) == p.layers(), who,
+                  ": an optimizer's layer_us has ", s.layer_us.size(), " entries for ",
+                  p.layers(), " layers; give one per layer, or none");
       TORCH_CHECK(s.tensor_us >= 0 && s.bytes_per_us > 0, who, ": an optimizer's tensor_us must "
                   "not be negative and its bytes_per_us must be positive, got ", s.tensor_us,
                   " and ", s.bytes_per_us);
@@ -569,7 +574,7 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
   // (With the threads the training loop has outside the step: Note [The optimizer's step].)
-  p.optimizers = profile_optimizers(devices);
+  p.optimizers = profile_optimizers(devices, &model);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) {
     calibrate(p, model, sample, low, middle);
@@ -955,11 +960,21 @@ std::vector<SteppedParameters> stepped_parameters(const PipelineProfile& profile
     SteppedParameters p;
     p.device = plan.devices[s];
     p.worker = stage_rank(plan.schedule, s, lanes);
+    // (The layers' own steps, where measured on this kind of device for this optimizer.)
+    const OptimizerStats* measured = nullptr;
+    for (const OptimizerStats& o : profile.optimizers) {
+      if (o.optimizer == memory.optimizer && o.device.type() == p.device.type() &&
+          static_cast<int64_t>(o.layer_us.size()) == profile.layers()) {
+        measured = &o;
+      }
+    }
+    if (measured != nullptr) p.measured_us = 0;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) {
       const LayerStats& l = profile.sizes.front().layers[k];
       p.tensors += l.trainable_tensors;
       p.bytes += l.trainable_param_bytes;
       if (memory.master_weights) p.bytes += 4 * l.narrow_param_elements - l.narrow_param_bytes;
+      if (measured != nullptr) p.measured_us += measured->layer_us[k];
     }
     out.push_back(p);
     first += plan.balance[s];

@@ -45,6 +45,26 @@ CATCH_TEST_CASE("profile_optimizers measures every optimizer kind once per kind 
   CATCH_CHECK(kinds == (std::vector<std::string>{"sgd", "momentum", "adam"}));
   CATCH_CHECK_THROWS_WITH(profile_optimizers({c10::Device(c10::kCUDA, 7)}),
                           gpipe_test::contains("profile_optimizers"));
+  for (const OptimizerStats& s : measured) CATCH_CHECK(s.layer_us.empty());  // no model given
+}
+
+CATCH_TEST_CASE("profile_optimizers steps each layer's own trainable parameters, given the model",
+                "[balancing][optimizer]") {
+  nn::Sequential model(nn::Linear(16, 32), nn::Tanh(), nn::Linear(32, 4));
+  model[2]->as<nn::Linear>()->weight.set_requires_grad(false);
+  model[2]->as<nn::Linear>()->bias.set_requires_grad(false);  // frozen: nothing to step
+  const at::Tensor before = model[0]->as<nn::Linear>()->weight.clone();
+  const std::vector<OptimizerStats> measured = profile_optimizers({kCpu}, &model);
+  CATCH_REQUIRE(measured.size() == 3);
+  for (const OptimizerStats& s : measured) {
+    CATCH_REQUIRE(s.layer_us.size() == 3);
+    CATCH_CHECK(s.layer_us[0] > 0);
+    CATCH_CHECK(s.layer_us[1] == 0);  // a Tanh
+    CATCH_CHECK(s.layer_us[2] == 0);  // frozen
+  }
+  // On copies: the model's parameters are untouched, and have no gradients.
+  CATCH_CHECK(at::equal(model[0]->as<nn::Linear>()->weight, before));
+  CATCH_CHECK(!model[0]->as<nn::Linear>()->weight.grad().defined());
 }
 
 CATCH_TEST_CASE("profile_optimizers measures a GPU beside the CPU",
@@ -75,6 +95,11 @@ CATCH_TEST_CASE("The CPU steps its stages' tensors one after another, each proce
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kMomentum, stages, false) == 0);
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, {{kGpu0, 0, 1, 4}}, false) == 0);
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, {}, false) == 0);
+  // A stage's layers measured themselves: their sum instead of tensors and bytes.
+  std::vector<SteppedParameters> measured = stages;
+  measured[1].measured_us = 42;
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, measured, false) ==
+              Approx(6 * 10 + 130.0 + 42));
 }
 
 CATCH_TEST_CASE("GPUs run their own updates while the host launches every tensor's",
@@ -88,6 +113,10 @@ CATCH_TEST_CASE("GPUs run their own updates while the host launches every tensor
   const std::vector<SteppedParameters> large = {
       {kGpu0, 0, 2, 10000000}, {kGpu1, 1, 2, 30000000}, {kGpu1, 2, 2, 10000000}};
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, large, false) == Approx(400));
+  // GPUs' stages measured themselves: cuda:1's 2 x 250 us now the longest.
+  std::vector<SteppedParameters> measured = large;
+  measured[1].measured_us = measured[2].measured_us = 250;
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, measured, false) == Approx(500));
   // A CPU stage's part comes before: 3 x 10 us + 5000 B / 1000 B/us.
   std::vector<SteppedParameters> mixed = large;
   mixed.push_back({kCpu, 3, 3, 5000});
@@ -154,6 +183,38 @@ CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable 
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(std::max(7.0 * t0 + static_cast<double>(b0) / 500,
                                                 7.0 * t1 + static_cast<double>(b1) / 500)));
+}
+
+CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps where they were measured",
+                "[balancing][optimizer][plan]") {
+  nn::Sequential model(nn::Linear(8, 8), nn::Tanh(), nn::Linear(8, 8), nn::Linear(8, 2));
+  const at::Tensor x = at::randn({4, 8});
+  OptimizerStats adam = stats(kCpu, OptimizerKind::kAdam, 7, 500);
+  adam.layer_us = {30, 0, 50, 20};
+  PipelineProfile profile = profile_of(model, x, {adam});
+  PipelinePlan p;
+  p.balance = {2, 2};
+  p.devices = {kCpu, kCpu};
+  p.chunks = 2;
+  p.checkpoint = Checkpoint::kNever;
+  predict(profile, p, OptimizerKind::kAdam);
+  CATCH_CHECK(p.optimizer_us == Approx(30 + 0 + 50 + 20));
+  profile.process_link.latency_us = 50;
+  profile.process_link.bytes_per_us = 1000;
+  profile.process_link.allreduce_step_us = 20;
+  profile.process_link.allreduce_bytes_per_us = 500;
+  p.processes = true;
+  predict(profile, p, OptimizerKind::kAdam);
+  CATCH_CHECK(p.optimizer_us == Approx(70));  // the second worker's 50 + 20
+  const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
+  CATCH_CHECK(back.optimizers[0].layer_us == adam.layer_us);
+  std::string text = profile.to_json();
+  const size_t at = text.find("20.0");
+  CATCH_REQUIRE(at != std::string::npos);
+  text.replace(at, 4, "20.0, 5.0");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(text),
+                          gpipe_test::contains("an optimizer's layer_us has 5 entries for 4 "
+                                               "layers; give one per layer, or none"));
 }
 
 CATCH_TEST_CASE("On a V each process steps both of its stages", "[balancing][optimizer][plan]") {
