@@ -23,10 +23,14 @@ namespace gpipe {
 // kind, one step of each optimizer kind over 64 tensors of 4 floats (the fixed cost of a tensor:
 // its operators' dispatch, and on CUDA their launches), over one tensor of 16 MiB (the cost of a
 // byte: memory bandwidth), and, given the model, over each layer's own trainable parameters
-// (copies), each the median of 5 steps after an untimed one. A layer's own step is what a stage
-// costs, where it was measured: a byte of a small tensor, updated by several operators in turn
-// while it stays in the caches, costs less than one of 16 MiB (on the project's 2-vCPU VM
-// AmoebaNet-D's Adam step was predicted 76% over from tensors and bytes alone). A plan's step:
+// (copies), each the median of 5 steps after an untimed one, the layers' steps then scaled to sum
+// to one step over all of their copies at once (alone, a layer's few tensors stay in the caches
+// from one timed step to the next; a model's do not). A layer's step is what a stage costs, where
+// it was measured: a byte of a small tensor, updated by several operators in turn while it stays
+// in the caches, costs less than one of 16 MiB (on the project's 2-vCPU VM AmoebaNet-D's Adam
+// step was predicted 76% over from tensors and bytes alone, and 36% under from its layers alone,
+// unscaled). profile_pipeline measures with the profile's threads, which the trainers' --plan
+// sets for the whole process. A plan's step:
 // - on the CPU, the tensors one after another: each CPU stage's layers' steps (or its
 //   tensors x tensor_us plus its bytes / bytes_per_us), summed;
 // - on CUDA, the host only launches each tensor's kernels, and every GPU runs its own queue: the
@@ -50,7 +54,8 @@ struct OptimizerStats {
   /// Bytes of parameters updated per microsecond, past that fixed cost.
   double bytes_per_us = 0;
   /// layer_us[k]: one step over layer k's own trainable parameters, microseconds (0 without
-  /// any); empty where the model was not given (profiles before it: tensors and bytes).
+  /// any), scaled so that the layers sum to one step over all of them; empty where the model was
+  /// not given (profiles before it: tensors and bytes).
   std::vector<double> layer_us;
   /// The predicted time of one step over `tensors` tensors of `bytes` in all.
   double time_us(int64_t tensors, int64_t bytes) const;

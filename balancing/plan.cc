@@ -559,6 +559,9 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
       }
       p.other_kinds.push_back(std::move(kind));
     }
+    // (With each worker's threads, which the trainers' --plan sets for the whole process, the
+    // loop's optimizer included: Note [The optimizer's step].)
+    p.optimizers = profile_optimizers(devices, &model);
     // With CPU partitions: what their workers give together.
     const int64_t workers = std::min<int64_t>(
         static_cast<int64_t>(std::count(devices.begin(), devices.end(), c10::Device(c10::kCPU))),
@@ -573,8 +576,6 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   }
   set_intra_op_threads(before);
   p.copies = profile_copies(devices);
-  // (With the threads the training loop has outside the step: Note [The optimizer's step].)
-  p.optimizers = profile_optimizers(devices, &model);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) {
     calibrate(p, model, sample, low, middle);
