@@ -527,7 +527,9 @@ int main(int argc, char** argv) {
           time_errors.push_back(std::abs(error(pm, mm)));
           memory_errors.push_back(std::abs(error(pb, mb)));
           if (slot == outcomes.size()) {
-            outcomes.push_back({name, row["configuration"].get<std::string>()});
+            outcomes.emplace_back();
+            outcomes.back().model = name;
+            outcomes.back().plan = row["configuration"].get<std::string>();
           }
           Outcome& o = outcomes[slot++];
           o.pred_ms.push_back(pm);

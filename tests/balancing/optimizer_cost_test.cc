@@ -15,6 +15,7 @@ namespace testing {
 namespace {
 
 namespace nn = torch::nn;
+using gpipe_test::Approx;
 
 // Round numbers: a tensor costs `tensor_us`, a byte 1 / `bytes_per_us`.
 OptimizerStats stats(c10::Device device, OptimizerKind kind, double tensor_us,
@@ -185,7 +186,8 @@ CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable 
                                                 7.0 * t1 + static_cast<double>(b1) / 500)));
 }
 
-CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps where they were measured",
+CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps where they were "
+                "measured",
                 "[balancing][optimizer][plan]") {
   nn::Sequential model(nn::Linear(8, 8), nn::Tanh(), nn::Linear(8, 8), nn::Linear(8, 2));
   const at::Tensor x = at::randn({4, 8});
@@ -300,7 +302,7 @@ CATCH_TEST_CASE("Optimizer measurements and predictions survive JSON, and bad on
   p.chunks = 2;
   predict(back, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us > 0);
-  CATCH_CHECK_THAT(p.describe(), Catch::Matchers::Contains("ms optimizer"));
+  CATCH_CHECK(p.describe().find("ms optimizer") != std::string::npos);
   CATCH_CHECK(PipelinePlan::from_json(p.to_json()).optimizer_us == Approx(p.optimizer_us));
 
   std::string text = profile.to_json();
