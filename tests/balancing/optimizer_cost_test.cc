@@ -139,6 +139,24 @@ PipelineProfile profile_of(const nn::Sequential& model, const at::Tensor& x,
   return p;
 }
 
+// A link between processes of round numbers, for plans with a process per worker.
+void add_link(PipelineProfile& profile) {
+  profile.process_link.latency_us = 50;
+  profile.process_link.bytes_per_us = 1000;
+  profile.process_link.allreduce_step_us = 20;
+  profile.process_link.allreduce_bytes_per_us = 500;
+}
+
+// A plan of `balance` on CPU workers, `chunks` micro-batches, no checkpointing.
+PipelinePlan cpu_plan(std::vector<int64_t> balance, int64_t chunks) {
+  PipelinePlan p;
+  p.devices.assign(balance.size(), kCpu);
+  p.balance = std::move(balance);
+  p.chunks = chunks;
+  p.checkpoint = Checkpoint::kNever;
+  return p;
+}
+
 // The trainable tensors and bytes of layers [first, first + count) of `model`, from the
 // parameters themselves.
 std::pair<int64_t, int64_t> trainable(const nn::Sequential& model, int64_t first, int64_t count) {
@@ -160,11 +178,7 @@ CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable 
   model[2]->as<nn::Linear>()->bias.set_requires_grad(false);  // frozen: not stepped
   const at::Tensor x = at::randn({8, 32});
   PipelineProfile profile = profile_of(model, x, {stats(kCpu, OptimizerKind::kAdam, 7, 500)});
-  PipelinePlan p;
-  p.balance = {2, 3};
-  p.devices = {kCpu, kCpu};
-  p.chunks = 2;
-  p.checkpoint = Checkpoint::kNever;
+  PipelinePlan p = cpu_plan({2, 3}, 2);
   predict(profile, p, OptimizerKind::kAdam);
   const auto [t0, b0] = trainable(model, 0, 2);
   const auto [t1, b1] = trainable(model, 2, 3);
@@ -176,10 +190,7 @@ CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable 
   CATCH_CHECK(q.optimizer_us == 0);
   CATCH_CHECK(q.step_us == Approx(p.step_us));
   // A process per worker: each steps its own stage.
-  profile.process_link.latency_us = 50;
-  profile.process_link.bytes_per_us = 1000;
-  profile.process_link.allreduce_step_us = 20;
-  profile.process_link.allreduce_bytes_per_us = 500;
+  add_link(profile);
   p.processes = true;
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(std::max(7.0 * t0 + static_cast<double>(b0) / 500,
@@ -194,17 +205,10 @@ CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps wher
   OptimizerStats adam = stats(kCpu, OptimizerKind::kAdam, 7, 500);
   adam.layer_us = {30, 0, 50, 20};
   PipelineProfile profile = profile_of(model, x, {adam});
-  PipelinePlan p;
-  p.balance = {2, 2};
-  p.devices = {kCpu, kCpu};
-  p.chunks = 2;
-  p.checkpoint = Checkpoint::kNever;
+  PipelinePlan p = cpu_plan({2, 2}, 2);
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(30 + 0 + 50 + 20));
-  profile.process_link.latency_us = 50;
-  profile.process_link.bytes_per_us = 1000;
-  profile.process_link.allreduce_step_us = 20;
-  profile.process_link.allreduce_bytes_per_us = 500;
+  add_link(profile);
   p.processes = true;
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(70));  // the second worker's 50 + 20
@@ -224,15 +228,8 @@ CATCH_TEST_CASE("On a V each process steps both of its stages", "[balancing][opt
   for (int k = 0; k < 4; ++k) model->push_back(nn::Linear(16 * (k + 1), 16 * (k + 2)));
   const at::Tensor x = at::randn({4, 16});
   PipelineProfile profile = profile_of(model, x, {stats(kCpu, OptimizerKind::kSGD, 3, 100)});
-  profile.process_link.latency_us = 50;
-  profile.process_link.bytes_per_us = 1000;
-  profile.process_link.allreduce_step_us = 20;
-  profile.process_link.allreduce_bytes_per_us = 500;
-  PipelinePlan p;
-  p.balance = {1, 1, 1, 1};
-  p.devices = {kCpu, kCpu, kCpu, kCpu};
-  p.chunks = 4;
-  p.checkpoint = Checkpoint::kNever;
+  add_link(profile);
+  PipelinePlan p = cpu_plan({1, 1, 1, 1}, 4);
   p.schedule = ScheduleKind::kZeroBubbleV;
   p.virtual_stages = 2;
   p.processes = true;

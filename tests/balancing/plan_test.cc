@@ -701,6 +701,23 @@ CATCH_TEST_CASE("search_plan searches on a plan's own costs within its limit and
                           gpipe_test::contains("a mini-batch of 32 does not split into 24"));
 }
 
+// `plan`'s options (4 micro-batches of mlp(32, 3)) run `expected`'s actions and train as the plain
+// model (train_as_plain).
+void train_plan_as_plain(const PipelinePlan& plan, const Schedule& expected) {
+  at::manual_seed(0);
+  nn::Sequential plain = mlp(32, 3);
+  nn::Sequential copy = mlp(32, 3);
+  for (size_t k = 0; k < plain->parameters().size(); ++k) {
+    torch::NoGradGuard no_grad;
+    copy->parameters()[k].copy_(plain->parameters()[k]);
+  }
+  GPipe pipe(copy, plan.options());
+  CATCH_CHECK(pipe->schedule(4).ranks == expected.ranks);
+  const at::Tensor x = at::randn({16, 32});
+  const at::Tensor y = at::randint(4, {16});
+  train_as_plain(plain, pipe, x, y);
+}
+
 CATCH_TEST_CASE("A searched plan's options run its schedule and train as the plain model",
                 "[balancing][plan][search][transparency]") {
   // Stage 1 twice as slow with a light W: the search's order is not zero bubble's.
@@ -716,18 +733,7 @@ CATCH_TEST_CASE("A searched plan's options run its schedule and train as the pla
   p.checkpoint = Checkpoint::kNever;
   p.schedule = ScheduleKind::kZeroBubble;
   p.schedule_text = schedule_text(found);
-  at::manual_seed(0);
-  nn::Sequential plain = mlp(32, 3);
-  nn::Sequential copy = mlp(32, 3);
-  for (size_t k = 0; k < plain->parameters().size(); ++k) {
-    torch::NoGradGuard no_grad;
-    copy->parameters()[k].copy_(plain->parameters()[k]);
-  }
-  GPipe pipe(copy, PipelinePlan::from_json(p.to_json()).options());
-  CATCH_CHECK(pipe->schedule(4).ranks == found.ranks);
-  const at::Tensor x = at::randn({16, 32});
-  const at::Tensor y = at::randint(4, {16});
-  train_as_plain(plain, pipe, x, y);
+  train_plan_as_plain(PipelinePlan::from_json(p.to_json()), found);
 }
 
 CATCH_TEST_CASE("A schedule searched in a V runs as its plan's options and trains as the plain "
@@ -766,18 +772,7 @@ CATCH_TEST_CASE("A schedule searched in a V runs as its plan's options and train
   CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(flat.to_json()),
                           gpipe_test::contains("the searched schedule has 2 worker(s) but "
                                                "\"balance\" 4 partitions and virtual_stages 1"));
-  at::manual_seed(0);
-  nn::Sequential plain = mlp(32, 3);
-  nn::Sequential copy = mlp(32, 3);
-  for (size_t k = 0; k < plain->parameters().size(); ++k) {
-    torch::NoGradGuard no_grad;
-    copy->parameters()[k].copy_(plain->parameters()[k]);
-  }
-  GPipe pipe(copy, back.options());
-  CATCH_CHECK(pipe->schedule(4).ranks == found.ranks);
-  const at::Tensor x = at::randn({16, 32});
-  const at::Tensor y = at::randint(4, {16});
-  train_as_plain(plain, pipe, x, y);
+  train_plan_as_plain(back, found);
 }
 
 CATCH_TEST_CASE("The planner searches V-shaped schedules too, and keeps one only where it beats "

@@ -40,6 +40,17 @@ CATCH_TEST_CASE("simulate_schedule with each stage's costs gives the step comput
       contains("action costs must be positive (transfers: not negative), got stage 2's F 1, I 0"));
 }
 
+// `stages` stages' F, I and W drawn from [low, high) and transfers from [0, most_transfer).
+std::vector<ActionCosts> random_costs(std::mt19937& gen, int64_t stages, double low, double high,
+                                      double most_transfer) {
+  std::uniform_real_distribution<double> time(low, high), transfer(0, most_transfer);
+  std::vector<ActionCosts> out;
+  for (int64_t s = 0; s < stages; ++s) {
+    out.push_back({time(gen), time(gen), time(gen), transfer(gen)});
+  }
+  return out;
+}
+
 CATCH_TEST_CASE(
     "the searched schedule is valid within the memory limit and never longer than "
     "the best generated one that fits on random costs",
@@ -49,11 +60,8 @@ CATCH_TEST_CASE(
   std::mt19937 gen(static_cast<unsigned>(seed));
   const int64_t n = std::uniform_int_distribution<int64_t>(1, 5)(gen);
   const int64_t m = std::uniform_int_distribution<int64_t>(1, 4 * n)(gen);
-  std::uniform_real_distribution<double> time(0.5, 2.0), transfer(0, 0.3);
   ScheduleSearchOptions options;
-  for (int64_t s = 0; s < n; ++s) {
-    options.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
-  }
+  options.stage_costs = random_costs(gen, n, 0.5, 2.0, 0.3);
   // Limits from 1 (tighter than every generated schedule) to 2n.
   for (int64_t r = 0; r < n; ++r) {
     options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 2 * n)(gen));
@@ -91,12 +99,9 @@ CATCH_TEST_CASE(
   std::mt19937 gen(static_cast<unsigned>(seed));
   const int64_t n = std::uniform_int_distribution<int64_t>(1, 4)(gen);
   const int64_t m = std::uniform_int_distribution<int64_t>(1, 4 * n)(gen);
-  std::uniform_real_distribution<double> time(0.5, 2.0), transfer(0, 0.3);
   ScheduleSearchOptions options;
   options.v_shape = true;
-  for (int64_t s = 0; s < 2 * n; ++s) {
-    options.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
-  }
+  options.stage_costs = random_costs(gen, 2 * n, 0.5, 2.0, 0.3);
   // Limits from 1 (tighter than zbv) to 4n pairs of (stage, micro-batch).
   for (int64_t r = 0; r < n; ++r) {
     options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 4 * n)(gen));
@@ -138,12 +143,9 @@ CATCH_TEST_CASE("on a V the search shortens the best generated step on some unev
   for (unsigned seed = 1; seed <= 20; ++seed) {
     std::mt19937 gen(seed);
     const int64_t n = 2 + seed % 2;
-    std::uniform_real_distribution<double> time(0.3, 3.0), transfer(0, 0.5);
     ScheduleSearchOptions options;
     options.v_shape = true;
-    for (int64_t s = 0; s < 2 * n; ++s) {
-      options.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
-    }
+    options.stage_costs = random_costs(gen, 2 * n, 0.3, 3.0, 0.5);
     const SearchedSchedule found = search_schedule(2 * n, options);
     CATCH_CHECK(found.simulation.makespan <= found.best_generated.makespan);
     if (found.schedule.name == "searched") {
