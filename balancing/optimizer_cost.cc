@@ -36,7 +36,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind,
 
 // The median time of 5 steps of `kind` over `params` (each given a gradient), after an untimed
 // one (which makes the optimizer's state).
-double timed_step_us(OptimizerKind kind, c10::Device device, const std::vector<at::Tensor>& params) {
+double timed_step_us(OptimizerKind kind, c10::Device device,
+                     const std::vector<at::Tensor>& params) {
   for (const at::Tensor& p : params) p.mutable_grad() = at::full_like(p, 1e-3);
   const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(kind, params);
   std::vector<double> times;

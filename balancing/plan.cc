@@ -711,8 +711,9 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     const int64_t workers = stages / p.virtual_stages;
     TORCH_CHECK(p.virtual_stages <= 2 && searched.num_ranks() == workers, who,
                 ": the searched schedule has ", searched.ranks.size(),
-                " worker(s) but \"balance\" ", stages, " partitions and virtual_stages ", p.virtual_stages, "; a searched "
-                "schedule has one partition per worker (virtual_stages 1) or two in a V (2)");
+                " worker(s) but \"balance\" ", stages, " partitions and virtual_stages ",
+                p.virtual_stages, "; a searched schedule has one partition per worker "
+                "(virtual_stages 1) or two in a V (2)");
     bool placed = searched.stages == stages;
     for (int64_t s = 0; placed && s < searched.stages; ++s) {
       placed = searched.stage_ranks[s] == stage_rank(p.schedule, s, workers);
