@@ -54,7 +54,7 @@ ABSL_FLAG(bool, plan, false,
 ABSL_FLAG(std::string, devices, "cpu,cpu",
           "with --plan: the devices a pipeline may use, one per partition (repeats allowed)");
 ABSL_FLAG(int64_t, memory_limit, 0, "with --plan: bytes per device a plan may take (0: no limit)");
-ABSL_FLAG(std::string, optimizer, "momentum", "with --plan: sgd, momentum or adam");
+ABSL_FLAG(std::string, optimizer, "momentum", "with --plan: sgd, momentum, adam or adamw");
 ABSL_FLAG(bool, master_weights, false,
           "with --plan: training keeps float32 master weights of the float16 and bfloat16 "
           "parameters (Note [Training memory] in balancing/memory.h)");

@@ -5,6 +5,12 @@
 
 namespace gpipe {
 
+const std::vector<OptimizerKind>& optimizer_kinds() {
+  static const std::vector<OptimizerKind> kinds = {OptimizerKind::kSGD, OptimizerKind::kMomentum,
+                                                   OptimizerKind::kAdam, OptimizerKind::kAdamW};
+  return kinds;
+}
+
 std::string optimizer_kind_name(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kSGD:
@@ -13,15 +19,17 @@ std::string optimizer_kind_name(OptimizerKind kind) {
       return "momentum";
     case OptimizerKind::kAdam:
       return "adam";
+    case OptimizerKind::kAdamW:
+      return "adamw";
   }
   return "unknown";
 }
 
 OptimizerKind optimizer_kind(const std::string& name) {
-  for (OptimizerKind kind : {OptimizerKind::kSGD, OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+  for (OptimizerKind kind : optimizer_kinds()) {
     if (optimizer_kind_name(kind) == name) return kind;
   }
-  TORCH_CHECK(false, "unknown optimizer '", name, "'; give sgd, momentum or adam");
+  TORCH_CHECK(false, "unknown optimizer '", name, "'; give sgd, momentum, adam or adamw");
 }
 
 int64_t optimizer_moments(OptimizerKind kind) {
@@ -31,6 +39,7 @@ int64_t optimizer_moments(OptimizerKind kind) {
     case OptimizerKind::kMomentum:
       return 1;
     case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
       return 2;
   }
   return 0;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
@@ -14,7 +15,10 @@
 namespace gpipe {
 
 /// The optimizer a plan trains with: its state per parameter.
-enum class OptimizerKind { kSGD, kMomentum, kAdam };
+enum class OptimizerKind { kSGD, kMomentum, kAdam, kAdamW };
+
+/// Every kind, in that order.
+const std::vector<OptimizerKind>& optimizer_kinds();
 
 // Note [Training memory]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -50,13 +54,13 @@ struct ParameterMemory {
   c10::optional<c10::ScalarType> autocast;
 };
 
-/// The name of `kind`: "sgd", "momentum" or "adam".
+/// The name of `kind`: "sgd", "momentum", "adam" or "adamw".
 std::string optimizer_kind_name(OptimizerKind kind);
 /// The kind named `name` (optimizer_kind_name's names); throws c10::Error naming the unknown name
 /// and the known ones.
 OptimizerKind optimizer_kind(const std::string& name);
 
-/// The optimizer's moments per parameter: SGD 0, momentum 1, Adam 2.
+/// The optimizer's moments per parameter: SGD 0, momentum 1, Adam and AdamW 2.
 int64_t optimizer_moments(OptimizerKind kind);
 
 /// The bytes training keeps for `layer`'s parameters and buffers (Note [Training memory]).

@@ -10,7 +10,9 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include "balancing/internal/detail.h"
@@ -30,18 +32,38 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind,
                                                  torch::optim::SGDOptions(1e-3).momentum(0.9));
     case OptimizerKind::kAdam:
       return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   }
   TORCH_CHECK(false, "profile_optimizers: unknown optimizer kind ", static_cast<int>(kind));
 }
 
+// Writes a buffer larger than the device's caches (CPU: 64 MiB, past a socket's last-level cache;
+// CUDA: 256 MiB, past an H100's 50 MB of L2 or a B200's 126 MB), so that the next step reads its
+// tensors from memory, as a training loop's optimizer does after a forward and a backward (Note
+// [The optimizer's step]).
+class CacheFlush {
+ public:
+  explicit CacheFlush(c10::Device device)
+      : buffer_(at::empty({(device.is_cuda() ? int64_t{64} : int64_t{16}) << 20},
+                          at::TensorOptions().device(device))) {}
+  void operator()() { buffer_.fill_(static_cast<double>(++writes_)); }
+
+ private:
+  at::Tensor buffer_;
+  int64_t writes_ = 0;
+};
+
 // The median time of 5 steps of `kind` over `params` (each given a gradient), after an untimed
-// one (which makes the optimizer's state).
-double timed_step_us(OptimizerKind kind, c10::Device device,
-                     const std::vector<at::Tensor>& params) {
+// one (which makes the optimizer's state); with `flush`, each from cold caches.
+double timed_step_us(OptimizerKind kind, c10::Device device, const std::vector<at::Tensor>& params,
+                     CacheFlush* flush = nullptr) {
   for (const at::Tensor& p : params) p.mutable_grad() = at::full_like(p, 1e-3);
   const std::unique_ptr<torch::optim::Optimizer> optimizer = make_optimizer(kind, params);
   std::vector<double> times;
   for (int k = 0; k < 6; ++k) {
+    if (flush != nullptr) (*flush)();
     internal::synchronize(device);
     const auto tick = std::chrono::steady_clock::now();
     optimizer->step();
@@ -102,10 +124,10 @@ double process_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind o
 }
 
 // Each layer's step over its own parameters, scaled so that they sum to one step over all of
-// them at once (Note [The optimizer's step]: alone, a layer's few tensors stay in the caches from
-// one timed step to the next, as a whole model's do not).
+// them at once from cold caches (Note [The optimizer's step]: alone, a layer's few tensors stay in
+// the caches from one timed step to the next, as a whole model's do not).
 std::vector<double> layer_steps_us(OptimizerKind kind, c10::Device device,
-                                   const torch::nn::Sequential& model) {
+                                   const torch::nn::Sequential& model, CacheFlush& flush) {
   std::vector<double> out;
   std::vector<at::Tensor> all;
   for (const auto& layer : model->children()) {
@@ -115,7 +137,7 @@ std::vector<double> layer_steps_us(OptimizerKind kind, c10::Device device,
   }
   const double alone = std::accumulate(out.begin(), out.end(), 0.0);
   if (all.empty() || alone <= 0) return out;
-  const double together = timed_step_us(kind, device, all);
+  const double together = timed_step_us(kind, device, all, &flush);
   for (double& us : out) us *= together / alone;
   return out;
 }
@@ -132,21 +154,23 @@ std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& d
   std::vector<OptimizerStats> out;
   std::vector<c10::DeviceType> measured;
   constexpr int64_t kSmall = 64;
-  constexpr int64_t kLargeFloats = int64_t{4} << 20;  // 16 MiB
   for (const c10::Device& device : devices) {
     if (std::find(measured.begin(), measured.end(), device.type()) != measured.end()) continue;
     check_device_available(device, "profile_optimizers");
     measured.push_back(device.type());
-    for (OptimizerKind kind :
-         {OptimizerKind::kSGD, OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+    // Large enough that its bytes outweigh its launches: 16 MiB on the CPU, 256 MiB on a GPU
+    // (whose Adam steps 16 MiB in about the time its host launches the kernels).
+    const int64_t large_floats = (device.is_cuda() ? int64_t{64} : int64_t{4}) << 20;
+    CacheFlush flush(device);
+    for (OptimizerKind kind : optimizer_kinds()) {
       OptimizerStats s;
       s.device = device;
       s.optimizer = kind;
       s.tensor_us = timed_step_us(kind, device, floats(device, kSmall, 4)) / kSmall;
-      const double large_us = timed_step_us(kind, device, floats(device, 1, kLargeFloats));
+      const double large_us = timed_step_us(kind, device, floats(device, 1, large_floats), &flush);
       s.bytes_per_us =
-          static_cast<double>(kLargeFloats * 4) / std::max(1e-3, large_us - s.tensor_us);
-      if (model != nullptr) s.layer_us = layer_steps_us(kind, device, *model);
+          static_cast<double>(large_floats * 4) / std::max(1e-3, large_us - s.tensor_us);
+      if (model != nullptr) s.layer_us = layer_steps_us(kind, device, *model, flush);
       out.push_back(s);
     }
   }

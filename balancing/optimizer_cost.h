@@ -17,15 +17,20 @@ namespace gpipe {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A training loop runs optimizer.step() after GPipe::step, on its own thread, over every
 // parameter: torch::optim updates one parameter tensor after another, with a few elementwise
-// kernels each (SGD one, momentum two, Adam about six). That time is in every step a user sees
-// but not in the step the simulation predicts, so the planner predicts it beside it
+// kernels each (SGD one, momentum two, Adam about six, AdamW one more). That time is in every step
+// a user sees but not in the step the simulation predicts, so the planner predicts it beside it
 // (PipelinePlan::optimizer_us) from profile_optimizers' measurements: on the first device of each
 // kind, one step of each optimizer kind over 64 tensors of 4 floats (the fixed cost of a tensor:
-// its operators' dispatch, and on CUDA their launches), over one tensor of 16 MiB (the cost of a
-// byte: memory bandwidth), and, given the model, over each layer's own trainable parameters
-// (copies), each the median of 5 steps after an untimed one, the layers' steps then scaled to sum
-// to one step over all of their copies at once (alone, a layer's few tensors stay in the caches
-// from one timed step to the next; a model's do not). A layer's step is what a stage costs, where
+// its operators' dispatch, and on CUDA their launches), over one tensor of 16 MiB on the CPU and
+// 256 MiB on a GPU (the cost of a byte: memory bandwidth; on an H100 Adam's kernels over 16 MiB
+// take about as long as their launches), and, given the model, over each layer's own trainable
+// parameters (copies), each the median of 5 steps after an untimed one, the layers' steps then
+// scaled to sum to one step over all of their copies at once (alone, a layer's few tensors stay
+// in the caches from one timed step to the next; a model's do not). In a training loop the
+// forward and the backward pass between two steps and leave little of the optimizer's tensors
+// and moments in the caches, so the large tensor's steps and the step over all layers start from
+// cold caches: before each, a buffer larger than them (64 MiB on the CPU, 256 MiB on a GPU, past
+// an H100's 50 MB or a B200's 126 MB of L2) is written. A layer's step is what a stage costs, where
 // it was measured: a byte of a small tensor, updated by several operators in turn while it stays
 // in the caches, costs less than one of 16 MiB (on the project's 2-vCPU VM AmoebaNet-D's Adam
 // step was predicted 76% over from tensors and bytes alone, and 36% under from its layers alone,
@@ -61,9 +66,9 @@ struct OptimizerStats {
   double time_us(int64_t tensors, int64_t bytes) const;
 };
 
-/// Measures one step of each optimizer kind (torch::optim::SGD without and with momentum, Adam)
-/// on the first device of each kind (CPU, CUDA) among `devices`, and over each layer of `model`
-/// where one is given (Note [The optimizer's step]).
+/// Measures one step of each optimizer kind (torch::optim::SGD without and with momentum, Adam,
+/// AdamW) on the first device of each kind (CPU, CUDA) among `devices`, and over each layer of
+/// `model` where one is given (Note [The optimizer's step]).
 ///
 ///   auto stats = gpipe::profile_optimizers({torch::kCPU, torch::Device("cuda:0")}, &model);
 std::vector<OptimizerStats> profile_optimizers(const std::vector<c10::Device>& devices,

@@ -14,6 +14,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <nlohmann/json.hpp>
@@ -70,6 +71,9 @@ int64_t state_bytes(const torch::optim::Optimizer& optimizer) {
   for (const auto& entry : optimizer.state()) {
     if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(entry.second.get())) {
       total += bytes_of({adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()});
+    } else if (const auto* adamw =
+                   dynamic_cast<const torch::optim::AdamWParamState*>(entry.second.get())) {
+      total += bytes_of({adamw->exp_avg(), adamw->exp_avg_sq(), adamw->max_exp_avg_sq()});
     } else if (const auto* sgd =
                    dynamic_cast<const torch::optim::SGDParamState*>(entry.second.get())) {
       total += bytes_of({sgd->momentum_buffer()});
@@ -88,12 +92,13 @@ int64_t model_bytes(const nn::Sequential& model) {
 
 CATCH_TEST_CASE(
     "the parameter state the planner counts is what a training step leaves, for "
-    "SGD with momentum and Adam, frozen layers and float64",
+    "every optimizer kind, frozen layers and float64",
     "[balancing][memory]") {
-  const bool adam = GENERATE(false, true);
+  const OptimizerKind kind = GENERATE(OptimizerKind::kSGD, OptimizerKind::kMomentum,
+                                      OptimizerKind::kAdam, OptimizerKind::kAdamW);
   const bool frozen = GENERATE(false, true);
   const bool float64 = GENERATE(false, true);
-  CATCH_CAPTURE(adam, frozen, float64);
+  CATCH_CAPTURE(optimizer_kind_name(kind), frozen, float64);
   nn::Sequential model = small_model();
   if (float64) model->to(at::kDouble);
   if (frozen) {
@@ -104,17 +109,27 @@ CATCH_TEST_CASE(
     if (p.requires_grad()) trainable.push_back(p);
   }
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (adam) {
-    optimizer = std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(0.01));
-  } else {
-    optimizer = std::make_unique<torch::optim::SGD>(trainable,
-                                                    torch::optim::SGDOptions(0.01).momentum(0.9));
+  switch (kind) {
+    case OptimizerKind::kSGD:
+      optimizer = std::make_unique<torch::optim::SGD>(trainable, torch::optim::SGDOptions(0.01));
+      break;
+    case OptimizerKind::kMomentum:
+      optimizer = std::make_unique<torch::optim::SGD>(
+          trainable, torch::optim::SGDOptions(0.01).momentum(0.9));
+      break;
+    case OptimizerKind::kAdam:
+      optimizer = std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(0.01));
+      break;
+    case OptimizerKind::kAdamW:
+      optimizer =
+          std::make_unique<torch::optim::AdamW>(trainable, torch::optim::AdamWOptions(0.01));
+      break;
   }
   const at::Tensor x = at::randn({4, 16}, float64 ? at::kDouble : at::kFloat);
   model->forward(x).pow(2).sum().backward();
   optimizer->step();
   ParameterMemory memory;
-  memory.optimizer = adam ? OptimizerKind::kAdam : OptimizerKind::kMomentum;
+  memory.optimizer = kind;
   CATCH_CHECK(counted(model, memory) == model_bytes(model) + state_bytes(*optimizer));
 }
 

@@ -35,7 +35,7 @@ const c10::Device kGpu1(c10::kCUDA, 1);
 CATCH_TEST_CASE("profile_optimizers measures every optimizer kind once per kind of device",
                 "[balancing][optimizer]") {
   const std::vector<OptimizerStats> measured = profile_optimizers({kCpu, kCpu});
-  CATCH_REQUIRE(measured.size() == 3);
+  CATCH_REQUIRE(measured.size() == 4);
   std::vector<std::string> kinds;
   for (const OptimizerStats& s : measured) {
     CATCH_CHECK(s.device == kCpu);
@@ -43,7 +43,10 @@ CATCH_TEST_CASE("profile_optimizers measures every optimizer kind once per kind 
     CATCH_CHECK(s.bytes_per_us > 0);
     kinds.push_back(optimizer_kind_name(s.optimizer));
   }
-  CATCH_CHECK(kinds == (std::vector<std::string>{"sgd", "momentum", "adam"}));
+  CATCH_CHECK(kinds == (std::vector<std::string>{"sgd", "momentum", "adam", "adamw"}));
+  for (const OptimizerStats& s : measured) {
+    CATCH_CHECK(optimizer_kind(optimizer_kind_name(s.optimizer)) == s.optimizer);
+  }
   CATCH_CHECK_THROWS_WITH(profile_optimizers({c10::Device(c10::kCUDA, 7)}),
                           gpipe_test::contains("profile_optimizers"));
   for (const OptimizerStats& s : measured) CATCH_CHECK(s.layer_us.empty());  // no model given
@@ -56,7 +59,7 @@ CATCH_TEST_CASE("profile_optimizers steps each layer's own trainable parameters,
   model[2]->as<nn::Linear>()->bias.set_requires_grad(false);  // frozen: nothing to step
   const at::Tensor before = model[0]->as<nn::Linear>()->weight.clone();
   const std::vector<OptimizerStats> measured = profile_optimizers({kCpu}, &model);
-  CATCH_REQUIRE(measured.size() == 3);
+  CATCH_REQUIRE(measured.size() == 4);
   for (const OptimizerStats& s : measured) {
     CATCH_REQUIRE(s.layer_us.size() == 3);
     CATCH_CHECK(s.layer_us[0] > 0);
@@ -71,9 +74,9 @@ CATCH_TEST_CASE("profile_optimizers steps each layer's own trainable parameters,
 CATCH_TEST_CASE("profile_optimizers measures a GPU beside the CPU",
                 "[balancing][optimizer][cuda]") {
   const std::vector<OptimizerStats> measured = profile_optimizers({kGpu0, kCpu, kGpu0});
-  CATCH_REQUIRE(measured.size() == 6);
+  CATCH_REQUIRE(measured.size() == 8);
   for (size_t k = 0; k < measured.size(); ++k) {
-    CATCH_CHECK(measured[k].device == (k < 3 ? kGpu0 : kCpu));
+    CATCH_CHECK(measured[k].device == (k < 4 ? kGpu0 : kCpu));
     CATCH_CHECK(measured[k].bytes_per_us > 0);
   }
 }
@@ -81,7 +84,8 @@ CATCH_TEST_CASE("profile_optimizers measures a GPU beside the CPU",
 CATCH_TEST_CASE("The CPU steps its stages' tensors one after another, each process its own",
                 "[balancing][optimizer]") {
   const std::vector<OptimizerStats> s = {stats(kCpu, OptimizerKind::kAdam, 10, 1000),
-                                         stats(kCpu, OptimizerKind::kSGD, 2, 4000)};
+                                         stats(kCpu, OptimizerKind::kSGD, 2, 4000),
+                                         stats(kCpu, OptimizerKind::kAdamW, 11, 800)};
   const std::vector<SteppedParameters> stages = {
       {kCpu, 0, 4, 100000}, {kCpu, 1, 6, 50000}, {kCpu, 0, 2, 30000}};
   // Adam: (4 + 6 + 2) tensors x 10 us + 180000 B / 1000 B/us.
@@ -89,6 +93,8 @@ CATCH_TEST_CASE("The CPU steps its stages' tensors one after another, each proce
               Approx(12 * 10 + 180.0));
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kSGD, stages, false) ==
               Approx(12 * 2 + 45.0));
+  CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdamW, stages, false) ==
+              Approx(12 * 11 + 225.0));  // its own measurement, not Adam's
   // A process per worker: worker 0 steps 6 tensors and 130000 B, worker 1 6 and 50000 B.
   CATCH_CHECK(optimizer_step_us(s, OptimizerKind::kAdam, stages, true) ==
               Approx(6 * 10 + 130.0));
@@ -308,8 +314,8 @@ CATCH_TEST_CASE("Optimizer measurements and predictions survive JSON, and bad on
   std::string renamed = text;
   renamed.replace(renamed.find(adam), adam.size(), "\"optimizer\": \"lion\"");
   CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(renamed),
-                          gpipe_test::contains("unknown optimizer 'lion'; give sgd, momentum or "
-                                               "adam"));
+                          gpipe_test::contains("unknown optimizer 'lion'; give sgd, momentum, "
+                                               "adam or adamw"));
   const std::string rate = "\"bytes_per_us\": 900.0";
   CATCH_REQUIRE(text.find(rate) != std::string::npos);
   text.replace(text.find(rate), rate.size(), "\"bytes_per_us\": 0.0");
