@@ -651,8 +651,8 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
   p.checkpoint = checkpoint_from_name(json_field<std::string>(j, "checkpoint", who));
   const std::string schedule = json_field<std::string>(j, "schedule", who);
   if (schedule == "searched") {
-    // (Note [Searched plans]: F, I and W, one stage per worker, or two in a V with
-    // virtual_stages 2, below.)
+    // (Note [Searched plans]: F, I and W, one stage per worker, or several placed as the text
+    // places them, below.)
     p.schedule = ScheduleKind::kZeroBubble;
     p.schedule_text = json_field<std::string>(j, "schedule_text", who);
     TORCH_CHECK(!p.schedule_text.empty(), who,
@@ -668,7 +668,10 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
                 "\"searched\"");
   }
   p.virtual_stages = json_field<int64_t>(j, "virtual_stages", who);
-  if (!p.schedule_text.empty() && p.virtual_stages == 2) p.schedule = ScheduleKind::kZeroBubbleV;
+  // (Interleaved until its text's placement says V, below.)
+  if (!p.schedule_text.empty() && p.virtual_stages > 1) {
+    p.schedule = ScheduleKind::kInterleavedZeroBubble;
+  }
   p.threads = json_field<int64_t>(j, "threads", who);
   // (Plans written before Note [Stages and replicas in the plan]: one process, no replicas.)
   if (j.contains("processes")) p.processes = json_field<bool>(j, "processes", who);
@@ -706,22 +709,30 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     TORCH_CHECK(!has_communication(searched), who,
                 ": the searched schedule has sends or "
                 "receives; a plan's text lists F, I, W (and B) only");
-    // One stage per worker in order, or two in a V (Note [V-shaped placement]).
+    // One stage per worker in order, two in a V (Note [V-shaped placement]) or several
+    // interleaved, as the text places them.
     const int64_t stages = static_cast<int64_t>(p.balance.size());
     const int64_t workers = stages / p.virtual_stages;
-    TORCH_CHECK(p.virtual_stages <= 2 && searched.num_ranks() == workers, who,
-                ": the searched schedule has ", searched.ranks.size(),
-                " worker(s) but \"balance\" ", stages, " partitions and virtual_stages ",
-                p.virtual_stages, "; a searched schedule has one partition per worker "
-                "(virtual_stages 1) or two in a V (2)");
-    bool placed = searched.stages == stages;
-    for (int64_t s = 0; placed && s < searched.stages; ++s) {
-      placed = searched.stage_ranks[s] == stage_rank(p.schedule, s, workers);
+    TORCH_CHECK(searched.num_ranks() == workers, who, ": the searched schedule has ",
+                searched.ranks.size(), " worker(s) but \"balance\" ", stages,
+                " partitions and virtual_stages ", p.virtual_stages, " make ", workers);
+    const auto placed_as = [&](ScheduleKind kind) {
+      bool placed = searched.stages == stages;
+      for (int64_t s = 0; placed && s < searched.stages; ++s) {
+        placed = searched.stage_ranks[s] == stage_rank(kind, s, workers);
+      }
+      return placed;
+    };
+    if (p.virtual_stages == 2 && placed_as(ScheduleKind::kZeroBubbleV)) {
+      p.schedule = ScheduleKind::kZeroBubbleV;
     }
-    TORCH_CHECK(placed, who, ": the searched schedule runs ", searched.stages, " stage(s) on ",
-                searched.ranks.size(), " worker(s), not ", stages, " partitions (\"balance\") ",
-                p.virtual_stages == 1 ? "one per worker in order"
-                                      : "in a V, worker r holding r and 2n - 1 - r",
+    TORCH_CHECK(placed_as(p.schedule), who, ": the searched schedule runs ", searched.stages,
+                " stage(s) on ", searched.ranks.size(), " worker(s), not ", stages,
+                " partitions (\"balance\") ",
+                p.virtual_stages == 1   ? "one per worker in order"
+                : p.virtual_stages == 2 ? "in a V (worker r holding r and 2n - 1 - r) or "
+                                          "interleaved (r and r + n)"
+                                        : "interleaved (worker r holding r, r + n, ...)",
                 "; a searched schedule places partitions so");
   }
   if (j.contains("predicted")) {
@@ -1021,19 +1032,22 @@ SearchedSchedule search_costs(const PipelineProfile& profile, const PipelinePlan
                               int64_t max_in_flight, const ParameterMemory& memory,
                               PipelinePlan& searched) {
   searched = plan;
-  // (F, I and W: zero bubble's actions, one stage per worker or two in a V.)
-  searched.schedule =
-      v_shaped(plan.schedule) ? ScheduleKind::kZeroBubbleV : ScheduleKind::kZeroBubble;
+  // (F, I and W: zero bubble's actions, one stage per worker, two in a V or v interleaved.)
+  const int64_t per_worker = std::max<int64_t>(1, plan.virtual_stages);
+  searched.schedule = per_worker == 1          ? ScheduleKind::kZeroBubble
+                      : v_shaped(plan.schedule) ? ScheduleKind::kZeroBubbleV
+                                                : ScheduleKind::kInterleavedZeroBubble;
   searched.schedule_text.clear();
   ScheduleSearchOptions search;
-  search.v_shape = v_shaped(plan.schedule);
+  search.v_shape = v_shaped(searched.schedule);
+  search.virtual_stages = search.v_shape ? 1 : per_worker;
   for (const StageCost& c : pipeline_costs(profile, searched, memory).stages) {
     // (The search takes positive times: a stage without parameters has no W to speak of.)
     search.stage_costs.push_back({std::max(c.forward_us, 1e-3), std::max(c.backward_input_us, 1e-3),
                                   std::max(c.backward_weight_us, 1e-3), c.copy_us});
   }
   search.budget = kSearchBudget;
-  search.max_in_flight.assign(plan.balance.size() / (search.v_shape ? 2 : 1), max_in_flight);
+  search.max_in_flight.assign(plan.balance.size() / per_worker, max_in_flight);
   SearchedSchedule result = search_schedule(plan.chunks, search);
   searched.schedule_text = schedule_text(result.schedule);
   return result;
@@ -1046,11 +1060,13 @@ PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& pla
                          SearchedSchedule* found) {
   const int64_t n = static_cast<int64_t>(plan.balance.size());
   const bool v_shape = v_shaped(plan.schedule) && plan.virtual_stages == 2;
-  TORCH_CHECK(n >= 1 && (plan.virtual_stages <= 1 || v_shape) &&
+  const bool interleaved = takes_virtual_stages(plan.schedule) && plan.virtual_stages >= 2;
+  TORCH_CHECK(n >= 1 && (plan.virtual_stages <= 1 || v_shape || interleaved) &&
                   plan.devices.size() == plan.balance.size(),
               "gpipe::search_plan: the plan must have one device per partition and one partition "
-              "per worker (virtual_stages 1), or two in a V (zbv or dualpipev, virtual_stages 2); "
-              "it has ", plan.balance.size(), " partition(s), ", plan.devices.size(),
+              "per worker (virtual_stages 1), two in a V (zbv or dualpipev, virtual_stages 2) or "
+              "several interleaved (interleaved or zb1p, virtual_stages 2 or more); it has ",
+              plan.balance.size(), " partition(s), ", plan.devices.size(),
               " device(s) and virtual_stages ", plan.virtual_stages);
   TORCH_CHECK(max_in_flight >= 1, "gpipe::search_plan: max_in_flight must be at least 1, got ",
               max_in_flight);
@@ -1089,13 +1105,19 @@ bool same_shape(const PipelinePlan& a, const PipelinePlan& b) {
 std::optional<PipelinePlan> searched_plan(const PipelineProfile& profile,
                                           const PlanOptions& options, const PipelinePlan& zb,
                                           const std::vector<PipelinePlan>& all) {
-  // (Limits count (stage, micro-batch) pairs a worker holds: on a V, of two stages, 2n of which
-  // are zbv's peak over n workers.)
-  const int64_t n = static_cast<int64_t>(zb.balance.size());
-  const int64_t m = zb.chunks * (v_shaped(zb.schedule) ? 2 : 1);
+  // (Limits count (stage, micro-batch) pairs a worker holds, of each of its stages: `zb`'s own
+  // peak (ZB-H1's n, zbv's 2n over n workers, zb1p's), then every pair.)
+  const int64_t per_worker = std::max<int64_t>(1, zb.virtual_stages);
+  const int64_t workers = static_cast<int64_t>(zb.balance.size()) / per_worker;
+  const std::vector<int64_t> peaks =
+      simulate_schedule(make_schedule(zb.schedule, workers, zb.chunks, per_worker),
+                        ActionCosts{1, 1, 1, 0})
+          .peak_in_flight;
+  const int64_t own = *std::max_element(peaks.begin(), peaks.end());
+  const int64_t m = zb.chunks * per_worker;
   std::optional<PipelinePlan> best;
-  // ZB-H1's limit (zbv's on a V), then none (once where they are the same).
-  const std::vector<int64_t> limits = n < m ? std::vector<int64_t>{n, m} : std::vector<int64_t>{m};
+  const std::vector<int64_t> limits =
+      own < m ? std::vector<int64_t>{own, m} : std::vector<int64_t>{m};
   for (int64_t in_flight : limits) {
     PipelinePlan p;
     const SearchedSchedule found =
@@ -1119,8 +1141,10 @@ void add_searched_plans(const PipelineProfile& profile, const PlanOptions& optio
                         std::vector<PipelinePlan>& all) {
   std::vector<PipelinePlan> found;
   for (const PipelinePlan& p : all) {
-    const bool searchable = p.schedule == ScheduleKind::kZeroBubble ||
-                            (p.schedule == ScheduleKind::kZeroBubbleV && p.virtual_stages == 2);
+    const bool searchable =
+        p.schedule == ScheduleKind::kZeroBubble ||
+        (p.schedule == ScheduleKind::kZeroBubbleV && p.virtual_stages == 2) ||
+        (p.schedule == ScheduleKind::kInterleavedZeroBubble && p.virtual_stages >= 2);
     if (!searchable || p.checkpoint != Checkpoint::kNever || p.balance.size() < 2) continue;
     if (std::optional<PipelinePlan> s = searched_plan(profile, options, p, all)) {
       found.push_back(std::move(*s));

@@ -128,13 +128,16 @@ namespace gpipe {
 
 // Note [Searched plans]
 // ~~~~~~~~~~~~~~~~~~~~~
-// Beside each zero-bubble and zbv candidate without checkpointing (each micro-batch's actions are
-// then F, I and W, what search_schedule orders; a zbv candidate's in a V, whose searched plan has
-// virtual_stages 2 and schedule kZeroBubbleV), plan() searches a schedule (Note [Searching a
+// Beside each zero-bubble, zbv and zb1p candidate without checkpointing (each micro-batch's
+// actions are then F, I and W, what search_schedule orders; a zbv candidate's in a V, whose
+// searched plan has virtual_stages 2 and schedule kZeroBubbleV; a zb1p candidate's interleaved,
+// whose searched plan keeps its virtual_stages and schedule kInterleavedZeroBubble; a plan's file
+// tells the two apart by its text's placement), plan() searches a schedule (Note [Searching a
 // schedule]) on the candidate's own stage costs: each stage's forward, input-gradient and
 // weight-gradient times at the candidate's micro-batch size and its copy to the next stage. It
-// searches twice: within ZB-H1's in-flight micro-batches (n per worker; on a V zbv's 2n
-// half-size ones over n workers) and within all m (2m on a V). Each schedule found is
+// searches twice: within the candidate's own peak in-flight (stage, micro-batch) pairs per worker
+// (ZB-H1's n; zbv's 2n half-size ones over n workers; zb1p's) and within all m (vm with v stages
+// per worker). Each schedule found is
 // predicted as every candidate is (simulate_pipeline over parse_schedule of its text, which adds
 // what the search's model leaves out: workers taking turns on shared cores, hand-overs, memory).
 // The faster one that fits the memory limit becomes a plan (PipelinePlan::schedule_text) only

@@ -154,7 +154,7 @@ int64_t improve(Candidate& c, const ScheduleSearchOptions& options,
     better = false;
     for (std::vector<Action>& actions : c.schedule.ranks) {
       for (size_t k = 0; k + 1 < actions.size(); ++k) {
-        // (Of one kind only between a rank's two stages of a V: each stage keeps its order.)
+        // (Of one kind only between two stages of a rank: each stage keeps its order.)
         if (actions[k].type != actions[k + 1].type || actions[k].stage != actions[k + 1].stage) {
           better |= try_move(actions, k, k + 1);
         }
@@ -177,13 +177,23 @@ int64_t improve(Candidate& c, const ScheduleSearchOptions& options,
 SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptions& options) {
   const char* who = "search_schedule";
   const int64_t stages = static_cast<int64_t>(options.stage_costs.size());
-  const int64_t n = options.v_shape ? stages / 2 : stages;  // ranks
-  const int64_t m = microbatches;
+  const int64_t v = options.virtual_stages;
   TORCH_CHECK(stages >= 1, who, ": stage_costs is empty; give one entry per stage (rank)");
+  TORCH_CHECK(v >= 1 && (!options.v_shape || v == 1), who, ": virtual_stages is ", v,
+              options.v_shape ? " with v_shape; a V has its own 2 stages per rank, give 1"
+                              : "; give 1 (one stage per rank) or more (interleaved)");
   TORCH_CHECK(!options.v_shape || (stages >= 2 && stages % 2 == 0), who, ": a V has 2 stages "
               "per rank, but stage_costs has ", stages, " entries; give an even number");
+  TORCH_CHECK(v == 1 || (stages % v == 0 && stages >= 2 * v), who,
+              ": interleaved over ranks of ", v, " stages each, but stage_costs has ", stages,
+              " entries; give a multiple of ", v, " (at least 2 ranks)");
+  const int64_t per_rank = options.v_shape ? 2 : v;
+  const int64_t n = stages / per_rank;  // ranks
+  const int64_t m = microbatches;
   TORCH_CHECK(m >= 1, who, ": the number of micro-batches must be at least 1, got ", m);
-  const int64_t held = options.v_shape ? 2 * m : m;  // (stage, micro-batch) pairs of a rank
+  TORCH_CHECK(v == 1 || m % n == 0, who, ": interleaved over ", n, " ranks runs a multiple of ",
+              n, " micro-batches (as interleaved and zb1p do), got ", m);
+  const int64_t held = per_rank * m;  // (stage, micro-batch) pairs of a rank
   std::vector<int64_t> limit = options.max_in_flight;
   if (limit.empty()) limit.assign(n, held);
   TORCH_CHECK(static_cast<int64_t>(limit.size()) == n, who, ": max_in_flight has ", limit.size(),
@@ -195,17 +205,18 @@ SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptio
   }
   SearchedSchedule result;
   std::vector<Candidate> candidates;
-  // 1. The generated schedules that fit.
+  // 1. The generated schedules of the placement that fit.
   std::vector<ScheduleKind> seeds = {ScheduleKind::kGPipe, ScheduleKind::k1F1B,
                                      ScheduleKind::kZeroBubble};
   if (options.v_shape) {
     seeds = {ScheduleKind::kZeroBubbleV};
     // (With fewer micro-batches dualpipev is zbv's order.)
     if (m >= 2 * n - 1) seeds.push_back(ScheduleKind::kDualPipeV);
+  } else if (v > 1) {
+    seeds = {ScheduleKind::kInterleaved, ScheduleKind::kInterleavedZeroBubble};
   }
   for (ScheduleKind kind : seeds) {
-    Candidate c{make_schedule(kind, n, m, v_shaped(kind) ? 2 : 1), {},
-                schedule_kind_name(kind)};
+    Candidate c{make_schedule(kind, n, m, per_rank), {}, schedule_kind_name(kind)};
     c.simulation = simulate_schedule(c.schedule, options.stage_costs);
     if (!fits(c.simulation, limit)) continue;
     if (result.best_generated_name.empty() ||
@@ -217,7 +228,7 @@ SearchedSchedule search_schedule(int64_t microbatches, const ScheduleSearchOptio
   }
   // 2. The list scheduler over warm-up caps and keeps (one stage per rank).
   ListScheduler scheduler(m, options.stage_costs, limit);
-  const int64_t most = options.v_shape ? -1 : *std::max_element(limit.begin(), limit.end());
+  const int64_t most = per_rank > 1 ? -1 : *std::max_element(limit.begin(), limit.end());
   for (int64_t extra = 0; extra <= most; ++extra) {
     for (int keep = 0; keep < 3; ++keep) {
       Candidate c;

@@ -33,18 +33,23 @@ namespace gpipe {
 // that fits; ties keep the generated one. In-flight counts F run and W (or B) not yet, as
 // simulate_schedule's peak_in_flight, so the limit is in micro-batches of a stage's activations
 // (the planner converts bytes).
-// On a V (ScheduleSearchOptions::v_shape: 2n stages, rank r holding r and 2n - 1 - r, Note
-// [V-shaped placement]), the seeds are zbv and, from 2n - 1 micro-batches, dualpipev, and local
-// improvement also swaps neighbouring actions of one kind on a rank's two stages; the list
-// scheduler of step 2 is for one stage per rank, and interleaved placements are not searched.
+// With several stages per rank the seeds are the generated schedules of that placement, and local
+// improvement also swaps neighbouring actions of one kind on two of a rank's stages: on a V
+// (ScheduleSearchOptions::v_shape: 2n stages, rank r holding r and 2n - 1 - r, Note [V-shaped
+// placement]) zbv and, from 2n - 1 micro-batches, dualpipev; interleaved
+// (ScheduleSearchOptions::virtual_stages v: vn stages, rank r holding r, r + n, ...) interleaved
+// 1F1B and zb1p, m a multiple of n as theirs. The list scheduler of step 2 is for one stage per
+// rank.
 
 /// Per-stage costs and limits for search_schedule.
 struct ScheduleSearchOptions {
   /// stage_costs[s]: stage s's F, I and W times and the transfer of what it sends.
   std::vector<ActionCosts> stage_costs;
-  /// Whether the stages sit in a V: 2n of them on n ranks, rank r holding r and 2n - 1 - r;
-  /// else one stage per rank.
+  /// Whether the stages sit in a V: 2n of them on n ranks, rank r holding r and 2n - 1 - r.
   bool v_shape = false;
+  /// Else the stages each rank holds interleaved: vn of them on n ranks, rank r holding r,
+  /// r + n, ... (as interleaved and zb1p place them); 1: one stage per rank.
+  int64_t virtual_stages = 1;
   /// max_in_flight[r]: the most (stage, micro-batch) pairs rank r may hold (F run, W not yet);
   /// empty: every micro-batch of its stages.
   std::vector<int64_t> max_in_flight;
@@ -63,12 +68,13 @@ struct SearchedSchedule {
   std::string origin;
   /// The shortest generated schedule within the limit, simulated the same way.
   ScheduleSimulation best_generated;
-  /// Its name (gpipe, 1f1b or zb; zbv or dualpipev on a V); empty where none fits.
+  /// Its name (gpipe, 1f1b or zb; zbv or dualpipev on a V; interleaved or zb1p interleaved);
+  /// empty where none fits.
   std::string best_generated_name;
 };
 
 /// Searches a schedule of `microbatches` micro-batches over `stage_costs.size()` ranks, one stage
-/// each, or over half as many in a V (Note [Searching a schedule]).
+/// each, or over half as many in a V, or a v-th as many interleaved (Note [Searching a schedule]).
 ///
 ///   gpipe::ScheduleSearchOptions options;
 ///   options.stage_costs = {{1, 1, 1, 0.1}, {1, 1, 1, 0.1}, {1.5, 1.5, 1, 0.1}, {1, 2, 1, 0}};

@@ -436,9 +436,11 @@ CATCH_TEST_CASE(
   for (const PipelinePlan& s : searched) {
     CATCH_CAPTURE(s.describe());
     CATCH_CHECK(s.checkpoint == Checkpoint::kNever);
-    const bool v_shape = s.schedule == ScheduleKind::kZeroBubbleV;  // (searched in a V)
-    CATCH_CHECK((s.schedule == ScheduleKind::kZeroBubble || v_shape));
-    CATCH_CHECK(s.virtual_stages == (v_shape ? 2 : 1));
+    // (Searched in a V, interleaved, or one stage per worker.)
+    const bool v_shape = s.schedule == ScheduleKind::kZeroBubbleV;
+    const bool interleaved = s.schedule == ScheduleKind::kInterleavedZeroBubble;
+    CATCH_CHECK((s.schedule == ScheduleKind::kZeroBubble || v_shape || interleaved));
+    CATCH_CHECK(s.virtual_stages == (v_shape || interleaved ? 2 : 1));
     CATCH_CHECK(s.balance.size() >= 2);
     CATCH_CHECK(s.describe().find("schedule searched") != std::string::npos);
     int64_t rivals = 0;
@@ -450,7 +452,8 @@ CATCH_TEST_CASE(
       ++rivals;
       CATCH_CHECK(s.step_us < g.step_us);
     }
-    CATCH_CHECK(rivals >= (v_shape ? 1 : 3));  // zbv, or gpipe, 1f1b and zb at least
+    // zbv, or interleaved and zb1p, or gpipe, 1f1b and zb at least
+    CATCH_CHECK(rivals >= (v_shape ? 1 : interleaved ? 2 : 3));
     // Its numbers are its text's simulation; the text survives JSON.
     PipelinePlan again = s;
     predict(profile, again);
@@ -736,37 +739,42 @@ CATCH_TEST_CASE("A searched plan's options run its schedule and train as the pla
   train_plan_as_plain(PipelinePlan::from_json(p.to_json()), found);
 }
 
-CATCH_TEST_CASE("A schedule searched in a V runs as its plan's options and trains as the plain "
-                "model",
-                "[balancing][plan][search][v_shape][transparency]") {
-  // The first of some uneven V-shaped costs over 2 workers where the search finds an order of its
-  // own (Note [Searching a schedule]).
+CATCH_TEST_CASE("A schedule searched in a V or interleaved runs as its plan's options and "
+                "trains as the plain model",
+                "[balancing][plan][search][v_shape][interleaved][transparency]") {
+  const bool v_shape = GENERATE(true, false);  // else interleaved
+  CATCH_CAPTURE(v_shape);
+  const std::vector<int64_t> placement =
+      v_shape ? std::vector<int64_t>{0, 1, 1, 0} : std::vector<int64_t>{0, 1, 0, 1};
+  // The first of some uneven costs of 4 stages over 2 workers where the search finds an order of
+  // its own (Note [Searching a schedule]).
   Schedule found;
   for (unsigned seed = 1; seed <= 40 && found.name != "searched"; ++seed) {
     std::mt19937 gen(seed);
     std::uniform_real_distribution<double> time(0.3, 3.0), transfer(0, 0.5);
     ScheduleSearchOptions search;
-    search.v_shape = true;
+    search.v_shape = v_shape;
+    search.virtual_stages = v_shape ? 1 : 2;
     for (int s = 0; s < 4; ++s) {
       search.stage_costs.push_back({time(gen), time(gen), time(gen), transfer(gen)});
     }
     found = search_schedule(4, search).schedule;
   }
   CATCH_REQUIRE(found.name == "searched");
-  CATCH_REQUIRE(found.stage_ranks == (std::vector<int64_t>{0, 1, 1, 0}));
+  CATCH_REQUIRE(found.stage_ranks == placement);
   PipelinePlan p;
   p.balance = {2, 2, 2, 1};
   p.devices = std::vector<c10::Device>(4, at::kCPU);
   p.chunks = 4;
   p.checkpoint = Checkpoint::kNever;
-  p.schedule = ScheduleKind::kZeroBubbleV;
+  p.schedule = v_shape ? ScheduleKind::kZeroBubbleV : ScheduleKind::kInterleavedZeroBubble;
   p.virtual_stages = 2;
   p.schedule_text = schedule_text(found);
   const PipelinePlan back = PipelinePlan::from_json(p.to_json());
-  CATCH_CHECK(back.schedule == ScheduleKind::kZeroBubbleV);
+  CATCH_CHECK(back.schedule == p.schedule);  // read from the text's placement
   CATCH_CHECK(back.virtual_stages == 2);
   CATCH_CHECK(back.describe().find("schedule searched (2 stages per worker)") != std::string::npos);
-  // Its placement is the V's: as one stage per worker (virtual_stages 1) it is refused.
+  // Its placement is its own: as one stage per worker (virtual_stages 1) it is refused.
   PipelinePlan flat = p;
   flat.virtual_stages = 1;
   CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(flat.to_json()),
@@ -775,20 +783,28 @@ CATCH_TEST_CASE("A schedule searched in a V runs as its plan's options and train
   train_plan_as_plain(back, found);
 }
 
-CATCH_TEST_CASE("The planner searches V-shaped schedules too, and keeps one only where it beats "
-                "zbv and dualpipev",
-                "[balancing][plan][search][v_shape]") {
+CATCH_TEST_CASE("The planner searches V-shaped and interleaved schedules too, and keeps one only "
+                "where it beats its placement's generated ones",
+                "[balancing][plan][search][v_shape][interleaved]") {
+  const bool v_shape = GENERATE(true, false);  // else interleaved
+  CATCH_CAPTURE(v_shape);
   const PipelineProfile profile = uneven(7, 2);
+  const std::vector<ScheduleKind> kinds =
+      v_shape ? std::vector<ScheduleKind>{ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}
+              : std::vector<ScheduleKind>{ScheduleKind::kInterleaved,
+                                          ScheduleKind::kInterleavedZeroBubble};
   const std::vector<PipelinePlan> all =
-      plan(profile, PlanOptions().schedules({ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV})
-                        .partitions({2}).checkpoints({Checkpoint::kNever}).top(100000));
+      plan(profile, PlanOptions().schedules(kinds).virtual_stages(2).partitions({2})
+                        .checkpoints({Checkpoint::kNever}).top(100000));
   int64_t searched = 0;
   for (const PipelinePlan& s : all) {
     if (s.schedule_text.empty()) continue;
     ++searched;
     CATCH_CAPTURE(s.describe());
-    CATCH_CHECK(s.schedule == ScheduleKind::kZeroBubbleV);
-    CATCH_CHECK(parse_schedule(s.schedule_text).stage_ranks == (std::vector<int64_t>{0, 1, 1, 0}));
+    CATCH_CHECK(s.schedule == (v_shape ? ScheduleKind::kZeroBubbleV
+                                       : ScheduleKind::kInterleavedZeroBubble));
+    CATCH_CHECK(parse_schedule(s.schedule_text).stage_ranks ==
+                (v_shape ? std::vector<int64_t>{0, 1, 1, 0} : std::vector<int64_t>{0, 1, 0, 1}));
     for (const PipelinePlan& g : all) {
       if (g.schedule_text.empty() && g.balance == s.balance && g.chunks == s.chunks) {
         CATCH_CHECK(s.step_us < g.step_us);
@@ -798,7 +814,6 @@ CATCH_TEST_CASE("The planner searches V-shaped schedules too, and keeps one only
   CATCH_CAPTURE(all.size());
   CATCH_CHECK(searched >= 1);
 }
-
 CATCH_TEST_CASE("The predicted peak memory of one partition is within 15% of what it allocates",
                 "[balancing][plan][memory]") {
   // Tensor bytes as the allocator gives them out (Note [Counting CPU memory]); one partition runs

@@ -91,26 +91,35 @@ CATCH_TEST_CASE(
 }
 
 CATCH_TEST_CASE(
-    "on a V the searched schedule is valid within the memory limit and never longer than zbv "
-    "or dualpipev where they fit, on random costs",
-    "[schedule][search][v_shape]") {
-  const int seed = GENERATE(range(1, 31));
-  CATCH_CAPTURE(seed);
+    "with several stages per rank (a V, interleaved) the searched schedule is valid within the "
+    "memory limit and never longer than its placement's generated schedules where they fit, on "
+    "random costs",
+    "[schedule][search][v_shape][interleaved]") {
+  const int64_t v = GENERATE(0, 2, 3);  // 0: a V
+  const int seed = GENERATE(range(1, 21));
+  CATCH_CAPTURE(v, seed);
   std::mt19937 gen(static_cast<unsigned>(seed));
-  const int64_t n = std::uniform_int_distribution<int64_t>(1, 4)(gen);
-  const int64_t m = std::uniform_int_distribution<int64_t>(1, 4 * n)(gen);
+  const int64_t n = std::uniform_int_distribution<int64_t>(v == 0 ? 1 : 2, 4)(gen);
+  const int64_t per_rank = v == 0 ? 2 : v;
+  // (Interleaved runs multiples of n.)
+  const int64_t m = (v == 0 ? 1 : n) * std::uniform_int_distribution<int64_t>(1, 4)(gen);
   ScheduleSearchOptions options;
-  options.v_shape = true;
-  options.stage_costs = random_costs(gen, 2 * n, 0.5, 2.0, 0.3);
-  // Limits from 1 (tighter than zbv) to 4n pairs of (stage, micro-batch).
+  options.v_shape = v == 0;
+  options.virtual_stages = v == 0 ? 1 : v;
+  options.stage_costs = random_costs(gen, per_rank * n, 0.5, 2.0, 0.3);
+  // Limits from 1 (tighter than any generated one) to 2 x per_rank x n (stage, micro-batch) pairs.
   for (int64_t r = 0; r < n; ++r) {
-    options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 4 * n)(gen));
+    options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 2 * per_rank * n)(gen));
   }
   CATCH_CAPTURE(n, m);
-  std::vector<ScheduleSimulation> fitting;  // zbv and dualpipev where they fit
-  for (ScheduleKind kind : {ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
+  const std::vector<ScheduleKind> kinds =
+      v == 0 ? std::vector<ScheduleKind>{ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}
+             : std::vector<ScheduleKind>{ScheduleKind::kInterleaved,
+                                         ScheduleKind::kInterleavedZeroBubble};
+  std::vector<ScheduleSimulation> fitting;  // the generated ones that fit
+  for (ScheduleKind kind : kinds) {
     const ScheduleSimulation generated =
-        simulate_schedule(make_schedule(kind, n, m, 2), options.stage_costs);
+        simulate_schedule(make_schedule(kind, n, m, per_rank), options.stage_costs);
     bool fits = true;
     for (int64_t r = 0; r < n; ++r) fits &= generated.peak_in_flight[r] <= options.max_in_flight[r];
     if (fits) fitting.push_back(generated);
@@ -123,10 +132,10 @@ CATCH_TEST_CASE(
   CATCH_CAPTURE(found.origin);
   const ScheduleSimulation again = simulate_schedule(found.schedule, options.stage_costs);
   CATCH_CHECK(again.makespan == found.simulation.makespan);
-  CATCH_CHECK(found.schedule.stages == 2 * n);
+  CATCH_CHECK(found.schedule.stages == per_rank * n);
   CATCH_CHECK(found.schedule.num_ranks() == n);
-  for (int64_t s = 0; s < 2 * n; ++s) {
-    CATCH_CHECK(found.schedule.stage_ranks[s] == (s < n ? s : 2 * n - 1 - s));
+  for (int64_t s = 0; s < per_rank * n; ++s) {
+    CATCH_CHECK(found.schedule.stage_ranks[s] == (v != 0 ? s % n : s < n ? s : 2 * n - 1 - s));
   }
   for (int64_t r = 0; r < n; ++r) {
     CATCH_CHECK(again.peak_in_flight[r] <= options.max_in_flight[r]);
@@ -135,16 +144,21 @@ CATCH_TEST_CASE(
   CATCH_CHECK(parse_schedule(schedule_text(found.schedule)).ranks == found.schedule.ranks);
 }
 
-CATCH_TEST_CASE("on a V the search shortens the best generated step on some uneven costs",
-                "[schedule][search][v_shape]") {
+CATCH_TEST_CASE(
+    "with several stages per rank (a V, interleaved) the search shortens the best generated step "
+    "on some uneven costs",
+    "[schedule][search][v_shape][interleaved]") {
   // Uneven stages with transfers and no memory limit, 2 or 3 ranks: where local improvement finds
-  // an order of its own it is strictly shorter than zbv and dualpipev.
+  // an order of its own it is strictly shorter than the placement's generated schedules.
+  const int64_t v = GENERATE(0, 2);  // 0: a V
+  CATCH_CAPTURE(v);
   int improved = 0;
   for (unsigned seed = 1; seed <= 20; ++seed) {
     std::mt19937 gen(seed);
     const int64_t n = 2 + seed % 2;
     ScheduleSearchOptions options;
-    options.v_shape = true;
+    options.v_shape = v == 0;
+    options.virtual_stages = v == 0 ? 1 : v;
     options.stage_costs = random_costs(gen, 2 * n, 0.3, 3.0, 0.5);
     const SearchedSchedule found = search_schedule(2 * n, options);
     CATCH_CHECK(found.simulation.makespan <= found.best_generated.makespan);
@@ -196,6 +210,21 @@ CATCH_TEST_CASE("search_schedule refuses bad options naming them", "[schedule][s
   CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
                           contains("a V has 2 stages per rank, but stage_costs has 3 entries; give "
                                    "an even number"));
+  options.virtual_stages = 2;
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("virtual_stages is 2 with v_shape; a V has its own 2 stages per "
+                                   "rank, give 1"));
+  options.v_shape = false;
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("interleaved over ranks of 2 stages each, but stage_costs has 3 "
+                                   "entries; give a multiple of 2 (at least 2 ranks)"));
+  options.stage_costs = {{}, {}, {}, {}, {}, {}};
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("interleaved over 3 ranks runs a multiple of 3 micro-batches (as "
+                                   "interleaved and zb1p do), got 4"));
+  options.virtual_stages = 0;
+  CATCH_CHECK_THROWS_WITH(search_schedule(4, options),
+                          contains("virtual_stages is 0; give 1 (one stage per rank) or more"));
 }
 
 }  // namespace
