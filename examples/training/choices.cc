@@ -101,22 +101,18 @@ void LoopTimes::clear() {
   loop_ms.clear();
 }
 
-namespace {
-
-double median_ms(std::vector<double> values) {
+double median_of(std::vector<double> values) {
   if (values.empty()) return 0;
   std::sort(values.begin(), values.end());
   const size_t k = values.size() / 2;
   return values.size() % 2 == 1 ? values[k] : (values[k - 1] + values[k]) / 2;
 }
 
-}  // namespace
-
 std::string plan_report(const PipelineShape& shape, const LoopTimes& times) {
   const double predicted = shape.predicted_step_ms + shape.predicted_optimizer_ms;
-  const double step = median_ms(times.step_ms);
-  const double optimizer = median_ms(times.optimizer_ms);
-  const double loop = median_ms(times.loop_ms);
+  const double step = median_of(times.step_ms);
+  const double optimizer = median_of(times.optimizer_ms);
+  const double loop = median_of(times.loop_ms);
   return absl::StrFormat(
       "%.1f ms per step predicted (%.1f the step, %.1f its optimizer); measured: the step %.1f ms, "
       "the optimizer %.1f ms, data and logging %.1f ms, %.1f ms in all (%+.1f%% against the "

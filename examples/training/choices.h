@@ -69,6 +69,9 @@ struct LoopTimes {
   void clear();
 };
 
+/// The median of `values`: the middle one, or the mean of the two middle ones (0 for none).
+double median_of(std::vector<double> values);
+
 /// A plan's prediction beside what the loop took, as the trainers print it (the medians):
 /// "66.1 ms per step predicted (65.6 the step, 0.5 its optimizer); measured: the step 74.1 ms,
 /// the optimizer 0.6 ms, data and logging 3.3 ms, 78.0 ms in all (-15.3% against the

@@ -364,13 +364,11 @@ int train_distributed(const TrainerModel& trainer) {
   if (reporter) {
     struct rusage usage {};
     getrusage(RUSAGE_SELF, &usage);
-    std::vector<double> sorted = step_ms;
-    std::sort(sorted.begin(), sorted.end());
     std::printf("summary: %d stages x %d replicas, balance {%s}; %.1f samples/s; the last epoch's "
                 "median step %.2f ms; test accuracy %.2f%%; %s in all; peak memory of the last "
                 "stage's process %.1f MiB\n",
                 stages, groups.replicas, absl::StrJoin(balance, ", ").c_str(), throughput,
-                sorted.empty() ? 0.0 : sorted[sorted.size() / 2], accuracy,
+                median_of(step_ms), accuracy,
                 duration(std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                              .count()).c_str(),
                 usage.ru_maxrss / 1024.0);

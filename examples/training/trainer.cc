@@ -218,14 +218,6 @@ double step_ms(const std::vector<TimelineEvent>& events) {
   return end <= start ? 0 : (end - start) / 1000;
 }
 
-// The median of `values` (0 for none).
-double median_of(std::vector<double> values) {
-  if (values.empty()) return 0;
-  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
-  std::nth_element(values.begin(), middle, values.end());
-  return *middle;
-}
-
 // --schedule=auto (Note [Searched plans] in balancing/plan.h): the planner's profile of the model
 // at the run's micro-batch size on `devices` (calibrated against whole-model steps, the CPU's
 // workers sharing its cores), a schedule searched on the partitions' F, I and W from it, each
