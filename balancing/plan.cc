@@ -637,6 +637,7 @@ std::string PipelinePlan::to_json() const {
                       {"optimizer_us", optimizer_us},
                       {"peak_bytes", peak_bytes},
                       {"devices", device_names(distinct_devices(devices))}};
+    if (optimizer) j["predicted"]["optimizer"] = optimizer_kind_name(*optimizer);
   }
   return j.dump(1);
 }
@@ -742,6 +743,10 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
       p.optimizer_us = json_field<double>(j["predicted"], "optimizer_us", who);
     }
     p.peak_bytes = json_field<std::vector<int64_t>>(j["predicted"], "peak_bytes", who);
+    // (Plans written before PipelinePlan::optimizer: unknown.)
+    if (j["predicted"].contains("optimizer")) {
+      p.optimizer = optimizer_kind(json_field<std::string>(j["predicted"], "optimizer", who));
+    }
   }
   return p;
 }
@@ -1018,6 +1023,7 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   plan.step_us = sim.step_us;
   plan.peak_bytes = sim.peak_bytes;
   plan.peak_bytes = with_device_overhead(profile, distinct_devices(plan.devices), sim.peak_bytes);
+  plan.optimizer = memory.optimizer;
   plan.optimizer_us = optimizer_step_us(profile.optimizers, memory.optimizer,
                                         stepped_parameters(profile, plan, memory), plan.processes);
   return sim;

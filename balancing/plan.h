@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -330,7 +331,8 @@ struct PipelinePlan {
   int64_t virtual_stages = 1;
   /// A searched schedule (Note [Searched plans]) as text (Note [Schedule text]), which step()
   /// runs instead of `schedule`'s generated one; empty for a generated schedule. `schedule` is
-  /// then kZeroBubble: the search's actions are F, I and W.
+  /// then kZeroBubble, or kZeroBubbleV in a V, or kInterleavedZeroBubble interleaved: the
+  /// search's actions are F, I and W.
   std::string schedule_text;
   /// Intra-op threads of each CPU worker.
   int64_t threads = 1;
@@ -348,6 +350,10 @@ struct PipelinePlan {
   /// Predicted: each distinct device's peak bytes (in the order of first appearance in
   /// `devices`).
   std::vector<int64_t> peak_bytes;
+  /// The optimizer the predictions are for (predict's ParameterMemory::optimizer, from
+  /// PlanOptions::optimizer): its moments are in peak_bytes and its step is optimizer_us. Unset
+  /// before a prediction, and in plan files written before it.
+  c10::optional<OptimizerKind> optimizer;
 
   /// The options to build this pipeline with.
   ///

@@ -576,7 +576,7 @@ int run() {
   if (!absl::GetFlag(FLAGS_svg).empty()) model->write_timeline_svg(absl::GetFlag(FLAGS_svg));
   if (shape.predicted_step_ms > 0) {
     std::printf("plan: %s (validation left out)\n",
-                training::plan_report(shape, loop_times).c_str());
+                training::plan_report(shape, loop_times, "adamw").c_str());
   }
   std::printf("\nsamples (temperature %.2f):\n", absl::GetFlag(FLAGS_temperature));
   for (const char* prompt : {"Q: ", "The ", "A "}) {

@@ -88,6 +88,7 @@ PipelineShape apply_plan(PipelineShape flags, const std::string& plan_path) {
   shape.schedule_text = plan.schedule_text;
   shape.predicted_step_ms = plan.step_us / 1000;
   shape.predicted_optimizer_ms = plan.optimizer_us / 1000;
+  if (plan.optimizer) shape.planned_optimizer = optimizer_kind_name(*plan.optimizer);
   shape.virtual_stages = plan.virtual_stages;
   shape.threads = plan.threads;
   shape.balance = plan.balance;
@@ -108,17 +109,24 @@ double median_of(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[k] : (values[k - 1] + values[k]) / 2;
 }
 
-std::string plan_report(const PipelineShape& shape, const LoopTimes& times) {
+std::string plan_report(const PipelineShape& shape, const LoopTimes& times,
+                        const std::string& optimizer) {
   const double predicted = shape.predicted_step_ms + shape.predicted_optimizer_ms;
   const double step = median_of(times.step_ms);
-  const double optimizer = median_of(times.optimizer_ms);
+  const double stepped = median_of(times.optimizer_ms);
   const double loop = median_of(times.loop_ms);
-  return absl::StrFormat(
+  std::string out = absl::StrFormat(
       "%.1f ms per step predicted (%.1f the step, %.1f its optimizer); measured: the step %.1f ms, "
       "the optimizer %.1f ms, data and logging %.1f ms, %.1f ms in all (%+.1f%% against the "
       "prediction)",
-      predicted, shape.predicted_step_ms, shape.predicted_optimizer_ms, step, optimizer,
-      std::max(0.0, loop - step - optimizer), loop, 100 * (predicted - loop) / loop);
+      predicted, shape.predicted_step_ms, shape.predicted_optimizer_ms, step, stepped,
+      std::max(0.0, loop - step - stepped), loop, 100 * (predicted - loop) / loop);
+  if (!shape.planned_optimizer.empty() && shape.planned_optimizer != optimizer) {
+    absl::StrAppend(&out, "; the plan predicted ", shape.planned_optimizer,
+                    "'s step and memory, but this trainer steps ", optimizer,
+                    " (plan with balance --optimizer=", optimizer, ")");
+  }
+  return out;
 }
 
 PipelineSchedule schedule_of(const PipelineShape& shape) {

@@ -54,6 +54,9 @@ struct PipelineShape {
   /// A plan's predicted optimizer step after it (PipelinePlan::optimizer_us), milliseconds; 0
   /// without a plan or that prediction.
   double predicted_optimizer_ms = 0;
+  /// The optimizer a plan's predictions are for (optimizer_kind_name; PipelinePlan::optimizer);
+  /// empty without a plan or where its file does not say.
+  std::string planned_optimizer;
 };
 
 /// What step() runs for `shape`: its searched schedule's text, or its schedule kind with its
@@ -75,8 +78,10 @@ double median_of(std::vector<double> values);
 /// A plan's prediction beside what the loop took, as the trainers print it (the medians):
 /// "66.1 ms per step predicted (65.6 the step, 0.5 its optimizer); measured: the step 74.1 ms,
 /// the optimizer 0.6 ms, data and logging 3.3 ms, 78.0 ms in all (-15.3% against the
-/// prediction)".
-std::string plan_report(const PipelineShape& shape, const LoopTimes& times);
+/// prediction)"; and where the plan was made for another optimizer than `optimizer`, the one the
+/// trainer steps (an optimizer_kind_name), which and how to plan for this one.
+std::string plan_report(const PipelineShape& shape, const LoopTimes& times,
+                        const std::string& optimizer);
 
 /// `flags` with the plan in --plan's file (//balancing:balance --plan --plan_out=<file>) in their
 /// place when `plan_path` is not empty. Throws c10::Error naming the file when it cannot be read

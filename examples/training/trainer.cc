@@ -573,7 +573,7 @@ int train(const TrainerModel& trainer) {
         "plan: %.1f ms per step predicted; the last epoch's steps took %.1f ms on their "
         "timelines (the median; the last %.1f ms)\n",
         shape.predicted_step_ms, median_of(spans), step_ms(last_forward));
-    std::printf("plan: %s\n", training::plan_report(shape, loop_times).c_str());
+    std::printf("plan: %s\n", training::plan_report(shape, loop_times, "adam").c_str());
   }
   std::printf("parameters: %s (a checksum of the trained parameters and buffers)\n",
               parameters_digest(*pipe).c_str());

@@ -5,10 +5,13 @@
 #include "tests/gpipe/test_util.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 #include "balancing/optimizer_cost.h"
 #include "balancing/plan.h"
+#include "examples/training/choices.h"
 
 namespace gpipe {
 namespace testing {
@@ -201,6 +204,48 @@ CATCH_TEST_CASE("A plan's optimizer step is counted from each stage's trainable 
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(std::max(7.0 * t0 + static_cast<double>(b0) / 500,
                                                 7.0 * t1 + static_cast<double>(b1) / 500)));
+}
+
+CATCH_TEST_CASE("A plan says which optimizer it was predicted for, and a trainer's report says "
+                "when it steps another",
+                "[balancing][optimizer][plan]") {
+  nn::Sequential model(nn::Linear(8, 8), nn::Tanh(), nn::Linear(8, 2));
+  const PipelineProfile profile = profile_of(model, at::randn({4, 8}),
+                                             {stats(kCpu, OptimizerKind::kAdam, 7, 500)});
+  PipelinePlan p = cpu_plan({1, 2}, 2);
+  CATCH_CHECK(!p.optimizer.has_value());  // not predicted yet
+  predict(profile, p, OptimizerKind::kAdamW);
+  CATCH_REQUIRE(p.optimizer.has_value());
+  CATCH_CHECK(*p.optimizer == OptimizerKind::kAdamW);
+  CATCH_CHECK(p.optimizer_us == 0);  // AdamW unmeasured in this profile: not Adam's numbers
+  predict(profile, p, OptimizerKind::kAdam);
+  CATCH_CHECK(*p.optimizer == OptimizerKind::kAdam);
+  const PipelinePlan back = PipelinePlan::from_json(p.to_json());
+  CATCH_REQUIRE(back.optimizer.has_value());
+  CATCH_CHECK(*back.optimizer == OptimizerKind::kAdam);
+  // A file without it (written before): unknown, and the report says nothing of it.
+  std::string text = p.to_json();
+  const std::string field = ",\n  \"optimizer\": \"adam\"";
+  CATCH_REQUIRE(text.find(field) != std::string::npos);
+  text.erase(text.find(field), field.size());
+  CATCH_CHECK(!PipelinePlan::from_json(text).optimizer.has_value());
+  // The trainers' report (examples/training/choices.h), from the plan's file.
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "gpipe_optimizer_cost_test_plan.json").string();
+  std::ofstream(path) << p.to_json();
+  const training::PipelineShape shape = training::apply_plan({}, path);
+  CATCH_CHECK(shape.planned_optimizer == "adam");
+  training::LoopTimes times;
+  times.step_ms = {10};
+  times.optimizer_ms = {1};
+  times.loop_ms = {12};
+  const std::string same = training::plan_report(shape, times, "adam");
+  const std::string other = training::plan_report(shape, times, "adamw");
+  CATCH_CHECK(same.find("the plan predicted") == std::string::npos);
+  CATCH_CHECK_THAT(other, gpipe_test::contains("; the plan predicted adam's step and memory, but "
+                                               "this trainer steps adamw (plan with balance "
+                                               "--optimizer=adamw)"));
+  CATCH_CHECK(other.rfind(same, 0) == 0);  // the same report before it
 }
 
 CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps where they were "
