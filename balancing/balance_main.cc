@@ -28,6 +28,7 @@
 #include "balancing/plan.h"
 #if GPIPE_WITH_DISTRIBUTED
 #include "balancing/gloo_link.h"
+#include "balancing/nccl_link.h"
 #endif
 #include "gpipe/trace.h"
 #include "examples/models/registry.h"
@@ -76,6 +77,14 @@ ABSL_FLAG(std::string, process_link, "",
           "with --processes or --replicas: the link between processes as LATENCY_US,BYTES_PER_US,"
           "ALLREDUCE_STEP_US,ALLREDUCE_BYTES_PER_US (a network's numbers); empty: measured on Gloo "
           "over this machine's loopback, unless the profile (--profile_in) has one");
+ABSL_FLAG(std::string, backend, "gloo",
+          "with --processes: what the stages send on (the trainers' --backend): gloo (through the "
+          "CPU where a stage is on a GPU) or nccl (GPU to GPU, for plans whose stages are all on "
+          "GPUs: measured between the first two GPUs of --devices, or --nccl_link's numbers)");
+ABSL_FLAG(std::string, nccl_link, "",
+          "with --backend=nccl: the link between GPUs on NCCL as LATENCY_US,BYTES_PER_US,"
+          "ALLREDUCE_STEP_US,ALLREDUCE_BYTES_PER_US; empty: measured, unless the profile "
+          "(--profile_in) has one");
 ABSL_FLAG(int64_t, shared_memory, int64_t{8} << 20,
           "with --processes: the bytes of each ring in shared memory between stages on this "
           "machine, as PipelineStageOptions::shared_memory (a message that an empty ring always "
@@ -127,22 +136,62 @@ void add_cpu_copies(gpipe::PipelineProfile& profile) {
   }
 }
 
+// Four numbers LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,ALLREDUCE_BYTES_PER_US from `flag`'s
+// `given` value into `link` (ProcessLinkStats or GpuLinkStats).
+template <typename Link>
+void parse_link(const char* flag, const std::string& given, Link& link) {
+  const std::vector<std::string> parts = absl::StrSplit(given, ',');
+  TORCH_CHECK(parts.size() == 4 && absl::SimpleAtod(parts[0], &link.latency_us) &&
+                  absl::SimpleAtod(parts[1], &link.bytes_per_us) &&
+                  absl::SimpleAtod(parts[2], &link.allreduce_step_us) &&
+                  absl::SimpleAtod(parts[3], &link.allreduce_bytes_per_us) &&
+                  link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(),
+              flag, " must be four numbers, LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,"
+              "ALLREDUCE_BYTES_PER_US (latencies 0 or more, bandwidths positive), got '", given,
+              "'");
+}
+
+// --backend=nccl: --nccl_link's numbers, or NCCL's link measured between the first two GPUs of
+// the profile's devices, into `profile` (unless it has one and the flag is empty).
+void set_nccl_link(gpipe::PipelineProfile& profile) {
+  gpipe::GpuLinkStats& nccl = profile.process_link.nccl;
+  if (absl::GetFlag(FLAGS_backend) == "gloo") {
+    nccl = gpipe::GpuLinkStats{};  // (every plan on Gloo, as its stages will send)
+    return;
+  }
+  const std::string given = absl::GetFlag(FLAGS_nccl_link);
+  if (!given.empty()) {
+    parse_link("--nccl_link", given, nccl);
+    return;
+  }
+  if (nccl.measured()) return;  // a profile's (--profile_in)
+  std::vector<c10::Device> gpus;
+  for (const c10::Device& d : profile.devices) {
+    if (d.is_cuda() && std::find(gpus.begin(), gpus.end(), d) == gpus.end()) gpus.push_back(d);
+  }
+  TORCH_CHECK(gpus.size() >= 2, "--backend=nccl measures NCCL between two GPUs, but --devices has ",
+              gpus.size(), "; give two or more (cuda:0,cuda:1), or the link's numbers "
+              "(--nccl_link)");
+#if GPIPE_WITH_DISTRIBUTED
+  nccl = gpipe::measure_nccl_link(gpus[0], gpus[1]);
+  std::printf("link between GPUs (NCCL, %s and %s): messages %.1f us + %.0f MB/s; all-reduce "
+              "steps %.1f us + %.0f MB/s\n",
+              gpus[0].str().c_str(), gpus[1].str().c_str(), nccl.latency_us, nccl.bytes_per_us,
+              nccl.allreduce_step_us, nccl.allreduce_bytes_per_us);
+#else
+  TORCH_CHECK(false, "--backend=nccl needs gpipe::distributed, which this balance was built "
+              "without; give --nccl_link");
+#endif
+}
+
 // --process_link's numbers, or the Gloo link measured, into `profile` (unless it has one and the
 // flag is empty).
-void set_process_link(gpipe::PipelineProfile& profile) {
+void set_gloo_link(gpipe::PipelineProfile& profile) {
   add_cpu_copies(profile);
   const std::string given = absl::GetFlag(FLAGS_process_link);
   if (!given.empty()) {
-    const std::vector<std::string> parts = absl::StrSplit(given, ',');
     gpipe::ProcessLinkStats& link = profile.process_link;
-    TORCH_CHECK(parts.size() == 4 && absl::SimpleAtod(parts[0], &link.latency_us) &&
-                    absl::SimpleAtod(parts[1], &link.bytes_per_us) &&
-                    absl::SimpleAtod(parts[2], &link.allreduce_step_us) &&
-                    absl::SimpleAtod(parts[3], &link.allreduce_bytes_per_us) &&
-                    link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(),
-                "--process_link must be four numbers, LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,"
-                "ALLREDUCE_BYTES_PER_US (latencies 0 or more, bandwidths positive), got '",
-                given, "'");
+    parse_link("--process_link", given, link);
     link.ring = gpipe::RingLinkStats{};  // (a network's: the stages are on other machines)
     return;
   }
@@ -176,6 +225,15 @@ void set_process_link(gpipe::PipelineProfile& profile) {
   TORCH_CHECK(false, "--processes and --replicas need the link between processes: this balance "
               "was built without gpipe::distributed (Gloo's headers), so give --process_link");
 #endif
+}
+
+// The links between processes into `profile`: Gloo's, then NCCL's (--backend).
+void set_process_link(gpipe::PipelineProfile& profile) {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  TORCH_CHECK(backend == "gloo" || backend == "nccl", "--backend is '", backend,
+              "'; give gloo or nccl");
+  set_gloo_link(profile);
+  set_nccl_link(profile);
 }
 
 // --plan: profile (or read a profile), plan, print the best plans, write the best.

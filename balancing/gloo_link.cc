@@ -2,6 +2,7 @@
 // measured; see Note [Costs between processes] in process_link.h.
 #include "balancing/gloo_link.h"
 #include "balancing/internal/detail.h"
+#include "balancing/internal/link_timing.h"
 
 #include <unistd.h>
 
@@ -32,32 +33,6 @@ namespace {
 using Group = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
 using Clock = std::chrono::steady_clock;
 
-// Rank `rank`'s half of the measurement: for each size, ping-pongs (rank 0 sends, rank 1 sends
-// back; half the round trip is one message) and all-reduces, `repeats` timed rounds after an
-// untimed one. Rank 0's times go to `times`: [size][0] messages, [size][1] all-reduces.
-void measure_rank(const Group& group, int rank, const std::vector<int64_t>& sizes, int repeats,
-                  std::vector<std::vector<std::vector<double>>>& times) {
-  for (size_t s = 0; s < sizes.size(); ++s) {
-    std::vector<at::Tensor> t{at::zeros({sizes[s] / 4}, at::kFloat)};
-    for (int r = 0; r <= repeats; ++r) {
-      const auto start = Clock::now();
-      if (rank == 0) {
-        group->send(t, 1, 0)->wait();
-        group->recv(t, 1, 0)->wait();
-      } else {
-        group->recv(t, 0, 0)->wait();
-        group->send(t, 0, 0)->wait();
-      }
-      const auto pinged = Clock::now();
-      group->allreduce(t)->wait();
-      const auto reduced = Clock::now();
-      if (rank != 0 || r == 0) continue;
-      times[s][0].push_back(std::chrono::duration<double, std::micro>(pinged - start).count() / 2);
-      times[s][1].push_back(std::chrono::duration<double, std::micro>(reduced - pinged).count());
-    }
-  }
-}
-
 }  // namespace
 
 ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
@@ -69,38 +44,14 @@ ProcessLinkStats measure_gloo_link(int64_t large_bytes, int repeats) {
   // (A rank that failed leaves the other waiting at most this long: in the store, or in Gloo.)
   const std::chrono::seconds timeout(60);
   store->setTimeout(timeout);
-  std::vector<std::vector<std::vector<double>>> times(sizes.size(),
-                                                      std::vector<std::vector<double>>(2));
-  std::vector<std::exception_ptr> errors(2);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-        const Group group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
-        measure_rank(group, rank, sizes, repeats, times);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (std::thread& t : ranks) t.join();
-  for (const std::exception_ptr& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  const double message_small = internal::median(times[0][0]);
-  const double message_large = internal::median(times[1][0]);
-  const double reduce_small = internal::median(times[0][1]);
-  const double reduce_large = internal::median(times[1][1]);
-  const double bytes = static_cast<double>(large_bytes - 4);
-  ProcessLinkStats link;
-  link.latency_us = message_small;
-  link.bytes_per_us = bytes / std::max(message_large - message_small, 1e-3);
-  // Two ranks: 2 alpha + bytes / beta (Note [Costs between processes]).
-  link.allreduce_step_us = reduce_small / 2;
-  link.allreduce_bytes_per_us = bytes / std::max(reduce_large - reduce_small, 1e-3);
-  return link;
+  internal::LinkTimes times(sizes.size(), std::vector<std::vector<double>>(2));
+  internal::on_two_ranks([&](int rank) {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    const Group group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, 2, options);
+    internal::time_link_rank(group, rank, sizes, repeats, at::TensorOptions(), [] {}, times);
+  });
+  return internal::fit_link<ProcessLinkStats>(times, large_bytes);
 }
 
 namespace {

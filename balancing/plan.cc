@@ -252,6 +252,13 @@ std::string PipelineProfile::to_json() const {
                          {"bytes_per_us", process_link.bytes_per_us},
                          {"allreduce_step_us", process_link.allreduce_step_us},
                          {"allreduce_bytes_per_us", process_link.allreduce_bytes_per_us}};
+    if (process_link.nccl.measured()) {
+      j["process_link"]["nccl"] = {
+          {"latency_us", process_link.nccl.latency_us},
+          {"bytes_per_us", process_link.nccl.bytes_per_us},
+          {"allreduce_step_us", process_link.nccl.allreduce_step_us},
+          {"allreduce_bytes_per_us", process_link.nccl.allreduce_bytes_per_us}};
+    }
     if (process_link.ring.measured()) {
       j["process_link"]["ring"] = {{"latency_us", process_link.ring.latency_us},
                                    {"bytes_per_us", process_link.ring.bytes_per_us},
@@ -366,6 +373,20 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
                   "ring must have a latency not negative and bytes_per_us and max_message "
                   "positive, got ", link.ring.latency_us, ", ", link.ring.bytes_per_us, " and ",
                   link.ring.max_message);
+    }
+    // (Profiles without NCCL's numbers: every plan on Gloo.)
+    if (l.contains("nccl")) {
+      const json& n = l["nccl"];
+      GpuLinkStats& nccl = link.nccl;
+      nccl.latency_us = json_field<double>(n, "latency_us", who);
+      nccl.bytes_per_us = json_field<double>(n, "bytes_per_us", who);
+      nccl.allreduce_step_us = json_field<double>(n, "allreduce_step_us", who);
+      nccl.allreduce_bytes_per_us = json_field<double>(n, "allreduce_bytes_per_us", who);
+      TORCH_CHECK(nccl.latency_us >= 0 && nccl.allreduce_step_us >= 0 && nccl.measured(), who,
+                  ": the process link's nccl must have latencies not negative and bytes_per_us "
+                  "and allreduce_bytes_per_us positive, got ", nccl.latency_us, ", ",
+                  nccl.allreduce_step_us, ", ", nccl.bytes_per_us, " and ",
+                  nccl.allreduce_bytes_per_us);
     }
   }
   return p;
@@ -538,10 +559,18 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   // Note [Device overhead]: measured on the first GPU among the devices, if any.
   const auto gpu = std::find_if(devices.begin(), devices.end(),
                                 [](const c10::Device& d) { return d.is_cuda(); });
-  if (gpu != devices.end()) internal::reset_peak_memory(*gpu);
   const int before = at::get_num_threads();
   set_intra_op_threads(static_cast<int>(p.threads));
   try {
+    // (With each worker's threads, which the trainers' --plan sets for the whole process, the
+    // loop's optimizer included: Note [The optimizer's step]. First, and its cached blocks
+    // released: its large tensors are not the model's, and stay out of Note [Device overhead]'s
+    // peaks.)
+    p.optimizers = profile_optimizers(devices, &model);
+    if (gpu != devices.end()) {
+      internal::release_cached_memory(*gpu);
+      internal::reset_peak_memory(*gpu);
+    }
     for (int64_t b : std::vector<int64_t>{low, middle, high}) {
       if (!p.sizes.empty() && p.sizes.back().batch == b) continue;
       p.sizes.push_back(profile_layers(
@@ -559,9 +588,6 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
       }
       p.other_kinds.push_back(std::move(kind));
     }
-    // (With each worker's threads, which the trainers' --plan sets for the whole process, the
-    // loop's optimizer included: Note [The optimizer's step].)
-    p.optimizers = profile_optimizers(devices, &model);
     // With CPU partitions: what their workers give together.
     const int64_t workers = std::min<int64_t>(
         static_cast<int64_t>(std::count(devices.begin(), devices.end(), c10::Device(c10::kCPU))),
@@ -849,15 +875,30 @@ int64_t gradient_bytes(const std::vector<LayerStats>& ls) {
   return bytes;
 }
 
+// Whether `plan` runs on NCCL (Note [Costs between processes]): the profile has its numbers, and
+// every stage is on a GPU in a process of its own.
+bool on_nccl(const PipelineProfile& profile, const PipelinePlan& plan) {
+  return plan.processes && profile.process_link.nccl.measured() &&
+         std::all_of(plan.devices.begin(), plan.devices.end(),
+                     [](const c10::Device& d) { return d.is_cuda(); });
+}
+
 // A stage's output of `bytes` sent from `from` to `to` in another process, through a ring in shared
 // memory or on Gloo (Note [Stages and replicas in the plan]): through the CPU where either is a
-// GPU.
+// GPU; or, `nccl`, from GPU to GPU on NCCL.
 double message_us(const PipelineProfile& profile, c10::Device from, c10::Device to,
-                  int64_t bytes) {
+                  int64_t bytes, bool nccl) {
+  if (nccl) return profile.process_link.nccl.message_us(bytes);
   const c10::Device cpu(c10::kCPU);
   return profile.copy_us(from, from.is_cpu() ? from : cpu, bytes) +
          profile.process_link.message_us(bytes) +
          profile.copy_us(to.is_cpu() ? to : cpu, to, bytes);
+}
+
+// An all-reduce of `bytes` over `plan`'s replicas, on NCCL or Gloo.
+double allreduce_us(const PipelineProfile& profile, const PipelinePlan& plan, int64_t bytes) {
+  return on_nccl(profile, plan) ? profile.process_link.nccl.allreduce_us(bytes, plan.replicas)
+                                : profile.process_link.allreduce_us(bytes, plan.replicas);
 }
 
 // Stage s's costs over its layers `ls` at micro-batch size b, all but its lane and device; adds
@@ -904,13 +945,13 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
     const bool between_processes = plan.processes && stage_rank(plan.schedule, s, lanes) !=
                                                          stage_rank(plan.schedule, s + 1, lanes);
     c.copy_us = between_processes
-                    ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes)
+                    ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes,
+                                 on_nccl(profile, plan))
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
   }
   if (plan.replicas > 1 && plan.processes) {
     // The gradients, and which of them exist (Note [Stages and replicas in the plan]).
-    c.allreduce_us = profile.process_link.allreduce_us(gradient_bytes(ls), plan.replicas) +
-                     profile.process_link.allreduce_us(4, plan.replicas);
+    c.allreduce_us = allreduce_us(profile, plan, gradient_bytes(ls)) + allreduce_us(profile, plan, 4);
   }
   return c;
 }
@@ -959,7 +1000,7 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   }
   if (plan.replicas > 1 && !plan.processes) {
     // One process's pipeline replicated: all of its gradients on one group, after the step.
-    costs.step_allreduce_us = profile.process_link.allreduce_us(gradients, plan.replicas);
+    costs.step_allreduce_us = allreduce_us(profile, plan, gradients);
   }
   return costs;
 }

@@ -19,15 +19,39 @@ double ProcessLinkStats::message_us(int64_t bytes) const {
   return past_ring + latency_us + static_cast<double>(bytes) / bytes_per_us;
 }
 
-double ProcessLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
+namespace {
+
+// A ring all-reduce over `replicas` ranks: 2(r - 1) steps of alpha, each moving bytes / r at beta
+// (Note [Costs between processes]).
+double ring_allreduce_us(double alpha_us, double beta, int64_t bytes, int64_t replicas,
+                         const char* measure) {
   TORCH_CHECK(replicas >= 1, "gpipe::ProcessLinkStats: ", replicas, " replicas; give 1 or more");
   if (replicas == 1 || bytes <= 0) return 0;
-  TORCH_CHECK(allreduce_bytes_per_us > 0, "gpipe::ProcessLinkStats: the all-reduce between "
-              "processes was not measured (allreduce_bytes_per_us ", allreduce_bytes_per_us,
-              "); measure it with gpipe::measure_gloo_link() or give its numbers");
+  TORCH_CHECK(beta > 0, "gpipe::ProcessLinkStats: the all-reduce between processes was not "
+              "measured (allreduce_bytes_per_us ", beta, "); measure it with gpipe::", measure,
+              "() or give its numbers");
   const double steps = 2.0 * static_cast<double>(replicas - 1);
-  return steps * allreduce_step_us + steps / static_cast<double>(replicas) *
-                                         static_cast<double>(bytes) / allreduce_bytes_per_us;
+  return steps * alpha_us + steps / static_cast<double>(replicas) * static_cast<double>(bytes) / beta;
+}
+
+}  // namespace
+
+double ProcessLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
+  return ring_allreduce_us(allreduce_step_us, allreduce_bytes_per_us, bytes, replicas,
+                           "measure_gloo_link");
+}
+
+double GpuLinkStats::message_us(int64_t bytes) const {
+  if (bytes <= 0) return 0;
+  TORCH_CHECK(bytes_per_us > 0, "gpipe::GpuLinkStats: the link between GPUs on NCCL was not "
+              "measured (bytes_per_us ", bytes_per_us, "); measure it with "
+              "gpipe::measure_nccl_link() or give its numbers");
+  return 2 * latency_us + static_cast<double>(bytes) / bytes_per_us;
+}
+
+double GpuLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
+  return ring_allreduce_us(allreduce_step_us, allreduce_bytes_per_us, bytes, replicas,
+                           "measure_nccl_link");
 }
 
 }  // namespace gpipe

@@ -35,7 +35,15 @@ namespace gpipe {
 // prefix and the activations' header), and beyond it a record through the ring that says so plus
 // the header and the data on Gloo. The planner assumes the reader keeps up, so that a message
 // never finds its ring too full, and counts gradients (which have no header) as activations.
-// NCCL (GPU to GPU) is not measured here.
+// Stages whose processes all hold a GPU may instead send on NCCL (GroupOptions::backend("nccl"),
+// the trainers' --backend=nccl): GPU memory to GPU memory, without the copies through the CPU and
+// without rings, and the replicas' all-reduces on NCCL's ring. measure_nccl_link() (nccl_link.h)
+// measures it between two GPUs of this machine as measure_gloo_link() measures Gloo (two ranks,
+// each a thread with its own GPU; the host waits for each operation's stream), and a profile that
+// has those numbers (ProcessLinkStats::nccl) plans every plan of a process per worker whose
+// stages are all on GPUs on NCCL (one pipeline per process, replicated, stays on Gloo): an activation costs its header's and its data's messages, 2 latency_us + bytes /
+// bytes_per_us; an all-reduce the same ring as Gloo's on NCCL's alpha and beta. Plans with a stage
+// on the CPU stay on Gloo (an NCCL group carries GPU tensors only).
 
 /// What a message through a ring in shared memory costs between processes on one machine (Note
 /// [Costs between processes]).
@@ -53,6 +61,26 @@ struct RingLinkStats {
   bool measured() const { return bytes_per_us > 0 && max_message > 0; }
 };
 
+/// What messages and all-reduces cost between GPUs of two processes on NCCL (Note [Costs
+/// between processes]).
+struct GpuLinkStats {
+  /// A message's fixed cost, microseconds (4 bytes sent one way).
+  double latency_us = 0;
+  /// A message's bytes per microsecond beyond its latency; 0: not measured.
+  double bytes_per_us = 0;
+  /// An all-reduce's fixed cost per ring step, microseconds (alpha).
+  double allreduce_step_us = 0;
+  /// An all-reduce's bytes per microsecond on each ring step (beta).
+  double allreduce_bytes_per_us = 0;
+
+  /// Whether the link was measured (or given).
+  bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }
+  /// The time of an activation of `bytes` (0 for none): its header's message and its data's.
+  double message_us(int64_t bytes) const;
+  /// The time of an all-reduce of `bytes` over `replicas` ranks (NCCL's ring; 0 for one rank).
+  double allreduce_us(int64_t bytes, int64_t replicas) const;
+};
+
 /// What messages and all-reduces cost between processes (Note [Costs between processes]).
 struct ProcessLinkStats {
   /// A message's fixed cost, microseconds (a 4-byte message sent one way).
@@ -67,6 +95,10 @@ struct ProcessLinkStats {
   /// Messages through rings in shared memory, where the processes are on one machine; none (not
   /// measured): every message on Gloo.
   RingLinkStats ring;
+
+  /// Messages and all-reduces between GPUs on NCCL, for plans whose stages are all on GPUs; none
+  /// (not measured): those too on Gloo, through the CPU.
+  GpuLinkStats nccl;
 
   /// Whether the link was measured (or given).
   bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }

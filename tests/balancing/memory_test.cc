@@ -320,6 +320,11 @@ CATCH_TEST_CASE("profiling on a GPU measures its context and its allocator's res
   CATCH_CHECK(profile.device_context_bytes > (int64_t{64} << 20));
   CATCH_CHECK(profile.allocator_reserve >= 1);
   CATCH_CHECK(profile.allocator_reserve < 1000);
+  // The reserve is the model's: the optimizer's profile (a GPU's 256 MiB tensor with its gradient
+  // and moments, Note [The optimizer's step]) is out of the peaks it is measured over.
+  CATCH_CHECK(profile.optimizers.size() == optimizer_kinds().size());
+  CATCH_CHECK(internal::device_memory_use(c10::Device("cuda:0")).peak_allocated <
+              (int64_t{256} << 20));
 }
 
 CATCH_TEST_CASE(

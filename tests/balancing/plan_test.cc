@@ -940,6 +940,82 @@ CATCH_TEST_CASE("An all-reduce over replicas costs Gloo's ring, and a message it
   CATCH_CHECK_THROWS_WITH(none.allreduce_us(8, 2), gpipe_test::contains("measure_gloo_link"));
 }
 
+CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduce on NCCL where "
+                "the profile has its numbers, others on Gloo",
+                "[balancing][plan][replicas][nccl]") {
+  GpuLinkStats nccl;
+  CATCH_CHECK(!nccl.measured());
+  CATCH_CHECK_THROWS_WITH(nccl.message_us(8), gpipe_test::contains("measure_nccl_link"));
+  CATCH_CHECK_THROWS_WITH(nccl.allreduce_us(8, 2), gpipe_test::contains("measure_nccl_link"));
+  nccl = {4, 100000, 3, 50000};
+  CATCH_CHECK(nccl.message_us(0) == 0);
+  // A header's message and the data's: 2 x 4 us + 200000 B at 100000 B/us.
+  CATCH_CHECK(nccl.message_us(200000) == gpipe_test::Approx(2 * 4 + 2.0));
+  CATCH_CHECK(nccl.allreduce_us(200000, 4) == gpipe_test::Approx(6 * 3 + 1.5 * 200000 / 50000));
+
+  PipelineProfile gpus = cpu_and_gpus(4, 2, 4.0);
+  for (LayerProfile& lp : gpus.sizes) {
+    for (LayerStats& l : lp.layers) l.trainable_param_bytes = l.param_bytes = 40000;
+  }
+  for (PipelineProfile::DeviceKind& kind : gpus.other_kinds) {
+    for (LayerProfile& lp : kind.sizes) {
+      for (LayerStats& l : lp.layers) l.trainable_param_bytes = l.param_bytes = 40000;
+    }
+  }
+  gpus.process_link = round_link();
+  PipelinePlan g;
+  g.balance = {1, 3};
+  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+  g.chunks = 4;
+  g.checkpoint = Checkpoint::kNever;
+  g.processes = true;
+  g.replicas = 4;
+  const int64_t out = gpus.layer(0, 8, g.devices[0]).output_bytes;
+  const PipelineCosts on_gloo = pipeline_costs(gpus, g, ParameterMemory{});
+  gpus.process_link.nccl = nccl;
+  const PipelineCosts on_nccl = pipeline_costs(gpus, g, ParameterMemory{});
+  // GPU to GPU: no copies through the CPU, no rings, NCCL's numbers.
+  CATCH_CHECK(on_nccl.stages[0].copy_us == gpipe_test::Approx(nccl.message_us(out)));
+  CATCH_CHECK(on_gloo.stages[0].copy_us > on_nccl.stages[0].copy_us);
+  for (size_t s = 0; s < 2; ++s) {
+    CATCH_CHECK(on_nccl.stages[s].allreduce_us ==
+                gpipe_test::Approx(nccl.allreduce_us(40000 * g.balance[s], 4) +
+                                   nccl.allreduce_us(4, 4)));
+  }
+  CATCH_CHECK(predict(gpus, g).step_us < [&] {
+    PipelineProfile gloo = gpus;
+    gloo.process_link.nccl = GpuLinkStats{};
+    return predict(gloo, g).step_us;
+  }());
+  // A stage on the CPU: an NCCL group carries GPU tensors only, so the plan stays on Gloo.
+  PipelinePlan mixed = g;
+  mixed.devices = {c10::Device(c10::kCPU), c10::Device(c10::kCUDA, 0)};
+  gpus.process_link.nccl = GpuLinkStats{};
+  const PipelineCosts mixed_gloo = pipeline_costs(gpus, mixed, ParameterMemory{});
+  gpus.process_link.nccl = nccl;
+  const PipelineCosts mixed_nccl = pipeline_costs(gpus, mixed, ParameterMemory{});
+  CATCH_CHECK(mixed_nccl.stages[0].copy_us == mixed_gloo.stages[0].copy_us);
+  CATCH_CHECK(mixed_nccl.stages[0].allreduce_us == mixed_gloo.stages[0].allreduce_us);
+  // One process's pipeline, replicated: on Gloo.
+  PipelinePlan one = g;
+  one.processes = false;
+  CATCH_CHECK(pipeline_costs(gpus, one, ParameterMemory{}).step_allreduce_us ==
+              gpipe_test::Approx(gpus.process_link.allreduce_us(4 * 40000, 4)));
+  // It survives JSON, and is checked.
+  const std::string text = gpus.to_json();
+  const GpuLinkStats back = PipelineProfile::from_json(text).process_link.nccl;
+  CATCH_CHECK(back.latency_us == 4);
+  CATCH_CHECK(back.bytes_per_us == 100000);
+  CATCH_CHECK(back.allreduce_step_us == 3);
+  CATCH_CHECK(back.allreduce_bytes_per_us == 50000);
+  std::string bad = text;
+  const std::string field = "\"allreduce_bytes_per_us\": 50000";
+  CATCH_REQUIRE(bad.find(field) != std::string::npos);
+  bad.replace(bad.find(field), field.size(), "\"allreduce_bytes_per_us\": 0");
+  CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(bad),
+                          gpipe_test::contains("nccl must have latencies not negative"));
+}
+
 CATCH_TEST_CASE("Each worker's step ends with its stages' all-reduces after its last action",
                 "[balancing][plan][simulate][replicas]") {
   // GPipe, 2 stages, 1 micro-batch: F0 [0, 1], F1 [1, 2], B1 [2, 4], B0 [4, 6].

@@ -14,6 +14,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "balancing/gloo_link.h"
+#include "balancing/nccl_link.h"
+#include "gpipe/distributed/process_group.h"
 
 namespace gpipe {
 namespace testing {
@@ -33,6 +35,41 @@ CATCH_TEST_CASE("measure_gloo_link measures messages and all-reduces between two
   CATCH_CHECK(link.allreduce_us(int64_t{4} << 20, 2) > link.allreduce_us(4, 2));
   CATCH_CHECK_THROWS_WITH(measure_gloo_link(100), gpipe_test::contains("large_bytes 100"));
   CATCH_CHECK_THROWS_WITH(measure_gloo_link(4096, 0), gpipe_test::contains("repeats 0"));
+}
+
+CATCH_TEST_CASE("measure_nccl_link refuses what is not two GPUs, and a build without NCCL",
+                "[distributed][balancing][nccl]") {
+  const c10::Device gpu0(c10::kCUDA, 0), gpu1(c10::kCUDA, 1);
+  CATCH_CHECK_THROWS_WITH(measure_nccl_link(gpu0, gpu0),
+                          gpipe_test::contains("between two different GPUs, such as cuda:0 and "
+                                               "cuda:1; got cuda:0 and cuda:0"));
+  CATCH_CHECK_THROWS_WITH(measure_nccl_link(c10::Device(c10::kCPU), gpu1),
+                          gpipe_test::contains("got cpu and cuda:1"));
+  CATCH_CHECK_THROWS_WITH(measure_nccl_link(gpu0, gpu1, 100),
+                          gpipe_test::contains("large_bytes 100"));
+  CATCH_CHECK_THROWS_WITH(measure_nccl_link(gpu0, gpu1, 4096, 0),
+                          gpipe_test::contains("repeats 0"));
+  if (!distributed::built_with_nccl()) {
+    CATCH_CHECK_THROWS_WITH(measure_nccl_link(gpu0, gpu1),
+                            gpipe_test::contains("built without NCCL") &&
+                                gpipe_test::contains("--nccl_link"));
+  }
+}
+
+CATCH_TEST_CASE("measure_nccl_link measures messages and all-reduces between two GPUs",
+                "[distributed][balancing][nccl][cuda][gpus2]") {
+  CATCH_REQUIRE(distributed::built_with_nccl());
+  const GpuLinkStats link =
+      measure_nccl_link(c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1), int64_t{64} << 20, 3);
+  CATCH_REQUIRE(link.measured());
+  CATCH_CHECK(link.latency_us > 0);
+  CATCH_CHECK(link.allreduce_step_us > 0);
+  // Two GPUs of one machine move more than 1 GB/s (PCIe 3's x16 link: about 12).
+  for (double bandwidth : {link.bytes_per_us, link.allreduce_bytes_per_us}) {
+    CATCH_CHECK(std::isfinite(bandwidth));
+    CATCH_CHECK(bandwidth > 1000);
+  }
+  CATCH_CHECK(link.allreduce_us(int64_t{64} << 20, 2) > link.allreduce_us(4, 2));
 }
 
 CATCH_TEST_CASE("measure_shared_memory_link measures messages through rings between two threads",
