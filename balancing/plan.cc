@@ -194,6 +194,29 @@ double interpolate(const std::vector<PipelineProfile::Calibration>& calibration,
   return calibration.back().*field;
 }
 
+// A link's four numbers (ProcessLinkStats or GpuLinkStats) as JSON, and back: `what` names it in
+// the error ("the process link's", "the process link's nccl").
+template <typename Link>
+json link_json(const Link& link) {
+  return {{"latency_us", link.latency_us},
+          {"bytes_per_us", link.bytes_per_us},
+          {"allreduce_step_us", link.allreduce_step_us},
+          {"allreduce_bytes_per_us", link.allreduce_bytes_per_us}};
+}
+
+template <typename Link>
+void read_link(const json& l, const std::string& who, const char* what, Link& link) {
+  link.latency_us = json_field<double>(l, "latency_us", who);
+  link.bytes_per_us = json_field<double>(l, "bytes_per_us", who);
+  link.allreduce_step_us = json_field<double>(l, "allreduce_step_us", who);
+  link.allreduce_bytes_per_us = json_field<double>(l, "allreduce_bytes_per_us", who);
+  TORCH_CHECK(link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(), who, ": ",
+              what, " latencies must not be negative and its bytes_per_us and "
+              "allreduce_bytes_per_us must be positive, got ", link.latency_us, ", ",
+              link.allreduce_step_us, ", ", link.bytes_per_us, " and ",
+              link.allreduce_bytes_per_us);
+}
+
 }  // namespace
 
 double PipelineProfile::time_scale(int64_t batch) const {
@@ -248,17 +271,8 @@ std::string PipelineProfile::to_json() const {
     j["other_kinds"].push_back(kind);
   }
   if (process_link.measured()) {
-    j["process_link"] = {{"latency_us", process_link.latency_us},
-                         {"bytes_per_us", process_link.bytes_per_us},
-                         {"allreduce_step_us", process_link.allreduce_step_us},
-                         {"allreduce_bytes_per_us", process_link.allreduce_bytes_per_us}};
-    if (process_link.nccl.measured()) {
-      j["process_link"]["nccl"] = {
-          {"latency_us", process_link.nccl.latency_us},
-          {"bytes_per_us", process_link.nccl.bytes_per_us},
-          {"allreduce_step_us", process_link.nccl.allreduce_step_us},
-          {"allreduce_bytes_per_us", process_link.nccl.allreduce_bytes_per_us}};
-    }
+    j["process_link"] = link_json(process_link);
+    if (process_link.nccl.measured()) j["process_link"]["nccl"] = link_json(process_link.nccl);
     if (process_link.ring.measured()) {
       j["process_link"]["ring"] = {{"latency_us", process_link.ring.latency_us},
                                    {"bytes_per_us", process_link.ring.bytes_per_us},
@@ -354,15 +368,7 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
   if (j.contains("process_link")) {
     const json& l = j["process_link"];
     ProcessLinkStats& link = p.process_link;
-    link.latency_us = json_field<double>(l, "latency_us", who);
-    link.bytes_per_us = json_field<double>(l, "bytes_per_us", who);
-    link.allreduce_step_us = json_field<double>(l, "allreduce_step_us", who);
-    link.allreduce_bytes_per_us = json_field<double>(l, "allreduce_bytes_per_us", who);
-    TORCH_CHECK(link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(), who,
-                ": the process link's latencies must not be negative and its bytes_per_us and "
-                "allreduce_bytes_per_us must be positive, got ", link.latency_us, ", ",
-                link.allreduce_step_us, ", ", link.bytes_per_us, " and ",
-                link.allreduce_bytes_per_us);
+    read_link(l, who, "the process link's", link);
     // (Profiles measured before the rings were: every message on Gloo.)
     if (l.contains("ring")) {
       const json& r = l["ring"];
@@ -375,19 +381,7 @@ PipelineProfile PipelineProfile::from_json(const std::string& text) {
                   link.ring.max_message);
     }
     // (Profiles without NCCL's numbers: every plan on Gloo.)
-    if (l.contains("nccl")) {
-      const json& n = l["nccl"];
-      GpuLinkStats& nccl = link.nccl;
-      nccl.latency_us = json_field<double>(n, "latency_us", who);
-      nccl.bytes_per_us = json_field<double>(n, "bytes_per_us", who);
-      nccl.allreduce_step_us = json_field<double>(n, "allreduce_step_us", who);
-      nccl.allreduce_bytes_per_us = json_field<double>(n, "allreduce_bytes_per_us", who);
-      TORCH_CHECK(nccl.latency_us >= 0 && nccl.allreduce_step_us >= 0 && nccl.measured(), who,
-                  ": the process link's nccl must have latencies not negative and bytes_per_us "
-                  "and allreduce_bytes_per_us positive, got ", nccl.latency_us, ", ",
-                  nccl.allreduce_step_us, ", ", nccl.bytes_per_us, " and ",
-                  nccl.allreduce_bytes_per_us);
-    }
+    if (l.contains("nccl")) read_link(l["nccl"], who, "the process link's nccl", link.nccl);
   }
   return p;
 }

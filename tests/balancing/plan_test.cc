@@ -1013,7 +1013,8 @@ CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduc
   CATCH_REQUIRE(bad.find(field) != std::string::npos);
   bad.replace(bad.find(field), field.size(), "\"allreduce_bytes_per_us\": 0");
   CATCH_CHECK_THROWS_WITH(PipelineProfile::from_json(bad),
-                          gpipe_test::contains("nccl must have latencies not negative"));
+                          gpipe_test::contains("the process link's nccl latencies must not be "
+                                               "negative"));
 }
 
 CATCH_TEST_CASE("Each worker's step ends with its stages' all-reduces after its last action",
