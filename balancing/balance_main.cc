@@ -155,8 +155,9 @@ void parse_link(const char* flag, const std::string& given, Link& link) {
 // the profile's devices, into `profile` (unless it has one and the flag is empty).
 void set_nccl_link(gpipe::PipelineProfile& profile) {
   gpipe::GpuLinkStats& nccl = profile.process_link.nccl;
-  if (absl::GetFlag(FLAGS_backend) == "gloo") {
-    nccl = gpipe::GpuLinkStats{};  // (every plan on Gloo, as its stages will send)
+  // (Every plan on Gloo, as its stages will send; one pipeline per process, replicated, too.)
+  if (absl::GetFlag(FLAGS_backend) == "gloo" || !absl::GetFlag(FLAGS_processes)) {
+    nccl = gpipe::GpuLinkStats{};
     return;
   }
   const std::string given = absl::GetFlag(FLAGS_nccl_link);
@@ -229,15 +230,24 @@ void set_gloo_link(gpipe::PipelineProfile& profile) {
 
 // The links between processes into `profile`: Gloo's, then NCCL's (--backend).
 void set_process_link(gpipe::PipelineProfile& profile) {
-  const std::string backend = absl::GetFlag(FLAGS_backend);
-  TORCH_CHECK(backend == "gloo" || backend == "nccl", "--backend is '", backend,
-              "'; give gloo or nccl");
   set_gloo_link(profile);
   set_nccl_link(profile);
 }
 
+// --backend and --nccl_link, before anything is measured.
+void check_backend_flags() {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  TORCH_CHECK(backend == "gloo" || backend == "nccl", "--backend is '", backend,
+              "'; give gloo or nccl");
+  TORCH_CHECK(backend == "nccl" || absl::GetFlag(FLAGS_nccl_link).empty(),
+              "--nccl_link is for --backend=nccl; give both, or neither");
+  TORCH_CHECK(backend == "gloo" || absl::GetFlag(FLAGS_processes),
+              "--backend=nccl is for --processes (a stage per process, each on a GPU)");
+}
+
 // --plan: profile (or read a profile), plan, print the best plans, write the best.
 int plan_main(int64_t batch) {
+  check_backend_flags();
   std::vector<c10::Device> devices;
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_devices), ',')) {
     devices.emplace_back(std::string(name));

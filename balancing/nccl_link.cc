@@ -4,6 +4,7 @@
 #include "balancing/internal/link_timing.h"
 
 #include <chrono>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -30,8 +31,10 @@ GpuLinkStats measure_nccl_link(c10::Device first, c10::Device second, int64_t la
 #ifdef GPIPE_WITH_NCCL
   const std::vector<int64_t> sizes{4, large_bytes};
   auto store = c10::make_intrusive<c10d::HashStore>();
-  // (A rank that failed leaves the other waiting at most this long in the store; NCCL's own
-  // operations are bounded by the group's timeout.)
+  // (A rank that failed leaves the other waiting at most this long: in the store, and for its
+  // operations' streams, which `landed` polls rather than blocks on, since an NCCL operation
+  // whose peer is gone never completes and c10d's timeout acts only with blocking waits or its
+  // watchdog.)
   const std::chrono::seconds timeout(60);
   store->setTimeout(timeout);
   internal::LinkTimes times(sizes.size(), std::vector<std::vector<double>>(2));
@@ -43,7 +46,15 @@ GpuLinkStats measure_nccl_link(c10::Device first, c10::Device second, int64_t la
     options->timeout = timeout;
     const auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, 2, options);
     // (A work's wait() orders the current stream after NCCL's; this, the host after both.)
-    const auto landed = [&] { c10::cuda::getCurrentCUDAStream(device.index()).synchronize(); };
+    const auto landed = [&] {
+      const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!stream.query()) {
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, who, ": an operation on ", device,
+                    " did not finish within ", timeout.count(), " s (did the other rank fail?)");
+        std::this_thread::yield();
+      }
+    };
     internal::time_link_rank(group, rank, sizes, repeats, at::TensorOptions().device(device),
                              landed, times);
   });

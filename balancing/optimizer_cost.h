@@ -45,7 +45,8 @@ namespace gpipe {
 //   others step theirs: the slowest worker's time. Replicas step at once, so they add nothing.
 // The bytes stepped are each stage's trainable parameters', or their float32 master weights'
 // where ParameterMemory::master_weights keeps them (4 bytes per narrow element). Profiles
-// written before this note have no measurements, and their plans predict no optimizer time (0).
+// written before this note have no measurements, and their plans predict no optimizer time (0);
+// so do profiles written before AdamW was a kind of its own, for AdamW (profile again).
 
 /// What one step of `optimizer` costs on `device`: tensor_us per parameter tensor plus
 /// bytes / bytes_per_us.

@@ -872,9 +872,16 @@ int64_t gradient_bytes(const std::vector<LayerStats>& ls) {
 // Whether `plan` runs on NCCL (Note [Costs between processes]): the profile has its numbers, and
 // every stage is on a GPU in a process of its own.
 bool on_nccl(const PipelineProfile& profile, const PipelinePlan& plan) {
-  return plan.processes && profile.process_link.nccl.measured() &&
-         std::all_of(plan.devices.begin(), plan.devices.end(),
-                     [](const c10::Device& d) { return d.is_cuda(); });
+  if (!plan.processes || !profile.process_link.nccl.measured()) return false;
+  // (NCCL refuses two ranks on one GPU: each worker's GPU its own.)
+  const int64_t stages = static_cast<int64_t>(plan.balance.size());
+  const int64_t workers = stages / std::max<int64_t>(1, plan.virtual_stages);
+  std::vector<c10::Device> gpu_of(workers, c10::Device(c10::kCPU));
+  for (int64_t s = 0; s < stages; ++s) {
+    if (!plan.devices[s].is_cuda()) return false;
+    gpu_of[stage_rank(plan.schedule, s, workers)] = plan.devices[s];
+  }
+  return distinct_devices(gpu_of).size() == gpu_of.size();
 }
 
 // A stage's output of `bytes` sent from `from` to `to` in another process, through a ring in shared
@@ -1111,6 +1118,11 @@ PipelinePlan search_plan(const PipelineProfile& profile, const PipelinePlan& pla
               " device(s) and virtual_stages ", plan.virtual_stages);
   TORCH_CHECK(max_in_flight >= 1, "gpipe::search_plan: max_in_flight must be at least 1, got ",
               max_in_flight);
+  const int64_t workers = n / std::max<int64_t>(1, plan.virtual_stages);
+  TORCH_CHECK(!interleaved || (workers >= 2 && plan.chunks % workers == 0),
+              "gpipe::search_plan: an interleaved plan needs 2 or more workers and a multiple of "
+              "them as micro-batches; it has ", workers, " worker(s) and ", plan.chunks,
+              " micro-batches");
   // (Note [Searched plans]: a text for m micro-batches runs only where the batch splits into m.)
   const int64_t m = plan.chunks;
   TORCH_CHECK(m >= 1 && m <= profile.batch &&

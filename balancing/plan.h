@@ -393,10 +393,11 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
 PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
                            OptimizerKind optimizer = OptimizerKind::kMomentum);
 
-/// `plan` (one partition per worker) with a schedule searched on its own stage costs over
-/// `profile` (Note [Searched plans]: each stage's F, I and W at the plan's micro-batch size and
-/// its copy), each worker holding at most `max_in_flight` micro-batches, then predicted on the
-/// planner's model (its step_us and peak_bytes). `found`, if given, gets what the search found
+/// `plan` (one partition per worker, two in a V, or several interleaved) with a schedule searched
+/// on its own stage costs over `profile` (Note [Searched plans]: each stage's F, I and W at the
+/// plan's micro-batch size and its copy), each worker holding at most `max_in_flight` (stage,
+/// micro-batch) pairs, then predicted on the planner's model (predict: its step_us, optimizer_us,
+/// peak_bytes and optimizer). `found`, if given, gets what the search found
 /// (its own simulation, and the best generated schedule's). The plan's chunks must be a count the
 /// mini-batch splits into (Note [Searched plans]). A checkpointed micro-batch is not split into I
 /// and W (as in the executor); the search's own model leaves its recomputation out, the

@@ -4,6 +4,8 @@
 // model's own parameters, ranked with the step, and kept in profiles and plans.
 #include "tests/gpipe/test_util.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -230,10 +232,12 @@ CATCH_TEST_CASE("A plan says which optimizer it was predicted for, and a trainer
   text.erase(text.find(field), field.size());
   CATCH_CHECK(!PipelinePlan::from_json(text).optimizer.has_value());
   // The trainers' report (examples/training/choices.h), from the plan's file.
-  const std::string path =
-      (std::filesystem::temp_directory_path() / "gpipe_optimizer_cost_test_plan.json").string();
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("gpipe_optimizer_cost_test_plan_" + std::to_string(::getpid()) +
+                             ".json")).string();
   std::ofstream(path) << p.to_json();
   const training::PipelineShape shape = training::apply_plan({}, path);
+  std::filesystem::remove(path);
   CATCH_CHECK(shape.planned_optimizer == "adam");
   training::LoopTimes times;
   times.step_ms = {10};

@@ -698,6 +698,13 @@ CATCH_TEST_CASE("search_plan searches on a plan's own costs within its limit and
                           gpipe_test::contains("virtual_stages 2"));
   CATCH_CHECK_THROWS_WITH(search_plan(profile, zb, 0),
                           gpipe_test::contains("max_in_flight must be at least 1, got 0"));
+  PipelinePlan one_worker = zb;  // all of zb's partitions interleaved on one worker
+  one_worker.schedule = ScheduleKind::kInterleavedZeroBubble;
+  one_worker.virtual_stages = static_cast<int64_t>(zb.balance.size());
+  CATCH_CHECK_THROWS_WITH(search_plan(profile, one_worker, limit),
+                          gpipe_test::contains("an interleaved plan needs 2 or more workers and a "
+                                               "multiple of them as micro-batches; it has 1 "
+                                               "worker(s)"));
   PipelinePlan uneven_split = zb;
   uneven_split.chunks = 24;  // 32 samples in pieces of 2: 16
   CATCH_CHECK_THROWS_WITH(search_plan(profile, uneven_split, limit),
@@ -996,6 +1003,13 @@ CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduc
   const PipelineCosts mixed_nccl = pipeline_costs(gpus, mixed, ParameterMemory{});
   CATCH_CHECK(mixed_nccl.stages[0].copy_us == mixed_gloo.stages[0].copy_us);
   CATCH_CHECK(mixed_nccl.stages[0].allreduce_us == mixed_gloo.stages[0].allreduce_us);
+  // Two workers on one GPU: NCCL refuses two ranks on a device, so Gloo.
+  PipelinePlan shared = g;
+  shared.devices = {c10::Device(c10::kCUDA, 1), c10::Device(c10::kCUDA, 1)};
+  const PipelineCosts shared_nccl = pipeline_costs(gpus, shared, ParameterMemory{});
+  CATCH_CHECK(shared_nccl.stages[0].allreduce_us ==
+              gpipe_test::Approx(gpus.process_link.allreduce_us(40000, 4) +
+                                 gpus.process_link.allreduce_us(4, 4)));
   // One process's pipeline, replicated: on Gloo.
   PipelinePlan one = g;
   one.processes = false;
