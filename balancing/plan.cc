@@ -896,16 +896,10 @@ double message_us(const PipelineProfile& profile, c10::Device from, c10::Device 
          profile.copy_us(to.is_cpu() ? to : cpu, to, bytes);
 }
 
-// An all-reduce of `bytes` over `plan`'s replicas, on NCCL or Gloo.
-double allreduce_us(const PipelineProfile& profile, const PipelinePlan& plan, int64_t bytes) {
-  return on_nccl(profile, plan) ? profile.process_link.nccl.allreduce_us(bytes, plan.replicas)
-                                : profile.process_link.allreduce_us(bytes, plan.replicas);
-}
-
 // Stage s's costs over its layers `ls` at micro-batch size b, all but its lane and device; adds
-// its parameters' and buffers' bytes to `params` and `buffers`.
+// its parameters' and buffers' bytes to `params` and `buffers`. `nccl`: on_nccl(profile, plan).
 StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, int64_t s, int64_t b,
-                     const std::vector<LayerStats>& ls, const ParameterMemory& memory,
+                     const std::vector<LayerStats>& ls, const ParameterMemory& memory, bool nccl,
                      int64_t& state_bytes) {
   StageCost c;
   const std::vector<int64_t> kept = kept_per_layer(ls);
@@ -947,12 +941,17 @@ StageCost stage_cost(const PipelineProfile& profile, const PipelinePlan& plan, i
                                                          stage_rank(plan.schedule, s + 1, lanes);
     c.copy_us = between_processes
                     ? message_us(profile, plan.devices[s], plan.devices[s + 1], last.output_bytes,
-                                 on_nccl(profile, plan))
+                                 nccl)
                     : profile.copy_us(plan.devices[s], plan.devices[s + 1], last.output_bytes);
   }
   if (plan.replicas > 1 && plan.processes) {
-    // The gradients, and which of them exist (Note [Stages and replicas in the plan]).
-    c.allreduce_us = allreduce_us(profile, plan, gradient_bytes(ls)) + allreduce_us(profile, plan, 4);
+    // The gradients, and which of them exist (Note [Stages and replicas in the plan]), on NCCL or
+    // Gloo.
+    const auto reduce = [&](int64_t bytes) {
+      return nccl ? profile.process_link.nccl.allreduce_us(bytes, plan.replicas)
+                  : profile.process_link.allreduce_us(bytes, plan.replicas);
+    };
+    c.allreduce_us = reduce(gradient_bytes(ls)) + reduce(4);
   }
   return c;
 }
@@ -985,13 +984,14 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
   costs.static_bytes[place(plan.devices.front())] += profile.input_bytes;
   int64_t first = 0;
   int64_t gradients = 0;
+  const bool nccl = on_nccl(profile, plan);
   for (int64_t s = 0; s < stages; ++s) {
     std::vector<LayerStats> ls;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) {
       ls.push_back(profile.layer(k, b, plan.devices[s]));
     }
     int64_t state_bytes = 0;
-    StageCost c = stage_cost(profile, plan, s, b, ls, memory, state_bytes);
+    StageCost c = stage_cost(profile, plan, s, b, ls, memory, nccl, state_bytes);
     c.lane = stage_rank(plan.schedule, s, lanes);
     c.device = place(plan.devices[s]);
     costs.static_bytes[c.device] += state_bytes;
@@ -1000,8 +1000,9 @@ PipelineCosts pipeline_costs(const PipelineProfile& profile, const PipelinePlan&
     first += plan.balance[s];
   }
   if (plan.replicas > 1 && !plan.processes) {
-    // One process's pipeline replicated: all of its gradients on one group, after the step.
-    costs.step_allreduce_us = allreduce_us(profile, plan, gradients);
+    // One process's pipeline replicated: all of its gradients on one group, after the step
+    // (Gloo's: on_nccl is for a process per worker).
+    costs.step_allreduce_us = profile.process_link.allreduce_us(gradients, plan.replicas);
   }
   return costs;
 }

@@ -85,8 +85,9 @@ namespace gpipe {
 // driver's bytes in use less the allocator's reserved ones (other processes' memory on that GPU
 // counts too), and the allocator's peak reserved over its peak allocated since the profile's
 // layers began (the layers are profiled on the first GPU too, Note [Placement]; the optimizer's
-// profile, whose large tensors are not the model's, runs before, its cached blocks released). A plan's peak on each GPU is
-// then that context plus the simulated peak times that ratio: what memory_limit is compared with.
+// profile, whose large tensors are not the model's, runs before, its cached blocks released). A
+// plan's peak on each GPU is then that context plus the simulated peak times that ratio: what
+// memory_limit is compared with.
 // Every GPU of a plan is taken to be like the first (the same model of GPU); the CPU has neither
 // (0 and 1).
 

@@ -23,22 +23,24 @@ namespace {
 
 // A ring all-reduce over `replicas` ranks: 2(r - 1) steps of alpha, each moving bytes / r at beta
 // (Note [Costs between processes]).
+// `who` names the link's type, `measure` its measurement, in the errors.
 double ring_allreduce_us(double alpha_us, double beta, int64_t bytes, int64_t replicas,
-                         const char* measure) {
-  TORCH_CHECK(replicas >= 1, "gpipe::ProcessLinkStats: ", replicas, " replicas; give 1 or more");
+                         const char* who, const char* measure) {
+  TORCH_CHECK(replicas >= 1, "gpipe::", who, ": ", replicas, " replicas; give 1 or more");
   if (replicas == 1 || bytes <= 0) return 0;
-  TORCH_CHECK(beta > 0, "gpipe::ProcessLinkStats: the all-reduce between processes was not "
-              "measured (allreduce_bytes_per_us ", beta, "); measure it with gpipe::", measure,
+  TORCH_CHECK(beta > 0, "gpipe::", who, ": the all-reduce between processes was not measured "
+              "(allreduce_bytes_per_us ", beta, "); measure it with gpipe::", measure,
               "() or give its numbers");
   const double steps = 2.0 * static_cast<double>(replicas - 1);
-  return steps * alpha_us + steps / static_cast<double>(replicas) * static_cast<double>(bytes) / beta;
+  return steps * alpha_us +
+         steps / static_cast<double>(replicas) * static_cast<double>(bytes) / beta;
 }
 
 }  // namespace
 
 double ProcessLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
   return ring_allreduce_us(allreduce_step_us, allreduce_bytes_per_us, bytes, replicas,
-                           "measure_gloo_link");
+                           "ProcessLinkStats", "measure_gloo_link");
 }
 
 double GpuLinkStats::message_us(int64_t bytes) const {
@@ -51,7 +53,7 @@ double GpuLinkStats::message_us(int64_t bytes) const {
 
 double GpuLinkStats::allreduce_us(int64_t bytes, int64_t replicas) const {
   return ring_allreduce_us(allreduce_step_us, allreduce_bytes_per_us, bytes, replicas,
-                           "measure_nccl_link");
+                           "GpuLinkStats", "measure_nccl_link");
 }
 
 }  // namespace gpipe

@@ -41,9 +41,10 @@ namespace gpipe {
 // measures it between two GPUs of this machine as measure_gloo_link() measures Gloo (two ranks,
 // each a thread with its own GPU; the host waits for each operation's stream), and a profile that
 // has those numbers (ProcessLinkStats::nccl) plans every plan of a process per worker whose
-// stages are all on GPUs on NCCL (one pipeline per process, replicated, stays on Gloo): an activation costs its header's and its data's messages, 2 latency_us + bytes /
-// bytes_per_us; an all-reduce the same ring as Gloo's on NCCL's alpha and beta. Plans with a stage
-// on the CPU stay on Gloo (an NCCL group carries GPU tensors only).
+// stages are all on GPUs, each worker's its own, on NCCL (one pipeline per process, replicated,
+// stays on Gloo): an activation costs its header's and its data's messages, 2 latency_us + bytes
+// / bytes_per_us; an all-reduce the same ring as Gloo's on NCCL's alpha and beta. Plans with a
+// stage on the CPU stay on Gloo (an NCCL group carries GPU tensors only).
 
 /// What a message through a ring in shared memory costs between processes on one machine (Note
 /// [Costs between processes]).

@@ -67,8 +67,9 @@ CATCH_TEST_CASE("measure_nccl_link measures messages and all-reduces between two
   CATCH_REQUIRE(distributed::built_with_nccl());
   const int64_t large = int64_t{64} << 20;
   // Two GPUs of one machine move more than 1 GB/s (PCIe 3's x16 link: about 12).
-  check_measured(measure_nccl_link(c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1), large, 3),
-                 1000, large);
+  const GpuLinkStats link =
+      measure_nccl_link(c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1), large, 3);
+  check_measured(link, 1000, large);
 }
 
 CATCH_TEST_CASE("measure_shared_memory_link measures messages through rings between two threads",

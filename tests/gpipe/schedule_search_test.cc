@@ -109,7 +109,8 @@ CATCH_TEST_CASE(
   options.stage_costs = random_costs(gen, per_rank * n, 0.5, 2.0, 0.3);
   // Limits from 1 (tighter than any generated one) to 2 x per_rank x n (stage, micro-batch) pairs.
   for (int64_t r = 0; r < n; ++r) {
-    options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, 2 * per_rank * n)(gen));
+    const int64_t most = 2 * per_rank * n;
+    options.max_in_flight.push_back(std::uniform_int_distribution<int64_t>(1, most)(gen));
   }
   CATCH_CAPTURE(n, m);
   const std::vector<ScheduleKind> kinds =
