@@ -144,8 +144,7 @@ void parse_link(const char* flag, const std::string& given, Link& link) {
   TORCH_CHECK(parts.size() == 4 && absl::SimpleAtod(parts[0], &link.latency_us) &&
                   absl::SimpleAtod(parts[1], &link.bytes_per_us) &&
                   absl::SimpleAtod(parts[2], &link.allreduce_step_us) &&
-                  absl::SimpleAtod(parts[3], &link.allreduce_bytes_per_us) &&
-                  link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(),
+                  absl::SimpleAtod(parts[3], &link.allreduce_bytes_per_us) && link.valid(),
               flag, " must be four numbers, LATENCY_US,BYTES_PER_US,ALLREDUCE_STEP_US,"
               "ALLREDUCE_BYTES_PER_US (latencies 0 or more, bandwidths positive), got '", given,
               "'");

@@ -92,14 +92,6 @@ std::vector<at::Tensor> trainable_copies(const torch::nn::Module& layer, c10::De
   return out;
 }
 
-const OptimizerStats* stats_for(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
-                                c10::DeviceType type) {
-  for (const OptimizerStats& s : stats) {
-    if (s.optimizer == optimizer && s.device.type() == type) return &s;
-  }
-  return nullptr;
-}
-
 // One process's step over its stages (Note [The optimizer's step]); -1 where a kind of device is
 // not measured.
 double process_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind optimizer,
@@ -108,7 +100,7 @@ double process_step_us(const std::vector<OptimizerStats>& stats, OptimizerKind o
   double launches_us = 0;
   std::map<c10::DeviceIndex, double> gpu_bytes_us;  // by GPU
   for (const SteppedParameters& s : stages) {
-    const OptimizerStats* measured = stats_for(stats, optimizer, s.device.type());
+    const OptimizerStats* measured = find_optimizer_stats(stats, optimizer, s.device.type());
     if (measured == nullptr) return -1;
     if (!s.device.is_cuda()) {
       cpu_us += s.measured_us >= 0 ? s.measured_us : measured->time_us(s.tensors, s.bytes);
@@ -143,6 +135,14 @@ std::vector<double> layer_steps_us(OptimizerKind kind, c10::Device device,
 }
 
 }  // namespace
+
+const OptimizerStats* find_optimizer_stats(const std::vector<OptimizerStats>& stats,
+                                           OptimizerKind optimizer, c10::DeviceType type) {
+  for (const OptimizerStats& s : stats) {
+    if (s.optimizer == optimizer && s.device.type() == type) return &s;
+  }
+  return nullptr;
+}
 
 double OptimizerStats::time_us(int64_t tensors, int64_t bytes) const {
   const double per_bytes = bytes <= 0 ? 0.0 : static_cast<double>(bytes) / bytes_per_us;

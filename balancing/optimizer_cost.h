@@ -44,7 +44,9 @@ namespace gpipe {
 // - with a process per worker (PipelineStage), each process steps its own stages while the
 //   others step theirs: the slowest worker's time. Replicas step at once, so they add nothing.
 // The bytes stepped are each stage's trainable parameters', or their float32 master weights'
-// where ParameterMemory::master_weights keeps them (4 bytes per narrow element). Profiles
+// where ParameterMemory::master_weights keeps them (4 bytes per narrow element; a layer's step,
+// measured over its own dtypes, then adds the master weights' extra bytes at the cost of a byte
+// of the large tensor). Profiles
 // written before this note have no measurements, and their plans predict no optimizer time (0);
 // so do profiles written before AdamW was a kind of its own, for AdamW (profile again).
 
@@ -66,6 +68,14 @@ struct OptimizerStats {
   /// The predicted time of one step over `tensors` tensors of `bytes` in all.
   double time_us(int64_t tensors, int64_t bytes) const;
 };
+
+/// The measurement of `optimizer` on devices of `type` among `stats`, or nullptr where there is
+/// none.
+///
+///   const gpipe::OptimizerStats* adam =
+///       gpipe::find_optimizer_stats(profile.optimizers, gpipe::OptimizerKind::kAdam, c10::kCPU);
+const OptimizerStats* find_optimizer_stats(const std::vector<OptimizerStats>& stats,
+                                           OptimizerKind optimizer, c10::DeviceType type);
 
 /// Measures one step of each optimizer kind (torch::optim::SGD without and with momentum, Adam,
 /// AdamW) on the first device of each kind (CPU, CUDA) among `devices`, and over each layer of

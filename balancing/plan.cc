@@ -210,7 +210,7 @@ void read_link(const json& l, const std::string& who, const char* what, Link& li
   link.bytes_per_us = json_field<double>(l, "bytes_per_us", who);
   link.allreduce_step_us = json_field<double>(l, "allreduce_step_us", who);
   link.allreduce_bytes_per_us = json_field<double>(l, "allreduce_bytes_per_us", who);
-  TORCH_CHECK(link.latency_us >= 0 && link.allreduce_step_us >= 0 && link.measured(), who, ": ",
+  TORCH_CHECK(link.valid(), who, ": ",
               what, " latencies must not be negative and its bytes_per_us and "
               "allreduce_bytes_per_us must be positive, got ", link.latency_us, ", ",
               link.allreduce_step_us, ", ", link.bytes_per_us, " and ",
@@ -1022,20 +1022,24 @@ std::vector<SteppedParameters> stepped_parameters(const PipelineProfile& profile
     p.device = plan.devices[s];
     p.worker = stage_rank(plan.schedule, s, lanes);
     // (The layers' own steps, where measured on this kind of device for this optimizer.)
-    const OptimizerStats* measured = nullptr;
-    for (const OptimizerStats& o : profile.optimizers) {
-      if (o.optimizer == memory.optimizer && o.device.type() == p.device.type() &&
-          static_cast<int64_t>(o.layer_us.size()) == profile.layers()) {
-        measured = &o;
-      }
+    const OptimizerStats* measured =
+        find_optimizer_stats(profile.optimizers, memory.optimizer, p.device.type());
+    if (measured != nullptr && static_cast<int64_t>(measured->layer_us.size()) != profile.layers()) {
+      measured = nullptr;
     }
     if (measured != nullptr) p.measured_us = 0;
     for (int64_t k = first; k < first + plan.balance[s]; ++k) {
       const LayerStats& l = profile.sizes.front().layers[k];
       p.tensors += l.trainable_tensors;
       p.bytes += l.trainable_param_bytes;
-      if (memory.master_weights) p.bytes += 4 * l.narrow_param_elements - l.narrow_param_bytes;
-      if (measured != nullptr) p.measured_us += measured->layer_us[k];
+      // (Master weights: float32 copies of the narrow ones, stepped instead of them; the layer's
+      // step was measured over its own dtypes, so their extra bytes cost the large tensor's.)
+      const int64_t master_extra =
+          memory.master_weights ? 4 * l.narrow_param_elements - l.narrow_param_bytes : 0;
+      p.bytes += master_extra;
+      if (measured != nullptr) {
+        p.measured_us += measured->layer_us[k] + measured->time_us(0, master_extra);
+      }
     }
     out.push_back(p);
     first += plan.balance[s];

@@ -76,6 +76,8 @@ struct GpuLinkStats {
 
   /// Whether the link was measured (or given).
   bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }
+  /// Whether its numbers make a link: measured, and no latency negative.
+  bool valid() const { return latency_us >= 0 && allreduce_step_us >= 0 && measured(); }
   /// The time of an activation of `bytes` (0 for none): its header's message and its data's.
   double message_us(int64_t bytes) const;
   /// The time of an all-reduce of `bytes` over `replicas` ranks (NCCL's ring; 0 for one rank).
@@ -103,6 +105,8 @@ struct ProcessLinkStats {
 
   /// Whether the link was measured (or given).
   bool measured() const { return bytes_per_us > 0 && allreduce_bytes_per_us > 0; }
+  /// Whether its Gloo numbers make a link: measured, and no latency negative.
+  bool valid() const { return latency_us >= 0 && allreduce_step_us >= 0 && measured(); }
   /// The time of a message of `bytes` (0 for none): through a ring when it fits in one, else on
   /// Gloo (after a record through the ring that says so, where there are rings).
   double message_us(int64_t bytes) const;

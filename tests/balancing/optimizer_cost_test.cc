@@ -267,6 +267,22 @@ CATCH_TEST_CASE("A plan's optimizer step sums its stages' layers' own steps wher
   p.processes = true;
   predict(profile, p, OptimizerKind::kAdam);
   CATCH_CHECK(p.optimizer_us == Approx(70));  // the second worker's 50 + 20
+  // Layer 2 as if in bfloat16 with float32 master weights: the step over the masters adds their
+  // extra bytes (4 per element less the narrow ones) at the large tensor's 500 bytes per us.
+  PipelineProfile narrow = profile;
+  LayerStats& l2 = narrow.sizes.front().layers[2];
+  l2.narrow_param_elements = 72;
+  l2.narrow_param_bytes = 144;
+  ParameterMemory masters;
+  masters.optimizer = OptimizerKind::kAdam;
+  masters.master_weights = true;
+  p.processes = false;
+  predict(narrow, p, masters);
+  CATCH_CHECK(p.optimizer_us == Approx(30 + 0 + 50 + 20 + (4.0 * 72 - 144) / 500));
+  masters.master_weights = false;
+  predict(narrow, p, masters);
+  CATCH_CHECK(p.optimizer_us == Approx(100));
+  p.processes = true;
   const PipelineProfile back = PipelineProfile::from_json(profile.to_json());
   CATCH_CHECK(back.optimizers[0].layer_us == adam.layer_us);
   std::string text = profile.to_json();

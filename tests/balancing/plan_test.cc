@@ -942,6 +942,14 @@ CATCH_TEST_CASE("An all-reduce over replicas costs Gloo's ring, and a message it
   CATCH_CHECK(ringed.allreduce_us(10000, 2) == link.allreduce_us(10000, 2));  // always Gloo
   const ProcessLinkStats none;
   CATCH_CHECK(!none.measured());
+  CATCH_CHECK(!none.valid());
+  CATCH_CHECK(link.valid());
+  for (double ProcessLinkStats::*field :
+       {&ProcessLinkStats::latency_us, &ProcessLinkStats::allreduce_step_us}) {
+    ProcessLinkStats negative = link;
+    negative.*field = -1;
+    CATCH_CHECK(!negative.valid());
+  }
   CATCH_CHECK(!none.ring.measured());
   CATCH_CHECK_THROWS_WITH(none.message_us(8), gpipe_test::contains("measure_gloo_link"));
   CATCH_CHECK_THROWS_WITH(none.allreduce_us(8, 2), gpipe_test::contains("measure_gloo_link"));
@@ -954,7 +962,16 @@ CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduc
   CATCH_CHECK(!nccl.measured());
   CATCH_CHECK_THROWS_WITH(nccl.message_us(8), gpipe_test::contains("measure_nccl_link"));
   CATCH_CHECK_THROWS_WITH(nccl.allreduce_us(8, 2), gpipe_test::contains("measure_nccl_link"));
+  CATCH_CHECK(!nccl.valid());
   nccl = {4, 100000, 3, 50000};
+  CATCH_CHECK(nccl.valid());
+  for (double GpuLinkStats::*field :
+       {&GpuLinkStats::latency_us, &GpuLinkStats::allreduce_step_us}) {
+    GpuLinkStats negative = nccl;
+    negative.*field = -1;
+    CATCH_CHECK(!negative.valid());
+    CATCH_CHECK(negative.measured());  // (measured, but no link)
+  }
   CATCH_CHECK(nccl.message_us(0) == 0);
   // A header's message and the data's: 2 x 4 us + 200000 B at 100000 B/us.
   CATCH_CHECK(nccl.message_us(200000) == gpipe_test::Approx(2 * 4 + 2.0));
