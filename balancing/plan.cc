@@ -630,6 +630,7 @@ std::string PipelinePlan::describe() const {
   if (virtual_stages > 1) absl::StrAppend(&out, " (", virtual_stages, " stages per worker)");
   if (processes) absl::StrAppend(&out, ", a process per worker");
   if (replicas > 1) absl::StrAppend(&out, ", ", replicas, " replicas");
+  if (!backend.empty()) absl::StrAppend(&out, " on ", backend == "nccl" ? "NCCL" : "Gloo");
   if (step_us > 0) {
     absl::StrAppendFormat(&out, ": %.2f ms", step_us / 1000);
     if (optimizer_us > 0) absl::StrAppendFormat(&out, " + %.2f ms optimizer", optimizer_us / 1000);
@@ -658,6 +659,7 @@ std::string PipelinePlan::to_json() const {
                       {"peak_bytes", peak_bytes},
                       {"devices", device_names(distinct_devices(devices))}};
     if (optimizer) j["predicted"]["optimizer"] = optimizer_kind_name(*optimizer);
+    if (!backend.empty()) j["predicted"]["backend"] = backend;
   }
   return j.dump(1);
 }
@@ -766,6 +768,14 @@ PipelinePlan PipelinePlan::from_json(const std::string& text) {
     // (Plans written before PipelinePlan::optimizer: unknown.)
     if (j["predicted"].contains("optimizer")) {
       p.optimizer = optimizer_kind(json_field<std::string>(j["predicted"], "optimizer", who));
+    }
+    // (Plans written before PipelinePlan::backend: unknown.)
+    if (j["predicted"].contains("backend")) {
+      p.backend = json_field<std::string>(j["predicted"], "backend", who);
+      TORCH_CHECK(p.backend == "gloo" || p.backend == "nccl", who, ": the predicted backend is \"",
+                  p.backend, "\"; give \"gloo\" or \"nccl\"");
+      TORCH_CHECK(p.processes || p.replicas > 1, who, ": the predicted backend is ", p.backend,
+                  " but the plan runs in one process without replicas; leave \"backend\" out");
     }
   }
   return p;
@@ -1071,6 +1081,9 @@ PipelineSimulation predict(const PipelineProfile& profile, PipelinePlan& plan,
   plan.peak_bytes = sim.peak_bytes;
   plan.peak_bytes = with_device_overhead(profile, distinct_devices(plan.devices), sim.peak_bytes);
   plan.optimizer = memory.optimizer;
+  plan.backend = !plan.processes && plan.replicas == 1 ? ""
+                 : on_nccl(profile, plan)               ? "nccl"
+                                                        : "gloo";
   plan.optimizer_us = optimizer_step_us(profile.optimizers, memory.optimizer,
                                         stepped_parameters(profile, plan, memory), plan.processes);
   return sim;

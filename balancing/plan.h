@@ -356,6 +356,11 @@ struct PipelinePlan {
   /// PlanOptions::optimizer): its moments are in peak_bytes and its step is optimizer_us. Unset
   /// before a prediction, and in plan files written before it.
   c10::optional<OptimizerKind> optimizer;
+  /// Predicted on: the c10d backend whose costs the messages and all-reduces between processes
+  /// were predicted with (Note [Costs between processes] in process_link.h), "nccl" or "gloo", to
+  /// launch the stages with (the trainers' --backend); empty where nothing crosses processes (one
+  /// process, no replicas), before a prediction, and in plan files written before it.
+  std::string backend;
 
   /// The options to build this pipeline with.
   ///

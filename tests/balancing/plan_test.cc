@@ -1048,6 +1048,59 @@ CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduc
                                                "negative"));
 }
 
+CATCH_TEST_CASE("A plan says which backend its stages were predicted on, and keeps it in its file",
+                "[balancing][plan][replicas][nccl]") {
+  PipelineProfile gpus = cpu_and_gpus(4, 2, 4.0);
+  gpus.process_link = round_link();
+  PipelinePlan g;
+  g.balance = {1, 3};
+  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+  g.chunks = 4;
+  g.checkpoint = Checkpoint::kNever;
+  g.processes = true;
+  predict(gpus, g);
+  CATCH_CHECK(g.backend == "gloo");  // no NCCL numbers in the profile
+  CATCH_CHECK_THAT(g.describe(), gpipe_test::contains("a process per worker on Gloo: "));
+  gpus.process_link.nccl = {4, 100000, 3, 50000};
+  predict(gpus, g);
+  CATCH_CHECK(g.backend == "nccl");
+  CATCH_CHECK_THAT(g.describe(), gpipe_test::contains("a process per worker on NCCL: "));
+  const std::string text = g.to_json();
+  CATCH_CHECK(PipelinePlan::from_json(text).backend == "nccl");
+  // A stage on the CPU: Gloo; replicas of one process: Gloo; one process alone: none.
+  PipelinePlan mixed = g;
+  mixed.devices[0] = c10::Device(c10::kCPU);
+  predict(gpus, mixed);
+  CATCH_CHECK(mixed.backend == "gloo");
+  PipelinePlan one = g;
+  one.processes = false;
+  one.replicas = 2;
+  predict(gpus, one);
+  CATCH_CHECK(one.backend == "gloo");
+  CATCH_CHECK_THAT(one.describe(), gpipe_test::contains(", 2 replicas on Gloo: "));
+  one.replicas = 1;
+  predict(gpus, one);
+  CATCH_CHECK(one.backend.empty());
+  CATCH_CHECK(one.describe().find(" on ") == std::string::npos);
+  CATCH_CHECK(PipelinePlan::from_json(one.to_json()).backend.empty());
+  // Files without it (written before) read as unknown; a wrong one is named.
+  std::string old = text;
+  const std::string field = "\"backend\": \"nccl\",\n  ";  // (the keys in order)
+  CATCH_REQUIRE(old.find(field) != std::string::npos);
+  old.erase(old.find(field), field.size());
+  CATCH_CHECK(PipelinePlan::from_json(old).backend.empty());
+  std::string bad = text;
+  bad.replace(bad.find("\"nccl\""), 6, "\"mpi\"");
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(bad),
+                          gpipe_test::contains("the predicted backend is \"mpi\"; give \"gloo\" or "
+                                               "\"nccl\""));
+  CATCH_CHECK_THROWS_WITH(PipelinePlan::from_json(
+                              std::string(text).replace(text.find("\"processes\": true"), 17,
+                                                        "\"processes\": false")),
+                          gpipe_test::contains("runs in one process without replicas; leave "
+                                               "\"backend\" out"));
+}
+
 CATCH_TEST_CASE("Each worker's step ends with its stages' all-reduces after its last action",
                 "[balancing][plan][simulate][replicas]") {
   // GPipe, 2 stages, 1 micro-batch: F0 [0, 1], F1 [1, 2], B1 [2, 4], B0 [4, 6].
