@@ -181,9 +181,10 @@ void transformers_scaler_stages(gpipe::GradScaler& scaler, gpipe::distributed::P
                                 torch::optim::Optimizer& optimizer) {
 // [scaler_stages]
 scaler.step(optimizer, stage->parameters(), [&](bool found) {
-  found = gpipe::distributed::any_rank(stage->group(), found);
-  return stage->replica_group() ? gpipe::distributed::any_rank(stage->replica_group(), found)
-                                : found;
+  found = gpipe::distributed::any_rank(stage->group(), found, stage->device());
+  return stage->replica_group()
+             ? gpipe::distributed::any_rank(stage->replica_group(), found, stage->device())
+             : found;
 });
 // [scaler_stages]
 }

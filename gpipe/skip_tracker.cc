@@ -44,6 +44,9 @@ struct SkipWaitBackward : torch::autograd::Node {
   std::string name() const override { return "gpipe::SkipWaitBackward"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     wait_stream(waiting, source);
+    // (As WaitBackward: the gradients, made on `source`, are used on `waiting` next, so the
+    // allocator must not hand their memory to `source` again before that use is done.)
+    for (const at::Tensor& g : grads) record_stream(g, waiting);
     return std::move(grads);
   }
   c10::Stream waiting;

@@ -124,12 +124,26 @@ c10::Stream current_stream(c10::Device device) {
 #endif
 }
 
+// Note [Streams apart from NCCL's]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// LibTorch hands out each device's pool streams round-robin, 32 of each priority, and c10d's NCCL
+// group takes each communicator's stream from the same low-priority pool (unless its options ask
+// for high priority). gpipe draws a stream for every copy stream, every transfer and every
+// received micro-batch, dozens a step, so drawn from that pool some would be a communicator's
+// stream: a send posted there would queue behind that communicator's pending receives (the
+// gradients that a 1F1B stage posts ahead from the next stage), which can wait on the very send
+// (the previous stage's next forward needs it): a deadlock across processes, or at best transfers
+// serialised. gpipe's streams come from the high-priority pool instead, which NCCL's default
+// groups never use; and no gpipe stream is made to wait on a remote transfer that is not yet
+// needed (ActivationReceiver leaves the wait for each micro-batch's activations to the stream
+// that computes with them). Within one process the priority only lets copies start ahead of
+// queued compute kernels, which is what a pipeline's copies are for.
 c10::Stream new_stream(c10::Device device) {
   if (!device.is_cuda()) {
     return cpu_stream(device);
   }
 #ifdef GPIPE_WITH_CUDA
-  return c10::cuda::getStreamFromPool(/*isHighPriority=*/false, cuda_index(device));
+  return c10::cuda::getStreamFromPool(/*isHighPriority=*/true, cuda_index(device));
 #else
   no_cuda(device);
 #endif

@@ -47,6 +47,9 @@ ActivationReceiver::~ActivationReceiver() {
     if (in_flight_) abort_quietly(in_flight_);
     if (data_in_flight_) abort_quietly(data_in_flight_);
     for (auto& entry : posted_) abort_quietly(entry.second.work);
+    for (const Received& r : ready_) {
+      for (const auto& work : r.works) abort_quietly(work);
+    }
   }
   thread_.join();
 }
@@ -66,8 +69,25 @@ c10::intrusive_ptr<c10d::Work> ActivationReceiver::post(at::Tensor tensor, Messa
 void ActivationReceiver::run() {
   pthread_setname_np(pthread_self(), "gpipe receive");
   const std::string what = kReceiving;
-  // Posts one receive and waits for it; false when the receiver is stopping.
-  const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t) {
+  // On a GPU (NCCL) a receive's wait only makes the current stream wait for NCCL's; the host
+  // learns of the header's arrival by polling its work, which also ends when stopping (a failed
+  // sender never sends it, and LibTorch 1.x cannot abort NCCL's work); false then.
+  const auto arrived = [&](const c10::intrusive_ptr<c10d::Work>& work) {
+    while (!work->isCompleted()) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    return true;
+  };
+  // Posts one receive and waits for it (on a GPU, once it arrived); or, given `later`, adds its
+  // work there for next() to wait on (Note [Streams apart from NCCL's] in gpipe/stream.cc: no
+  // stream of this thread's waits on a transfer before the stream that needs it does). False when
+  // the receiver is stopping.
+  const auto receive = [&](at::Tensor tensor, Message kind, int64_t i, int64_t t,
+                           std::vector<c10::intrusive_ptr<c10d::Work>>* later = nullptr) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return false;
@@ -79,29 +99,17 @@ void ActivationReceiver::run() {
         abort_quietly(work);
         return false;
       }
+      if (later != nullptr) {
+        later->push_back(std::move(work));
+        return true;
+      }
       in_flight_ = work;
     }
+    if (device_.is_cuda() && !arrived(work)) return false;
     wait_unless_cancelled(group_, work, what, cancellation_.get());
     absl::MutexLock lock(&mu_);
     in_flight_.reset();
     return !stopping_;
-  };
-  // On a GPU (NCCL), a receive's wait only orders `stream` after it: copying the header to the CPU
-  // would block this thread until the header arrives, which it never does when the sender
-  // failed, and a stopping stage (Note [Failing fast across processes]) could not end the wait
-  // (LibTorch 1.x cannot abort NCCL's work). So the thread polls an event recorded after the
-  // receive, and gives up when stopping; false then.
-  const auto arrived = [&](const c10::Stream& on) {
-    c10::Event done(on.device_type());
-    done.record(on);
-    while (!done.query()) {
-      {
-        absl::MutexLock lock(&mu_);
-        if (stopping_) return false;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-    return true;
   };
   // Receives the step's micro-batches; returns early when stopping.
   const auto receive_all = [&] {
@@ -115,14 +123,16 @@ void ActivationReceiver::run() {
       c10::OptionalStreamGuard guard(stream);
       at::Tensor encoded = at::empty({BatchHeader::size()}, at::dtype(at::kLong).device(device_));
       if (!receive(encoded, Message::kHeader, i, 0)) return;
-      if (stream && !arrived(*stream)) return;
       Received r;
       r.header = BatchHeader::decode(encoded.to(at::kCPU), group_->getRank(), peer_);
       m = r.header.microbatches;
       r.tensors = r.header.empty_tensors(device_);
       r.stream = stream;
       for (size_t t = 0; t < r.tensors.size(); ++t) {
-        if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t))) return;
+        if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t),
+                     stream ? &r.works : nullptr)) {
+          return;
+        }
       }
       absl::MutexLock lock(&mu_);
       ready_.push_back(std::move(r));
@@ -231,7 +241,7 @@ ActivationReceiver::Received ActivationReceiver::next_packed() {
 
 ActivationReceiver::Received ActivationReceiver::next() {
   if (capacity_ != nullptr) return next_packed();
-  absl::MutexLock lock(&mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](ActivationReceiver* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
         return !self->ready_.empty() || self->finished_;
@@ -244,6 +254,13 @@ ActivationReceiver::Received ActivationReceiver::next() {
   }
   Received r = std::move(ready_.front());
   ready_.pop_front();
+  lock.Release();
+  // On a GPU, the stream that computes with the activations waits for their receives.
+  c10::OptionalStreamGuard guard(stream_);
+  for (const c10::intrusive_ptr<c10d::Work>& work : r.works) {
+    wait_unless_cancelled(group_, work, kReceiving, cancellation_.get());
+  }
+  r.works.clear();
   if (r.stream && stream_) {
     gpipe::internal::wait_stream(*stream_, *r.stream);
     for (const at::Tensor& t : r.tensors) gpipe::internal::record_stream(t, *stream_);

@@ -24,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/version.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -245,6 +246,16 @@ ProcessGroup gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
 ProcessGroup nccl_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                         const GroupOptions& options) {
 #ifdef GPIPE_WITH_NCCL
+#if TORCH_VERSION_MAJOR < 2
+  // LibTorch 1.x leaves NCCL's asynchronous error handling off, so a wait on a peer that died
+  // could last forever (docs/distributed.md, Failures); on, as LibTorch 2.x has it by default,
+  // the watchdog ends this process after the group's timeout. A user's own choice of either
+  // variable stands. (Read when the group is made.)
+  if (std::getenv("NCCL_ASYNC_ERROR_HANDLING") == nullptr &&
+      std::getenv("NCCL_BLOCKING_WAIT") == nullptr) {
+    ::setenv("NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+  }
+#endif
   auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
   nccl_options->timeout = options.timeout();
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, nccl_options);

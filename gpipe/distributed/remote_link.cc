@@ -6,6 +6,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
@@ -159,6 +160,7 @@ ActivationReceiver::Received activations_of(const SharedLink::Record& record, in
 }
 
 gpipe::internal::Activation RemoteUpstream::receive() {
+  c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   ActivationReceiver::Received r;
   if (shared_) {
     const int rank = wire_.group->getRank();
@@ -203,6 +205,7 @@ gpipe::internal::Activation RemoteUpstream::receive() {
 }
 
 void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
+  c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
   if (shared_) {
     if (tensors.empty()) return;  // the receiver expects none
@@ -308,6 +311,7 @@ void RemoteDownstream::post_in_turn() {
 
 void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                             bool grad_enabled) {
+  c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
   at::Tensor header;
   int64_t bytes = 0;
@@ -369,6 +373,7 @@ void RemoteDownstream::post_receive(int64_t microbatch) {
 }
 
 std::vector<at::Tensor> RemoteDownstream::receive_gradients(int64_t microbatch) {
+  c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   if (shared_) {
     // Records come in the order the next stage's backwards send them: any taken before their
     // turn wait in arrived_.

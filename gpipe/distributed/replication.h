@@ -52,12 +52,14 @@ void all_reduce_sum(const ProcessGroup& group, std::vector<at::Tensor>& tensors,
 
 /// Whether `mine` holds on any rank of `group`: one all-reduce of one number. GradScaler::step's
 /// `any_rank` across processes (Note [Loss scaling] in gpipe/grad_scaler.h): over a pipeline's
-/// group, then its replica group, it reaches every rank of S x R.
+/// group, then its replica group, it reaches every rank of S x R. `local` is the device the
+/// number travels from on NCCL, which carries only GPU tensors: the stage's own.
 ///
 ///   scaler.step(adam, stage->parameters(), [&](bool found) {
-///     found = gpipe::distributed::any_rank(stage->group(), found);
-///     return stage->replica_group() ? gpipe::distributed::any_rank(stage->replica_group(), found)
-///                                   : found;
+///     found = gpipe::distributed::any_rank(stage->group(), found, stage->device());
+///     return stage->replica_group()
+///                ? gpipe::distributed::any_rank(stage->replica_group(), found, stage->device())
+///                : found;
 ///   });
 bool any_rank(const ProcessGroup& group, bool mine, c10::Device local = c10::Device(c10::kCPU));
 

@@ -14,7 +14,7 @@ namespace distributed {
 namespace {
 
 // Broadcasts `tensor` (the same size and dtype on every rank) from `root` over `group`, on the
-// group's wire; returns it on `local`.
+// group's wire (a GPU's for NCCL: `local`, this rank's device); returns it on `local`.
 at::Tensor broadcast(const ProcessGroup& group, at::Tensor tensor, int root, c10::Device local,
                      const std::string& what) {
   std::vector<at::Tensor> one{tensor.to(wire_device(group, local))};
@@ -42,7 +42,7 @@ PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
   at::Tensor header = is_last() ? internal::BatchHeader::of(output_, 1, false).encode()
                                 : at::empty({internal::BatchHeader::size()}, at::kLong);
   const internal::BatchHeader shape =
-      internal::BatchHeader::decode(broadcast(group_, header, last, c10::Device(c10::kCPU), what));
+      internal::BatchHeader::decode(broadcast(group_, header, last, local_, what).to(at::kCPU));
   std::vector<at::Tensor> values = is_last() ? output_.values()
                                              : shape.empty_tensors(local_);
   for (at::Tensor& v : values) v = broadcast(group_, v, last, local_, what);
@@ -51,7 +51,7 @@ PipelineStageImpl::Evaluation PipelineStageImpl::evaluate(const Batch& input,
   const bool has_loss = is_last() && last_loss.defined();
   at::Tensor sent = at::tensor({has_loss ? 1.0 : 0.0, has_loss ? last_loss.item<double>() : 0.0},
                                at::kDouble);
-  sent = broadcast(group_, sent, last, c10::Device(c10::kCPU), "the broadcast of the loss");
+  sent = broadcast(group_, sent, last, local_, "the broadcast of the loss").to(at::kCPU);
   if (sent[0].item<double>() > 0) result.loss = sent[1];
   return result;
 }

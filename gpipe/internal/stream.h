@@ -29,7 +29,8 @@ inline bool has_streams(const c10::Device& device) { return device.is_cuda(); }
 /// The stream that work on `device` is currently issued to (the CPU stream on CPU).
 c10::Stream current_stream(c10::Device device);
 
-/// A stream for copies on `device`, from the device's pool (the CPU stream on CPU).
+/// A stream for copies and transfers on `device`, from the device's pool of high-priority
+/// streams (Note [Streams apart from NCCL's] in stream.cc; the CPU stream on CPU).
 c10::Stream new_stream(c10::Device device);
 
 /// Makes `waiting` wait for all work issued to `source` so far. No-op when both are the same

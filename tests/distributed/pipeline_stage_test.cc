@@ -23,7 +23,9 @@ CATCH_TEST_CASE(kTransparency, "[distributed][stage]") {
   const std::string mode = GENERATE(as<std::string>(), "always", "except_last", "never");
   CATCH_INFO("checkpoint " << mode);
   const std::string folder = folder_for("transparency_" + mode);
-  check_two_stages(kTransparency, folder, {{"GPIPE_TEST_CHECKPOINT", mode}},
+  // (Then evaluate(), on every rank.)
+  check_two_stages(kTransparency, folder,
+                   {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_EVALUATE", "1"}},
                    /*loss_tolerance=*/1e-12);
 }
 
@@ -117,13 +119,15 @@ CATCH_TEST_CASE(kCudaStages, "[distributed][stage][cuda]") {
   CATCH_INFO("checkpoint " << mode);
   const std::string folder = folder_for("cuda_" + mode);
   check_two_stages(kCudaStages, folder,
-                   {{"GPIPE_TEST_CHECKPOINT", mode}, {"GPIPE_TEST_DEVICE", "cuda:0"}},
+                   {{"GPIPE_TEST_CHECKPOINT", mode},
+                    {"GPIPE_TEST_DEVICE", "cuda:0"},
+                    {"GPIPE_TEST_EVALUATE", "1"}},
                    /*loss_tolerance=*/1e-10);
 }
 
 constexpr const char* kNccl =
     "two processes with one stage each on a GPU of their own train over NCCL under each schedule "
-    "to the plain model's parameters and losses";
+    "to the plain model's parameters and losses, and evaluate to its output";
 
 CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
   if (test_rank() >= 0) {
@@ -145,7 +149,8 @@ CATCH_TEST_CASE(kNccl, "[distributed][stage][cuda][gpus2]") {
   std::map<std::string, std::string> env{{"GPIPE_TEST_CHECKPOINT", mode},
                                          {"GPIPE_TEST_DEVICE", "cuda:rank"},
                                          {"GPIPE_TEST_BACKEND", "nccl"},
-                                         {"GPIPE_TEST_SCHEDULE", schedule}};
+                                         {"GPIPE_TEST_SCHEDULE", schedule},
+                                         {"GPIPE_TEST_EVALUATE", "1"}};  // (its broadcasts)
   if (!local.empty()) env["GPIPE_TEST_LOCAL"] = local;
   const std::string folder = folder_for("nccl_" + mode + "_" + schedule);
   check_two_stages(kNccl, folder, env, /*loss_tolerance=*/1e-10);

@@ -314,12 +314,24 @@ inline void train_stage(PipelineStageOptions options, bool record_timeline = fal
   const std::string r = std::to_string(test_rank());
   gpipe_test::write_doubles(folder + "/state" + r + ".bin", stage->parameters());
   if (stage->is_last()) gpipe_test::write_doubles(folder + "/loss.bin", losses);
+  // GPIPE_TEST_EVALUATE: then evaluate() on the next batch, whose output and loss every rank gets
+  // (broadcast on the group's wire: a GPU's on NCCL).
+  if (std::getenv("GPIPE_TEST_EVALUATE") != nullptr) {
+    auto [x, y] = batch(kSteps);
+    const auto evaluated = stage->evaluate(stage->is_first() ? Batch(x.to(device)) : no_input(),
+                                           stage->is_last() ? y.to(device) : at::Tensor(), mse);
+    CATCH_REQUIRE(evaluated.loss.defined());
+    gpipe_test::write_doubles(folder + "/evaluated" + r + ".bin",
+                              {evaluated.output.tensor(), evaluated.loss});
+  }
 }
 
 // The plain model's parameters of each stage's layers and losses after the same steps.
 struct Oracle {
   std::vector<at::Tensor> stage_states;
   at::Tensor losses;
+  /// The trained model's output and loss on the next batch (what evaluate() gives).
+  at::Tensor evaluated;
 };
 // With `virtual_stages` v, balance has one entry per virtual stage, and stage r holds virtual
 // stages r, r + n, ... (Note [Interleaving across processes]), or with `v_shape`, r and
@@ -360,12 +372,19 @@ inline Oracle plain_training(const std::vector<int64_t>& balance = kBalance,
     oracle.stage_states.push_back(flat(params));
   }
   oracle.losses = flat(losses);
+  {
+    at::NoGradGuard no_grad;
+    auto [x, y] = batch(kSteps);
+    const at::Tensor out = plain->forward(x);
+    oracle.evaluated = flat({out, nn::functional::mse_loss(out, y)});
+  }
   return oracle;
 }
 
 // Runs test `test` in two stage processes (train_stage with `env`) and checks what they wrote to
-// `folder` (each stage's parameters after kSteps steps, rank 1's losses) against the plain model's
-// training (parameters to 1e-10); removes the folder.
+// `folder` (each stage's parameters after kSteps steps, rank 1's losses; with GPIPE_TEST_EVALUATE
+// each rank's evaluation after them) against the plain model's training (parameters to 1e-10);
+// removes the folder.
 inline void check_stages(const char* test, const std::string& folder,
                          const std::map<std::string, std::string>& env, double loss_tolerance,
                          const std::string& frozen = "",
@@ -385,6 +404,15 @@ inline void check_stages(const char* test, const std::string& folder,
   const at::Tensor losses = gpipe_test::read_doubles(folder + "/loss.bin");
   CATCH_REQUIRE(losses.sizes() == oracle.losses.sizes());
   CATCH_CHECK(at::allclose(losses, oracle.losses, 0, loss_tolerance));
+  if (env.count("GPIPE_TEST_EVALUATE") != 0) {
+    for (int r = 0; r < ranks; ++r) {
+      CATCH_CAPTURE(r);
+      const at::Tensor evaluated =
+          gpipe_test::read_doubles(folder + "/evaluated" + std::to_string(r) + ".bin");
+      CATCH_REQUIRE(evaluated.sizes() == oracle.evaluated.sizes());
+      CATCH_CHECK(at::allclose(evaluated, oracle.evaluated, 0, 1e-10));
+    }
+  }
   std::filesystem::remove_all(folder);
 }
 

@@ -28,6 +28,15 @@ namespace internal {
 
 /// What one stage's remote links share: the group, the wire (wire_device) and the courier that
 /// posts sends and receives in order.
+// Note [The wire's stream]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// On a GPU wire, every transfer of a step is ordered against one stream, the one current on the
+// wire's device where step() was called (Wire::stream): a send's Transfer waits for it, a
+// receive's consumer makes it wait. The links' copies to and from the wire (to_wire, the
+// received tensors' .to(device), the gradients' buffers) are therefore issued on it too, whatever
+// thread runs them: a partition on another device runs on a worker whose current stream on the
+// wire's device is that thread's own (its default stream), which is the caller's only when the
+// caller left the default stream current.
 struct Wire {
   ProcessGroup group;
   c10::Device device{c10::kCPU};

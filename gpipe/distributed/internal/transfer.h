@@ -189,6 +189,8 @@ class ActivationReceiver {
     BatchHeader header;
     std::vector<at::Tensor> tensors;  // on the receiver's device
     c10::optional<c10::Stream> stream;  // on a GPU, the stream they were received on
+    // On a GPU, their receives, which next() makes the consuming stream wait for.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
   };
   /// Receives on `device` (the wire's: wire_device); on a GPU, each micro-batch on a stream of its
   /// own, for which next() makes `stream` (the one that computes with them) wait. `cancellation`
