@@ -361,8 +361,13 @@ struct StreamMark {
     C10_CUDA_CHECK(cudaEventCreate(&event));
   }
   ~StreamMark() {
-    const c10::cuda::CUDAGuard guard(device);
-    (void)cudaEventDestroy(event);  // no throw from a destructor
+    // No throw from a destructor: setting the device fails once the CUDA runtime is unloading (a
+    // timeline destroyed at exit), and then the event is gone with it.
+    try {
+      const c10::cuda::CUDAGuard guard(device);
+      (void)cudaEventDestroy(event);
+    } catch (...) {
+    }
   }
   StreamMark(const StreamMark&) = delete;
   StreamMark& operator=(const StreamMark&) = delete;

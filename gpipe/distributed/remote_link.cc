@@ -318,7 +318,9 @@ void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batc
   try {
     BatchHeader of = BatchHeader::of(output, microbatches, grad_enabled);
     of.training = wire_.training;
-    header = of.encode().to(wire_.device);
+    // (Not a blocking to(): that would wait here for the wire's stream, holding the lane back
+    // from queueing the next micro-batch.)
+    header = to_wire({of.encode()}, wire_.device)[0];
     bytes = packed_data_bytes(of);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "on rank ", wire_.group->getRank(), ", to rank ", peer_, ": ",

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpipe/distributed/internal/fault.h"
+#include "gpipe/internal/copy.h"
 #include "gpipe/internal/stream.h"
 
 namespace gpipe {
@@ -328,7 +329,11 @@ std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Dev
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
-    out.push_back(t.detach().to(device).contiguous());
+    // To a GPU wire without blocking the host (from the CPU staged in pinned memory): the sends
+    // follow the copies on the wire's stream. To a CPU wire blocking: Gloo reads host memory.
+    out.push_back(device.is_cuda()
+                      ? gpipe::internal::copy_to_device(t.contiguous(), device, /*non_blocking=*/true)
+                      : t.detach().to(device).contiguous());
   }
   return out;
 }
