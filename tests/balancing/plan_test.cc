@@ -920,6 +920,17 @@ ProcessLinkStats round_link() {
   return link;
 }
 
+// Partitions {1, 3} as a process each on cuda:0 and cuda:1, 4 micro-batches, no checkpointing.
+PipelinePlan two_gpu_processes() {
+  PipelinePlan g;
+  g.balance = {1, 3};
+  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+  g.chunks = 4;
+  g.checkpoint = Checkpoint::kNever;
+  g.processes = true;
+  return g;
+}
+
 CATCH_TEST_CASE("An all-reduce over replicas costs Gloo's ring, and a message its latency and bytes",
                 "[balancing][plan][replicas]") {
   const ProcessLinkStats link = round_link();
@@ -987,12 +998,7 @@ CATCH_TEST_CASE("Stages all on GPUs in processes of their own send and all-reduc
     }
   }
   gpus.process_link = round_link();
-  PipelinePlan g;
-  g.balance = {1, 3};
-  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
-  g.chunks = 4;
-  g.checkpoint = Checkpoint::kNever;
-  g.processes = true;
+  PipelinePlan g = two_gpu_processes();
   g.replicas = 4;
   const int64_t out = gpus.layer(0, 8, g.devices[0]).output_bytes;
   const PipelineCosts on_gloo = pipeline_costs(gpus, g, ParameterMemory{});
@@ -1052,12 +1058,7 @@ CATCH_TEST_CASE("A plan says which backend its stages were predicted on, and kee
                 "[balancing][plan][replicas][nccl]") {
   PipelineProfile gpus = cpu_and_gpus(4, 2, 4.0);
   gpus.process_link = round_link();
-  PipelinePlan g;
-  g.balance = {1, 3};
-  g.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
-  g.chunks = 4;
-  g.checkpoint = Checkpoint::kNever;
-  g.processes = true;
+  PipelinePlan g = two_gpu_processes();
   predict(gpus, g);
   CATCH_CHECK(g.backend == "gloo");  // no NCCL numbers in the profile
   CATCH_CHECK_THAT(g.describe(), gpipe_test::contains("a process per worker on Gloo: "));
