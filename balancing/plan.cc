@@ -553,13 +553,15 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
   // Note [Device overhead]: measured on the first GPU among the devices, if any.
   const auto gpu = std::find_if(devices.begin(), devices.end(),
                                 [](const c10::Device& d) { return d.is_cuda(); });
+  // The copies' probes first (64 MiB tensors, not the model's): their cached blocks are released
+  // with the optimizers' below, and stay out of Note [Device overhead]'s peaks.
+  p.copies = profile_copies(devices);
   const int before = at::get_num_threads();
   set_intra_op_threads(static_cast<int>(p.threads));
   try {
     // (With each worker's threads, which the trainers' --plan sets for the whole process, the
-    // loop's optimizer included: Note [The optimizer's step]. First, and its cached blocks
-    // released: its large tensors are not the model's, and stay out of Note [Device overhead]'s
-    // peaks.)
+    // loop's optimizer included: Note [The optimizer's step]. Before the model, and its cached
+    // blocks released: its large tensors are not the model's either.)
     p.optimizers = profile_optimizers(devices, &model);
     if (gpu != devices.end()) {
       internal::release_cached_memory(*gpu);
@@ -595,7 +597,6 @@ PipelineProfile profile_pipeline(const torch::nn::Sequential& model, const at::T
     throw;
   }
   set_intra_op_threads(before);
-  p.copies = profile_copies(devices);
   if (devices.size() > 1) p.handoff_us = handoff_us();
   if (options.calibrate()) {
     calibrate(p, model, sample, low, middle);

@@ -25,6 +25,7 @@
 #include "balancing/internal/detail.h"
 #include "gpipe/device.h"
 #include "gpipe/microbatch.h"
+#include "gpipe/internal/copy.h"
 #include "gpipe/internal/partition.h"
 #include "gpipe/internal/skip_tracker.h"
 #include "gpipe/internal/stream.h"
@@ -51,17 +52,27 @@ class AllocationCounter : public c10::MemoryReportingInfoBase {
   }
   void reportOutOfMemory(int64_t, int64_t, int64_t, c10::Device) {}
   void reportOutOfMemory(int64_t, size_t, size_t, c10::Device) {}
-  int64_t current() const { return current_; }
-  int64_t peak() const { return peak_; }
+  int64_t current() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return current_;
+  }
+  int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
+  }
 
  private:
+  // (Locked: on a GPU the backward's allocations are reported from the autograd engine's device
+  // thread, which inherits the debug info, beside the caller's.)
   void count(int64_t bytes, c10::Device device) {
     if (device.type() == device_.type()) {
+      std::lock_guard<std::mutex> lock(mu_);
       current_ += bytes;
       peak_ = std::max(peak_, current_);
     }
   }
   c10::Device device_;
+  mutable std::mutex mu_;
   int64_t current_ = 0;
   int64_t peak_ = 0;
 };
@@ -257,6 +268,7 @@ std::vector<at::Tensor> forward_with_grad(const ProfiledLayer& layer, const Batc
 void whole_backward(const ProfiledLayer& layer, const std::vector<at::Tensor>& roots,
                     const std::vector<at::Tensor>& grads, LayerStats& stats, LayerTimes& times) {
   auto backward_counter = std::make_shared<AllocationCounter>(layer.device);
+  internal::synchronize(layer.device);  // (the gradients' fills are not the backward's)
   const auto tick = std::chrono::steady_clock::now();
   if (!roots.empty()) {
     c10::DebugInfoGuard memory_guard(c10::DebugInfoKind::PROFILER_STATE, backward_counter);
@@ -630,7 +642,10 @@ std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices) {
       internal::synchronize(x.device());
       internal::synchronize(to);
       const auto tick = std::chrono::steady_clock::now();
-      at::Tensor y = x.to(to, /*non_blocking=*/false, /*copy=*/true);
+      // As the pipeline's links copy: to a GPU staged in pinned memory, from one into pinned
+      // memory, without blocking; then both ends synchronised.
+      at::Tensor y = internal::copy_to_device(x, to, /*non_blocking=*/true);
+      internal::synchronize(x.device());
       internal::synchronize(to);
       if (k > 0) times.push_back(internal::elapsed_us(tick));  // the first pays allocations
     }

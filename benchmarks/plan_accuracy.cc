@@ -437,7 +437,8 @@ nlohmann::json run_model(const std::string& name, bool compare, const std::strin
   return rows;
 }
 
-// Runs this program again for one model and one round; returns its rows (its table printed).
+// Runs this program again for one model and one round; returns its rows (its table printed), or
+// null when the run failed.
 nlohmann::json spawn(const std::string& self, const std::string& name, bool compare) {
   const std::string rows_path = absl::StrCat("/tmp/gpipe-plan-accuracy-", getpid(), ".json");
   std::vector<std::string> args{self,
@@ -459,17 +460,31 @@ nlohmann::json spawn(const std::string& self, const std::string& name, bool comp
   TORCH_CHECK(rc == 0, "cannot start ", self, ": error ", rc);
   int status = 0;
   waitpid(pid, &status, 0);
-  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the run of ", name,
-              " failed (status ", status, ")");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    // (The other models still run: on a lent GPU each minute counts.)
+    std::fprintf(stderr, "plan_accuracy: the run of %s failed (status %d); its rows are left out\n",
+                 name.c_str(), status);
+    std::remove(rows_path.c_str());
+    return nullptr;
+  }
   std::ifstream in(rows_path);
   const nlohmann::json rows = nlohmann::json::parse(in);
   std::remove(rows_path.c_str());
   return rows;
 }
 
+// "median x%, worst y%" of `errors` (fractions), or "none" for no rows.
+std::string summary(const std::vector<double>& errors) {
+  if (errors.empty()) return "none";
+  return absl::StrFormat("median %.1f%%, worst %.1f%%", 100 * median_of(errors),
+                         100 * *std::max_element(errors.begin(), errors.end()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Each row as it is measured, also into a file: a run stopped by its time limit keeps them.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   absl::ParseCommandLine(argc, argv);
   const std::string child = absl::GetFlag(FLAGS_child);
   if (!child.empty()) {
@@ -493,20 +508,32 @@ int main(int argc, char** argv) {
   const std::string self = "/proc/self/exe";
   struct Outcome {
     std::string model, plan;
+    size_t index = 0;  // (the model's index-th configuration: a failed round adds nothing)
     std::vector<double> pred_ms, meas_ms, pred_mib, meas_mib, pred_opt_ms, meas_opt_ms;
   };
   std::vector<Outcome> outcomes;
   nlohmann::json all = nlohmann::json::array();
+  // (Rewritten after each model: a run stopped by its time limit keeps what it measured.)
+  auto write_json = [&all] {
+    if (!absl::GetFlag(FLAGS_json_out).empty()) {
+      std::ofstream(absl::GetFlag(FLAGS_json_out)) << all.dump(1) << "\n";
+    }
+  };
   std::vector<std::string> comparisons;
+  bool failed = false;
   try {
     for (int round = 0; round < rounds; ++round) {
       std::printf("round %d\n%-10s %-58s %9s %9s %7s %9s %9s %7s\n", round + 1, "model",
                   "configuration", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error");
       std::vector<double> time_errors, memory_errors;
-      size_t slot = 0;
       for (const std::string& name : names) {
+        size_t index = 0;
         const bool last = round + 1 == rounds;
         nlohmann::json rows = spawn(self, name, last && absl::GetFlag(FLAGS_compare_defaults));
+        if (rows.is_null()) {
+          failed = true;
+          continue;
+        }
         for (nlohmann::json& row : rows) {
           row["round"] = round + 1;
           all.push_back(row);
@@ -526,12 +553,18 @@ int main(int argc, char** argv) {
           const double pb = mib(row["predicted_bytes"]), mb = mib(row["measured_bytes"]);
           time_errors.push_back(std::abs(error(pm, mm)));
           memory_errors.push_back(std::abs(error(pb, mb)));
-          if (slot == outcomes.size()) {
+          auto it = std::find_if(outcomes.begin(), outcomes.end(), [&](const Outcome& o) {
+            return o.model == name && o.index == index;
+          });
+          if (it == outcomes.end()) {
             outcomes.emplace_back();
             outcomes.back().model = name;
             outcomes.back().plan = row["configuration"].get<std::string>();
+            outcomes.back().index = index;
+            it = outcomes.end() - 1;
           }
-          Outcome& o = outcomes[slot++];
+          ++index;
+          Outcome& o = *it;
           o.pred_ms.push_back(pm);
           o.meas_ms.push_back(mm);
           o.pred_mib.push_back(pb);
@@ -539,13 +572,11 @@ int main(int argc, char** argv) {
           o.pred_opt_ms.push_back(row["predicted_optimizer_ms"].get<double>());
           o.meas_opt_ms.push_back(row["measured_optimizer_ms"].get<double>());
         }
+        write_json();
       }
-      std::printf("round %d, %zu configurations: time error median %.1f%%, worst %.1f%%; memory "
-                  "error median %.1f%%, worst %.1f%%\n\n",
-                  round + 1, time_errors.size(), 100 * median_of(time_errors),
-                  100 * *std::max_element(time_errors.begin(), time_errors.end()),
-                  100 * median_of(memory_errors),
-                  100 * *std::max_element(memory_errors.begin(), memory_errors.end()));
+      std::printf("round %d, %zu configurations: time error %s; memory error %s\n\n", round + 1,
+                  time_errors.size(), summary(time_errors).c_str(),
+                  summary(memory_errors).c_str());
     }
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "plan_accuracy: %s\n", e.what_without_backtrace());
@@ -571,18 +602,10 @@ int main(int argc, char** argv) {
                 o.model.c_str(), o.plan.substr(0, 58).c_str(), pm, mm, 100 * error(pm, mm), pb, mb,
                 100 * error(pb, mb), po, mo, 100 * error(po, mo));
   }
-  std::printf("\n%zu configurations: time error median %.1f%%, worst %.1f%%; memory error median "
-              "%.1f%%, worst %.1f%%\n",
-              time_errors.size(), 100 * median_of(time_errors),
-              100 * *std::max_element(time_errors.begin(), time_errors.end()),
-              100 * median_of(memory_errors),
-              100 * *std::max_element(memory_errors.begin(), memory_errors.end()));
-  std::printf("the optimizer's step after it: error median %.1f%%, worst %.1f%%\n",
-              100 * median_of(optimizer_errors),
-              100 * *std::max_element(optimizer_errors.begin(), optimizer_errors.end()));
+  std::printf("\n%zu configurations: time error %s; memory error %s\n", time_errors.size(),
+              summary(time_errors).c_str(), summary(memory_errors).c_str());
+  std::printf("the optimizer's step after it: error %s\n", summary(optimizer_errors).c_str());
   for (const std::string& line : comparisons) std::printf("%s\n", line.c_str());
-  if (!absl::GetFlag(FLAGS_json_out).empty()) {
-    std::ofstream(absl::GetFlag(FLAGS_json_out)) << all.dump(1) << "\n";
-  }
-  return 0;
+  write_json();
+  return failed ? 1 : 0;
 }

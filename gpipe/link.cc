@@ -52,6 +52,15 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
   }
   // Note [Links on copy streams].
   wait_stream(copy_from, compute);
+  for (const at::Tensor& t : values) {
+    // A GPU tensor already on the receiver's device (a layer's output off its partition's
+    // device) is not copied: the receiver's copy stream waits for the stream that made it, this
+    // lane's current one there.
+    if (t.defined() && t.is_cuda() && t.device() != from && t.device() == to) {
+      wait_stream(copy_to, current_stream(to));
+      break;
+    }
+  }
   std::vector<c10::Stream> current;
   if (has_streams(from)) current.push_back(copy_from);
   if (has_streams(to) && to != from) current.push_back(copy_to);
@@ -64,7 +73,9 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
       }
       record_stream(t, copy_from);
       // A CUDA tensor on another device than the partition's is not ordered by the copy
-      // streams: copied blocking.
+      // streams: copied with non_blocking false (LibTorch orders a copy between GPUs after both
+      // devices' current streams, here its maker's and the receiver's copy stream; to the CPU
+      // the host waits).
       const bool ordered = !t.is_cuda() || t.device() == from;
       out.values.push_back(copy_to_device(t, to, /*non_blocking=*/ordered));
     }

@@ -2,6 +2,7 @@
 #include "gpipe/internal/skip_tracker.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -65,7 +66,12 @@ at::Tensor wait_in_backward(at::Tensor tensor, const c10::Stream& waiting,
   auto node = std::shared_ptr<SkipWaitBackward>(new SkipWaitBackward(waiting, source),
                                                 torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(tensor));
-  torch::autograd::set_history(out, node);
+  {
+    // The node's stream is the one current when its input is registered: `waiting`, where its
+    // gradient is used next (what anomaly mode checks it on), not this lane's own.
+    const c10::StreamGuard on_waiting(waiting);
+    torch::autograd::set_history(out, node);
+  }
   return out;
 }
 
@@ -194,6 +200,14 @@ void MicroBatchSkips::clear() {
 // gradient is copied back, and compute stream a waits for copy stream [a][i] before the stashing
 // layers use the gradient. The latter has no forward half, so it is made by wait_in_backward, not
 // gpipe::wait.
+//
+// Under step() the first of them comes late: partition b's backward of micro-batch i stops at the
+// popped skip's leaf (Cut in skip_tracker.h), and the wait of copy stream [b][i] for compute
+// stream b runs when partition a's backward of i passes through the skip's chain, by which time
+// b's lane may have queued later work on compute stream b (1F1B's next forwards), which the
+// gradient's copy then waits for too: on GPUs a false dependency in backward, like the one the
+// forward avoids (reviewed, not measured: no GPU run has had skips under 1F1B yet). Making that
+// wait right after b's backward needs a fence whose backward half waits on a recorded point.
 
 std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition,
                                             const std::vector<c10::Stream>& compute_streams,

@@ -312,19 +312,26 @@ CATCH_TEST_CASE(
 
 CATCH_TEST_CASE("profiling on a GPU measures its context and its allocator's reserve",
                 "[balancing][memory][cuda]") {
+  // (With the CPU too, the copies between them are profiled: 64 MiB probes.)
+  const std::vector<c10::Device> devices =
+      GENERATE(std::vector<c10::Device>{c10::Device("cuda:0")},
+               std::vector<c10::Device>{c10::Device("cuda:0"), c10::Device(c10::kCPU)});
+  CATCH_CAPTURE(devices.size());
   at::manual_seed(0);
   const PipelineProfile profile =
-      profile_pipeline(small_model(), at::randn({64, 16}), {c10::Device("cuda:0")},
+      profile_pipeline(small_model(), at::randn({64, 16}), devices,
                        PipelineProfileOptions().timeout(std::chrono::milliseconds(20)));
   // A CUDA context alone takes hundreds of MiB; the allocator reserves at least what it gives.
   CATCH_CHECK(profile.device_context_bytes > (int64_t{64} << 20));
   CATCH_CHECK(profile.allocator_reserve >= 1);
   CATCH_CHECK(profile.allocator_reserve < 1000);
   // The reserve is the model's: the optimizer's profile (a GPU's 256 MiB tensor with its gradient
-  // and moments, Note [The optimizer's step]) is out of the peaks it is measured over.
+  // and moments, Note [The optimizer's step]) and the copies' 64 MiB probes are out of the peaks it
+  // is measured over.
   CATCH_CHECK(profile.optimizers.size() == optimizer_kinds().size());
+  CATCH_CHECK(profile.copies.size() == 2 * (devices.size() - 1));
   CATCH_CHECK(internal::device_memory_use(c10::Device("cuda:0")).peak_allocated <
-              (int64_t{256} << 20));
+              (int64_t{64} << 20));
 }
 
 CATCH_TEST_CASE(
