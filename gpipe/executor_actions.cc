@@ -286,13 +286,20 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
   }
   // The skips this partition popped from earlier ones: their gradients, for the stashing
   // partitions (whose backward of this micro-batch follows, after the gradients pass through).
+  // On a GPU the copy stream waits for this backward now, and the stashing partition's backward
+  // starts from the skip's copy (Note [Skip copy streams] in skip_tracker.cc).
   if (!s.cuts[i].empty()) {
+    bool waited = false;
     absl::MutexLock lock(&st.mu);
     for (size_t k = 0; k < s.cuts[i].size(); ++k) {
-      if (skip_grads[k].defined()) {
-        st.skip_grads[s.cuts[i][k].from][i].emplace_back(std::move(s.cuts[i][k].tensor),
-                                                         std::move(skip_grads[k]));
+      if (!skip_grads[k].defined()) continue;
+      MicroBatchSkips::Cut& c = s.cuts[i][k];
+      if (c.copied.defined() && !waited) {
+        wait_stream((*st.copy_streams)[p][i], stream);
+        waited = true;
       }
+      st.skip_grads[c.from][i].emplace_back(
+          c.copied.defined() ? std::move(c.copied) : std::move(c.tensor), std::move(skip_grads[k]));
     }
   }
   s.cuts[i].clear();

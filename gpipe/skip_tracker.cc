@@ -147,6 +147,7 @@ at::Tensor MicroBatchSkips::pop(const SkipKey& key) {
   TORCH_CHECK(slot.stashed, "gpipe::pop: skip '", key.str(), "' was not stashed");
   slot.stashed = false;
   at::Tensor tensor = slot.tensor.take();
+  slot.copied = at::Tensor();
   if (frame != nullptr) {
     frame->add_popped(key, tensor);
   }
@@ -164,7 +165,9 @@ std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(
     const at::Tensor& tensor = slot.tensor.get();
     if (!tensor.defined() || !tensor.requires_grad()) continue;
     Cut cut{route.second, tensor,
-            replace ? replace(route.second, tensor) : tensor.detach().requires_grad_(true)};
+            replace ? replace(route.second, tensor) : tensor.detach().requires_grad_(true),
+            std::move(slot.copied)};
+    slot.copied = at::Tensor();
     slot.tensor.set(cut.leaf);
     cuts.push_back(std::move(cut));
   }
@@ -174,6 +177,7 @@ std::vector<MicroBatchSkips::Cut> MicroBatchSkips::cut(
 void MicroBatchSkips::clear() {
   for (auto& slot : slots_) {
     slot.second->tensor.reset();
+    slot.second->copied = at::Tensor();
     slot.second->stashed = false;
   }
   local_.clear();
@@ -201,13 +205,14 @@ void MicroBatchSkips::clear() {
 // layers use the gradient. The latter has no forward half, so it is made by wait_in_backward, not
 // gpipe::wait.
 //
-// Under step() the first of them comes late: partition b's backward of micro-batch i stops at the
-// popped skip's leaf (Cut in skip_tracker.h), and the wait of copy stream [b][i] for compute
-// stream b runs when partition a's backward of i passes through the skip's chain, by which time
-// b's lane may have queued later work on compute stream b (1F1B's next forwards), which the
-// gradient's copy then waits for too: on GPUs a false dependency in backward, like the one the
-// forward avoids (reviewed, not measured: no GPU run has had skips under 1F1B yet). Making that
-// wait right after b's backward needs a fence whose backward half waits on a recorded point.
+// Under step() partition b's backward of micro-batch i stops at the popped skip's leaf (Cut in
+// skip_tracker.h), and partition a's backward of i later starts from the skip's chain. Started at
+// the fence's last tensor, its first node would make copy stream [b][i] wait for compute stream b
+// only then, by when b's lane may have queued later work there (1F1B's next forwards), which the
+// gradient's copy would wait for too: a false dependency like the one the forward avoids. So on a
+// GPU the cut keeps the tensor before the fence's wait (SkipSlot::copied), b's backward makes
+// copy stream [b][i] wait for compute stream b as soon as it has queued that micro-batch's
+// backward, and a's backward starts from the copy (run_backward in executor_actions.cc).
 
 std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition,
                                             const std::vector<c10::Stream>& compute_streams,
@@ -228,6 +233,7 @@ std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partitio
     // and must not wait for later ones (Note [Skip copy streams]).
     tensor = wait_in_backward(std::move(tensor), compute_streams[route.second], from);
     at::Tensor moved_tensor = copy({std::move(tensor)}, from, to)[0];
+    slot.copied = has_streams(compute_streams[partition].device()) ? moved_tensor : at::Tensor();
     moved_tensor = wait({std::move(moved_tensor)}, to, compute_streams[partition])[0];
     moved.push_back(route.second);
     slot.tensor.set(std::move(moved_tensor));

@@ -64,6 +64,9 @@ class SkipTracker {
 struct SkipSlot {
   bool stashed = false;
   SkipTensor tensor;  // from the stash until the pop
+  /// On a GPU, the fence's copy before the popping compute stream's wait, until the pop or the
+  /// cut (Note [Skip copy streams] in skip_tracker.cc).
+  at::Tensor copied;
 };
 
 // Note [Skips and checkpointing]
@@ -113,6 +116,9 @@ class MicroBatchSkips : public SkipTracker {
     int64_t from = 0;  // the stashing partition
     at::Tensor tensor;  // as stashed (and moved by the fence), with its history
     at::Tensor leaf;    // what the popping partition pops instead
+    /// Where the popping partition is on a GPU: `tensor` before the fence's wait, whose backward
+    /// the popping partition's backward does itself (Note [Skip copy streams]); else undefined.
+    at::Tensor copied;
   };
   /// Cuts every skip routed into `partition` (after its fence) that requires grad: the popping
   /// partition then pops `replace(stashing partition, tensor)` — by default a detached leaf, for a

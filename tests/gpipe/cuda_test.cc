@@ -538,6 +538,21 @@ struct AddSkipImpl : nn::Module {
 };
 TORCH_MODULE(AddSkip);
 
+// Slow layers and a skip: as partitions {2, 3, 5}, {Linear, Slow} | {Keep, Tanh, Slow} | {Linear,
+// Slow, Add, Slow, Linear}, the skip crosses from the second partition to the third.
+nn::Sequential slow_skip_model() {
+  nn::Sequential seq(nn::Linear(8, 16), Slow());
+  seq->push_back(skippable(KeepSlow(), SkippableOptions().stash({"skip"})));
+  seq->push_back(nn::Tanh());
+  seq->push_back(Slow());
+  seq->push_back(nn::Linear(16, 16));
+  seq->push_back(Slow());
+  seq->push_back(skippable(AddSkip(), SkippableOptions().pop({"skip"})));
+  seq->push_back(Slow());
+  seq->push_back(nn::Linear(16, 4));
+  return seq;
+}
+
 CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals the plain "
                 "Sequential: every copy and skip waits for its producer",
                 "[cuda][stream]") {
@@ -564,18 +579,7 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
       {gpu, gpu, gpu}, {cpu, gpu, gpu}, {gpu, gpu, cpu}, {gpu, last_gpu, gpu},
       {gpu, cpu, gpu}, {cpu, gpu, cpu}};
   const std::vector<c10::Device>& devices = placements[placement];
-  auto make = [] {
-    nn::Sequential seq(nn::Linear(8, 16), Slow());
-    seq->push_back(skippable(KeepSlow(), SkippableOptions().stash({"skip"})));
-    seq->push_back(nn::Tanh());
-    seq->push_back(Slow());
-    seq->push_back(nn::Linear(16, 16));
-    seq->push_back(Slow());
-    seq->push_back(skippable(AddSkip(), SkippableOptions().pop({"skip"})));
-    seq->push_back(Slow());
-    seq->push_back(nn::Linear(16, 4));
-    return seq;
-  };
+  const auto make = slow_skip_model;
   nn::Sequential plain = build(make, 45);
   plain->to(gpu);
   // Partitions: {Linear, Slow} | {Keep, Tanh, Slow} | {Linear, Slow, Add, Slow, Linear}: the skip
@@ -602,6 +606,57 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
     (y2 * w.to(y2.device())).sum().backward();
     check_same_grads(plain->parameters(), model->parameters(), 1e-10);
     CATCH_CHECK(max_diff(x1.grad(), x2.grad()) <= 1e-10);
+  }
+}
+
+CATCH_TEST_CASE("With slow kernels, GPipe::step with a skip across devices equals the plain model "
+                "under each schedule: the skip's gradient waits for the backward that made it",
+                "[cuda][stream][step][skip]") {
+  const ScheduleKind kind =
+      GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble);
+  const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
+  // The skip goes from the second partition to the third: within one GPU, from the CPU to a GPU,
+  // from a GPU to the CPU, and between two GPUs (one, where there is one). Under step() the
+  // popping partition's backward makes the skip's copy stream wait for it (Note [Skip copy
+  // streams] in gpipe/skip_tracker.cc): without that wait the stashing partition reads an
+  // unwritten gradient.
+  const int placement = GENERATE(0, 1, 2, 3);
+  CATCH_CAPTURE(static_cast<int>(kind), static_cast<int>(mode), placement);
+  const c10::Device gpu(at::kCUDA, 0);
+  const c10::Device cpu(at::kCPU);
+  const c10::Device last_gpu(at::kCUDA,
+                             static_cast<c10::DeviceIndex>(torch::cuda::device_count() - 1));
+  const std::vector<std::vector<c10::Device>> placements{
+      {gpu, gpu, gpu}, {gpu, cpu, gpu}, {cpu, gpu, cpu}, {gpu, gpu, last_gpu}};
+  const std::vector<c10::Device>& devices = placements[placement];
+  nn::Sequential plain = build(slow_skip_model, 46);
+  plain->to(gpu);
+  GPipe model(build(slow_skip_model, 46), GPipeOptions({2, 3, 5})
+                                              .devices(devices)
+                                              .chunks(4)
+                                              .checkpoint(mode)
+                                              .schedule(kind));
+  auto mse = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::mse_loss(out[0], target.to(out[0].device()));
+  };
+  for (int step = 0; step < 2; ++step) {
+    CATCH_INFO("step " << step);
+    const at::Tensor x = at::randn({8, 8}, at::TensorOptions(at::kDouble).device(gpu));
+    const at::Tensor y = at::randn({8, 4}, at::TensorOptions(at::kDouble).device(gpu));
+    plain->zero_grad();
+    model->zero_grad();
+    const at::Tensor expected = torch::nn::functional::mse_loss(plain->forward(x), y);
+    expected.backward();
+    const at::Tensor loss = model->step(x.to(devices.front()), y, mse);
+    CATCH_CHECK(std::abs(loss.item<double>() - expected.item<double>()) <= 1e-10);
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    torch::NoGradGuard no_grad;
+    const auto want = plain->parameters();
+    const auto got = model->parameters();
+    for (size_t k = 0; k < want.size(); ++k) {
+      want[k].sub_(want[k].grad() * 0.1);
+      got[k].sub_(got[k].grad() * 0.1);
+    }
   }
 }
 
