@@ -36,7 +36,8 @@ namespace {
 using internal::elapsed_us;
 using internal::median;
 
-// Counts the bytes LibTorch's allocators report on this thread while installed: the CPU
+// Counts the bytes LibTorch's allocators report while installed (on this thread, and on the
+// threads that inherit its debug info, as the autograd engine's device threads do): the CPU
 // allocator and CUDA's caching allocator both report to the profiler's debug info when memory
 // profiling is on. Both reportMemoryUsage signatures are declared; the one this LibTorch has
 // overrides (int64_t totals before 2.x, size_t after).

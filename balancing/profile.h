@@ -146,8 +146,8 @@ struct CopyStats {
 /// Measures a copy between every ordered pair of distinct devices in `devices` (each pair once;
 /// repeats of a device are one device): a 4-byte and a 64 MiB float tensor, the median of 5 copies
 /// each, copied as the pipeline's links copy (to a GPU staged in pinned memory, from one into
-/// pinned memory) and timed to when both devices are done. A device to itself costs nothing (the pipeline does not copy), so
-/// CPU-only pipelines have no pairs.
+/// pinned memory) and timed to when both devices are done. A device to itself costs nothing (the
+/// pipeline does not copy), so CPU-only pipelines have no pairs.
 ///
 ///   auto copies = gpipe::profile_copies({torch::kCPU, torch::Device("cuda:0")});
 std::vector<CopyStats> profile_copies(const std::vector<c10::Device>& devices);

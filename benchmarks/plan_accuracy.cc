@@ -507,17 +507,19 @@ int main(int argc, char** argv) {
   const std::vector<std::string> names(absl::StrSplit(absl::GetFlag(FLAGS_models), ','));
   const std::string self = "/proc/self/exe";
   struct Outcome {
-    std::string model, plan;
-    size_t index = 0;  // (the model's index-th configuration: a failed round adds nothing)
+    std::string model, plan;  // (one configuration over the rounds that planned it)
+    nlohmann::json key;
     std::vector<double> pred_ms, meas_ms, pred_mib, meas_mib, pred_opt_ms, meas_opt_ms;
   };
   std::vector<Outcome> outcomes;
   nlohmann::json all = nlohmann::json::array();
   // (Rewritten after each model: a run stopped by its time limit keeps what it measured.)
   auto write_json = [&all] {
-    if (!absl::GetFlag(FLAGS_json_out).empty()) {
-      std::ofstream(absl::GetFlag(FLAGS_json_out)) << all.dump(1) << "\n";
-    }
+    const std::string path = absl::GetFlag(FLAGS_json_out);
+    if (path.empty()) return;
+    // (Renamed into place: a run stopped while writing leaves the previous file whole.)
+    std::ofstream(path + ".part") << all.dump(1) << "\n";
+    std::rename((path + ".part").c_str(), path.c_str());
   };
   std::vector<std::string> comparisons;
   bool failed = false;
@@ -527,7 +529,6 @@ int main(int argc, char** argv) {
                   "configuration", "pred ms", "meas ms", "error", "pred MiB", "meas MiB", "error");
       std::vector<double> time_errors, memory_errors;
       for (const std::string& name : names) {
-        size_t index = 0;
         const bool last = round + 1 == rounds;
         nlohmann::json rows = spawn(self, name, last && absl::GetFlag(FLAGS_compare_defaults));
         if (rows.is_null()) {
@@ -553,17 +554,19 @@ int main(int argc, char** argv) {
           const double pb = mib(row["predicted_bytes"]), mb = mib(row["measured_bytes"]);
           time_errors.push_back(std::abs(error(pm, mm)));
           memory_errors.push_back(std::abs(error(pb, mb)));
+          // (The same configuration: the plan's file without its predictions.)
+          nlohmann::json key = row["plan"];
+          key.erase("predicted");
           auto it = std::find_if(outcomes.begin(), outcomes.end(), [&](const Outcome& o) {
-            return o.model == name && o.index == index;
+            return o.model == name && o.key == key;
           });
           if (it == outcomes.end()) {
             outcomes.emplace_back();
             outcomes.back().model = name;
             outcomes.back().plan = row["configuration"].get<std::string>();
-            outcomes.back().index = index;
+            outcomes.back().key = std::move(key);
             it = outcomes.end() - 1;
           }
-          ++index;
           Outcome& o = *it;
           o.pred_ms.push_back(pm);
           o.meas_ms.push_back(mm);

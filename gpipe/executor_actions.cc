@@ -286,8 +286,9 @@ void run_backward(Step& st, int64_t p, int64_t i, bool split) {
   }
   // The skips this partition popped from earlier ones: their gradients, for the stashing
   // partitions (whose backward of this micro-batch follows, after the gradients pass through).
-  // On a GPU the copy stream waits for this backward now, and the stashing partition's backward
-  // starts from the skip's copy (Note [Skip copy streams] in skip_tracker.cc).
+  // On a GPU the copy stream waits for this backward now (as the link's send below does again),
+  // and the stashing partition's backward starts from the skip's copy (Note [Skip copy streams] in
+  // skip_tracker.cc).
   if (!s.cuts[i].empty()) {
     bool waited = false;
     absl::MutexLock lock(&st.mu);

@@ -210,9 +210,11 @@ void MicroBatchSkips::clear() {
 // the fence's last tensor, its first node would make copy stream [b][i] wait for compute stream b
 // only then, by when b's lane may have queued later work there (1F1B's next forwards), which the
 // gradient's copy would wait for too: a false dependency like the one the forward avoids. So on a
-// GPU the cut keeps the tensor before the fence's wait (SkipSlot::copied), b's backward makes
-// copy stream [b][i] wait for compute stream b as soon as it has queued that micro-batch's
-// backward, and a's backward starts from the copy (run_backward in executor_actions.cc).
+// GPU the cut keeps the tensor before the fence's wait (SkipSlot::copied), and a's backward starts
+// from the copy (run_backward in executor_actions.cc). Copy stream [b][i] has waited for compute
+// stream b by then, as soon as b's backward of i was queued: the link's send of that backward's
+// input gradients waits so (Note [Links on copy streams] in link.h), and run_backward makes the
+// wait itself too, so that the order does not depend on the link.
 
 std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partition,
                                             const std::vector<c10::Stream>& compute_streams,

@@ -136,8 +136,8 @@ c10::Stream current_stream(c10::Device device) {
 // serialised. gpipe's streams come from the high-priority pool instead, which NCCL's default
 // groups never use; and no gpipe stream is made to wait on a remote transfer that is not yet
 // needed (ActivationReceiver leaves the wait for each micro-batch's activations to the stream
-// that computes with them). Within one process the priority only lets copies start ahead of
-// queued compute kernels, which is what a pipeline's copies are for.
+// that computes with them). Within one process the priority changes little: it orders kernels,
+// and the links' copies run on the copy engines either way.
 c10::Stream new_stream(c10::Device device) {
   if (!device.is_cuda()) {
     return cpu_stream(device);

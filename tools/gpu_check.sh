@@ -15,13 +15,14 @@
 # Debian 12's; one inside the source tree, where a carried one lies, is copied out first: CMake
 # refuses include folders under the source tree); logs and the benchmarks' JSON go to OUT_DIR.
 # Environment: PARTS (default "tests overlap schedules plan reference cut_points"; a lease's
-# command: "tests overlap schedules plan" with DEADLINE=540, docs/building.md), JOBS (compile jobs, default: the
-# cores), BUILD (build folder, default build/gpu), RESNET_SAMPLES / AMOEBA_SAMPLES (samples per
-# epoch of the speed runs, two epochs each, the first untimed), EXTRA_TARGETS (more CMake targets
-# to build, such as gpt), DEADLINE (seconds from the start by which the script must be done: each
-# later part's limit is cut to what is left, and a part with under 30 s left is skipped, so that
-# one call of a lease's command runs the parts in order and returns what they measured before its
-# own limit). SKIP_BENCH=1, the old spelling, means PARTS=tests.
+# command: "tests overlap schedules plan" with DEADLINE=540, docs/building.md), JOBS (compile
+# jobs, default: the cores), BUILD (build folder, default build/gpu), RESNET_SAMPLES /
+# AMOEBA_SAMPLES (samples per epoch of the speed runs, two epochs each, the first untimed),
+# EXTRA_TARGETS (more CMake targets to build, such as gpt), DEADLINE (seconds from the start by
+# which the script must be done: each later part's limit is cut to what is left, and a part with
+# under 30 s left is skipped, so that one call of a lease's command runs the parts in order and
+# returns what they measured before its own limit). SKIP_BENCH=1, the old spelling, means
+# PARTS=tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: tools/gpu_check.sh OUT_DIR [PREFIX]}
@@ -84,10 +85,10 @@ stamp built
 # it names: tests/main.cc leaves them out only of a run that names none).
 filter='[cuda]'
 (($(nvidia-smi -L | wc -l) < 2)) && filter='[cuda]~[gpus2]'
-passed=0; failed=0
+passed=0; failed=0; skipped=0  # (skipped: test binaries DEADLINE left out)
 for t in $tests; do
   seconds=$(limit 300)
-  ((seconds == 0)) && { stamp "$t: skipped (DEADLINE)"; failed=$((failed + 1)); continue; }
+  ((seconds == 0)) && { stamp "$t: skipped (DEADLINE)"; skipped=$((skipped + 1)); continue; }
   (cd "$build" && timeout -k 10 "$seconds" "./$t" "$filter") > "$out/$t.log" 2>&1
   rc=$?
   line=$(grep -a "gpipe-test-summary:" "$out/$t.log" | tail -n 1)
@@ -99,7 +100,7 @@ for t in $tests; do
   passed=$((passed + p)); failed=$((failed + f))
   ((f > 0)) && grep -a -B 5 -A 25 "FAILED" "$out/$t.log" | head -n 80
 done
-[[ -n "$tests" ]] && stamp "[cuda] tests: $passed passed, $failed failed"
+[[ -n "$tests" ]] && stamp "[cuda] tests: $passed passed, $failed failed; $skipped binaries skipped"
 
 # Runs program `name` from the build folder under a limit of `seconds`, its output in OUT/name.log
 # and (most programs) its JSON in OUT/name.json; prints the end of its output.

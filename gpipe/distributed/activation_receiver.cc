@@ -131,6 +131,7 @@ void ActivationReceiver::run() {
       for (size_t t = 0; t < r.tensors.size(); ++t) {
         if (!receive(r.tensors[t], Message::kActivation, i, static_cast<int64_t>(t),
                      stream ? &r.works : nullptr)) {
+          for (const auto& work : r.works) abort_quietly(work);  // (in no list the stop sees)
           return;
         }
       }

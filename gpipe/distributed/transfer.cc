@@ -331,9 +331,9 @@ std::vector<at::Tensor> to_wire(const std::vector<at::Tensor>& tensors, c10::Dev
   for (const at::Tensor& t : tensors) {
     // To a GPU wire without blocking the host (from the CPU staged in pinned memory): the sends
     // follow the copies on the wire's stream. To a CPU wire blocking: Gloo reads host memory.
-    out.push_back(device.is_cuda()
-                      ? gpipe::internal::copy_to_device(t.contiguous(), device, /*non_blocking=*/true)
-                      : t.detach().to(device).contiguous());
+    out.push_back(device.is_cuda() ? gpipe::internal::copy_to_device(t.contiguous(), device,
+                                                                     /*non_blocking=*/true)
+                                   : t.detach().to(device).contiguous());
   }
   return out;
 }

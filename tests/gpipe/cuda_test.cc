@@ -609,17 +609,17 @@ CATCH_TEST_CASE("With slow kernels on every stream, GPipe on a GPU still equals 
   }
 }
 
-CATCH_TEST_CASE("With slow kernels, GPipe::step with a skip across devices equals the plain model "
-                "under each schedule: the skip's gradient waits for the backward that made it",
+CATCH_TEST_CASE("With slow kernels, GPipe::step with a skip equals the plain model under each "
+                "schedule, the skip's gradient starting from its copy",
                 "[cuda][stream][step][skip]") {
   const ScheduleKind kind =
       GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble);
   const Checkpoint mode = GENERATE(Checkpoint::kExceptLast, Checkpoint::kNever);
   // The skip goes from the second partition to the third: within one GPU, from the CPU to a GPU,
   // from a GPU to the CPU, and between two GPUs (one, where there is one). Under step() the
-  // popping partition's backward makes the skip's copy stream wait for it (Note [Skip copy
-  // streams] in gpipe/skip_tracker.cc): without that wait the stashing partition reads an
-  // unwritten gradient.
+  // stashing partition's backward starts from the skip's copy, not from the fence's wait (Note
+  // [Skip copy streams] in gpipe/skip_tracker.cc): a gradient read before the popping
+  // partition's slow backward wrote it, or copied to the wrong place, shows here.
   const int placement = GENERATE(0, 1, 2, 3);
   CATCH_CAPTURE(static_cast<int>(kind), static_cast<int>(mode), placement);
   const c10::Device gpu(at::kCUDA, 0);
