@@ -304,6 +304,34 @@ CATCH_TEST_CASE("Partitions of two threads that share a GPU are refused only whe
 
 namespace {
 
+// Two steps of SGD of `model` (its first partition on `first`) against `plain`, on random
+// batches of 8 rows of `features` made with `options`: the losses and the gradients to 1e-10.
+void two_steps_against_plain(nn::Sequential plain, GPipe model, int64_t features,
+                             const at::TensorOptions& options, c10::Device first) {
+  auto mse = [](const Batch& out, const at::Tensor& target) {
+    return torch::nn::functional::mse_loss(out[0], target.to(out[0].device()));
+  };
+  for (int step = 0; step < 2; ++step) {
+    CATCH_INFO("step " << step);
+    const at::Tensor x = at::randn({8, features}, options);
+    const at::Tensor y = at::randn({8, 4}, options);
+    plain->zero_grad();
+    model->zero_grad();
+    const at::Tensor expected = torch::nn::functional::mse_loss(plain->forward(x), y);
+    expected.backward();
+    const at::Tensor loss = model->step(x.to(first), y, mse);
+    CATCH_CHECK(std::abs(loss.item<double>() - expected.item<double>()) <= 1e-10);
+    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+    torch::NoGradGuard no_grad;
+    const auto want = plain->parameters();
+    const auto got = model->parameters();
+    for (size_t p = 0; p < want.size(); ++p) {
+      want[p].sub_(want[p].grad() * 0.1);
+      got[p].sub_(got[p].grad() * 0.1);
+    }
+  }
+}
+
 // A step of an MLP whose partitions sit on `devices` under `kind`, against the plain model: loss
 // and gradients after two steps of SGD.
 void check_step_across(const std::vector<c10::Device>& devices, ScheduleKind kind) {
@@ -311,31 +339,10 @@ void check_step_across(const std::vector<c10::Device>& devices, ScheduleKind kin
     return nn::Sequential(nn::Linear(12, 16), nn::Tanh(), nn::Linear(16, 16), nn::ReLU(),
                           nn::Linear(16, 4));
   };
-  nn::Sequential plain = build(make, 3);
-  GPipe model(build(make, 3),
-              GPipeOptions({2, 3}).devices(devices).chunks(4).schedule(kind));
-  auto mse = [](const Batch& out, const at::Tensor& target) {
-    return torch::nn::functional::mse_loss(out[0], target.to(out[0].device()));
-  };
-  for (int k = 0; k < 2; ++k) {
-    const at::Tensor x = at::randn({8, 12}, at::kDouble);
-    const at::Tensor y = at::randn({8, 4}, at::kDouble);
-    plain->zero_grad();
-    model->zero_grad();
-    const at::Tensor expected = torch::nn::functional::mse_loss(plain->forward(x), y);
-    expected.backward();
-    const at::Tensor loss = model->step(x.to(devices.front()), y, mse);
-    CATCH_CHECK(std::abs(loss.item<double>() - expected.item<double>()) <= 1e-10);
-    const auto want = plain->parameters();
-    const auto got = model->parameters();
-    CATCH_REQUIRE(want.size() == got.size());
-    for (size_t p = 0; p < want.size(); ++p) {
-      CATCH_CHECK(max_diff(want[p].grad(), got[p].grad()) <= 1e-10);
-      torch::NoGradGuard no_grad;
-      want[p].sub_(want[p].grad() * 0.1);
-      got[p].sub_(got[p].grad().to(got[p].device()) * 0.1);
-    }
-  }
+  two_steps_against_plain(build(make, 3),
+                          GPipe(build(make, 3),
+                                GPipeOptions({2, 3}).devices(devices).chunks(4).schedule(kind)),
+                          12, at::TensorOptions(at::kDouble), devices.front());
 }
 
 // Whether some activation copy of a step ran on a GPU while that GPU computed another micro-batch
@@ -636,28 +643,8 @@ CATCH_TEST_CASE("With slow kernels, GPipe::step with a skip equals the plain mod
                                               .chunks(4)
                                               .checkpoint(mode)
                                               .schedule(kind));
-  auto mse = [](const Batch& out, const at::Tensor& target) {
-    return torch::nn::functional::mse_loss(out[0], target.to(out[0].device()));
-  };
-  for (int step = 0; step < 2; ++step) {
-    CATCH_INFO("step " << step);
-    const at::Tensor x = at::randn({8, 8}, at::TensorOptions(at::kDouble).device(gpu));
-    const at::Tensor y = at::randn({8, 4}, at::TensorOptions(at::kDouble).device(gpu));
-    plain->zero_grad();
-    model->zero_grad();
-    const at::Tensor expected = torch::nn::functional::mse_loss(plain->forward(x), y);
-    expected.backward();
-    const at::Tensor loss = model->step(x.to(devices.front()), y, mse);
-    CATCH_CHECK(std::abs(loss.item<double>() - expected.item<double>()) <= 1e-10);
-    check_same_grads(plain->parameters(), model->parameters(), 1e-10);
-    torch::NoGradGuard no_grad;
-    const auto want = plain->parameters();
-    const auto got = model->parameters();
-    for (size_t k = 0; k < want.size(); ++k) {
-      want[k].sub_(want[k].grad() * 0.1);
-      got[k].sub_(got[k].grad() * 0.1);
-    }
-  }
+  two_steps_against_plain(plain, model, 8, at::TensorOptions(at::kDouble).device(gpu),
+                          devices.front());
 }
 
 }  // namespace
