@@ -52,15 +52,9 @@ Moving move_tensors(const std::vector<at::Tensor>& values, c10::Device to,
   }
   // Note [Links on copy streams].
   wait_stream(copy_from, compute);
-  for (const at::Tensor& t : values) {
-    // A GPU tensor already on the receiver's device (a layer's output off its partition's
-    // device) is not copied: the receiver's copy stream waits for the stream that made it, this
-    // lane's current one there.
-    if (t.defined() && t.is_cuda() && t.device() != from && t.device() == to) {
-      wait_stream(copy_to, current_stream(to));
-      break;
-    }
-  }
+  // A GPU tensor already on the receiver's device (a layer's output off its partition's device)
+  // is not copied: the receiver's copy stream waits for the stream that made it.
+  if (to != from) wait_for_tensors_made_here(copy_to, values);
   std::vector<c10::Stream> current;
   if (has_streams(from)) current.push_back(copy_from);
   if (has_streams(to) && to != from) current.push_back(copy_to);

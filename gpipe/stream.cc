@@ -162,6 +162,16 @@ void wait_stream(const c10::Stream& waiting, const c10::Stream& source) {
   pool.give(device, std::move(event));  // reusable at once (Note [Event pool])
 }
 
+void wait_for_tensors_made_here(const c10::Stream& waiting,
+                                const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.is_cuda() && t.device() == waiting.device()) {
+      wait_stream(waiting, current_stream(waiting.device()));
+      return;
+    }
+  }
+}
+
 #ifdef GPIPE_WITH_CUDA
 // A CUDA event without timing, made on its stream's device. The host waits for it too
 // (synchronize_point), which c10::Event does not offer in every LibTorch gpipe builds with, so

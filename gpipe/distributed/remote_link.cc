@@ -27,22 +27,6 @@ void receive_over_group(const Wire& wire, const char* what, std::vector<at::Tens
   transfer.wait();
 }
 
-// Orders before the wire's stream a GPU tensor among `tensors` that sits on the wire's device but
-// was made on this thread's current stream there, another one (a layer's output off its
-// partition's device): to_wire passes it as it is, and the send waits only for the wire's stream.
-// Call before the wire's stream is made current.
-void order_on_wire(const Wire& wire, const std::vector<at::Tensor>& tensors) {
-  if (!wire.stream) return;
-  const c10::Stream mine = gpipe::internal::current_stream(wire.device);
-  if (mine == *wire.stream) return;
-  for (const at::Tensor& t : tensors) {
-    if (t.defined() && t.is_cuda() && t.device() == wire.device) {
-      gpipe::internal::wait_stream(*wire.stream, mine);
-      return;
-    }
-  }
-}
-
 }  // namespace
 
 std::shared_ptr<Transfer> Wire::post(std::shared_ptr<Transfer> transfer,
@@ -221,7 +205,8 @@ gpipe::internal::Activation RemoteUpstream::receive() {
 }
 
 void RemoteUpstream::send_gradients(int64_t microbatch, std::vector<at::Tensor> gradients) {
-  order_on_wire(wire_, gradients);
+  // (A GPU tensor on the wire's device made on another stream: to_wire passes it as it is.)
+  if (wire_.stream) gpipe::internal::wait_for_tensors_made_here(*wire_.stream, gradients);
   c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   std::vector<at::Tensor> tensors = to_wire(gradients, wire_.device);
   if (shared_) {
@@ -328,7 +313,8 @@ void RemoteDownstream::post_in_turn() {
 
 void RemoteDownstream::send(int64_t microbatches, int64_t microbatch, const Batch& output,
                             bool grad_enabled) {
-  order_on_wire(wire_, output.values());
+  // (A GPU tensor on the wire's device made on another stream: to_wire passes it as it is.)
+  if (wire_.stream) gpipe::internal::wait_for_tensors_made_here(*wire_.stream, output.values());
   c10::OptionalStreamGuard on_wire(wire_.stream);  // Note [The wire's stream]
   // (The tensors first: on a GPU the Transfer's sends follow the work queued before it.)
   at::Tensor header;

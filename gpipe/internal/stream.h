@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include <ATen/core/MT19937RNGEngine.h>
 #include <ATen/core/Tensor.h>
@@ -40,6 +41,12 @@ c10::Stream new_stream(c10::Device device);
 ///
 ///   gpipe::internal::wait_stream(compute, copy);  // compute runs after the copy has landed
 void wait_stream(const c10::Stream& waiting, const c10::Stream& source);
+
+/// Makes `waiting` wait for the calling thread's current stream on its device when one of
+/// `tensors` is a GPU tensor on that device: a tensor this thread made there (a layer's output off
+/// its partition's device) that `waiting`'s work is to use as it is, without a copy.
+void wait_for_tensors_made_here(const c10::Stream& waiting,
+                                const std::vector<at::Tensor>& tensors);
 
 /// A point in a stream's work that another stream, or the host, can wait for: a CUDA event
 /// recorded there, taken from the event pool and given back when the last holder drops it (Note
