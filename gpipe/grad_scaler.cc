@@ -117,16 +117,27 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& params) {
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
                       const std::function<bool(bool)>& any_rank) {
-  if (!unscaled_) unscale(params);
-  bool found = found_ == 1;
-  if (any_rank) found = any_rank(found);
-  found_ = found ? 1 : 0;
-  if (found) {
-    ++skipped_;
-    return false;
+  const bool unscaled_here = !unscaled_;
+  if (unscaled_here) unscale(params);
+  try {
+    bool found = found_ == 1;
+    if (any_rank) found = any_rank(found);
+    found_ = found ? 1 : 0;
+    if (found) {
+      ++skipped_;
+      return false;
+    }
+    optimizer.step();
+    return true;
+  } catch (...) {
+    // The step is over: the next one's gradients, from a new backward, are unscaled afresh
+    // (kept unscaled, they would reach the optimizer multiplied by the scale).
+    if (unscaled_here) {
+      unscaled_ = false;
+      found_ = -1;
+    }
+    throw;
   }
-  optimizer.step();
-  return true;
 }
 
 void GradScaler::update() {
@@ -149,6 +160,9 @@ void GradScaler::update() {
 }
 
 void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  TORCH_CHECK(!unscaled_, "GradScaler::save: this step was unscaled (step() or unscale()) but "
+              "not ended; call update() first, or its finding (", found_ == 1 ? "an inf or NaN"
+              : "clean", ") would be lost and the resumed scale would differ");
   archive.write("scale", at::tensor({scale_}, at::kDouble));
   archive.write("growth_tracker", at::tensor({growth_tracker_}, at::kLong));
   archive.write("skipped", at::tensor({skipped_}, at::kLong));

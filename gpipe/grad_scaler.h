@@ -77,7 +77,8 @@ class GradScaler {
   bool unscale(const std::vector<at::Tensor>& params);
   /// Unscales (unless done) and runs `optimizer`'s step unless a gradient is inf or NaN here or,
   /// with `any_rank`, on any rank (it maps this process's finding to everyone's). Returns whether
-  /// it stepped.
+  /// it stepped. When `any_rank` or the optimizer throws, a step() that unscaled ends this step:
+  /// zero the gradients and run the next backward as usual.
   bool step(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
             const std::function<bool(bool)>& any_rank = nullptr);
   /// Adjusts the scale after a step (Note [Loss scaling]).
@@ -89,7 +90,7 @@ class GradScaler {
   int64_t growth_tracker() const { return growth_tracker_; }
 
   /// The state (scale, clean steps, skipped steps), for saving (gpipe::save_training takes a
-  /// scaler).
+  /// scaler); between step() and update() it throws c10::Error: call update() first.
   void save(torch::serialize::OutputArchive& archive) const;
   /// Restores the state that save() wrote.
   void load(torch::serialize::InputArchive& archive);

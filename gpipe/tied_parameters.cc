@@ -163,6 +163,7 @@ TiedCopies::TiedCopies(const std::vector<Tie>& ties,
 }
 
 void TiedCopies::refresh() {
+  if (failed_backward_.exchange(false)) settle_failed_backward();
   // Every time: LibTorch's optimizers step parameters through Tensor::data(), which has a version
   // counter of its own, so a change of the owner cannot be told from its version. Through
   // variable_data() too, so that graphs of earlier forwards that saved a copy (unchanged
@@ -174,19 +175,36 @@ void TiedCopies::refresh() {
 }
 
 void TiedCopies::sum_gradients() {
+  for (size_t k = 0; k < owners_.size(); ++k) sum_gradients_of(k);
+}
+
+void TiedCopies::sum_gradients_of(size_t k) {
+  at::NoGradGuard no_grad;
+  at::Tensor& owner = owners_[k];
+  for (at::Tensor& copy : copies_of_[k]) {
+    at::Tensor& grad = copy.mutable_grad();
+    if (!grad.defined()) continue;
+    if (owner.grad().defined()) {
+      owner.mutable_grad().add_(grad.to(owner.device()));
+    } else {
+      owner.mutable_grad() = grad.to(owner.device(), /*non_blocking=*/false, /*copy=*/true);
+    }
+    grad.reset();
+  }
+}
+
+void TiedCopies::settle_failed_backward() {
+  // The plain model's one parameter holds the failed backward's partial gradient until
+  // zero_grad(): so does the owner, with its copies' parts added, unless it was cleared since.
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < owners_.size(); ++k) {
-    at::Tensor& owner = owners_[k];
-    for (at::Tensor& copy : copies_of_[k]) {
-      at::Tensor& grad = copy.mutable_grad();
-      if (!grad.defined()) continue;
-      if (owner.grad().defined()) {
-        owner.mutable_grad().add_(grad.to(owner.device()));
-      } else {
-        owner.mutable_grad() = grad.to(owner.device(), /*non_blocking=*/false, /*copy=*/true);
-      }
-      grad.reset();
+    const at::Tensor& grad = owners_[k].grad();
+    const bool cleared = !grad.defined() || !grad.count_nonzero().item<int64_t>();
+    if (!cleared) {
+      sum_gradients_of(k);
+      continue;
     }
+    for (at::Tensor& copy : copies_of_[k]) copy.mutable_grad().reset();
   }
 }
 
@@ -215,8 +233,13 @@ void sum_tied_gradients_after_backward(std::shared_ptr<TiedCopies> tied) {
   // Queued from the output's hook, the first callback would run before callbacks that nodes
   // queue later (a stage-local backward's wait for its handed-off backwards); queued again from
   // itself, it runs after them (Note [A callback the failed backward drops]).
+  // A failed backward leaves the copies' gradients to the next refresh().
   internal::queue_end_of_backward(
-      [tied] { internal::queue_end_of_backward([tied] { tied->sum_gradients(); }, [] {}); }, [] {});
+      [tied] {
+        internal::queue_end_of_backward([tied] { tied->sum_gradients(); },
+                                        [tied] { tied->mark_failed_backward(); });
+      },
+      [tied] { tied->mark_failed_backward(); });
 }
 
 }  // namespace gpipe

@@ -3,6 +3,7 @@
 // parameter while each device that uses it holds its own copy.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -34,10 +35,15 @@ namespace gpipe {
 //   step's backwards are done; forward(): an end-of-backward callback queued behind the
 //   pipeline's own, Note [A callback the failed backward drops]), and the copies' own are reset.
 //   A step that fails adds them too, before it rethrows: the plain model's one parameter keeps a
-//   failed backward's partial gradient until zero_grad(), which cannot reach a copy. (After a
-//   forward()'s failed backward the copies keep theirs: the engine may still be running nodes
-//   of that graph on a device's thread when the failure reaches the callback.)
-//   The owner's gradient is then exactly the plain model's.
+//   failed backward's partial gradient until zero_grad(), which cannot reach a copy. After a
+//   forward()'s failed backward the copies keep theirs until the next forward() or step() (the
+//   engine may still be running nodes of that graph on a device's thread when the failure
+//   reaches the dropped callback); that one adds them to the owner's gradient unless the owner's
+//   was cleared meanwhile (undefined or all zeros, as zero_grad() leaves it), and otherwise
+//   drops them. The owner's gradient is then exactly the plain model's when the user retries
+//   after zero_grad(), and when they go on accumulating after a failure that reached the
+//   owner's place (one that stopped before it, the owner's gradient still undefined, loses the
+//   copies' parts: call zero_grad() after a failed backward).
 // - parameters() and named_parameters() of a GPipe (and of a PipelineStage and a DataParallel)
 //   list every parameter once, a tie under its owner's name, and no copy; an optimizer over them
 //   steps a tie once. torch::nn::Module's own (through a Module&, or a parent module) list each
@@ -84,10 +90,14 @@ class TiedCopies {
   /// The owner here of each tie (its first place among the partitions), or an undefined tensor
   /// for a tie with no place here; one entry per tie.
   const std::vector<at::Tensor>& owners() const { return owners_; }
-  /// Copies take their owners' values (before each forward and step).
+  /// Copies take their owners' values (before each forward and step); first, after a failed
+  /// backward, settles the gradients it left on the copies (Note [Tied parameters]).
   void refresh();
   /// Adds each copy's gradient to its owner's (on the owner's device) and resets the copy's.
   void sum_gradients();
+  /// Marks that a forward()'s backward failed, leaving its gradients on the copies until the next
+  /// refresh(). Thread-safe: the engine may call it from a device thread.
+  void mark_failed_backward() { failed_backward_.store(true); }
   /// Whether `t` is a copy.
   bool is_copy(const at::Tensor& t) const;
 
@@ -95,6 +105,10 @@ class TiedCopies {
   std::vector<at::Tensor> owners_;
   std::vector<std::vector<at::Tensor>> copies_of_;
   size_t copies_ = 0;
+  std::atomic<bool> failed_backward_{false};
+
+  void sum_gradients_of(size_t k);
+  void settle_failed_backward();
 };
 
 /// `all` (a module's named_parameters()) with each tensor once, under its first name, and

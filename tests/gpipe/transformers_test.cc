@@ -282,6 +282,80 @@ CATCH_TEST_CASE(
   check_same_grads(each_once(plain->parameters()), params, 1e-10);
 }
 
+// Identity whose output's gradient hook throws while `armed`: a backward that fails after the
+// layers behind it (the tie's owner among them) have their gradients.
+struct GateImpl : nn::Module {
+  explicit GateImpl(std::shared_ptr<bool> armed) : armed(std::move(armed)) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = x * 1.0;
+    if (*armed && y.requires_grad()) {
+      y.register_hook([](const at::Tensor&) -> at::Tensor {
+        throw std::runtime_error("the gate's hook fails");
+      });
+    }
+    return y;
+  }
+  std::shared_ptr<bool> armed;
+};
+TORCH_MODULE(Gate);
+
+CATCH_TEST_CASE(
+    "After a forward() whose backward fails, a weight tied by name takes the plain model's "
+    "gradients, whether the user zeroes them or goes on accumulating",
+    "[tied][errors]") {
+  const bool stage_local = GENERATE(false, true);
+  const bool zero = GENERATE(false, true);
+  CATCH_CAPTURE(stage_local, zero);
+  auto armed = std::make_shared<bool>(true);
+  const auto gated = [&](bool shared) {
+    nn::Sequential tied = tied_model(shared);
+    nn::Sequential model{Gate(armed)};
+    for (const nn::AnyModule& layer : *tied) model->push_back(layer);
+    return model;
+  };
+  nn::Sequential plain = gated(/*shared=*/true);
+  // Going on, one micro-batch: which of several micro-batches' nodes a failed backward ran
+  // before it stopped is the engine's choice, while one's are ordered (a leaf's gradient is
+  // accumulated before the node that made the leaf's user's input runs).
+  GPipeOptions options = GPipeOptions({3, 3})
+                             .devices({at::kCPU, at::kCPU})
+                             .chunks(zero ? 3 : 1)
+                             .tied_parameters({{"1.weight", "5.weight"}});
+  GPipe model(gated(/*shared=*/false),
+              gpipe::internal::with_stage_local_backward(options, stage_local));
+  CATCH_REQUIRE(model->has_tied_copies());
+  const std::vector<at::Tensor> plain_params = each_once(plain->parameters());
+  const std::vector<at::Tensor> params = model->parameters();
+  torch::optim::SGD opt1(plain_params, torch::optim::SGDOptions(0.05));
+  torch::optim::SGD opt2(params, torch::optim::SGDOptions(0.05));
+  const auto mse = [](const at::Tensor& out, const at::Tensor& y) {
+    return (out - y).pow(2).mean();
+  };
+  // The copy (in the last partition) has its gradient and the owner its part, when the gate's
+  // hook fails.
+  const at::Tensor bad = at::randn({6, kVocab}, at::kDouble).requires_grad_(true);
+  const at::Tensor bad_y = at::randn({6, kVocab}, at::kDouble);
+  CATCH_CHECK_THROWS_WITH(mse(plain->forward(bad), bad_y).backward(),
+                          gpipe_test::contains("the gate's hook fails"));
+  CATCH_CHECK_THROWS_WITH(mse(model->forward(bad), bad_y).backward(),
+                          gpipe_test::contains("the gate's hook fails"));
+  *armed = false;
+  for (int step = 0; step < 2; ++step) {
+    CATCH_INFO("step " << step);
+    if (zero || step > 0) {
+      opt1.zero_grad();
+      opt2.zero_grad();
+    }
+    const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+    const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
+    mse(plain->forward(x), y).backward();
+    mse(model->forward(x), y).backward();
+    check_same_grads(plain_params, params, 1e-10);
+    opt1.step();
+    opt2.step();
+  }
+}
+
 CATCH_TEST_CASE(
     "Two steps accumulated into one optimizer step give a tied weight the plain "
     "model's summed gradients, found or named",
@@ -479,6 +553,31 @@ CATCH_TEST_CASE("A float16 loss is scaled in float32, a gradient listed twice is
   below.unscale({p});
   below.update();
   CATCH_CHECK(below.scale_value() == 2e38);
+}
+
+CATCH_TEST_CASE("A scaler step that throws ends the step, so the next one unscales its own "
+                "gradients, and a save between step() and update() is refused",
+                "[grad_scaler][errors]") {
+  GradScaler scaler(GradScalerOptions().init_scale(1024));
+  const at::Tensor w = at::zeros({2}, at::kDouble).requires_grad_(true);
+  const at::Tensor ref = at::zeros({2}, at::kDouble).requires_grad_(true);
+  torch::optim::SGD opt({w}, torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ref_opt({ref}, torch::optim::SGDOptions(0.1));
+  w.mutable_grad() = at::full({2}, 3.0 * 1024, at::kDouble);
+  CATCH_CHECK_THROWS_WITH(
+      scaler.step(opt, {w}, [](bool) -> bool { throw std::runtime_error("a peer failed"); }),
+      gpipe_test::contains("a peer failed"));
+  CATCH_CHECK(max_diff(w, ref) == 0);  // not stepped
+  opt.zero_grad();
+  w.mutable_grad() = at::full({2}, 5.0 * 1024, at::kDouble);  // the retry's backward
+  CATCH_CHECK(scaler.step(opt, {w}));
+  torch::serialize::OutputArchive archive;
+  CATCH_CHECK_THROWS_WITH(scaler.save(archive), gpipe_test::contains("call update() first"));
+  scaler.update();
+  scaler.save(archive);
+  ref.mutable_grad() = at::full({2}, 5.0, at::kDouble);
+  ref_opt.step();
+  CATCH_CHECK(max_diff(w, ref) == 0);
 }
 
 nn::Sequential mlp() {
