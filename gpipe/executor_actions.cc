@@ -3,13 +3,18 @@
 
 #include <exception>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -108,6 +113,45 @@ Batch compute(Step& st, int64_t p, int64_t i, const Batch& input, const RunLayer
   return out;
 }
 
+// Under step() each partition's graph starts at its cut inputs: one that reaches another
+// partition's parameter got a tensor past the links, from the layers' own map (Note
+// [current_microbatch and checkpointing]), whose gradient the cut would lose. Walked only where
+// a layer asked for current_microbatch().
+void check_graph_is_own(const Step& st, int64_t p, int64_t i, const Batch& out) {
+  std::unordered_map<const c10::TensorImpl*, int64_t> others;
+  for (int64_t q = 0; q < static_cast<int64_t>(st.states.size()); ++q) {
+    if (q == p) continue;
+    for (const at::Tensor& t : st.states[q].params) others.emplace(t.unsafeGetTensorImpl(), q);
+  }
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const at::Tensor& t : out.values()) {
+    if (t.defined() && t.grad_fn()) stack.push_back(t.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (auto* leaf = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const auto found = others.find(leaf->variable.unsafeGetTensorImpl());
+      if (found == others.end()) continue;
+      std::string name = "?";
+      for (const auto& item : st.states[found->second].part->layers->named_parameters()) {
+        if (item.value().unsafeGetTensorImpl() == found->first) name = item.key();
+      }
+      TORCH_CHECK(false, st.spec.who, ": partition ", p, "'s output of micro-batch ", i,
+                  " has autograd history into partition ", found->second, " (its parameter '",
+                  name, "'), not through its input: a tensor kept in the layers' own map by "
+                  "current_microbatch() and read in a later partition. step() cuts the graph "
+                  "between partitions, so its gradient would be lost; read it in the partition "
+                  "that saved it, or pass it with gpipe::stash and gpipe::pop");
+    }
+    for (const torch::autograd::Edge& e : node->next_edges()) {
+      if (e.function) stack.push_back(e.function.get());
+    }
+  }
+}
+
 }  // namespace
 
 void run_forward(Step& st, int64_t p, int64_t i) {
@@ -140,6 +184,8 @@ void run_forward(Step& st, int64_t p, int64_t i) {
   }
   std::vector<std::vector<at::Tensor>>* layer_outputs =
       s.by_layer && spec.grad_enabled && i >= st.stop ? &s.layer_outputs[i] : nullptr;
+  const bool own_graph = spec.grad_enabled && !spec.keep_graph;  // step(): cut from the last
+  if (own_graph) task.microbatch_asked = std::make_shared<bool>(false);
   auto run_layers = [layers = part.layers, batch_norms = part.batch_norms, task,
                      layer_outputs](const Batch& b) {
     TaskScope scope(task);
@@ -154,6 +200,12 @@ void run_forward(Step& st, int64_t p, int64_t i) {
     return run_partition(layers, b, layer_outputs);
   };
   Batch out = compute(st, p, i, a.batch, run_layers);
+  // A layer's own map may tie layers' backwards together (Note [current_microbatch and
+  // checkpointing]): this micro-batch's weight gradients are then not split by layer.
+  if (own_graph && *task.microbatch_asked) {
+    if (layer_outputs != nullptr) layer_outputs->clear();
+    check_graph_is_own(st, p, i, out);
+  }
   st.record(Kind::kCompute, i, p, started, stream);
   if (spec.skip_layout != nullptr && !spec.skip_layout->empty()) {
     // What this forward stashed for later partitions is ready for their fences' copies (Note

@@ -249,8 +249,10 @@ std::vector<int64_t> MicroBatchSkips::fence(int64_t microbatch, int64_t partitio
 int64_t live_skip_tensors() { return internal::live_tensors.load(); }
 
 MicroBatch current_microbatch() {
-  return internal::current_context != nullptr ? internal::current_context->microbatch
-                                              : MicroBatch{};
+  const internal::TaskContext* context = internal::current_context;
+  if (context == nullptr) return MicroBatch{};
+  if (context->microbatch_asked != nullptr) *context->microbatch_asked = true;
+  return context->microbatch;
 }
 
 }  // namespace gpipe

@@ -145,6 +145,9 @@ class MicroBatchSkips : public SkipTracker {
 struct TaskContext {
   std::shared_ptr<SkipTracker> skips;  // null: the thread's default tracker
   MicroBatch microbatch;
+  // Set by current_microbatch() when given: a layer may keep tensors in its own map (Note
+  // [current_microbatch and checkpointing]).
+  std::shared_ptr<bool> microbatch_asked;
 };
 
 /// Installs a TaskContext for a scope.
@@ -173,6 +176,12 @@ class TaskScope {
 // and without grad. Everywhere else use gpipe::stash and gpipe::pop, which handle checkpointing
 // (Note [Skips and checkpointing]). Layers can test is_checkpointing() and is_recomputing() to
 // avoid storing twice.
+//
+// Under step() (and PipelineStage) each partition's input is cut from the graph before it, so the
+// saved tensor must be read in the partition that saved it. A micro-batch whose forward asked for
+// current_microbatch() is not split by layer for the zero-bubble schedules' weight gradients
+// (Note [One executor]): a tensor saved inside one layer and read by a later one would tie their
+// backwards together, as a skip does.
 
 /// The tracker gpipe::stash and gpipe::pop use on this thread: the running task's, or else the
 /// thread's default one (a plain map, for skippable layers outside a GPipe).
