@@ -348,7 +348,7 @@ std::vector<at::Tensor> profile_layer(const ProfiledLayer& layer,
 void profile_pass(const torch::nn::Sequential& module, std::vector<torch::nn::AnyModule>& layers,
                   const std::vector<at::Tensor>& sample, c10::Device device,
                   std::vector<LayerStats>& stats, PassTimes* times) {
-  internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+  internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}, nullptr};
   internal::TaskScope skips(context);
   std::vector<at::Tensor> values;
   for (const at::Tensor& t : sample) {
@@ -421,7 +421,7 @@ double cpu_capacity(const torch::nn::Sequential& module, const at::Tensor& sampl
   }
   // A training pass: forward, then backward from the outputs (the mix a pipeline's workers run).
   auto pass = [&](std::vector<torch::nn::AnyModule>& layers) {
-    internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}};
+    internal::TaskContext context{std::make_shared<ProfileSkipTracker>(), MicroBatch{}, nullptr};
     internal::TaskScope skips(context);
     Batch x(sample.detach());
     const auto tick = std::chrono::steady_clock::now();
