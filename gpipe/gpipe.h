@@ -232,6 +232,9 @@ class GPipeImpl : public torch::nn::Module {
   struct Prepared;
   void forward_batches(std::vector<at::Tensor> values, bool atomic, std::vector<at::Tensor>& out,
                        bool& out_atomic);
+  // schedule(microbatches) for a mini-batch of `samples`, with an error that says why a short
+  // one splits into fewer micro-batches than chunks.
+  Schedule schedule_of_batch(int64_t samples, int64_t microbatches, const char* who) const;
 
   GPipeOptions options_;
   std::vector<c10::Device> devices_;

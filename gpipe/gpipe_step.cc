@@ -1,6 +1,7 @@
 // GPipe::step: a training step of the whole pipeline under a schedule — forwards, the loss and
 // backwards in the schedule's order, run by the executor (Note [One executor]); see gpipe.h.
 #include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
 #include "gpipe/batchnorm.h"
@@ -21,10 +22,27 @@ namespace gpipe {
 Schedule GPipeImpl::schedule(int64_t microbatches) const {
   const PipelineSchedule& option = options_.schedule();
   TORCH_CHECK(!option.is_text() || microbatches == option.parsed()->microbatches,
-              "GPipe::step: the mini-batch makes ", microbatches, " micro-batches but the "
-              "schedule text is written for ", option.is_text() ? option.parsed()->microbatches : 0,
-              "; give at least chunks samples");
+              "GPipe::schedule: the schedule text is written for ",
+              option.is_text() ? option.parsed()->microbatches : 0, " micro-batches, not ",
+              microbatches);
   return make_schedule_for(option, static_cast<int64_t>(partitions_.size()), microbatches);
+}
+
+Schedule GPipeImpl::schedule_of_batch(int64_t samples, int64_t microbatches,
+                                      const char* who) const {
+  if (microbatches == options_.chunks()) return schedule(microbatches);
+  // A short mini-batch (an epoch's last) splits into fewer micro-batches than chunks, as
+  // Tensor::chunk does: some schedules cannot run that many.
+  try {
+    return schedule(microbatches);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, who, ": the mini-batch of ", samples, " samples splits into only ",
+                microbatches, " micro-batches (Tensor::chunk into chunks = ", options_.chunks(),
+                "), which this schedule cannot run: ", e.what_without_backtrace(),
+                ". Give mini-batches that split into chunks micro-batches (a multiple of chunks "
+                "samples always does), or drop the last partial one (torch::data's "
+                "DataLoaderOptions::drop_last)");
+  }
 }
 
 at::Tensor GPipeImpl::step(const at::Tensor& input, const at::Tensor& target,
@@ -45,7 +63,7 @@ at::Tensor GPipeImpl::step(const Batch& input, const at::Tensor& target, const L
   }
   std::vector<Batch> microbatches = scatter(input, options_.chunks());
   const int64_t m = static_cast<int64_t>(microbatches.size());
-  const Schedule plan = schedule(m);
+  const Schedule plan = schedule_of_batch(input[0].size(0), m, who);
   absl::MutexLock lock(&forward_mu_);
   // (The executor checkpoints nothing without grad.)
   const int64_t stop = is_training() && at::GradMode::is_enabled()

@@ -149,7 +149,8 @@ std::unique_ptr<gpipe::internal::InputSource> PipelineStageImpl::input_source(
               "), but the interleaved schedule needs a multiple of ",
               group > 0 ? "the micro-batch group, " : "the stages, ", group > 0 ? group : stages,
               "; give a mini-batch that splits into chunks "
-              "micro-batches (at least chunks samples, e.g. a multiple of chunks)");
+              "micro-batches (a multiple of chunks samples always does), or drop the last "
+              "partial one (torch::data's DataLoaderOptions::drop_last)");
   return std::make_unique<gpipe::internal::InputSource>(std::move(microbatches), grad_enabled);
 }
 

@@ -1298,6 +1298,35 @@ CATCH_TEST_CASE("A layer's own map read in a later partition is refused by step(
   model->forward(at::randn({4, 4})).sum().backward();
 }
 
+CATCH_TEST_CASE("A short last mini-batch, fewer micro-batches than chunks, trains as the plain "
+                "Sequential or is refused naming its size, under every schedule",
+                "[gpipe][step][errors]") {
+  const OneIntraOpThread one_thread;
+  const std::string kind =
+      GENERATE("gpipe", "1f1b", "interleaved", "zb", "zbv", "zb1p", "dualpipev");
+  CATCH_CAPTURE(kind);
+  nn::Sequential plain = build(skip_model, 3);
+  GPipe model(build(skip_model, 3),
+              GPipeOptions(balance_of(4))
+                  .devices(std::vector<c10::Device>(4, at::kCPU))
+                  .chunks(4)
+                  .schedule(PipelineSchedule::of(schedule_kind(kind), stages_per_rank(kind, 4))));
+  // 6 samples in chunks of 2: 3 micro-batches, odd for the two ranks of an interleaved schedule.
+  const at::Tensor x = at::randn({6, 5}, at::kDouble);
+  const at::Tensor y = at::randn({6, 3}, at::kDouble);
+  if (kind == "interleaved" || kind == "zb1p") {
+    CATCH_CHECK_THROWS_WITH(model->step(x, y, mse),
+                            gpipe_test::contains("the mini-batch of 6 samples splits into only 3 "
+                                                 "micro-batches (Tensor::chunk into chunks = 4)") &&
+                                gpipe_test::contains("drop_last"));
+    return;
+  }
+  const double expected = plain_step(plain, Batch(x), y, 4, kind == "gpipe");
+  CATCH_CHECK(model->step(x, y, mse).item<double>() ==
+              gpipe_test::Approx(expected).epsilon(1e-12));
+  check_same_grads(plain->parameters(), model->parameters(), 1e-10);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace gpipe
