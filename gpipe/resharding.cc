@@ -64,6 +64,20 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(const std::string& 
   return std::make_unique<torch::optim::RMSpropParamState>();
 }
 
+// The whole Sequential's name of a tie's place k ("<layer index>.<name in the layer>").
+std::string place_name(const Tie& tie, size_t k) {
+  const std::string& name = tie.names[k];
+  return absl::StrCat(tie.layers[k], name.substr(name.find('.')));
+}
+
+// The layer of a name in the whole Sequential ("3.weight", "buffer 3.running_mean": 3); -1 when
+// it has none.
+int64_t layer_of(const std::string& name) {
+  const size_t start = name.rfind(' ', name.find('.')) + 1;  // 0 without a "buffer " prefix
+  int64_t layer = -1;
+  return absl::SimpleAtoi(name.substr(start, name.find('.') - start), &layer) ? layer : -1;
+}
+
 // Each of `state`'s moments moved to `device` (through its typed setters).
 void place_moments(torch::optim::OptimizerParamState& state, c10::Device device) {
   const auto to = [device](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
@@ -83,21 +97,17 @@ void place_moments(torch::optim::OptimizerParamState& state, c10::Device device)
   }
 }
 
-// The whole Sequential's name of a tie's place k ("<layer index>.<name in the layer>").
-std::string place_name(const Tie& tie, size_t k) {
-  const std::string& name = tie.names[k];
-  return absl::StrCat(tie.layers[k], name.substr(name.find('.')));
-}
-
-// The layer of a name in the whole Sequential ("3.weight", "buffer 3.running_mean": 3); -1 when
-// it has none.
-int64_t layer_of(const std::string& name) {
-  const size_t start = name.rfind(' ', name.find('.')) + 1;  // 0 without a "buffer " prefix
-  int64_t layer = -1;
-  return absl::SimpleAtoi(name.substr(start, name.find('.') - start), &layer) ? layer : -1;
-}
-
 }  // namespace
+
+void place_moments_on_parameters(torch::optim::Optimizer& optimizer) {
+  auto& states = optimizer.state();
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto it = states.find(state_key(states, p));
+      if (it != states.end()) place_moments(*it->second, p.device());
+    }
+  }
+}
 
 std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module& module) {
   std::vector<std::pair<std::string, at::Tensor>> out;

@@ -307,6 +307,13 @@ LoadedFile::LoadedFile(const std::string& path, const std::string& bytes,
     TORCH_CHECK(archive_.try_read(kOptimizer, optimizer_state_), "gpipe::load_training: ", what_,
                 " was saved without an optimizer");
     check_optimizer(optimizer_state_, *optimizer, module, what_);
+    c10::IValue kind;
+    const std::string mine = optimizer_kind(*optimizer);
+    TORCH_CHECK(!archive_.try_read(kOptimizerKind, kind) || !kind.isString() || mine.empty() ||
+                    kind.toStringRef().empty() || kind.toStringRef() == mine,
+                "gpipe::load_training: ", what_, " holds the state of the optimizer ",
+                kind.isString() ? kind.toStringRef() : "", ", but it is loaded into an ", mine,
+                "; make the optimizer of the saved run's kind");
   }
   c10::IValue step;
   TORCH_CHECK(archive_.try_read(kStep, step) && step.isInt(), "gpipe::load_training: ", what_,
@@ -324,6 +331,9 @@ LoadedFile::LoadedFile(const std::string& path, const std::string& bytes,
 
 void LoadedFile::apply() {
   if (optimizer_ != nullptr) {
+    // As saved, also for parameters the saved run had no state of yet (LibTorch's load keeps
+    // an existing state there), and on each parameter's device (the load keeps the saved one).
+    optimizer_->state().clear();
     try {
       optimizer_->load(optimizer_state_);
     } catch (const c10::Error& e) {
@@ -331,6 +341,7 @@ void LoadedFile::apply() {
                   "fit this optimizer (", e.what_without_backtrace(), "); make the optimizer "
                   "over the same parameters as when saved");
     }
+    place_moments_on_parameters(*optimizer_);
   }
   {
     at::NoGradGuard no_grad;

@@ -68,6 +68,9 @@ std::vector<Tie> ties_of(const torch::nn::Module& module);
 
 // The name of `optimizer`'s kind as a save records it ("Adam", "SGD", ...; "" for another).
 std::string optimizer_kind(const torch::optim::Optimizer& optimizer);
+// Each parameter's optimizer state moved to the parameter's device, for an optimizer kind that
+// optimizer_kind names (LibTorch's Optimizer::load keeps the devices the state was saved from).
+void place_moments_on_parameters(torch::optim::Optimizer& optimizer);
 
 // A save's files (of one process, or of a save across processes) read into a module of another
 // layout by the layer names they hold. Nothing changes until apply(); everything is checked

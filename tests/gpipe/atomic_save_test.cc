@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -225,6 +226,38 @@ CATCH_TEST_CASE("A refused load leaves every parameter and the optimizer's state
                                                path + "' is [8, 6], but the parameter is [3]"));
   check_equal(same->parameters(), params);
   CATCH_CHECK(backwards.state().empty());
+}
+
+CATCH_TEST_CASE("A load into the saved layout refuses an optimizer of another kind and replaces "
+                "the state the optimizer had with the saved one",
+                "[save]") {
+  Folder folder("optimizer_state");
+  const std::string path = folder / "run.pt";
+  nn::Sequential saved = small_model(3, 1);
+  std::vector<at::Tensor> params = saved->parameters();
+  torch::optim::Adam adam(params, torch::optim::AdamOptions(0.01));
+  // Only the first parameter has a gradient, so only it has a state when saved.
+  adam.zero_grad();
+  params[0].mutable_grad() = at::ones_like(params[0]);
+  adam.step();
+  CATCH_REQUIRE(adam.state().size() == 1);
+  save_training(path, *saved, &adam, 1);
+
+  nn::Sequential same = small_model(3, 2);
+  torch::optim::AdamW adamw(same->parameters(), torch::optim::AdamWOptions(0.01));
+  CATCH_CHECK_THROWS_WITH(load_training(path, *same, &adamw),
+                          gpipe_test::contains("holds the state of the optimizer Adam, but it is "
+                                               "loaded into an AdamW"));
+  CATCH_CHECK(adamw.state().empty());
+
+  // An optimizer that has stepped every parameter: after the load only the saved state is left,
+  // as when the saved run went on.
+  torch::optim::Adam used(same->parameters(), torch::optim::AdamOptions(0.01));
+  train(same, used, 2);
+  CATCH_REQUIRE(used.state().size() == 4);
+  CATCH_CHECK(load_training(path, *same, &used) == 1);
+  CATCH_CHECK(used.state().size() == 1);
+  check_equal(adam_state(used, {same->parameters()[0]}), adam_state(adam, {params[0]}));
 }
 
 }  // namespace
