@@ -335,10 +335,14 @@ void random_cases(uint64_t seed, int64_t cases, int64_t gpus) {
       // does (each micro-batch's loss is weighted by its share of the samples: Note [Losses over
       // micro-batches]).
       const int64_t m = static_cast<int64_t>(inputs[0].chunk(chunks).size());
-      static const char* const kKinds[] = {"gpipe", "1f1b", "zb", "interleaved"};
-      std::string kind = kKinds[pick(0, parts % 2 == 0 ? 3 : 2)];
-      const int64_t v = kind == "interleaved" && m % (parts / 2) == 0 ? 2 : 1;
-      if (kind == "interleaved" && v == 1) kind = "1f1b";
+      // Two stages per rank for the interleaved and V schedules: an even number of partitions.
+      static const char* const kKinds[] = {"gpipe", "1f1b",  "zb",       "interleaved",
+                                           "zb1p",  "zbv",   "dualpipev"};
+      std::string kind = kKinds[pick(0, parts % 2 == 0 ? 6 : 2)];
+      const bool chunked = kind == "interleaved" || kind == "zb1p";
+      const bool v_shape = kind == "zbv" || kind == "dualpipev";
+      const int64_t v = (chunked && m % (parts / 2) == 0) || v_shape ? 2 : 1;
+      if (chunked && v == 1) kind = kind == "zb1p" ? "zb" : "1f1b";
       CATCH_INFO("GPipe::step, schedule " << kind);
       GPipe stepped(build(c.make, model_seed),
                     GPipeOptions(options).schedule(PipelineSchedule::of(schedule_kind(kind), v)));

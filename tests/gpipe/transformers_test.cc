@@ -40,7 +40,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(bool adam,
                                              torch::optim::SGDOptions(0.05).momentum(0.9));
 }
 
-enum class Run { kForward, kStageLocal, kStepGPipe, kStep1F1B };
+enum class Run { kForward, kStageLocal, kStepGPipe, kStep1F1B, kStepZB };
 
 CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in the plain model "
                 "over several steps, found or named, in every checkpoint mode",
@@ -50,7 +50,8 @@ CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in
                                                 std::vector<int64_t>{2, 2, 1});
   const Checkpoint mode =
       GENERATE(Checkpoint::kAlways, Checkpoint::kExceptLast, Checkpoint::kNever);
-  const Run run = GENERATE(Run::kForward, Run::kStageLocal, Run::kStepGPipe, Run::kStep1F1B);
+  const Run run =
+      GENERATE(Run::kForward, Run::kStageLocal, Run::kStepGPipe, Run::kStep1F1B, Run::kStepZB);
   const bool adam = GENERATE(false, true);
   CATCH_CAPTURE(named, balance.size(), static_cast<int>(mode), static_cast<int>(run), adam);
 
@@ -63,6 +64,7 @@ CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in
   if (run == Run::kForward) options = gpipe::internal::with_stage_local_backward(options, false);
   if (run == Run::kStageLocal) options = gpipe::internal::with_stage_local_backward(options, true);
   if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
+  if (run == Run::kStepZB) options.schedule(ScheduleKind::kZeroBubble);  // W split by layer
   GPipe model(tied_model(/*shared=*/!named), options);
   CATCH_REQUIRE(model->ties().size() == 1);
   CATCH_CHECK(model->ties()[0].names == std::vector<std::string>{"0.weight", "4.weight"});
@@ -88,7 +90,7 @@ CATCH_TEST_CASE("A weight tied between the first and the last layer trains as in
     const at::Tensor l1 = (plain->forward(x) - target).pow(2).mean();
     l1.backward();
     at::Tensor l2;
-    if (run == Run::kStepGPipe || run == Run::kStep1F1B) {
+    if (run == Run::kStepGPipe || run == Run::kStep1F1B || run == Run::kStepZB) {
       l2 = model->step(x, target, loss_fn);
     } else {
       l2 = (model->forward(x) - target).pow(2).mean();
@@ -256,7 +258,8 @@ CATCH_TEST_CASE(
     "After a step that fails in backward, a weight tied by name across CPU "
     "partitions takes the plain model's gradients in the next step",
     "[tied][errors]") {
-  const ScheduleKind kind = GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B);
+  const ScheduleKind kind =
+      GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble);
   CATCH_CAPTURE(schedule_kind_name(kind));
   nn::Sequential plain = tied_model(/*shared=*/true);
   GPipe model(tied_model(/*shared=*/false), GPipeOptions({2, 3})
@@ -361,12 +364,13 @@ CATCH_TEST_CASE(
     "model's summed gradients, found or named",
     "[tied][accumulation]") {
   const bool named = GENERATE(false, true);
-  const Run run = GENERATE(Run::kForward, Run::kStepGPipe, Run::kStep1F1B);
+  const Run run = GENERATE(Run::kForward, Run::kStepGPipe, Run::kStep1F1B, Run::kStepZB);
   CATCH_CAPTURE(named, static_cast<int>(run));
   nn::Sequential plain = tied_model(/*shared=*/true);
   GPipeOptions options = GPipeOptions({2, 2, 1}).devices({at::kCPU, at::kCPU, at::kCPU}).chunks(3);
   if (named) options.tied_parameters({{"0.weight", "4.weight"}});
   if (run == Run::kStep1F1B) options.schedule(ScheduleKind::k1F1B);
+  if (run == Run::kStepZB) options.schedule(ScheduleKind::kZeroBubble);
   GPipe model(tied_model(/*shared=*/!named), options);
   CATCH_CHECK(model->has_tied_copies() == named);
   const std::vector<at::Tensor> plain_params = each_once(plain->parameters());
