@@ -123,6 +123,8 @@ void check_graph_is_own(const Step& st, int64_t p, int64_t i, const Batch& out) 
     if (q == p) continue;
     for (const at::Tensor& t : st.states[q].params) others.emplace(t.unsafeGetTensorImpl(), q);
   }
+  // A tensor this partition holds too (a tie on one device) is its own.
+  for (const at::Tensor& t : st.states[p].params) others.erase(t.unsafeGetTensorImpl());
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
   for (const at::Tensor& t : out.values()) {

@@ -71,8 +71,8 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const {
 
 bool GradScaler::unscale(const std::vector<at::Tensor>& params) {
   TORCH_CHECK(!unscaled_, "GradScaler::unscale was already called since the last update()");
-  unscaled_ = true;
   if (!options_.enabled()) {
+    unscaled_ = true;
     found_ = 0;
     return false;
   }
@@ -112,13 +112,14 @@ bool GradScaler::unscale(const std::vector<at::Tensor>& params) {
   double found = 0;
   for (const at::Tensor& flag : flags) found += flag.item<double>();
   found_ = found > 0 ? 1 : 0;
+  unscaled_ = true;  // only once it is done: one that threw leaves the step to start again
   return found_ == 1;
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer, const std::vector<at::Tensor>& params,
                       const std::function<bool(bool)>& any_rank) {
   const bool unscaled_here = !unscaled_;
-  if (unscaled_here) unscale(params);
+  if (unscaled_here) unscale(params);  // (exception-safe itself)
   try {
     bool found = found_ == 1;
     if (any_rank) found = any_rank(found);

@@ -306,14 +306,17 @@ LoadedFile::LoadedFile(const std::string& path, const std::string& bytes,
   if (optimizer != nullptr) {
     TORCH_CHECK(archive_.try_read(kOptimizer, optimizer_state_), "gpipe::load_training: ", what_,
                 " was saved without an optimizer");
-    check_optimizer(optimizer_state_, *optimizer, module, what_);
+    // The kind first: another kind's moments would fail the checks below less clearly. (A save
+    // by an older gpipe records none.)
     c10::IValue kind;
     const std::string mine = optimizer_kind(*optimizer);
-    TORCH_CHECK(!archive_.try_read(kOptimizerKind, kind) || !kind.isString() || mine.empty() ||
-                    kind.toStringRef().empty() || kind.toStringRef() == mine,
+    const auto name = [](const std::string& k) { return k.empty() ? "another kind" : k; };
+    TORCH_CHECK(!archive_.try_read(kOptimizerKind, kind) || !kind.isString() ||
+                    kind.toStringRef() == mine,
                 "gpipe::load_training: ", what_, " holds the state of the optimizer ",
-                kind.isString() ? kind.toStringRef() : "", ", but it is loaded into an ", mine,
-                "; make the optimizer of the saved run's kind");
+                name(kind.toStringRef()), ", but it is loaded into an optimizer of ",
+                name(mine), "; make the optimizer of the saved run's kind");
+    check_optimizer(optimizer_state_, *optimizer, module, what_);
   }
   c10::IValue step;
   TORCH_CHECK(archive_.try_read(kStep, step) && step.isInt(), "gpipe::load_training: ", what_,
@@ -333,15 +336,17 @@ void LoadedFile::apply() {
   if (optimizer_ != nullptr) {
     // As saved, also for parameters the saved run had no state of yet (LibTorch's load keeps
     // an existing state there), and on each parameter's device (the load keeps the saved one).
+    auto before = std::move(optimizer_->state());
     optimizer_->state().clear();
     try {
       optimizer_->load(optimizer_state_);
+      place_moments_on_parameters(*optimizer_);
     } catch (const c10::Error& e) {
+      optimizer_->state() = std::move(before);  // a refused load changes nothing
       TORCH_CHECK(false, "gpipe::load_training: the optimizer's state in ", what_, " does not "
                   "fit this optimizer (", e.what_without_backtrace(), "); make the optimizer "
                   "over the same parameters as when saved");
     }
-    place_moments_on_parameters(*optimizer_);
   }
   {
     at::NoGradGuard no_grad;

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpipe/internal/end_of_backward.h"
+#include "gpipe/internal/stream.h"
 
 namespace gpipe {
 namespace {
@@ -196,8 +197,20 @@ void TiedCopies::sum_gradients_of(size_t k) {
 void TiedCopies::settle_failed_backward() {
   // The plain model's one parameter holds the failed backward's partial gradient until
   // zero_grad(): so does the owner, with its copies' parts added, unless it was cleared since.
+  // The failed backward made those gradients on the partitions' streams, which the engine joins
+  // to the caller's only after a backward that succeeds: every device holding a tie waits first.
   at::NoGradGuard no_grad;
+  std::vector<c10::Device> devices;  // (c10::Device has no order)
+  const auto add = [&devices](c10::Device d) {
+    if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  };
   for (size_t k = 0; k < owners_.size(); ++k) {
+    if (owners_[k].defined()) add(owners_[k].device());
+    for (const at::Tensor& copy : copies_of_[k]) add(copy.device());
+  }
+  for (const c10::Device& device : devices) internal::synchronize(device);
+  for (size_t k = 0; k < owners_.size(); ++k) {
+    if (!owners_[k].defined()) continue;
     const at::Tensor& grad = owners_[k].grad();
     const bool cleared = !grad.defined() || !grad.count_nonzero().item<int64_t>();
     if (!cleared) {

@@ -22,6 +22,7 @@
 #include "gpipe/internal/partition_threads.h"
 #include "gpipe/internal/stage_backward.h"
 #include "gpipe/saved_training.h"
+#include "gpipe/skippable.h"
 
 namespace gpipe {
 namespace testing {
@@ -359,6 +360,49 @@ CATCH_TEST_CASE(
   }
 }
 
+// Identity that asks for current_microbatch(), as a layer keeping its own map does.
+struct AskImpl : nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    asked.push_back(current_microbatch());
+    return x * 1.0;
+  }
+  std::vector<MicroBatch> asked;
+};
+TORCH_MODULE(Ask);
+
+CATCH_TEST_CASE("A layer asking for current_microbatch() beside a weight shared across partitions "
+                "of one device trains under step() as the plain model",
+                "[tied][microbatch]") {
+  const ScheduleKind kind =
+      GENERATE(ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble);
+  CATCH_CAPTURE(schedule_kind_name(kind));
+  nn::Sequential plain = tied_model(/*shared=*/true);
+  Ask ask;
+  nn::Sequential with_ask = tied_model(/*shared=*/true);
+  with_ask->push_back(ask);
+  // The shared weight is one tensor in both partitions (no copy): partition 1's graph reaches it.
+  GPipe model(with_ask,
+              GPipeOptions({2, 4})
+                  .devices({at::kCPU, at::kCPU})
+                  .chunks(3)
+                  .checkpoint(Checkpoint::kNever)  // every micro-batch's graph walked
+                  .schedule(kind));
+  CATCH_REQUIRE_FALSE(model->has_tied_copies());
+  auto mse = [](const Batch& out, const at::Tensor& y) { return (out[0] - y).pow(2).mean(); };
+  const at::Tensor x = at::randn({6, kVocab}, at::kDouble);
+  const at::Tensor y = at::randn({6, kVocab}, at::kDouble);
+  if (kind == ScheduleKind::kGPipe) {
+    mse(Batch(plain->forward(x)), y).backward();
+  } else {
+    for (int64_t i = 0; i < 3; ++i) {
+      (mse(Batch(plain->forward(x.narrow(0, 2 * i, 2))), y.narrow(0, 2 * i, 2)) / 3).backward();
+    }
+  }
+  model->step(x, y, mse);
+  CATCH_CHECK(ask->asked.size() == 3);
+  check_same_grads(each_once(plain->parameters()), model->parameters(), 1e-10);
+}
+
 CATCH_TEST_CASE(
     "Two steps accumulated into one optimizer step give a tied weight the plain "
     "model's summed gradients, found or named",
@@ -582,6 +626,15 @@ CATCH_TEST_CASE("A scaler step that throws ends the step, so the next one unscal
   ref.mutable_grad() = at::full({2}, 5.0, at::kDouble);
   ref_opt.step();
   CATCH_CHECK(max_diff(w, ref) == 0);
+
+  // An unscale that throws (a sparse gradient) leaves the step to start again.
+  GradScaler again(GradScalerOptions().init_scale(4));
+  const at::Tensor v = at::zeros({2}, at::kDouble).requires_grad_(true);
+  v.mutable_grad() = at::zeros({2}, at::kDouble).to_sparse();
+  CATCH_CHECK_THROWS_WITH(again.unscale({v}), gpipe_test::contains("sparse gradients"));
+  v.mutable_grad() = at::full({2}, 8.0, at::kDouble);
+  CATCH_CHECK_FALSE(again.unscale({v}));
+  CATCH_CHECK(max_diff(v.grad(), at::full({2}, 2.0, at::kDouble)) == 0);
 }
 
 nn::Sequential mlp() {
